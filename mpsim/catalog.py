@@ -1,0 +1,50 @@
+"""Shipped servers and models, looked up by name, and loading by name or path."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from mpsim.errors import MpsimError
+from mpsim.topology import Topology, read_topology_file
+
+
+def data_root() -> Path:
+    """The folder holding ``topologies/`` and ``traces/`` (the repository root by default).
+
+    Set ``MPSIM_DATA`` to use another folder with the same layout.
+    """
+    env = os.environ.get("MPSIM_DATA")
+    return Path(env) if env else Path(__file__).resolve().parent.parent
+
+
+def shipped_topologies() -> dict[str, Path]:
+    return {p.stem: p for p in sorted((data_root() / "topologies").glob("*.yaml"))}
+
+
+def shipped_traces() -> dict[str, Path]:
+    return {p.stem: p for p in sorted((data_root() / "traces").glob("*.json"))}
+
+
+def _resolve(name_or_path: str, shipped: dict[str, Path], what: str) -> Path:
+    if name_or_path in shipped:
+        return shipped[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix and path.exists():
+        return path
+    if path.suffix:
+        raise MpsimError(f"{what} file {name_or_path} does not exist")
+    names = ", ".join(shipped) or "(none shipped)"
+    raise MpsimError(f"unknown {what} {name_or_path!r}: give a file path or one of {names}")
+
+
+@lru_cache(maxsize=64)
+def _load_topology_cached(path: str, mtime: float) -> Topology:
+    return read_topology_file(Path(path))
+
+
+def load_topology(name_or_path: str) -> Topology:
+    """A shipped server by name (``dgx1-v100``) or a topology YAML file."""
+    path = _resolve(name_or_path, shipped_topologies(), "server")
+    return _load_topology_cached(str(path), path.stat().st_mtime)

@@ -1,0 +1,358 @@
+"""Servers: GPUs, host, NVLink / NVSwitch / PCIe links, and the routes derived from them.
+
+A topology file (YAML, ``topologies/``) describes the physical links only. Every route
+between two GPUs and between each GPU and host memory, with its bottleneck bandwidth, is
+derived here (``Topology.route``), never typed in by hand.
+
+Links are directional: a PCIe x16 lane set or an NVLink carries its bandwidth in each
+direction independently, so a swap-out and a swap-in on the same GPU do not contend,
+while two GPUs behind one PCIe switch swapping out at once share its uplink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from mpsim.errors import MpsimError, SchemaError, from_pydantic
+from mpsim.units import MiB, GiB, gbps_to_bytes_per_s
+
+SCHEMA_VERSION = 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GpuSpec(_Strict):
+    model: str = Field(description="GPU model name, e.g. V100-SXM2-32GB")
+    count: int = Field(gt=0, le=64, description="number of GPUs in the server")
+    memory_mib: float = Field(gt=0, description="device memory as nvidia-smi reports it, MiB")
+    reserved_mib: float = Field(ge=0, default=300, description="CUDA context and allocator slack per GPU, MiB")
+    peak_tflops: dict[Literal["fp16", "bf16", "fp32", "tf32", "fp8"], float] = Field(
+        description="dense peak TFLOP/s per datatype (vendor datasheet)"
+    )
+    memory_bandwidth_gbps: float = Field(gt=0, description="device memory bandwidth, GB/s")
+    matmul_efficiency: float = Field(
+        gt=0, le=1, default=0.5, description="fraction of peak FLOP/s that a layer's math reaches"
+    )
+    memory_efficiency: float = Field(
+        gt=0, le=1, default=0.8, description="fraction of memory bandwidth that element-wise work reaches"
+    )
+
+    @model_validator(mode="after")
+    def _reserved_below_memory(self) -> "GpuSpec":
+        if self.reserved_mib >= self.memory_mib:
+            raise ValueError("reserved_mib must be smaller than memory_mib")
+        for dtype, tflops in self.peak_tflops.items():
+            if tflops <= 0:
+                raise ValueError(f"peak_tflops.{dtype} must be positive")
+        return self
+
+
+class HostSpec(_Strict):
+    memory_gib: float = Field(gt=0, description="host DRAM, GiB")
+    sockets: int = Field(gt=0, le=8, description="CPU sockets")
+
+
+class NvlinkPair(_Strict):
+    gpus: tuple[int, int] = Field(description="the two GPU indices this bundle joins")
+    links: int = Field(gt=0, le=18, description="number of NVLinks in the bundle")
+
+
+class NvlinkSpec(_Strict):
+    link_bandwidth_gbps: float = Field(gt=0, description="effective bandwidth of one link per direction, GB/s")
+    latency_us: float = Field(ge=0, default=10.0, description="per-transfer setup latency, microseconds")
+    pairs: list[NvlinkPair] = Field(min_length=1, description="point-to-point NVLink bundles")
+
+
+class NvswitchSpec(_Strict):
+    gpu_bandwidth_gbps: float = Field(gt=0, description="effective bandwidth of each GPU into the fabric per direction, GB/s")
+    links_per_gpu: int = Field(gt=0, description="NVLinks from each GPU to the switches (shown as NV<n>)")
+    latency_us: float = Field(ge=0, default=10.0, description="per-transfer setup latency, microseconds")
+
+
+class PcieSwitch(_Strict):
+    name: str
+    socket: int = Field(ge=0, description="CPU socket the switch's uplink goes to")
+    gpus: list[int] = Field(min_length=1, description="GPU indices below this switch")
+    uplink_gbps: float = Field(gt=0, description="effective switch-to-CPU bandwidth per direction, GB/s")
+
+
+class PcieSpec(_Strict):
+    gpu_link_gbps: float = Field(gt=0, description="effective GPU-to-switch bandwidth per direction, GB/s")
+    latency_us: float = Field(ge=0, default=10.0, description="per-transfer setup latency, microseconds")
+    switches: list[PcieSwitch] = Field(min_length=1)
+
+
+class SocketLinkSpec(_Strict):
+    name: str = Field(default="QPI", description="QPI, UPI, Infinity Fabric ...")
+    bandwidth_gbps: float = Field(gt=0, description="effective socket-to-socket bandwidth per direction, GB/s")
+
+
+class TopologyFile(_Strict):
+    """The on-disk schema of a topology file."""
+
+    schema_: int = Field(alias="schema", description="format version, currently 1")
+    name: str
+    description: str = ""
+    gpu: GpuSpec
+    host: HostSpec
+    nvlink: NvlinkSpec | None = None
+    nvswitch: NvswitchSpec | None = None
+    pcie: PcieSpec
+    socket_link: SocketLinkSpec | None = None
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """One direction of a physical link: a shared fluid resource of ``bandwidth`` bytes/s."""
+
+    name: str
+    bandwidth: float
+    latency_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A path of links. Alone on an idle server it moves at its slowest link's bandwidth."""
+
+    links: tuple[Link, ...]
+
+    @property
+    def bandwidth(self) -> float:
+        return min(link.bandwidth for link in self.links)
+
+    @property
+    def latency_s(self) -> float:
+        """One setup latency per transfer: the largest of its links' (hops are pipelined)."""
+        return max(link.latency_s for link in self.links)
+
+    def time_alone_s(self, n_bytes: int) -> float:
+        return self.latency_s + n_bytes / self.bandwidth
+
+
+HOST = "host"
+Endpoint = int | Literal["host"]
+
+
+def _check(path: str, spec: TopologyFile) -> None:
+    """Cross-field rules pydantic cannot state per field; raise the first violation."""
+    n = spec.gpu.count
+    if spec.schema_ != SCHEMA_VERSION:
+        raise SchemaError(path, "schema", f"expected {SCHEMA_VERSION}, got {spec.schema_}")
+    if spec.nvlink and spec.nvswitch:
+        raise SchemaError(path, "nvlink", "give either nvlink pairs or an nvswitch fabric, not both")
+    if spec.nvlink:
+        seen: set[frozenset[int]] = set()
+        for i, pair in enumerate(spec.nvlink.pairs):
+            a, b = pair.gpus
+            for g in (a, b):
+                if not 0 <= g < n:
+                    raise SchemaError(path, f"nvlink.pairs.{i}.gpus", f"GPU index {g} out of range 0..{n - 1}")
+            if a == b:
+                raise SchemaError(path, f"nvlink.pairs.{i}.gpus", f"a GPU cannot link to itself ({a})")
+            key = frozenset((a, b))
+            if key in seen:
+                raise SchemaError(path, f"nvlink.pairs.{i}.gpus", f"pair {a}-{b} listed twice")
+            seen.add(key)
+    placed: dict[int, str] = {}
+    for i, sw in enumerate(spec.pcie.switches):
+        if sw.socket >= spec.host.sockets:
+            raise SchemaError(path, f"pcie.switches.{i}.socket", f"socket {sw.socket} out of range 0..{spec.host.sockets - 1}")
+        for g in sw.gpus:
+            if not 0 <= g < n:
+                raise SchemaError(path, f"pcie.switches.{i}.gpus", f"GPU index {g} out of range 0..{n - 1}")
+            if g in placed:
+                raise SchemaError(path, f"pcie.switches.{i}.gpus", f"GPU {g} is already below switch {placed[g]}")
+            placed[g] = sw.name
+    missing = sorted(set(range(n)) - set(placed))
+    if missing:
+        raise SchemaError(path, "pcie.switches", f"every GPU must sit below a PCIe switch; missing {missing}")
+    if spec.host.sockets > 1 and spec.socket_link is None:
+        raise SchemaError(path, "socket_link", "required when the host has more than one socket")
+
+
+class Topology:
+    """A validated server with its links and derived routes."""
+
+    def __init__(self, spec: TopologyFile, source: str = "") -> None:
+        _check(source, spec)
+        self.spec = spec
+        self.source = source
+        self.links: dict[str, Link] = {}
+        self._switch_of: dict[int, PcieSwitch] = {}
+        for sw in spec.pcie.switches:
+            for g in sw.gpus:
+                self._switch_of[g] = sw
+        self._build_links()
+        self._routes: dict[tuple[Endpoint, Endpoint], Route] = {}
+        for a in range(self.n_gpus):
+            for b in range(self.n_gpus):
+                if a != b:
+                    self._routes[(a, b)] = self._derive_gpu_route(a, b)
+            self._routes[(a, HOST)] = self._derive_host_route(a, to_host=True)
+            self._routes[(HOST, a)] = self._derive_host_route(a, to_host=False)
+
+    # -- construction -------------------------------------------------------------------
+    def _add(self, name: str, gbps: float, latency_us: float) -> None:
+        self.links[name] = Link(name, gbps_to_bytes_per_s(gbps), latency_us * 1e-6)
+
+    def _build_links(self) -> None:
+        s = self.spec
+        if s.nvlink:
+            for pair in s.nvlink.pairs:
+                a, b = pair.gpus
+                bw = pair.links * s.nvlink.link_bandwidth_gbps
+                self._add(f"nvlink:{a}->{b}", bw, s.nvlink.latency_us)
+                self._add(f"nvlink:{b}->{a}", bw, s.nvlink.latency_us)
+        if s.nvswitch:
+            for g in range(self.n_gpus):
+                self._add(f"nvswitch:gpu{g}->fabric", s.nvswitch.gpu_bandwidth_gbps, s.nvswitch.latency_us)
+                self._add(f"nvswitch:fabric->gpu{g}", s.nvswitch.gpu_bandwidth_gbps, s.nvswitch.latency_us)
+        lat = s.pcie.latency_us
+        for sw in s.pcie.switches:
+            for g in sw.gpus:
+                self._add(f"pcie:gpu{g}->{sw.name}", s.pcie.gpu_link_gbps, lat)
+                self._add(f"pcie:{sw.name}->gpu{g}", s.pcie.gpu_link_gbps, lat)
+            self._add(f"pcie:{sw.name}->cpu{sw.socket}", sw.uplink_gbps, lat)
+            self._add(f"pcie:cpu{sw.socket}->{sw.name}", sw.uplink_gbps, lat)
+        if s.socket_link and s.host.sockets > 1:
+            for a in range(s.host.sockets):
+                for b in range(s.host.sockets):
+                    if a != b:
+                        self._add(f"{s.socket_link.name.lower()}:cpu{a}->cpu{b}", s.socket_link.bandwidth_gbps, lat)
+
+    def _derive_gpu_route(self, a: int, b: int) -> Route:
+        if (key := f"nvlink:{a}->{b}") in self.links:
+            return Route((self.links[key],))
+        if self.spec.nvswitch:
+            return Route((self.links[f"nvswitch:gpu{a}->fabric"], self.links[f"nvswitch:fabric->gpu{b}"]))
+        sa, sb = self._switch_of[a], self._switch_of[b]
+        up = self.links[f"pcie:gpu{a}->{sa.name}"]
+        down = self.links[f"pcie:{sb.name}->gpu{b}"]
+        if sa.name == sb.name:
+            return Route((up, down))
+        hops = [up, self.links[f"pcie:{sa.name}->cpu{sa.socket}"]]
+        if sa.socket != sb.socket:
+            hops.append(self.links[f"{self.spec.socket_link.name.lower()}:cpu{sa.socket}->cpu{sb.socket}"])  # type: ignore[union-attr]
+        hops += [self.links[f"pcie:cpu{sb.socket}->{sb.name}"], down]
+        return Route(tuple(hops))
+
+    def _derive_host_route(self, g: int, to_host: bool) -> Route:
+        """Host buffers are pinned on the socket the GPU's switch hangs off (NUMA-local)."""
+        sw = self._switch_of[g]
+        if to_host:
+            return Route((self.links[f"pcie:gpu{g}->{sw.name}"], self.links[f"pcie:{sw.name}->cpu{sw.socket}"]))
+        return Route((self.links[f"pcie:cpu{sw.socket}->{sw.name}"], self.links[f"pcie:{sw.name}->gpu{g}"]))
+
+    # -- queries --------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def n_gpus(self) -> int:
+        return self.spec.gpu.count
+
+    @cached_property
+    def memory_bytes(self) -> int:
+        return int(self.spec.gpu.memory_mib * MiB)
+
+    @cached_property
+    def reserved_bytes(self) -> int:
+        return int(self.spec.gpu.reserved_mib * MiB)
+
+    @cached_property
+    def capacity_bytes(self) -> int:
+        """What tensors may use on one GPU: memory less the reserved context."""
+        return self.memory_bytes - self.reserved_bytes
+
+    @cached_property
+    def host_memory_bytes(self) -> int:
+        return int(self.spec.host.memory_gib * GiB)
+
+    def route(self, src: Endpoint, dst: Endpoint) -> Route:
+        try:
+            return self._routes[(src, dst)]
+        except KeyError:
+            raise MpsimError(f"no route from {src} to {dst} on {self.name} (GPUs are 0..{self.n_gpus - 1})") from None
+
+    def nvlinks_between(self, a: int, b: int) -> int:
+        if self.spec.nvswitch:
+            return self.spec.nvswitch.links_per_gpu
+        if self.spec.nvlink:
+            for pair in self.spec.nvlink.pairs:
+                if set(pair.gpus) == {a, b}:
+                    return pair.links
+        return 0
+
+    def connection(self, a: int, b: int) -> str:
+        """The ``nvidia-smi topo -m`` label of a GPU pair: X, NV<n>, PIX, NODE or SYS."""
+        if a == b:
+            return "X"
+        if n := self.nvlinks_between(a, b):
+            return f"NV{n}"
+        sa, sb = self._switch_of[a], self._switch_of[b]
+        if sa.name == sb.name:
+            return "PIX"
+        return "NODE" if sa.socket == sb.socket else "SYS"
+
+    def socket_of(self, g: int) -> int:
+        return self._switch_of[g].socket
+
+    def to_dict(self) -> dict:
+        """JSON-safe summary: GPUs, connection and bandwidth matrices (GB/s)."""
+        n = self.n_gpus
+        gpu = self.spec.gpu
+        return {
+            "name": self.name,
+            "description": self.spec.description,
+            "gpu": {
+                "model": gpu.model,
+                "count": n,
+                "memory_bytes": self.memory_bytes,
+                "reserved_bytes": self.reserved_bytes,
+                "capacity_bytes": self.capacity_bytes,
+                "peak_tflops": dict(gpu.peak_tflops),
+                "memory_bandwidth_gbps": gpu.memory_bandwidth_gbps,
+            },
+            "host": {"memory_bytes": self.host_memory_bytes, "sockets": self.spec.host.sockets},
+            "connection": [[self.connection(a, b) for b in range(n)] for a in range(n)],
+            "bandwidth_gbps": [
+                [None if a == b else self.route(a, b).bandwidth / 1e9 for b in range(n)] for a in range(n)
+            ],
+            "to_host_gbps": [self.route(g, HOST).bandwidth / 1e9 for g in range(n)],
+            "from_host_gbps": [self.route(HOST, g).bandwidth / 1e9 for g in range(n)],
+        }
+
+
+def parse_topology(data: object, source: str = "<topology>") -> Topology:
+    if not isinstance(data, dict):
+        raise SchemaError(source, "", "expected a YAML mapping at the top level")
+    try:
+        spec = TopologyFile.model_validate(data)
+    except ValidationError as exc:
+        raise from_pydantic(source, exc) from None
+    return Topology(spec, source)
+
+
+def read_topology_file(path: Path) -> Topology:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise MpsimError(f"{path}: cannot read topology file ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise SchemaError(path, "", f"not valid YAML{where}") from None
+    return parse_topology(data, str(path))
