@@ -1,0 +1,227 @@
+"""Model traces: per-layer time and bytes for one microbatch size (JSON, ``traces/``).
+
+A trace row is one layer of the pipeline (embedding, transformer layer, loss head). Byte
+counts are exact for the traced shapes; times are either measured (``fwd_ms``/``bwd_ms``)
+or derived for a GPU from FLOPs and bytes moved (``Trace.layer_times``).
+
+Rescaling rule (``scaling.rule = "linear-microbatch"``): activation, output, workspace
+bytes, FLOPs, bytes moved and measured times scale linearly with the microbatch size;
+parameter, gradient and optimizer bytes do not.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pandas as pd
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from mpsim.errors import MpsimError, SchemaError, from_pydantic
+from mpsim.topology import GpuSpec
+
+SCHEMA_VERSION = 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Precision(_Strict):
+    """Bytes per parameter of a training recipe. Mixed-precision Adam (the default) keeps
+    fp16 weights (2) and gradients (2), an fp32 master copy (4) and two fp32 Adam moments
+    (8): 16 bytes per parameter."""
+
+    recipe: Literal["mixed-fp16", "mixed-bf16", "fp32"] = "mixed-fp16"
+    compute_dtype: Literal["fp16", "bf16", "fp32"] = "fp16"
+    weight_bytes_per_param: int = Field(default=2, gt=0)
+    grad_bytes_per_param: int = Field(default=2, gt=0)
+    optimizer_bytes_per_param: int = Field(default=12, ge=0, description="master weights + Adam moments")
+
+
+RECIPES: dict[str, Precision] = {
+    "mixed-fp16": Precision(),
+    "mixed-bf16": Precision(recipe="mixed-bf16", compute_dtype="bf16"),
+    "fp32": Precision(recipe="fp32", compute_dtype="fp32", weight_bytes_per_param=4, grad_bytes_per_param=4,
+                      optimizer_bytes_per_param=8),
+}
+
+
+class Source(_Strict):
+    kind: Literal["derived", "measured"]
+    tool: str = ""
+    torch_version: str = ""
+    device: str | None = Field(default=None, description="device the times were measured on")
+
+
+class Scaling(_Strict):
+    rule: Literal["linear-microbatch"] = "linear-microbatch"
+
+
+class LayerRow(_Strict):
+    name: str
+    kind: Literal["embedding", "transformer", "head", "other"]
+    params: int = Field(ge=0)
+    param_bytes: int = Field(ge=0, description="working-precision weights")
+    grad_bytes: int = Field(ge=0)
+    optimizer_bytes: int = Field(ge=0, description="master weights and optimizer moments")
+    act_bytes: int = Field(ge=0, description="saved for backward, layer input included when saves_input")
+    saves_input: bool = Field(description="whether the layer's input is among its saved tensors")
+    input_bytes: int = Field(ge=0)
+    output_bytes: int = Field(ge=0, description="what crosses a stage boundary after this layer")
+    workspace_bytes: int = Field(ge=0, description="largest transient tensor of the forward, freed within the layer")
+    fwd_flops: float = Field(ge=0)
+    bwd_flops: float = Field(ge=0)
+    fwd_mem_bytes: float = Field(ge=0, description="bytes read and written by the forward's non-matmul ops")
+    bwd_mem_bytes: float = Field(ge=0)
+    fwd_ms: float | None = Field(default=None, gt=0, description="measured forward time")
+    bwd_ms: float | None = Field(default=None, gt=0, description="measured backward time")
+    split_dims: list[Literal["batch", "sequence", "hidden"]] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _saved_input_fits(self) -> "LayerRow":
+        if self.saves_input and self.act_bytes < self.input_bytes:
+            raise ValueError("act_bytes must include input_bytes when saves_input is true")
+        return self
+
+
+class TraceFile(_Strict):
+    schema_: int = Field(alias="schema")
+    name: str
+    model: dict = Field(description="family and shape: family, layers, hidden, heads, seq_len, vocab ...")
+    params: int = Field(gt=0, description="unique model parameters")
+    microbatch: int = Field(gt=0)
+    precision: Precision = Precision()
+    source: Source
+    scaling: Scaling = Scaling()
+    layers: list[LayerRow] = Field(min_length=1)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+_SCALED = ("act_bytes", "input_bytes", "output_bytes", "workspace_bytes", "fwd_flops", "bwd_flops",
+           "fwd_mem_bytes", "bwd_mem_bytes")
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Per-layer forward and backward seconds on one GPU model."""
+
+    fwd_s: np.ndarray
+    bwd_s: np.ndarray
+
+
+class Trace:
+    """A validated trace. Immutable; ``rescale`` and ``with_layers`` return new traces."""
+
+    def __init__(self, spec: TraceFile, source: str = "") -> None:
+        if spec.schema_ != SCHEMA_VERSION:
+            raise SchemaError(source, "schema", f"expected {SCHEMA_VERSION}, got {spec.schema_}")
+        self.spec = spec
+        self.source = source
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def layers(self) -> list[LayerRow]:
+        return self.spec.layers
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.spec.layers)
+
+    @property
+    def microbatch(self) -> int:
+        return self.spec.microbatch
+
+    @cached_property
+    def fwd_flops_total(self) -> float:
+        return float(sum(r.fwd_flops for r in self.spec.layers))
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per layer, columns as in the file."""
+        return pd.DataFrame([r.model_dump() for r in self.spec.layers])
+
+    def to_json(self) -> str:
+        return json.dumps(self.spec.model_dump(by_alias=True), indent=1)
+
+    def rescale(self, microbatch: int) -> "Trace":
+        """The same model at another microbatch size, by the linear rule in the module doc."""
+        if microbatch <= 0:
+            raise MpsimError(f"microbatch must be a positive integer, got {microbatch}")
+        if microbatch == self.microbatch:
+            return self
+        f = microbatch / self.microbatch
+        rows = []
+        for r in self.spec.layers:
+            upd = {k: (round(getattr(r, k) * f) if isinstance(getattr(r, k), int) else getattr(r, k) * f) for k in _SCALED}
+            if r.fwd_ms is not None:
+                upd["fwd_ms"] = r.fwd_ms * f
+            if r.bwd_ms is not None:
+                upd["bwd_ms"] = r.bwd_ms * f
+            rows.append(r.model_copy(update=upd))
+        return Trace(self.spec.model_copy(update={"layers": rows, "microbatch": microbatch}), self.source)
+
+    def with_layers(self, n_transformer: int) -> "Trace":
+        """The same family with ``n_transformer`` identical transformer layers: the size knob
+        that ``fits`` searches (hidden size, heads and sequence stay as traced)."""
+        rows = self.spec.layers
+        blocks = [r for r in rows if r.kind == "transformer"]
+        if not blocks or n_transformer < 1:
+            raise MpsimError(f"{self.name}: cannot set the number of transformer layers to {n_transformer}")
+        first = next(i for i, r in enumerate(rows) if r.kind == "transformer")
+        last = max(i for i, r in enumerate(rows) if r.kind == "transformer")
+        template = blocks[0]
+        new_blocks = [template.model_copy(update={"name": f"layer{i}"}) for i in range(n_transformer)]
+        new_rows = rows[:first] + new_blocks + rows[last + 1:]
+        delta = (n_transformer - len(blocks)) * template.params
+        model = dict(self.spec.model, layers=n_transformer)
+        name = f"{self.spec.model.get('family', 'model')}-{n_transformer}l"
+        spec = self.spec.model_copy(update={"layers": new_rows, "params": self.spec.params + delta, "model": model,
+                                            "name": name})
+        return Trace(spec, self.source)
+
+    def layer_times(self, gpu: GpuSpec) -> LayerTimes:
+        """Seconds per layer on ``gpu``: measured times where the trace has them, else a
+        roofline by op class, summed because a layer's ops run one after another:
+        t = FLOPs / (peak[dtype] x matmul_efficiency) + bytes / (bandwidth x memory_efficiency),
+        backward likewise with the backward FLOPs (about twice the forward) and bytes."""
+        dtype = self.spec.precision.compute_dtype
+        if dtype not in gpu.peak_tflops:
+            dtype = "fp16" if "fp16" in gpu.peak_tflops else "fp32"
+        flops_rate = gpu.peak_tflops[dtype] * 1e12 * gpu.matmul_efficiency
+        mem_rate = gpu.memory_bandwidth_gbps * 1e9 * gpu.memory_efficiency
+        rows = self.spec.layers
+        fwd = np.array([r.fwd_ms * 1e-3 if r.fwd_ms is not None else r.fwd_flops / flops_rate + r.fwd_mem_bytes / mem_rate
+                        for r in rows])
+        bwd = np.array([r.bwd_ms * 1e-3 if r.bwd_ms is not None else r.bwd_flops / flops_rate + r.bwd_mem_bytes / mem_rate
+                        for r in rows])
+        return LayerTimes(fwd, bwd)
+
+
+def parse_trace(data: object, source: str = "<trace>") -> Trace:
+    if not isinstance(data, dict):
+        raise SchemaError(source, "", "expected a JSON object at the top level")
+    try:
+        spec = TraceFile.model_validate(data)
+    except ValidationError as exc:
+        raise from_pydantic(source, exc) from None
+    return Trace(spec, source)
+
+
+def read_trace_file(path: Path) -> Trace:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise MpsimError(f"{path}: cannot read trace file ({exc.strerror})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SchemaError(path, "", f"not valid JSON at line {exc.lineno}") from None
+    return parse_trace(data, str(path))
