@@ -155,5 +155,5 @@ def _assemble(cfg: ModelConfig, microbatch: int, recipe: str, name: str | None, 
 
 
 def trace_shipped(name: str) -> Trace:
-    cfg, microbatch = ZOO[name]
-    return trace_model(cfg, microbatch, name=name)
+    cfg, microbatch, recipe = ZOO[name]
+    return trace_model(cfg, microbatch, recipe, name=name)

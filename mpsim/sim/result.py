@@ -1,0 +1,101 @@
+"""What ``simulate`` returns: JSON-safe summary plus series for plots and timelines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Span(NamedTuple):
+    """A busy interval on one GPU lane (``compute`` or ``copy``)."""
+
+    gpu: int
+    lane: str
+    name: str
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class GpuResult:
+    gpu: int
+    stage: int | None
+    layers: tuple[int, int] | None
+    peak_bytes: int
+    capacity_bytes: int
+    reserved_bytes: int
+    breakdown: dict[str, int]
+    """Bytes per category at this GPU's peak."""
+    compute_s: float
+    """Compute-stream busy time per iteration."""
+    memory_times_s: np.ndarray = field(repr=False)
+    memory_used_bytes: np.ndarray = field(repr=False)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.capacity_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "gpu": self.gpu,
+            "stage": self.stage,
+            "layers": list(self.layers) if self.layers else None,
+            "peak_bytes": self.peak_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "fits": self.fits,
+            "compute_s": self.compute_s,
+            "breakdown": dict(self.breakdown),
+        }
+
+
+@dataclass
+class SimResult:
+    server: str
+    model: str
+    schedule: str
+    strategy: str
+    microbatch: int
+    microbatches: int
+    stages: list[tuple[int, int]]
+    gpu_of_stage: list[int]
+    iteration_s: float
+    samples_per_s: float
+    model_tflops: float
+    """Forward FLOPs x 3 per sample (as MPress IV-A counts), all GPUs together."""
+    gpus: list[GpuResult]
+    oom: dict | None
+    """First point where a GPU ran out: gpu, time_s, task, need_bytes, free_bytes."""
+    links: dict[str, dict]
+    spans: list[Span] = field(repr=False)
+    makespan_s: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.oom is None
+
+    @property
+    def max_peak_bytes(self) -> int:
+        return max(g.peak_bytes for g in self.gpus)
+
+    def to_dict(self) -> dict:
+        return {
+            "fits": self.fits,
+            "server": self.server,
+            "model": self.model,
+            "schedule": self.schedule,
+            "strategy": self.strategy,
+            "microbatch": self.microbatch,
+            "microbatches": self.microbatches,
+            "iteration_s": self.iteration_s,
+            "samples_per_s": self.samples_per_s,
+            "model_tflops": self.model_tflops,
+            "partition": [list(s) for s in self.stages],
+            "gpu_of_stage": list(self.gpu_of_stage),
+            "gpus": [g.to_dict() for g in self.gpus],
+            "oom": self.oom,
+            "links": {k: {"bytes": v["bytes"], "utilization": v["busy_s"] / self.makespan_s if self.makespan_s else 0.0}
+                      for k, v in self.links.items()},
+        }
