@@ -1,0 +1,145 @@
+"""What fits: every shipped size of a model family, then the largest size that fits.
+
+The family's size knob is its number of transformer layers (``Trace.with_layers``), at
+the hidden size, heads and sequence length of a shipped configuration: the largest
+shipped one that fits (or the smallest, when none does). The search assumes that adding
+layers never lowers the highest per-GPU peak; it doubles until a size does not fit,
+then bisects, so it costs O(log n) simulations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mpsim.api import load_trace, simulate
+from mpsim.catalog import load_topology
+from mpsim.errors import MpsimError
+from mpsim.catalog import shipped_traces
+from mpsim.sim import SimResult
+from mpsim.topology import Topology
+from mpsim.trace import Trace
+
+MAX_LAYERS = 4096
+
+
+@dataclass
+class FitRow:
+    model: str
+    params: int
+    layers: int
+    result: SimResult
+
+    def to_dict(self) -> dict:
+        r = self.result
+        worst = max(r.gpus, key=lambda g: g.peak_bytes)
+        return {
+            "model": self.model,
+            "params": self.params,
+            "transformer_layers": self.layers,
+            "fits": r.fits,
+            "max_peak_bytes": worst.peak_bytes,
+            "max_peak_gpu": worst.gpu,
+            "capacity_bytes": worst.capacity_bytes,
+            "iteration_s": r.iteration_s,
+            "samples_per_s": r.samples_per_s,
+            "model_tflops": r.model_tflops,
+            "oom": r.oom,
+        }
+
+
+@dataclass
+class FitsReport:
+    server: str
+    family: str
+    schedule: str
+    microbatch: int
+    microbatches: int
+    strategy: str
+    rows: list[FitRow]
+    largest: FitRow | None
+    largest_template: str
+
+    def to_dict(self) -> dict:
+        return {
+            "server": self.server, "family": self.family, "schedule": self.schedule,
+            "microbatch": self.microbatch, "microbatches": self.microbatches, "strategy": self.strategy,
+            "rows": [r.to_dict() for r in self.rows],
+            "largest": None if self.largest is None else dict(self.largest.to_dict(), template=self.largest_template),
+        }
+
+
+def family_traces(family: str) -> list[Trace]:
+    traces = [load_trace(name) for name in shipped_traces()]
+    chosen = sorted((t for t in traces if t.spec.model.get("family") == family), key=lambda t: t.spec.params)
+    if not chosen:
+        families = sorted({t.spec.model.get("family", "?") for t in traces})
+        raise MpsimError(f"unknown model family {family!r}: expected one of {', '.join(families)}")
+    return chosen
+
+
+def _n_transformer(trace: Trace) -> int:
+    return sum(1 for r in trace.layers if r.kind == "transformer")
+
+
+def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch: int | None = None,
+         microbatches: int = 16, strategy: str = "none",
+         on_point: Callable[[str], None] | None = None) -> FitsReport:
+    """Simulate every shipped size of ``family`` and search the largest that fits."""
+    topo = load_topology(server) if isinstance(server, str) else server
+    traces = family_traces(family)
+    mb = microbatch or traces[0].microbatch
+
+    def run(trace: Trace) -> SimResult:
+        result = simulate(topo, trace, schedule, mb, microbatches, strategy=strategy)
+        if on_point:
+            on_point(trace.name)
+        return result
+
+    rows = [FitRow(t.name, t.spec.params, _n_transformer(t), run(t)) for t in traces]
+    fitting = [(t, row) for t, row in zip(traces, rows) if row.result.fits]
+    template = fitting[-1][0] if fitting else traces[0]
+    n0 = _n_transformer(template)
+    min_layers = max(1, topo.n_gpus - (template.n_layers - n0))  # every stage needs a layer
+
+    cache: dict[int, FitRow] = {}
+
+    def probe(n: int) -> FitRow:
+        if n not in cache:
+            t = template.with_layers(n)
+            cache[n] = FitRow(t.name, t.spec.params, n, run(t))
+        return cache[n]
+
+    if fitting:
+        lo, hi = n0, None
+        step = max(1, n0)
+        while hi is None:
+            cand = lo + step
+            if cand > MAX_LAYERS:
+                raise MpsimError(f"{family} still fits with {lo} layers; stopped searching at {MAX_LAYERS}")
+            if probe(cand).result.fits:
+                lo, step = cand, step * 2
+            else:
+                hi = cand
+    else:
+        hi, lo = n0, None
+        n = n0
+        while lo is None:
+            n = max(min_layers, n // 2)
+            if probe(n).result.fits:
+                lo = n
+            elif n == min_layers:
+                break
+            else:
+                hi = n
+        if lo is None:
+            return FitsReport(topo.name, family, schedule, mb, microbatches, strategy, rows, None, template.name)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if probe(mid).result.fits:
+            lo = mid
+        else:
+            hi = mid
+    largest = probe(lo) if lo != n0 or not fitting else FitRow(template.name, template.spec.params, n0,
+                                                               fitting[-1][1].result)
+    return FitsReport(topo.name, family, schedule, mb, microbatches, strategy, rows, largest, template.name)

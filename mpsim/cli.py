@@ -1,0 +1,220 @@
+"""The ``mpsim`` command: thin subcommands over the library.
+
+Every subcommand prints a readable table, writes ``--json FILE`` (``-`` for standard
+output) on request, and ends bad input with one line on standard error and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from mpsim.errors import MpsimError
+
+_SERVER_HELP = "shipped server name (see `mpsim topo list`) or a topology YAML file"
+_SCHEDULE_HELP = "gpipe, 1f1b (DAPPLE, PipeDream-Flush) or pipedream (asynchronous, weight stashing)"
+_MICROBATCHES_HELP = "microbatches per iteration; 1f1b and pipedream need at least one per stage"
+
+
+def _write_json(target: str | None, data: dict) -> None:
+    if not target:
+        return
+    text = json.dumps(data, indent=1)
+    if target == "-":
+        click.echo(text)
+    else:
+        Path(target).write_text(text + "\n")
+
+
+def _progress(what: str):  # type: ignore[no-untyped-def]
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                    TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+
+
+def _json_option(f):  # type: ignore[no-untyped-def]
+    return click.option("--json", "json_out", metavar="FILE", help="write the result as JSON to FILE ('-' for stdout)")(f)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="mpsim")
+def app() -> None:
+    """Will this model train on this server, with which memory plan, and how fast?
+
+    mpsim simulates pipeline-parallel training (GPipe, 1F1B, PipeDream) of a traced model
+    on a multi-GPU server described by a topology file, and reports per-GPU peak memory,
+    iteration time and throughput.
+
+    \b
+    Examples:
+      mpsim fits --server dgx1-v100 --family gpt --schedule 1f1b --microbatch 2
+      mpsim simulate --server dgx1-v100 --model gpt-5.3b --microbatches 16 --json out.json
+      mpsim topo show dgx1-v100
+    """
+
+
+@app.command()
+@click.option("--server", "-s", default="dgx1-v100", show_default=True, help=_SERVER_HELP)
+@click.option("--model", "-m", default="gpt-5.3b", show_default=True,
+              help="shipped model name (see traces/) or a trace JSON file")
+@click.option("--schedule", default="1f1b", show_default=True, help=_SCHEDULE_HELP)
+@click.option("--microbatch", type=int, help="samples per microbatch  [default: the trace's]")
+@click.option("--microbatches", type=int, default=16, show_default=True, help=_MICROBATCHES_HELP)
+@click.option("--stages", type=int, help="pipeline stages  [default: one per GPU]")
+@click.option("--strategy", default="none", show_default=True, help="memory-saving strategy (only none so far)")
+@_json_option
+@click.option("--chrome-trace", type=click.Path(dir_okay=False, path_type=Path),
+              help="write a timeline for Perfetto / chrome://tracing to this file")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="plot memory over time per GPU to this PNG")
+def simulate(server: str, model: str, schedule: str, microbatch: int | None, microbatches: int, stages: int | None,
+             strategy: str, json_out: str | None, chrome_trace: Path | None, plot: Path | None) -> None:
+    """Simulate one training iteration: per-GPU peak memory, iteration time, throughput.
+
+    Exits 1 when the job does not fit (the result still names where it ran out).
+    """
+    from mpsim.api import simulate as run
+    from mpsim.report import plot_memory, simulate_text, write_chrome_trace
+
+    result = run(server, model, schedule, microbatch, microbatches, n_stages=stages, strategy=strategy)
+    if json_out != "-":
+        click.echo(simulate_text(result))
+    _write_json(json_out, result.to_dict())
+    if chrome_trace:
+        write_chrome_trace(result, chrome_trace)
+    if plot:
+        plot_memory(result, plot)
+    if not result.fits:
+        sys.exit(1)
+
+
+@app.command()
+@click.option("--server", "-s", default="dgx1-v100", show_default=True, help=_SERVER_HELP)
+@click.option("--family", default="gpt", show_default=True, help="model family of the shipped traces: gpt or bert")
+@click.option("--schedule", default="1f1b", show_default=True, help=_SCHEDULE_HELP)
+@click.option("--microbatch", type=int, help="samples per microbatch  [default: the traces']")
+@click.option("--microbatches", type=int, default=16, show_default=True, help=_MICROBATCHES_HELP)
+@click.option("--strategy", default="none", show_default=True, help="memory-saving strategy (only none so far)")
+@_json_option
+def fits(server: str, family: str, schedule: str, microbatch: int | None, microbatches: int, strategy: str,
+         json_out: str | None) -> None:
+    """Which shipped sizes of a family fit, and the largest model that does.
+
+    The size knob is the number of transformer layers at the shape of the largest
+    shipped size that fits; the search doubles, then bisects.
+    """
+    from mpsim.capacity import family_traces, fits as run
+    from mpsim.report import fits_text
+
+    n_shipped = len(family_traces(family))
+    with _progress(f"fits {family}") as bar:
+        job = bar.add_task("", total=n_shipped + 10)
+        rep = run(server, family, schedule, microbatch, microbatches, strategy,
+                  on_point=lambda name: bar.update(job, advance=1, description=name))
+    if json_out != "-":
+        click.echo(fits_text(rep))
+    _write_json(json_out, rep.to_dict())
+
+
+@app.command()
+@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="trace JSON file to write")
+@click.option("--family", type=click.Choice(["gpt", "bert"]), default="gpt", show_default=True)
+@click.option("--layers", type=click.IntRange(min=1), default=16, show_default=True, help="transformer layers")
+@click.option("--hidden", type=click.IntRange(min=1), default=5120, show_default=True, help="hidden size")
+@click.option("--heads", type=click.IntRange(min=1), default=40, show_default=True, help="attention heads (divide hidden)")
+@click.option("--seq-len", type=click.IntRange(min=1), default=1024, show_default=True, help="sequence length")
+@click.option("--vocab", type=click.IntRange(min=1), default=50257, show_default=True, help="vocabulary size")
+@click.option("--microbatch", type=click.IntRange(min=1), default=2, show_default=True, help="samples per microbatch")
+@click.option("--recipe", type=click.Choice(["mixed-fp16", "mixed-bf16", "fp32"]), default="mixed-fp16",
+              show_default=True, help="precision: mixed-precision Adam keeps 16 bytes per parameter")
+@click.option("--name", help="name stored in the trace")
+def trace(output: Path, family: str, layers: int, hidden: int, heads: int, seq_len: int, vocab: int,
+          microbatch: int, recipe: str, name: str | None) -> None:
+    """Trace a GPT or BERT configuration under FakeTensor mode (no memory allocated).
+
+    Records per layer the saved-for-backward bytes, parameters, FLOPs and bytes moved;
+    times are derived per GPU when simulated.
+    """
+    if hidden % heads:
+        raise MpsimError(f"--heads {heads} must divide --hidden {hidden}")
+    from mpsim.tracing import trace_model
+    from mpsim.workloads import ModelConfig
+
+    cfg = ModelConfig(family, layers, hidden, heads, seq_len, vocab)  # type: ignore[arg-type]
+    result = trace_model(cfg, microbatch, recipe, name)
+    output.write_text(result.to_json() + "\n")
+    click.echo(f"wrote {output}: {result.name}, {result.spec.params / 1e9:.2f}B parameters, {result.n_layers} layers, "
+               f"microbatch {microbatch}, {recipe}")
+
+
+@app.group()
+def topo() -> None:
+    """Servers: list, show, check a topology file."""
+
+
+@topo.command("list")
+def topo_list() -> None:
+    """The shipped servers."""
+    from mpsim.catalog import load_topology, shipped_topologies
+
+    for name in shipped_topologies():
+        click.echo(f"{name:22s} {load_topology(name).spec.description}")
+
+
+@topo.command("show")
+@click.argument("name")
+@_json_option
+def topo_show(name: str, json_out: str | None) -> None:
+    """GPUs, the connection matrix (nvidia-smi topo -m style) and route bandwidths of NAME
+    (a shipped server or a topology file)."""
+    from mpsim.catalog import load_topology
+    from mpsim.report import topo_text
+
+    t = load_topology(name)
+    if json_out != "-":
+        click.echo(topo_text(t))
+    _write_json(json_out, t.to_dict())
+
+
+@topo.command("check")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+def topo_check(file: Path) -> None:
+    """Validate a topology file and print a one-line summary."""
+    from mpsim.topology import read_topology_file
+
+    t = read_topology_file(file)
+    click.echo(f"{file}: ok ({t.name}, {t.n_gpus} x {t.spec.gpu.model}, {len(t.links)} directed links)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: runs the app and turns every expected error into one line and exit 2."""
+    try:
+        app.main(args=argv, prog_name="mpsim", standalone_mode=False)
+    except MpsimError as exc:
+        click.echo(f"mpsim: error: {exc}", err=True)
+        return 2
+    except click.exceptions.Abort:
+        click.echo("mpsim: aborted", err=True)
+        return 130
+    except click.ClickException as exc:
+        click.echo(f"mpsim: error: {exc.format_message()}", err=True)
+        return 2
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
+def run() -> None:
+    """Console-script wrapper: exit with ``main``'s code."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()
