@@ -1,0 +1,36 @@
+"""What fits: the table for the shipped sizes and the largest size found by the search."""
+
+from mpsim import fits, load_trace, simulate
+from mpsim.cli import main
+
+
+def test_gpt_on_dgx1_only_the_smallest_shipped_size_fits_as_in_mpress():
+    # MPress IV-C: DAPPLE cannot scale GPT beyond 5.3B on the DGX-1 without memory savings.
+    rep = fits("dgx1-v100", "gpt", "1f1b", 2, 16)
+    assert [r.result.fits for r in rep.rows] == [True, False, False, False, False]
+
+
+def test_largest_is_the_boundary_of_the_layer_search():
+    rep = fits("dgx1-v100", "gpt", "1f1b", 2, 16)
+    n = rep.largest.layers
+    template = load_trace(rep.largest_template)
+    assert simulate("dgx1-v100", template.with_layers(n), "1f1b", 2, 16).fits
+    assert not simulate("dgx1-v100", template.with_layers(n + 1), "1f1b", 2, 16).fits
+
+
+def test_search_goes_down_when_no_shipped_size_fits():
+    rep = fits("gtx1080ti-x1", "gpt", "gpipe", 2, 1)
+    assert not any(r.result.fits for r in rep.rows)
+    if rep.largest is not None:
+        assert rep.largest.result.fits
+        assert rep.largest.layers < 16
+
+
+def test_trace_command_writes_a_loadable_trace(tmp_path, capsys):
+    out = tmp_path / "tiny.json"
+    code = main(["trace", "--family", "bert", "--layers", "2", "--hidden", "128", "--heads", "2", "--seq-len", "64",
+                 "--vocab", "500", "--microbatch", "4", "-o", str(out)])
+    assert code == 0 and "wrote" in capsys.readouterr().out
+    t = load_trace(str(out))
+    assert t.n_layers == 4 and t.microbatch == 4 and t.spec.source.kind == "derived"
+    assert simulate("titanrtx-x1", t, "gpipe", None, 2).fits

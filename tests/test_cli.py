@@ -1,0 +1,163 @@
+"""The command line: golden outputs, JSON shape, and bad input rejected with one clear line."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mpsim.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_topo_show_prints_the_nvidia_smi_style_matrix(capsys):
+    code, out, _ = run(capsys, "topo", "show", "dgx1-v100")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("dgx1-v100: DGX-1")
+    row0 = next(line for line in lines if line.startswith("GPU0 ") and "NV" in line)
+    assert row0.split() == ["GPU0", "X", "NV1", "NV1", "NV2", "NV2", "SYS", "SYS", "SYS", "0"]
+    bw0 = [line for line in lines if line.startswith("GPU0 ")][1]
+    assert bw0.split() == ["GPU0", "X", "22.5", "22.5", "45.0", "45.0", "11.6", "11.6", "11.6", "11.6"]
+
+
+def test_topo_show_json(capsys):
+    code, out, _ = run(capsys, "topo", "show", "a100-40gb-nvswitch", "--json", "-")
+    d = json.loads(out)
+    assert code == 0 and d["gpu"]["count"] == 8 and d["bandwidth_gbps"][0][1] == 270.0
+
+
+def test_topo_check_accepts_a_shipped_file(capsys):
+    code, out, _ = run(capsys, "topo", "check", str(ROOT / "topologies" / "dgx1-v100.yaml"))
+    assert code == 0 and "ok (dgx1-v100, 8 x V100-SXM2-32GB" in out
+
+
+def test_simulate_json_has_the_documented_fields(capsys, tmp_path):
+    out_file = tmp_path / "r.json"
+    chrome = tmp_path / "t.json"
+    png = tmp_path / "m.png"
+    code, out, _ = run(capsys, "simulate", "--server", "dgx1-v100", "--model", "gpt-5.3b", "--schedule", "1f1b",
+                       "--microbatch", "2", "--microbatches", "16", "--json", str(out_file), "--chrome-trace",
+                       str(chrome), "--plot", str(png))
+    assert code == 0
+    assert "iteration" in out and "fits on every GPU" in out
+    d = json.loads(out_file.read_text())
+    assert {"fits", "iteration_s", "samples_per_s", "model_tflops", "gpus", "oom"} <= set(d)
+    g = d["gpus"][0]
+    assert {"gpu", "stage", "peak_bytes", "capacity_bytes", "breakdown"} <= set(g)
+    assert {"params", "grads", "optimizer", "activations", "stash", "buffers", "workspace"} <= set(g["breakdown"])
+    assert d["oom"] is None and d["fits"] is True
+    assert sum(g["breakdown"].values()) == g["peak_bytes"]
+    events = json.loads(chrome.read_text())["traceEvents"]
+    assert {e["ph"] for e in events} == {"M", "X", "C"}
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_simulate_that_does_not_fit_exits_1_and_names_the_point(capsys):
+    code, out, _ = run(capsys, "simulate", "--model", "gpt-25.5b", "--microbatch", "2", "--json", "-")
+    d = json.loads(out)
+    assert code == 1 and d["fits"] is False
+    assert d["oom"]["gpu"] == 0 and d["oom"]["need_bytes"] > d["oom"]["free_bytes"]
+
+
+def test_fits_table_and_json(capsys, tmp_path):
+    out_file = tmp_path / "f.json"
+    code, out, _ = run(capsys, "fits", "--server", "dgx1-v100", "--family", "gpt", "--schedule", "1f1b",
+                       "--microbatch", "2", "--json", str(out_file))
+    assert code == 0
+    assert "largest that fits" in out
+    d = json.loads(out_file.read_text())
+    assert [r["fits"] for r in d["rows"]] == [True, False, False, False, False]
+    assert d["largest"]["fits"] and d["largest"]["params"] > d["rows"][0]["params"]
+
+
+def test_help_explains(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "mpsim fits --server dgx1-v100" in out
+
+
+# -- bad input: one line, exit 2, naming the file, the field and what was expected ------------
+
+def _topo(tmp_path, mutate):
+    d = yaml.safe_load((ROOT / "topologies" / "dgx1-v100.yaml").read_text())
+    mutate(d)
+    p = tmp_path / "server.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return str(p)
+
+
+def _trace(tmp_path, mutate):
+    d = json.loads((ROOT / "traces" / "gpt-5.3b.json").read_text())
+    mutate(d)
+    p = tmp_path / "model.json"
+    p.write_text(json.dumps(d))
+    return str(p)
+
+
+def _set(path, value):
+    def mutate(d):
+        *head, last = path
+        for k in head:
+            d = d[k]
+        if value is KeyError:
+            del d[last]
+        else:
+            d[last] = value
+    return mutate
+
+
+BAD = [
+    ("unknown server", lambda t: ["simulate", "--server", "dgx9"], "unknown server 'dgx9'"),
+    ("unknown model", lambda t: ["simulate", "--model", "gpt-99b"], "unknown model 'gpt-99b'"),
+    ("missing file", lambda t: ["topo", "check", str(t / "nope.yaml")], "nope.yaml: cannot read topology file"),
+    ("missing field", lambda t: ["topo", "check", _topo(t, _set(["gpu", "memory_mib"], KeyError))],
+     "server.yaml: gpu.memory_mib: required field is missing"),
+    ("negative size", lambda t: ["topo", "check", _topo(t, _set(["gpu", "memory_mib"], -5))],
+     "server.yaml: gpu.memory_mib: Input should be greater than 0"),
+    ("gpu index out of range", lambda t: ["topo", "check", _topo(t, _set(["nvlink", "pairs", 0, "gpus"], [0, 9]))],
+     "server.yaml: nvlink.pairs.0.gpus: GPU index 9 out of range 0..7"),
+    ("gpu under two switches", lambda t: ["topo", "check", _topo(t, _set(["pcie", "switches", 1, "gpus"], [1, 2]))],
+     "server.yaml: pcie.switches.1.gpus: GPU 1 is already below switch plx0"),
+    ("misspelt key", lambda t: ["topo", "check", _topo(t, _set(["gpu", "memory_gb"], 32))],
+     "server.yaml: gpu.memory_gb: unknown field"),
+    ("wrong schema", lambda t: ["topo", "check", _topo(t, _set(["schema"], 7))], "server.yaml: schema: expected 1, got 7"),
+    ("socket out of range", lambda t: ["topo", "check", _topo(t, _set(["pcie", "switches", 0, "socket"], 3))],
+     "server.yaml: pcie.switches.0.socket: socket 3 out of range 0..1"),
+    ("bad trace field", lambda t: ["simulate", "--model", _trace(t, _set(["layers", 3, "act_bytes"], -1))],
+     "model.json: layers.3.act_bytes: Input should be greater than or equal to 0"),
+    ("trace missing field", lambda t: ["simulate", "--model", _trace(t, _set(["microbatch"], KeyError))],
+     "model.json: microbatch: required field is missing"),
+    ("too few microbatches", lambda t: ["simulate", "--microbatches", "4"],
+     "1f1b needs at least as many microbatches as stages to fill the pipeline: got 4 microbatches for 8 stages"),
+    ("zero microbatch", lambda t: ["simulate", "--microbatch", "0"], "microbatch must be a positive integer, got 0"),
+    ("unknown schedule", lambda t: ["simulate", "--schedule", "zigzag"], "unknown schedule 'zigzag'"),
+    ("unknown strategy", lambda t: ["simulate", "--strategy", "magic"], "unknown strategy 'magic'"),
+    ("too many stages", lambda t: ["simulate", "--stages", "9"], "9 stages need 9 GPUs but dgx1-v100 has 8"),
+    ("unknown family", lambda t: ["fits", "--family", "resnet"], "unknown model family 'resnet'"),
+    ("non-integer option", lambda t: ["simulate", "--microbatches", "many"], "'many' is not a valid integer"),
+]
+
+
+@pytest.mark.parametrize("case,argv,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_one_clear_line(capsys, tmp_path, case, argv, message):
+    code, out, err = run(capsys, *argv(tmp_path))
+    assert code == 2, (case, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("mpsim: error: ")
+    assert message in lines[0]
+    assert "Traceback" not in err
+
+
+def test_yaml_syntax_error_names_the_line(capsys, tmp_path):
+    p = tmp_path / "broken.yaml"
+    p.write_text("schema: 1\ngpu: [unclosed\n")
+    code, _, err = run(capsys, "topo", "check", str(p))
+    assert code == 2 and "broken.yaml: not valid YAML at line" in err
