@@ -27,6 +27,16 @@ from mpsim.topology import Topology
 from mpsim.trace import Trace
 
 
+class _CountingEnvironment(simpy.Environment):
+    """A SimPy environment that counts the events it schedules (for benchmarks)."""
+
+    scheduled = 0
+
+    def schedule(self, event, priority=1, delay=0):  # type: ignore[no-untyped-def]
+        self.scheduled += 1
+        super().schedule(event, priority, delay)
+
+
 @dataclass(frozen=True)
 class Job:
     """What to simulate. ``trace`` is already at the wanted microbatch size."""
@@ -89,7 +99,7 @@ def simulate_job(job: Job) -> SimResult:
     rows = trace.layers
     mem_rate = gpu.memory_bandwidth_gbps * 1e9 * gpu.memory_efficiency
 
-    env = simpy.Environment()
+    env = _CountingEnvironment()
     run = _Run(env, Network(env), MemoryLog(topo.n_gpus))
     update_end: list[list[float]] = [[] for _ in range(p)]
     fwd_dur, bwd_dur, upd_dur = [], [], []
@@ -191,4 +201,5 @@ def _result(job: Job, run: _Run, stages: Stages, gpu_of: tuple[int, ...], iterat
         iteration_s=iteration_s, samples_per_s=m * trace.microbatch / iteration_s,
         model_tflops=3.0 * trace.fwd_flops_total * m / iteration_s / 1e12,
         gpus=gpus, oom=oom, links=links, spans=run.spans, makespan_s=run.env.now,
+        sim_events=run.env.scheduled,  # type: ignore[attr-defined]
     )

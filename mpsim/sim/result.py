@@ -71,6 +71,8 @@ class SimResult:
     links: dict[str, dict]
     spans: list[Span] = field(repr=False)
     makespan_s: float = 0.0
+    sim_events: int = 0
+    """SimPy events scheduled by the run (a measure of simulation work)."""
 
     @property
     def fits(self) -> bool:
