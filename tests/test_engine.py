@@ -123,3 +123,20 @@ def test_gpt_5_3b_per_stage_memory_is_close_to_mpress_table_ii():
     assert max(peaks_gb) == pytest.approx(28.5, rel=0.05)
     assert min(peaks_gb) == pytest.approx(12.7, rel=0.15)
     assert r.fits
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_synchronous_iteration_is_the_textbook_makespan(schedule):
+    # p equal stages, free transfers: (m + p - 1)(f + b), so the bubble is (p - 1)/(m + p - 1).
+    p, m = 4, 8
+    r = simulate_job(Job(tiny_topology(n_gpus=p), per_stage_trace(p, 0), schedule, microbatches=m))
+    assert r.iteration_s == pytest.approx((m + p - 1) * 3 * MS)
+    busy = max(g.compute_s for g in r.gpus)
+    assert 1 - busy / r.iteration_s == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_pipedream_steady_state_has_no_bubble():
+    # Asynchronous 1F1B with equal stages keeps every GPU busy once the pipeline is full.
+    p, m = 4, 8
+    r = simulate_job(Job(tiny_topology(n_gpus=p), per_stage_trace(p, 0), "pipedream", microbatches=m))
+    assert r.iteration_s == pytest.approx(m * 3 * MS)
