@@ -7,24 +7,10 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
-from pathlib import Path
-
-from mpsim.catalog import _resolve, load_topology, shipped_traces
+from mpsim.catalog import load_topology, load_trace
 from mpsim.sim import Job, SimResult, simulate_job
 from mpsim.topology import Topology
-from mpsim.trace import Trace, read_trace_file
-
-
-@lru_cache(maxsize=64)
-def _load_trace_cached(path: str, mtime: float) -> Trace:
-    return read_trace_file(Path(path))
-
-
-def load_trace(name_or_path: str) -> Trace:
-    """A shipped model by name (``gpt-5.3b``) or a trace JSON file."""
-    path = _resolve(name_or_path, shipped_traces(), "model")
-    return _load_trace_cached(str(path), path.stat().st_mtime)
+from mpsim.trace import Trace
 
 
 def simulate(server: str | Topology, model: str | Trace, schedule: str = "1f1b", microbatch: int | None = None,

@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mpsim.api import load_trace, simulate
-from mpsim.catalog import load_topology
+from mpsim.api import simulate
+from mpsim.catalog import load_topology, load_trace, shipped_traces
 from mpsim.errors import MpsimError
-from mpsim.catalog import shipped_traces
 from mpsim.sim import SimResult
 from mpsim.topology import Topology
 from mpsim.trace import Trace

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mpsim.errors import MpsimError
 from mpsim.topology import Topology, read_topology_file
+from mpsim.trace import Trace, read_trace_file
 
 
 def data_root() -> Path:
@@ -39,12 +40,19 @@ def _resolve(name_or_path: str, shipped: dict[str, Path], what: str) -> Path:
     raise MpsimError(f"unknown {what} {name_or_path!r}: give a file path or one of {names}")
 
 
-@lru_cache(maxsize=64)
-def _load_topology_cached(path: str, mtime: float) -> Topology:
-    return read_topology_file(Path(path))
+@lru_cache(maxsize=128)
+def _load_cached(path: str, mtime: float, kind: str) -> Topology | Trace:
+    """Parsed files are immutable, so each is read once per modification time."""
+    return read_topology_file(Path(path)) if kind == "server" else read_trace_file(Path(path))
 
 
 def load_topology(name_or_path: str) -> Topology:
     """A shipped server by name (``dgx1-v100``) or a topology YAML file."""
     path = _resolve(name_or_path, shipped_topologies(), "server")
-    return _load_topology_cached(str(path), path.stat().st_mtime)
+    return _load_cached(str(path), path.stat().st_mtime, "server")  # type: ignore[return-value]
+
+
+def load_trace(name_or_path: str) -> Trace:
+    """A shipped model by name (``gpt-5.3b``) or a trace JSON file."""
+    path = _resolve(name_or_path, shipped_traces(), "model")
+    return _load_cached(str(path), path.stat().st_mtime, "model")  # type: ignore[return-value]

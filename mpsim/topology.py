@@ -16,10 +16,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mpsim.errors import MpsimError, SchemaError, from_pydantic
+from mpsim.datafile import read_data_file, validate
+from mpsim.errors import MpsimError, SchemaError
 from mpsim.units import MiB, GiB, gbps_to_bytes_per_s
 
 SCHEMA_VERSION = 1
@@ -335,24 +335,8 @@ class Topology:
 
 
 def parse_topology(data: object, source: str = "<topology>") -> Topology:
-    if not isinstance(data, dict):
-        raise SchemaError(source, "", "expected a YAML mapping at the top level")
-    try:
-        spec = TopologyFile.model_validate(data)
-    except ValidationError as exc:
-        raise from_pydantic(source, exc) from None
-    return Topology(spec, source)
+    return Topology(validate(TopologyFile, data, source), source)
 
 
 def read_topology_file(path: Path) -> Topology:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise MpsimError(f"{path}: cannot read topology file ({exc.strerror})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise SchemaError(path, "", f"not valid YAML{where}") from None
-    return parse_topology(data, str(path))
+    return parse_topology(read_data_file(path, "yaml", "topology"), str(path))

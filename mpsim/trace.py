@@ -19,9 +19,10 @@ from typing import Literal
 
 import numpy as np
 import pandas as pd
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mpsim.errors import MpsimError, SchemaError, from_pydantic
+from mpsim.datafile import read_data_file, validate
+from mpsim.errors import MpsimError, SchemaError
 from mpsim.topology import GpuSpec
 
 SCHEMA_VERSION = 1
@@ -206,22 +207,8 @@ class Trace:
 
 
 def parse_trace(data: object, source: str = "<trace>") -> Trace:
-    if not isinstance(data, dict):
-        raise SchemaError(source, "", "expected a JSON object at the top level")
-    try:
-        spec = TraceFile.model_validate(data)
-    except ValidationError as exc:
-        raise from_pydantic(source, exc) from None
-    return Trace(spec, source)
+    return Trace(validate(TraceFile, data, source), source)
 
 
 def read_trace_file(path: Path) -> Trace:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise MpsimError(f"{path}: cannot read trace file ({exc.strerror})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SchemaError(path, "", f"not valid JSON at line {exc.lineno}") from None
-    return parse_trace(data, str(path))
+    return parse_trace(read_data_file(path, "json", "trace"), str(path))

@@ -135,31 +135,31 @@ def simulate_job(job: Job) -> SimResult:
         tpl_b = backward_template(rows[a:b], times.bwd_s[a:b], a, first, last)
         out_bytes = rows[b - 1].output_bytes
         in_grad_bytes = rows[a].input_bytes
+        # per task kind: (arrival to wait for, memory template, duration, send after it)
+        compute = {
+            "F": (None if first else "activation", tpl_f, fwd_dur[s],
+                  None if last else ("activation", s + 1, out_bytes), "forward"),
+            "B": (None if last else "gradient", tpl_b, bwd_dur[s],
+                  None if first else ("gradient", s - 1, in_grad_bytes), "backward"),
+        }
         for task in stage_tasks(job.schedule, s, p, m):
             mb = task.microbatch
-            if task.kind == "F":
-                if not first:
-                    yield run.arrival("activation", s, mb)
-                start = env.now
-                run.mem.task(g, start, tpl_f, f"forward of microbatch {mb} on stage {s}:")
-                yield env.timeout(fwd_dur[s])
-                run.spans.append(Span(g, "compute", f"F{mb}", start, env.now))
-                if not last:
-                    env.process(send("activation", s, s + 1, mb, out_bytes))
-            elif task.kind == "B":
-                if not last:
-                    yield run.arrival("gradient", s, mb)
-                start = env.now
-                run.mem.task(g, start, tpl_b, f"backward of microbatch {mb} on stage {s}:")
-                yield env.timeout(bwd_dur[s])
-                run.spans.append(Span(g, "compute", f"B{mb}", start, env.now))
-                if not first:
-                    env.process(send("gradient", s, s - 1, mb, in_grad_bytes))
-            else:
+            if task.kind == "U":
                 start = env.now
                 yield env.timeout(upd_dur[s])
                 run.spans.append(Span(g, "compute", f"U{mb}", start, env.now))
                 update_end[s].append(env.now)
+                continue
+            wait_for, template, duration, then_send, word = compute[task.kind]
+            if wait_for:
+                yield run.arrival(wait_for, s, mb)
+            start = env.now
+            run.mem.task(g, start, template, f"{word} of microbatch {mb} on stage {s}:")
+            yield env.timeout(duration)
+            run.spans.append(Span(g, "compute", f"{task.kind}{mb}", start, env.now))
+            if then_send:
+                kind, dst_stage, n_bytes = then_send
+                env.process(send(kind, s, dst_stage, mb, n_bytes))
 
     for s in range(p):
         env.process(stage_process(s))
