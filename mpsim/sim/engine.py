@@ -73,7 +73,12 @@ class _Run:
 
 def _resolve_layout(job: Job, stage_cost: np.ndarray) -> tuple[Stages, tuple[int, ...]]:
     topo = job.topology
-    n_stages = job.n_stages or (len(job.stages) if job.stages else topo.n_gpus)
+    if job.n_stages is not None:
+        n_stages = job.n_stages
+    else:
+        n_stages = len(job.stages) if job.stages else topo.n_gpus
+    if n_stages < 1:
+        raise MpsimError(f"the number of stages must be at least 1, got {n_stages}")
     if n_stages > topo.n_gpus:
         raise MpsimError(f"{n_stages} stages need {n_stages} GPUs but {topo.name} has {topo.n_gpus}")
     stages = job.stages or compute_balanced(stage_cost, n_stages)
