@@ -44,6 +44,9 @@ class GpuSpec(_Strict):
     memory_efficiency: float = Field(
         gt=0, le=1, default=0.8, description="fraction of memory bandwidth that element-wise work reaches"
     )
+    peer_copy_engines: int = Field(
+        default=2, ge=1, le=16, description="copies to peer GPUs a GPU runs at once (more queue)"
+    )
 
     @model_validator(mode="after")
     def _reserved_below_memory(self) -> "GpuSpec":

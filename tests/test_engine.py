@@ -140,3 +140,24 @@ def test_pipedream_steady_state_has_no_bubble():
     p, m = 4, 8
     r = simulate_job(Job(tiny_topology(n_gpus=p), per_stage_trace(p, 0), "pipedream", microbatches=m))
     assert r.iteration_s == pytest.approx(m * 3 * MS)
+
+
+def copy_spans(result, gpu):
+    return sorted((s.start_s, s.end_s) for s in result.spans if s.gpu == gpu and s.lane == "copy")
+
+
+@pytest.mark.parametrize("engines", [1, 2])
+def test_peer_copy_engines_bound_concurrent_sends(engines):
+    # Stage 1 of 3 sends activations forward and gradients back; with slow links the two
+    # overlap when it has two engines and queue when it has one.
+    from helpers import topology_dict
+    from mpsim.topology import parse_topology
+
+    d = topology_dict(n_gpus=3, nvlink_gbps=0.0003)
+    d["gpu"]["peer_copy_engines"] = engines
+    topo = parse_topology(d, "tiny.yaml")
+    trace = tiny_trace([layer(f"l{i}", 1.0, 1.0, inp=1000, out=1000) for i in range(3)])
+    r = simulate_job(Job(topo, trace, "1f1b", microbatches=6))
+    sends = copy_spans(r, 1)
+    overlaps = sum(1 for (a0, a1), (b0, b1) in zip(sends, sends[1:]) if b0 < a1 - 1e-12)
+    assert (overlaps == 0) if engines == 1 else (overlaps > 0)

@@ -5,8 +5,9 @@ stream; the process is the stream, so tasks of a GPU never overlap. A stage's fo
 backward is one simulation event, its per-layer memory registered from a template
 (``mpsim.sim.templates``). Activations and gradients cross stage boundaries as transfers
 over the route between the two GPUs (``mpsim.sim.network``), on a per-peer channel that
-keeps sends to one peer in order, as NCCL does; the receiver's buffer is allocated when
-the send starts and the sender's freed when it lands.
+keeps sends to one peer in order, as NCCL does, and on one of the sender's peer copy
+engines (``mpsim.sim.copy_engine``); the receiver's buffer is allocated when the send
+starts and the sender's freed when it lands.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import simpy
 from mpsim.errors import MpsimError
 from mpsim.partition import Stages, compute_balanced, validate_stages
 from mpsim.schedule import PIPEDREAM_MEASURED, check_schedule, stage_tasks, weight_versions
+from mpsim.sim.copy_engine import CopyEngines
 from mpsim.sim.memory import CATEGORIES, MemoryLog
 from mpsim.sim.network import Network
 from mpsim.sim.result import GpuResult, SimResult, Span
@@ -106,6 +108,7 @@ def simulate_job(job: Job) -> SimResult:
 
     env = _CountingEnvironment()
     run = _Run(env, Network(env), MemoryLog(topo.n_gpus))
+    engines = [CopyEngines(env, g, gpu.peer_copy_engines) for g in range(topo.n_gpus)]
     update_end: list[list[float]] = [[] for _ in range(p)]
     fwd_dur, bwd_dur, upd_dur = [], [], []
     for s, (a, b) in enumerate(stages):
@@ -124,9 +127,11 @@ def simulate_job(job: Job) -> SimResult:
         run.tails[(src, dst)] = mine
         if done_prev is not None and not done_prev.processed:
             yield done_prev
-        start = env.now
-        run.mem.event(dst, start, n_bytes, "buffers", f"{kind} of microbatch {mb} from stage {src_stage} (receive buffer)")
-        yield run.net.transfer(topo.route(src, dst), n_bytes)
+        with engines[src].peer.request() as engine:
+            yield engine
+            start = env.now
+            run.mem.event(dst, start, n_bytes, "buffers", f"{kind} of microbatch {mb} from stage {src_stage} (receive buffer)")
+            yield run.net.transfer(topo.route(src, dst), n_bytes)
         run.mem.event(src, env.now, -n_bytes, "buffers", f"{kind} of microbatch {mb} sent to stage {dst_stage}")
         run.spans.append(Span(src, "copy", f"{kind} mb{mb} -> gpu{dst}", start, env.now))
         mine.succeed()
