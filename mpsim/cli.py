@@ -123,33 +123,47 @@ def fits(server: str, family: str, schedule: str, microbatch: int | None, microb
 @app.command()
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="trace JSON file to write")
-@click.option("--family", type=click.Choice(["gpt", "bert"]), default="gpt", show_default=True)
-@click.option("--layers", type=click.IntRange(min=1), default=16, show_default=True, help="transformer layers")
-@click.option("--hidden", type=click.IntRange(min=1), default=5120, show_default=True, help="hidden size")
-@click.option("--heads", type=click.IntRange(min=1), default=40, show_default=True, help="attention heads (divide hidden)")
-@click.option("--seq-len", type=click.IntRange(min=1), default=1024, show_default=True, help="sequence length")
-@click.option("--vocab", type=click.IntRange(min=1), default=50257, show_default=True, help="vocabulary size")
-@click.option("--microbatch", type=click.IntRange(min=1), default=2, show_default=True, help="samples per microbatch")
-@click.option("--recipe", type=click.Choice(["mixed-fp16", "mixed-bf16", "fp32"]), default="mixed-fp16",
-              show_default=True, help="precision: mixed-precision Adam keeps 16 bytes per parameter")
-@click.option("--name", help="name stored in the trace")
-def trace(output: Path, family: str, layers: int, hidden: int, heads: int, seq_len: int, vocab: int,
-          microbatch: int, recipe: str, name: str | None) -> None:
+@click.option("--preset", help="start from a shipped configuration (e.g. gpt-5.3b); other options override it")
+@click.option("--family", type=click.Choice(["gpt", "bert"]), help="model family  [default: gpt]")
+@click.option("--layers", type=click.IntRange(min=1), help="transformer layers  [default: 16]")
+@click.option("--hidden", type=click.IntRange(min=1), help="hidden size  [default: 5120]")
+@click.option("--heads", type=click.IntRange(min=1), help="attention heads, dividing hidden  [default: 40]")
+@click.option("--seq-len", type=click.IntRange(min=1), help="sequence length  [default: 1024]")
+@click.option("--vocab", type=click.IntRange(min=1), help="vocabulary size  [default: 50257]")
+@click.option("--microbatch", type=click.IntRange(min=1), help="samples per microbatch  [default: 2]")
+@click.option("--recipe", type=click.Choice(["mixed-fp16", "mixed-bf16", "fp32"]),
+              help="precision; mixed-precision Adam keeps 16 bytes per parameter  [default: mixed-fp16]")
+@click.option("--name", help="name stored in the trace  [default: the preset's, else from the shape]")
+def trace(output: Path, preset: str | None, family: str | None, layers: int | None, hidden: int | None,
+          heads: int | None, seq_len: int | None, vocab: int | None, microbatch: int | None, recipe: str | None,
+          name: str | None) -> None:
     """Trace a GPT or BERT configuration under FakeTensor mode (no memory allocated).
 
     Records per layer the saved-for-backward bytes, parameters, FLOPs and bytes moved;
-    times are derived per GPU when simulated.
+    times are derived per GPU when simulated. `--preset gpt-5.3b -o traces/gpt-5.3b.json`
+    regenerates a shipped trace.
     """
-    if hidden % heads:
-        raise MpsimError(f"--heads {heads} must divide --hidden {hidden}")
-    from mpsim.tracing import trace_model
-    from mpsim.workloads import ModelConfig
+    from dataclasses import replace
 
-    cfg = ModelConfig(family, layers, hidden, heads, seq_len, vocab)  # type: ignore[arg-type]
-    result = trace_model(cfg, microbatch, recipe, name)
+    from mpsim.workloads import ZOO, ModelConfig
+
+    if preset is not None and preset not in ZOO:
+        raise MpsimError(f"unknown --preset {preset!r}: expected one of {', '.join(ZOO)}")
+    base, base_mb, base_recipe = ZOO[preset or "gpt-5.3b"]
+    given = {"family": family, "layers": layers, "hidden": hidden, "heads": heads, "seq_len": seq_len, "vocab": vocab}
+    shape = {k: v for k, v in given.items() if v is not None}
+    h, a = shape.get("hidden", base.hidden), shape.get("heads", base.heads)
+    if h % a:
+        raise MpsimError(f"--heads {a} must divide --hidden {h}")
+    cfg: ModelConfig = replace(base, **shape)
+    from mpsim.tracing import trace_model
+
+    if name is None and preset is not None and not shape and microbatch in (None, base_mb):
+        name = preset
+    result = trace_model(cfg, microbatch or base_mb, recipe or base_recipe, name)
     output.write_text(result.to_json() + "\n")
     click.echo(f"wrote {output}: {result.name}, {result.spec.params / 1e9:.2f}B parameters, {result.n_layers} layers, "
-               f"microbatch {microbatch}, {recipe}")
+               f"microbatch {result.microbatch}, {result.spec.precision.recipe}")
 
 
 @app.group()

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from mpsim.trace import RECIPES, SCHEMA_VERSION, LayerRow, Trace, TraceFile
-from mpsim.workloads import ZOO, Embedding, LossHead, ModelConfig, TransformerLayer
+from mpsim.workloads import Embedding, LossHead, ModelConfig, TransformerLayer
 
 _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_product_efficient_attention",
                "_scaled_dot_product_flash_attention"}
@@ -34,6 +34,8 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _key(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage (views share it). Only unique while the storage is
+    alive, so callers keep every storage they key alive until they are done."""
     return t.untyped_storage()._cdata
 
 
@@ -44,12 +46,14 @@ class _OpBytes(TorchDispatchMode):
         super().__init__()
         self.mem_bytes = 0
         self.outputs: dict[int, int] = {}
+        self._alive: list[torch.Tensor] = []  # keeps storages alive so their keys are never reused
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         for t in outs:
             self.outputs.setdefault(_key(t), t.untyped_storage().nbytes())
+            self._alive.append(t)
         op = func.__name__.split(".")[0]
         if not outs or getattr(func, "is_view", False) or op in _NO_TRAFFIC_OPS:
             pass  # metadata, views and uninitialised allocations move no bytes
@@ -153,7 +157,3 @@ def _assemble(cfg: ModelConfig, microbatch: int, recipe: str, name: str | None, 
     )
     return Trace(spec, "<traced>")
 
-
-def trace_shipped(name: str) -> Trace:
-    cfg, microbatch, recipe = ZOO[name]
-    return trace_model(cfg, microbatch, recipe, name=name)

@@ -73,3 +73,19 @@ def test_roofline_times_follow_flops_and_bytes():
     rate = 125e12 * gpu.matmul_efficiency
     assert times.fwd_s[0] == pytest.approx(1e12 / rate + 7.2e8 / (900e9 * gpu.memory_efficiency))
     assert times.bwd_s[0] == pytest.approx(2e12 / rate)
+
+
+def test_shipped_trace_is_what_the_tracer_makes_today(tmp_path):
+    from mpsim.cli import main
+
+    out = tmp_path / "gpt.json"
+    assert main(["trace", "--preset", "gpt-5.3b", "-o", str(out)]) == 0
+    fresh = load_trace(str(out)).spec.model_dump()
+    shipped = load_trace("gpt-5.3b").spec.model_dump()
+    fresh["source"].pop("torch_version"), shipped["source"].pop("torch_version")
+    assert fresh == shipped
+
+
+def test_tracing_is_deterministic():
+    cfg = ModelConfig("bert", 1, 256, 4, 128, 1000)
+    assert trace_model(cfg, 2).to_json() == trace_model(cfg, 2).to_json()
