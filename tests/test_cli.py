@@ -85,20 +85,23 @@ def test_help_explains(capsys):
 
 # -- bad input: one line, exit 2, naming the file, the field and what was expected ------------
 
-def _topo(tmp_path, mutate):
-    d = yaml.safe_load((ROOT / "topologies" / "dgx1-v100.yaml").read_text())
+def _mutated(tmp_path, source, name, mutate):
+    """A copy of a shipped data file with ``mutate`` applied to its parsed content."""
+    text = (ROOT / source).read_text()
+    is_yaml = source.endswith(".yaml")
+    d = yaml.safe_load(text) if is_yaml else json.loads(text)
     mutate(d)
-    p = tmp_path / "server.yaml"
-    p.write_text(yaml.safe_dump(d))
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(d) if is_yaml else json.dumps(d))
     return str(p)
+
+
+def _topo(tmp_path, mutate):
+    return _mutated(tmp_path, "topologies/dgx1-v100.yaml", "server.yaml", mutate)
 
 
 def _trace(tmp_path, mutate):
-    d = json.loads((ROOT / "traces" / "gpt-5.3b.json").read_text())
-    mutate(d)
-    p = tmp_path / "model.json"
-    p.write_text(json.dumps(d))
-    return str(p)
+    return _mutated(tmp_path, "traces/gpt-5.3b.json", "model.json", mutate)
 
 
 def _set(path, value):
