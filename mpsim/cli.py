@@ -212,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     except MpsimError as exc:
         click.echo(f"mpsim: error: {exc}", err=True)
         return 2
+    except OSError as exc:  # an output path that cannot be written
+        where = f"{exc.filename}: " if exc.filename else ""
+        click.echo(f"mpsim: error: {where}cannot write ({exc.strerror or exc})", err=True)
+        return 2
     except click.exceptions.Abort:
         click.echo("mpsim: aborted", err=True)
         return 130

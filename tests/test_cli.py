@@ -148,6 +148,8 @@ BAD = [
      "cannot split 5 layers into 16 non-empty stages"),
     ("too many stages", lambda t: ["simulate", "--stages", "9"], "9 stages need 9 GPUs but dgx1-v100 has 8"),
     ("unknown family", lambda t: ["fits", "--family", "resnet"], "unknown model family 'resnet'"),
+    ("unwritable output", lambda t: ["simulate", "--json", str(t / "no" / "such" / "dir.json")],
+     "dir.json: cannot write (No such file or directory)"),
     ("non-integer option", lambda t: ["simulate", "--microbatches", "many"], "'many' is not a valid integer"),
 ]
 
