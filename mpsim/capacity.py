@@ -101,7 +101,7 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
     n0 = _n_transformer(template)
     min_layers = max(1, topo.n_gpus - (template.n_layers - n0))  # every stage needs a layer
 
-    cache: dict[int, FitRow] = {}
+    cache: dict[int, FitRow] = {n0: fitting[-1][1]} if fitting else {}
 
     def probe(n: int) -> FitRow:
         if n not in cache:
@@ -139,6 +139,4 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
             lo = mid
         else:
             hi = mid
-    largest = probe(lo) if lo != n0 or not fitting else FitRow(template.name, template.spec.params, n0,
-                                                               fitting[-1][1].result)
-    return FitsReport(topo.name, family, schedule, mb, microbatches, strategy, rows, largest, template.name)
+    return FitsReport(topo.name, family, schedule, mb, microbatches, strategy, rows, probe(lo), template.name)

@@ -37,11 +37,11 @@ def simulate_text(r: SimResult) -> str:
     lines = [head, "", _table(header, rows), "(breakdown columns in GiB at each GPU's peak)", ""]
     lines.append(f"iteration     {r.iteration_s * 1e3:.1f} ms")
     lines.append(f"throughput    {r.samples_per_s:.2f} samples/s, {r.model_tflops:.1f} model TFLOP/s")
-    used = {k: v for k, v in r.to_dict()["links"].items() if v["bytes"]}
-    if used:
-        name, link = max(used.items(), key=lambda kv: (kv[1]["utilization"], kv[0]))
-        lines.append(f"busiest link  {name}: busy {100 * link['utilization']:.1f}% of the run, "
-                     f"{link['bytes'] / 1e9:.2f} GB carried")
+    utilization = {k: u for k, u in r.link_utilization().items() if r.links[k]["bytes"]}
+    if utilization:
+        name = max(utilization, key=lambda k: (utilization[k], k))
+        lines.append(f"busiest link  {name}: busy {100 * utilization[name]:.1f}% of the run, "
+                     f"{r.links[name]['bytes'] / 1e9:.2f} GB carried")
     if r.oom:
         o = r.oom
         lines.append(f"DOES NOT FIT: GPU {o['gpu']} ran out at {o['time_s'] * 1e3:.1f} ms during {o['task']}: "

@@ -19,11 +19,19 @@ def test_largest_is_the_boundary_of_the_layer_search():
 
 
 def test_search_goes_down_when_no_shipped_size_fits():
-    rep = fits("gtx1080ti-x1", "gpt", "gpipe", 2, 1)
+    # 4 x 24 GB TITAN RTX: even GPT-5.3B (16 layers) is too big; fewer layers of its shape fit.
+    rep = fits("titanrtx-x4-pcie", "gpt", "1f1b", 2, 16)
     assert not any(r.result.fits for r in rep.rows)
-    if rep.largest is not None:
-        assert rep.largest.result.fits
-        assert rep.largest.layers < 16
+    n = rep.largest.layers
+    assert 1 <= n < 16 and rep.largest.result.fits
+    template = load_trace(rep.largest_template)
+    assert not simulate("titanrtx-x4-pcie", template.with_layers(n + 1), "1f1b", 2, 16).fits
+
+
+def test_nothing_fits_is_reported_as_none():
+    # One 11 GB GPU cannot hold even one 5120-wide GPT layer with its Adam states.
+    rep = fits("gtx1080ti-x1", "gpt", "gpipe", 2, 1)
+    assert rep.largest is None and rep.to_dict()["largest"] is None
 
 
 def test_trace_command_writes_a_loadable_trace(tmp_path, capsys):

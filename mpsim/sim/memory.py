@@ -83,9 +83,8 @@ class MemoryLog:
             return GpuMemory(0, {k: 0 for k in CATEGORIES}, t, used, None)
         peak_pos = int(np.argmax(used))
         peak = int(used[peak_pos])
-        by_cat = np.zeros((len(CATEGORIES), len(d)), dtype=np.int64)
-        by_cat[c, np.arange(len(d))] = d
-        at_peak = by_cat[:, : peak_pos + 1].sum(axis=1)
+        at_peak = np.zeros(len(CATEGORIES), dtype=np.int64)
+        np.add.at(at_peak, c[: peak_pos + 1], d[: peak_pos + 1])
         breakdown = {name: int(at_peak[i]) for i, name in enumerate(CATEGORIES)}
         oom = None
         over = np.nonzero(used > capacity)[0]

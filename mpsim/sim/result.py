@@ -82,7 +82,12 @@ class SimResult:
     def max_peak_bytes(self) -> int:
         return max(g.peak_bytes for g in self.gpus)
 
+    def link_utilization(self) -> dict[str, float]:
+        """Share of the run each link carried at least one transfer."""
+        return {k: v["busy_s"] / self.makespan_s if self.makespan_s else 0.0 for k, v in self.links.items()}
+
     def to_dict(self) -> dict:
+        utilization = self.link_utilization()
         return {
             "fits": self.fits,
             "server": self.server,
@@ -98,6 +103,5 @@ class SimResult:
             "gpu_of_stage": list(self.gpu_of_stage),
             "gpus": [g.to_dict() for g in self.gpus],
             "oom": self.oom,
-            "links": {k: {"bytes": v["bytes"], "utilization": v["busy_s"] / self.makespan_s if self.makespan_s else 0.0}
-                      for k, v in self.links.items()},
+            "links": {k: {"bytes": v["bytes"], "utilization": utilization[k]} for k, v in self.links.items()},
         }
