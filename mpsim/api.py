@@ -1,30 +1,52 @@
-"""The importable front door: load servers and models, simulate one job.
+"""The importable front door: load servers and models, plan and simulate one job.
 
 >>> from mpsim import simulate
->>> r = simulate("dgx1-v100", "gpt-5.3b", schedule="1f1b", microbatch=2, microbatches=16)
+>>> r = simulate("dgx1-v100", "gpt-10.3b", schedule="1f1b", microbatch=2, strategy="cpu-swap")
 >>> r.fits, round(r.iteration_s, 2)
 """
 
 from __future__ import annotations
 
 from mpsim.catalog import load_topology, load_trace
+from mpsim.plan import PlanFile
+from mpsim.planners import Planned, plan_job
 from mpsim.sim import Job, SimResult, simulate_job
 from mpsim.topology import Topology
 from mpsim.trace import Trace
 
 
-def simulate(server: str | Topology, model: str | Trace, schedule: str = "1f1b", microbatch: int | None = None,
-             microbatches: int = 16, n_stages: int | None = None, strategy: str = "none") -> SimResult:
-    """Simulate one training iteration of ``model`` on ``server``.
-
-    ``microbatch`` rescales the trace (None keeps the traced size); one stage per GPU
-    unless ``n_stages`` says otherwise; compute-balanced partition.
-    """
+def plan(server: str | Topology, model: str | Trace, schedule: str = "1f1b", microbatch: int | None = None,
+         microbatches: int = 16, n_stages: int | None = None, strategy: str = "none") -> Planned:
+    """Make a plan with a named strategy; returns it with its simulated result."""
     topo = load_topology(server) if isinstance(server, str) else server
     trace = load_trace(model) if isinstance(model, str) else model
     if microbatch is not None:
         trace = trace.rescale(microbatch)
-    return simulate_job(Job(topo, trace, schedule, microbatches, n_stages=n_stages, strategy=strategy))
+    return plan_job(strategy, topo, trace, schedule, microbatches, n_stages)
 
 
-__all__ = ["load_topology", "load_trace", "simulate"]
+def simulate(server: str | Topology, model: str | Trace, schedule: str = "1f1b", microbatch: int | None = None,
+             microbatches: int = 16, n_stages: int | None = None, strategy: str = "none",
+             plan_file: PlanFile | None = None, record_link_rates: bool = False) -> SimResult:
+    """Simulate one training iteration of ``model`` on ``server``.
+
+    With ``plan_file`` the plan says schedule, microbatches, partition, mapping and
+    actions (the trace is rescaled to its microbatch). Otherwise ``strategy`` makes the
+    plan: ``microbatch`` rescales the trace (None keeps the traced size); one stage per
+    GPU unless ``n_stages`` says otherwise; compute-balanced partition.
+    """
+    topo = load_topology(server) if isinstance(server, str) else server
+    trace = load_trace(model) if isinstance(model, str) else model
+    if plan_file is not None:
+        trace = trace.rescale(plan_file.microbatch)
+        return simulate_job(Job(topo, trace, strategy=plan_file.strategy, plan=plan_file,
+                                record_link_rates=record_link_rates))
+    if microbatch is not None:
+        trace = trace.rescale(microbatch)
+    planned = plan_job(strategy, topo, trace, schedule, microbatches, n_stages)
+    if not record_link_rates:
+        return planned.result
+    return simulate_job(Job(topo, trace, strategy=strategy, plan=planned.plan, record_link_rates=True))
+
+
+__all__ = ["load_topology", "load_trace", "plan", "simulate"]

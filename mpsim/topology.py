@@ -61,6 +61,8 @@ class GpuSpec(_Strict):
 class HostSpec(_Strict):
     memory_gib: float = Field(gt=0, description="host DRAM, GiB")
     sockets: int = Field(gt=0, le=8, description="CPU sockets")
+    cpu_adam_gparams_per_s: float = Field(
+        gt=0, default=1.0, description="optimizer update rate on the CPU (ZeRO-Offload style), 1e9 params/s (estimate)")
 
 
 class NvlinkPair(_Strict):

@@ -1,22 +1,41 @@
-"""Per-GPU memory as a log of allocations and frees, analysed after the run.
+"""Per-GPU memory: a log of allocations and frees analysed after the run, and the live
+count of bytes in use that decides when an allocation must wait.
 
-In this release memory never changes timing: when a job does not fit, the run goes on as
-if memory were unlimited so that each GPU's peak shows its demand. That lets a stage's
-forward or backward register all its per-layer allocations at once from a precomputed
-template (offsets within the task, byte deltas, categories) instead of one simulation
-event per layer. After the run, the events of each GPU are ordered by (time, order of
-registration), summed, and give the peak, the breakdown by category at the peak, the
-memory-over-time series and the first point where a GPU exceeded its capacity.
+The log (``MemoryLog``) is exact. A piece of a stage's forward or backward registers all
+its per-layer allocations at once from a precomputed template (offsets within the piece,
+byte deltas, categories) instead of one simulation event per layer. After the run, the
+events of each GPU are ordered by (time, order of registration), summed, and give the
+peak, the breakdown by category at the peak, the memory-over-time series and the first
+point where a GPU exceeded its capacity. The host's pinned memory is one more log.
+
+Ledger categories (``saved:<technique>``) do not count as memory in use: they record
+what a technique keeps off the GPU at each moment (bytes the plain plan would hold there
+and this plan does not), so their sum at a GPU's peak is what each technique saved there
+(MPress Table IV).
+
+``LiveMemory`` decides waits (DESIGN "The simulation"): an allocation that does not fit
+waits while frees are under way on that GPU (a swap-out in flight) and goes ahead when
+none are, so a job that does not fit still runs to the end and shows its demand. While a
+piece runs, its highest point is held as a reservation, so the live count never falls
+below the log's (it may wait slightly early, never late).
 """
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import numpy as np
+import simpy
 
-CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "stash", "buffers", "workspace")
+CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "stash", "buffers", "workspace",
+                               "peer_swap")
+"""What memory in use is made of; ``peer_swap`` is space a GPU holds for other GPUs' D2D swaps."""
+TECHNIQUES: tuple[str, ...] = ("recompute", "host", "peer", "split", "optimizer", "stash")
+"""Ledger categories, logged as ``saved:<technique>``."""
 CAT = {name: i for i, name in enumerate(CATEGORIES)}
+CAT.update({f"saved:{name}": len(CATEGORIES) + i for i, name in enumerate(TECHNIQUES)})
+N_REAL = len(CATEGORIES)
 
 
 @dataclass(frozen=True)
@@ -28,6 +47,22 @@ class Template:
     cats: np.ndarray
     labels: tuple[str, ...]
     """What each event is (layer and tensor), for naming the out-of-memory point."""
+    peak_bytes: int = 0
+    """Highest point of the real deltas in time order, relative to the start (>= 0)."""
+    net_bytes: int = 0
+    """Sum of the real deltas."""
+
+
+def make_template(events: list[tuple[float, int, str, str]]) -> Template:
+    """A template from (offset s, delta bytes, category, label) events, in the order given
+    (the log keeps that order among events at the same offset)."""
+    offsets = np.array([e[0] for e in events], dtype=float)
+    deltas = np.array([e[1] for e in events], dtype=np.int64)
+    cats = np.array([CAT[e[2]] for e in events], dtype=np.int64)
+    real = np.where(cats < N_REAL, deltas, 0)[np.argsort(offsets, kind="stable")]
+    running = np.cumsum(real)
+    peak = max(0, int(running.max())) if len(running) else 0
+    return Template(offsets, deltas, cats, tuple(e[3] for e in events), peak, int(real.sum()))
 
 
 @dataclass
@@ -36,6 +71,8 @@ class GpuMemory:
 
     peak_bytes: int
     breakdown: dict[str, int]
+    saved: dict[str, int]
+    """Ledger at the peak: bytes each technique kept off this GPU at that moment."""
     times_s: np.ndarray
     used_bytes: np.ndarray
     oom: dict | None
@@ -78,16 +115,17 @@ class MemoryLog:
         c = np.concatenate(parts_c)
         idx = np.lexsort((o, t))
         t, d, c = t[idx], d[idx], c[idx]
-        used = np.cumsum(d)
+        used = np.cumsum(np.where(c < N_REAL, d, 0))
         if len(used) == 0:
-            return GpuMemory(0, {k: 0 for k in CATEGORIES}, t, used, None)
+            return GpuMemory(0, {k: 0 for k in CATEGORIES}, {k: 0 for k in TECHNIQUES}, t, used, None)
         peak_pos = int(np.argmax(used))
         peak = int(used[peak_pos])
-        at_peak = np.zeros(len(CATEGORIES), dtype=np.int64)
+        at_peak = np.zeros(len(CAT), dtype=np.int64)
         np.add.at(at_peak, c[: peak_pos + 1], d[: peak_pos + 1])
         breakdown = {name: int(at_peak[i]) for i, name in enumerate(CATEGORIES)}
+        saved = {name: int(at_peak[N_REAL + i]) for i, name in enumerate(TECHNIQUES)}
         oom = None
-        over = np.nonzero(used > capacity)[0]
+        over = np.nonzero((used > capacity) & (d > 0) & (c < N_REAL))[0]
         if len(over):
             pos = int(over[0])
             oom = {
@@ -97,7 +135,7 @@ class MemoryLog:
                 "need_bytes": int(d[pos]),
                 "free_bytes": int(capacity - (used[pos] - d[pos])),
             }
-        return GpuMemory(peak, breakdown, t, used, oom)
+        return GpuMemory(peak, breakdown, saved, t, used, oom)
 
     def _label_at(self, gpu: int, flat_index: int) -> str:
         """The label of the event at position ``flat_index`` of the unsorted concatenation."""
@@ -110,3 +148,28 @@ class MemoryLog:
                 return f"{task_label} {tpl.labels[flat_index]}"
             flat_index -= len(tpl.deltas)
         return "?"
+
+
+class LiveMemory:
+    """Bytes in use per GPU as the run goes, and the frees under way (swap-outs in flight)."""
+
+    def __init__(self, env: simpy.Environment, n_gpus: int, capacity_bytes: int) -> None:
+        self.env = env
+        self.capacity = capacity_bytes
+        self.used = [0] * n_gpus
+        self.freeing = [0] * n_gpus
+        self._landed = [env.event() for _ in range(n_gpus)]
+
+    def wait_for_room(self, gpu: int, n_bytes: int) -> Generator[simpy.Event, object, float]:
+        """Wait while ``n_bytes`` do not fit and a free is under way; return seconds waited."""
+        start = self.env.now
+        while self.used[gpu] + n_bytes > self.capacity and self.freeing[gpu]:
+            yield self._landed[gpu]
+        return self.env.now - start
+
+    def free_landed(self, gpu: int, n_bytes: int) -> None:
+        """A free that was under way has happened: wake whoever waits for room."""
+        self.used[gpu] -= n_bytes
+        self.freeing[gpu] -= 1
+        landed, self._landed[gpu] = self._landed[gpu], self.env.event()
+        landed.succeed()

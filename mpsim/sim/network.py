@@ -33,8 +33,11 @@ class _Flow:
 class Network:
     """Owns every active flow; ``transfer`` returns an event that fires when bytes land."""
 
-    def __init__(self, env: simpy.Environment) -> None:
+    def __init__(self, env: simpy.Environment, record_rates: bool = False) -> None:
         self.env = env
+        self.record_rates = record_rates
+        self.rate_log: list[tuple[float, dict[str, float]]] = []
+        """(time, bytes/s per busy link) at every change, when ``record_rates``."""
         self._flows: list[_Flow] = []
         self._last = 0.0
         self._version = 0
@@ -100,8 +103,16 @@ class Network:
     def _reschedule(self) -> None:
         self._version += 1
         if not self._flows:
+            if self.record_rates:
+                self.rate_log.append((self.env.now, {}))
             return
         self._rates()
+        if self.record_rates:
+            per_link: dict[str, float] = defaultdict(float)
+            for f in self._flows:
+                for link in f.links:
+                    per_link[link.name] += f.rate
+            self.rate_log.append((self.env.now, dict(per_link)))
         dt = min(f.remaining / f.rate for f in self._flows)
         version = self._version
         self.env.timeout(max(dt, 0.0)).callbacks.append(lambda _e: self._wake(version))

@@ -7,6 +7,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+COSTS: tuple[str, ...] = ("recompute_s", "swap_wait_s", "peer_wait_s", "memory_wait_s", "split_s", "optimizer_s")
+"""Time a plan's techniques cost a GPU per iteration: recompute on the compute stream,
+backward waits on host and on D2D swap-ins, waits for room while swap-outs land, extra
+time of split micro-ops, optimizer update time beyond the GPU's own."""
+
 
 class Span(NamedTuple):
     """A busy interval on one GPU lane (``compute`` or ``copy``)."""
@@ -32,6 +37,10 @@ class GpuResult:
     """Compute-stream busy time per iteration."""
     memory_times_s: np.ndarray = field(repr=False)
     memory_used_bytes: np.ndarray = field(repr=False)
+    saved_at_peak: dict[str, int] = field(default_factory=dict)
+    """Bytes each technique kept off this GPU at its peak (``mpsim.sim.memory`` ledger)."""
+    costs_s: dict[str, float] = field(default_factory=dict)
+    """Seconds each technique cost this GPU per iteration (``COSTS``)."""
 
     @property
     def fits(self) -> bool:
@@ -48,6 +57,8 @@ class GpuResult:
             "fits": self.fits,
             "compute_s": self.compute_s,
             "breakdown": dict(self.breakdown),
+            "saved_at_peak": dict(self.saved_at_peak),
+            "costs_s": dict(self.costs_s),
         }
 
 
@@ -73,6 +84,11 @@ class SimResult:
     makespan_s: float = 0.0
     sim_events: int = 0
     """SimPy events scheduled by the run (a measure of simulation work)."""
+    host_peak_bytes: int = 0
+    """Peak of pinned host memory (swapped tensors, offloaded optimizer states, stashes)."""
+    host_capacity_bytes: int = 0
+    link_rates: list[tuple[float, dict[str, float]]] = field(default_factory=list, repr=False)
+    """Link rates (bytes/s) at every change, when the job asked to record them."""
 
     @property
     def fits(self) -> bool:
@@ -102,6 +118,7 @@ class SimResult:
             "partition": [list(s) for s in self.stages],
             "gpu_of_stage": list(self.gpu_of_stage),
             "gpus": [g.to_dict() for g in self.gpus],
+            "host": {"peak_bytes": self.host_peak_bytes, "capacity_bytes": self.host_capacity_bytes},
             "oom": self.oom,
             "links": {k: {"bytes": v["bytes"], "utilization": utilization[k]} for k, v in self.links.items()},
         }

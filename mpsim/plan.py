@@ -1,0 +1,207 @@
+"""Plan files: what a memory-saving plan tells the simulator and the executor (JSON).
+
+A plan fixes the pipeline (schedule, microbatches, the layers of each stage and the GPU it
+runs on) and, per stage, what happens to each layer's saved activations and to the
+stage's optimizer states and stashed weights. Layers a stage does not list are kept.
+
+Actions on a layer's saved activations (everything its backward needs, its input
+included when it saves it):
+
+- ``keep``: resident from the layer's forward to its backward;
+- ``recompute``: dropped after the forward, the layer input kept as the checkpoint, the
+  forward re-run on the compute stream just before the backward;
+- ``host``: copied to pinned host memory after the forward, back before the backward;
+- ``peer``: the same over NVLink to other GPUs' spare memory, striped over ``peers``
+  (MPress III-C, "data striping"): each peer takes its ``fraction`` of the bytes.
+
+``split`` (p >= 1) runs the layer's forward and backward as p micro-ops over one of the
+layer's splittable dimensions (TSPLIT III-A), combined with any action above.
+
+Per stage, ``optimizer`` is ``gpu`` (default), ``host-update`` (ZeRO-Offload style: the
+optimizer states live on the host and the update runs on the CPU) or ``host-stream``
+(states live on the host and are streamed in and out around a GPU update); ``stash`` is
+``gpu`` or ``host`` (PipeDream's stashed weight versions kept in host memory, the
+version a backward needs copied in before it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mpsim.datafile import read_data_file, validate
+from mpsim.errors import SchemaError
+from mpsim.schedule import SCHEDULES, check_schedule
+from mpsim.topology import Topology
+from mpsim.trace import Trace
+
+SCHEMA_VERSION = 1
+STRIPE_TOLERANCE = 1e-6
+ACTIONS: tuple[str, ...] = ("keep", "recompute", "host", "peer")
+DEFAULT_SPLIT_SLOWDOWN_PER_EXTRA_OP = 0.03
+"""Default cost of a split: each micro-op beyond the first adds 3% of the layer's time
+(kernel launches and lower utilisation of smaller kernels, TSPLIT III-B and Fig. 5; the
+split and merge copies themselves are under 1% of the run, TSPLIT V-B)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Stripe(_Strict):
+    gpu: int = Field(description="peer GPU that holds this part")
+    fraction: float = Field(gt=0, le=1, description="share of the tensor's bytes on this peer")
+
+
+class LayerAction(_Strict):
+    layer: int = Field(description="layer index in the trace (0-based)")
+    action: Literal["keep", "recompute", "host", "peer"] = "keep"
+    peers: list[Stripe] = Field(default_factory=list, description="stripes of a peer swap; fractions sum to 1")
+    split: int = Field(default=1, description="micro-ops the layer runs as (TSPLIT p_num); 1 = not split")
+    split_dim: Literal["batch", "sequence", "hidden"] | None = Field(
+        default=None, description="dimension split along  [default: the layer's first splittable one]")
+    split_slowdown: float | None = Field(
+        default=None, ge=1, description="layer time factor when split  [default: 1 + 0.03 (p - 1)]")
+
+    def slowdown(self) -> float:
+        if self.split <= 1:
+            return 1.0
+        if self.split_slowdown is not None:
+            return self.split_slowdown
+        return 1.0 + DEFAULT_SPLIT_SLOWDOWN_PER_EXTRA_OP * (self.split - 1)
+
+
+class StagePlan(_Strict):
+    gpu: int = Field(description="GPU the stage runs on")
+    layers: tuple[int, int] = Field(description="first layer and one past the last")
+    optimizer: Literal["gpu", "host-update", "host-stream"] = "gpu"
+    stash: Literal["gpu", "host"] = "gpu"
+    actions: list[LayerAction] = Field(default_factory=list, description="layers not listed are kept")
+
+
+class PlanFile(_Strict):
+    """The on-disk schema of a plan."""
+
+    schema_: int = Field(alias="schema", description="format version, currently 1")
+    model: str = Field(description="trace the plan was made for")
+    server: str = Field(description="topology the plan was made for")
+    microbatch: int = Field(gt=0)
+    microbatches: int = Field(gt=0)
+    schedule: Literal["gpipe", "1f1b", "pipedream"]
+    strategy: str = Field(default="custom", description="what produced the plan")
+    stages: list[StagePlan] = Field(min_length=1)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(by_alias=True, exclude_defaults=False), indent=1)
+
+    def action_of(self, stage: int) -> dict[int, LayerAction]:
+        return {a.layer: a for a in self.stages[stage].actions}
+
+
+def check_plan(plan: PlanFile, topo: Topology, trace: Trace, source: str = "") -> None:
+    """Rules that need the server and the model; raises a SchemaError naming the entry."""
+    def bad(field: str, expected: str) -> SchemaError:
+        return SchemaError(source, field, expected)
+
+    if plan.schema_ != SCHEMA_VERSION:
+        raise bad("schema", f"expected {SCHEMA_VERSION}, got {plan.schema_}")
+    if plan.schedule not in SCHEDULES:
+        raise bad("schedule", f"expected one of {', '.join(SCHEDULES)}")
+    n, L, p = topo.n_gpus, trace.n_layers, len(plan.stages)
+    if p > n:
+        raise bad("stages", f"{p} stages need {p} GPUs but {topo.name} has {n}")
+    expected_first = 0
+    gpus_seen: dict[int, int] = {}
+    for s, st in enumerate(plan.stages):
+        where = f"stages.{s}"
+        if not 0 <= st.gpu < n:
+            raise bad(f"{where}.gpu", f"GPU {st.gpu} does not exist on {topo.name} (0..{n - 1})")
+        if st.gpu in gpus_seen:
+            raise bad(f"{where}.gpu", f"GPU {st.gpu} already runs stage {gpus_seen[st.gpu]}")
+        gpus_seen[st.gpu] = s
+        a, b = st.layers
+        if a != expected_first or b <= a or b > L:
+            raise bad(f"{where}.layers", f"expected [{expected_first}, e) with {expected_first} < e <= {L} "
+                      f"(stages cover layers 0..{L - 1} of {trace.name} in order), got [{a}, {b})")
+        expected_first = b
+        if st.stash == "host" and plan.schedule != "pipedream":
+            raise bad(f"{where}.stash", "'host' applies to pipedream only (other schedules stash no weights)")
+        seen: set[int] = set()
+        for k, act in enumerate(st.actions):
+            at = f"{where}.actions.{k}"
+            if not a <= act.layer < b:
+                raise bad(f"{at}.layer", f"layer {act.layer} is not in stage {s} (layers {a}..{b - 1})")
+            if act.layer in seen:
+                raise bad(f"{at}.layer", f"layer {act.layer} is listed twice")
+            seen.add(act.layer)
+            row = trace.layers[act.layer]
+            if act.split < 1:
+                raise bad(f"{at}.split", f"p must be at least 1, got {act.split}")
+            if act.split > 1:
+                if not row.split_dims:
+                    raise bad(f"{at}.split", f"layer {act.layer} ({row.name}) cannot be split (no splittable dimension)")
+                if act.split_dim is not None and act.split_dim not in row.split_dims:
+                    raise bad(f"{at}.split_dim", f"layer {act.layer} splits along {', '.join(row.split_dims)} only")
+            if act.action == "peer":
+                if not act.peers:
+                    raise bad(f"{at}.peers", "a peer swap needs at least one stripe")
+                total = sum(x.fraction for x in act.peers)
+                if abs(total - 1.0) > STRIPE_TOLERANCE:
+                    raise bad(f"{at}.peers", f"stripe fractions must sum to 1, got {total:.6g}")
+                targets = [x.gpu for x in act.peers]
+                if len(set(targets)) != len(targets):
+                    raise bad(f"{at}.peers", "a peer GPU is listed twice")
+                for x in act.peers:
+                    if x.gpu == st.gpu or not 0 <= x.gpu < n:
+                        raise bad(f"{at}.peers", f"GPU {x.gpu} is not a peer of GPU {st.gpu} on {topo.name}")
+                    if not topo.nvlinks_between(st.gpu, x.gpu):
+                        raise bad(f"{at}.peers", f"no NVLink route from GPU {st.gpu} to GPU {x.gpu} on {topo.name}")
+            elif act.peers:
+                raise bad(f"{at}.peers", f"stripes belong to action 'peer', not {act.action!r}")
+    if expected_first != L:
+        raise bad("stages", f"the stages end at layer {expected_first} but {trace.name} has {L} layers")
+    check_schedule(plan.schedule, p, plan.microbatches)
+
+
+def parse_plan(data: object, source: str = "<plan>") -> PlanFile:
+    return validate(PlanFile, data, source)
+
+
+def read_plan_file(path: Path) -> PlanFile:
+    return parse_plan(read_data_file(path, "json", "plan"), str(path))
+
+
+def write_plan_file(plan: PlanFile, path: Path) -> None:
+    path.write_text(plan.to_json() + "\n")
+
+
+def make_plan(trace: Trace, topo: Topology, schedule: str, microbatches: int,
+              stages: list[tuple[int, int]], gpu_of_stage: list[int], strategy: str,
+              actions: dict[int, list[LayerAction]] | None = None,
+              optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None) -> PlanFile:
+    """A plan from its parts; ``actions``/``optimizer``/``stash`` are keyed by stage."""
+    actions = actions or {}
+    optimizer = optimizer or {}
+    stash = stash or {}
+    return PlanFile(
+        schema=SCHEMA_VERSION, model=trace.name, server=topo.name, microbatch=trace.microbatch,
+        microbatches=microbatches, schedule=schedule, strategy=strategy,  # type: ignore[arg-type]
+        stages=[StagePlan(gpu=g, layers=(a, b), optimizer=optimizer.get(s, "gpu"),  # type: ignore[arg-type]
+                          stash=stash.get(s, "gpu"), actions=actions.get(s, []))  # type: ignore[arg-type]
+                for s, ((a, b), g) in enumerate(zip(stages, gpu_of_stage))],
+    )
+
+
+def stripes_by_bandwidth(topo: Topology, src: int, peers: list[int]) -> list[Stripe]:
+    """MPress III-C data striping: parts sized in proportion to each route's bandwidth, so
+    that on an idle server all parts land together."""
+    bw = [topo.route(src, g).bandwidth for g in peers]
+    total = sum(bw)
+    fractions = [b / total for b in bw]
+    fractions[-1] = 1.0 - sum(fractions[:-1])
+    return [Stripe(gpu=g, fraction=f) for g, f in zip(peers, fractions)]

@@ -1,0 +1,272 @@
+"""A stage's program: its forward and backward cut into pieces, with the plan's actions.
+
+Memory model of one layer j (trace row; ``in``/``out`` its input and output bytes, ``own``
+its saved activations other than its input):
+
+forward, at its start: + own, + out, + workspace; at its end: - workspace, and - in
+unless the layer holds it (it saves it, or it is the recompute checkpoint). The last
+layer's output on a non-last stage is the boundary buffer, freed when its send lands.
+
+backward (layers in reverse), at its start: + gradient of the input (none for the
+embedding, whose input is token ids), + workspace (taken equal to the forward's); at its
+end: - workspace, - own, - in if held, - gradient of the output. The gradient of the
+stage's first layer input is the boundary buffer sent back, freed when its send lands.
+
+Actions (``mpsim.plan``):
+
+- recompute: own is freed at the end of the forward; before the backward the forward is
+  re-run on the compute stream (+ own, + out, + workspace at its start; - workspace,
+  - out at its end), so the cost is exactly the forward time;
+- host / peer swap: after the forward a swap-out of own (+ in when saved) starts; it frees
+  them when it lands (``mpsim.sim.engine``). The backward's piece for the layer starts
+  only once the swap-in has landed;
+- split into p micro-ops (TSPLIT III-A): each micro-op allocates 1/p of own, out and
+  workspace at its start and releases 1/p of what the layer lets go (workspace, an input
+  it does not hold, own when recomputed) at its end, and each swapped micro-tensor leaves
+  as soon as its micro-op is done. The transient peak of a layer that releases its input
+  falls from in + out to max(in, out) + min(in, out) / p, by (p - 1) / p x min(in, out)
+  (TSPLIT equation 5). The layer's times are multiplied by the split slowdown.
+
+A forward is cut after every micro-op that swaps, a backward before every layer whose
+swap-in it must wait for; each piece is one simulation event with a memory template.
+Parameters, gradients and optimizer states are allocated once, before the first task;
+PipeDream adds p - i - 1 stashed weight versions on stage i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mpsim.plan import LayerAction
+from mpsim.sim.memory import Template, make_template
+from mpsim.trace import LayerRow
+
+_KEEP = LayerAction(layer=-1)
+Event = tuple[float, int, str, str]
+
+
+def chunk(n_bytes: int, c: int, p: int) -> int:
+    """Bytes of micro-tensor ``c`` of ``p``: sizes differ by at most one and sum to ``n_bytes``."""
+    return n_bytes * (c + 1) // p - n_bytes * c // p
+
+
+@dataclass(frozen=True)
+class SwapOut:
+    """A micro-tensor leaving the GPU when the piece before it ends."""
+
+    layer: int
+    own_bytes: int
+    input_bytes: int
+    input_cat: str
+    target: str
+    """``host`` or ``peer``."""
+
+
+@dataclass(frozen=True)
+class SwapIn:
+    """What a swapped layer brings back before its backward."""
+
+    layer: int
+    own_bytes: int
+    input_bytes: int
+    input_cat: str
+    target: str
+    peers: tuple[tuple[int, float], ...]
+    chunks: int
+    need_offset_s: float
+    """When the backward needs it, from the start of the backward task (no waits)."""
+
+    @property
+    def n_bytes(self) -> int:
+        return self.own_bytes + self.input_bytes
+
+
+@dataclass(frozen=True)
+class Piece:
+    template: Template
+    duration_s: float
+    swap_out: SwapOut | None = None
+    wait_for: int | None = None
+    """Layer whose swap-in must have landed before this piece starts."""
+
+
+@dataclass
+class StageProgram:
+    forward: list[Piece]
+    backward: list[Piece]
+    swap_ins: list[SwapIn]
+    """In the order the backward needs them."""
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    """Recompute time per backward task."""
+    split_forward_s: float
+    """Extra time of split micro-ops per forward task."""
+    split_backward_s: float
+    """Extra time of split micro-ops (recompute included) per backward task."""
+    actions: dict[int, LayerAction] = field(default_factory=dict)
+
+
+def _template(events: list[Event], start_s: float) -> Template:
+    """A piece's template: events in absolute task time, made relative to the piece."""
+    return make_template([(t - start_s, d, c, lbl) for (t, d, c, lbl) in events])
+
+
+def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, first: int, is_first_stage: bool,
+                  is_last_stage: bool, actions: dict[int, LayerAction]) -> StageProgram:
+    """``rows`` are the stage's layers, ``first`` the index of rows[0] in the model,
+    ``actions`` keyed by model layer index (missing: keep)."""
+    last = len(rows) - 1
+    # ---- forward ---------------------------------------------------------------------
+    ev: list[Event] = []
+    cuts: list[tuple[int, float, SwapOut]] = []
+    if is_first_stage:
+        ev.append((0.0, rows[0].input_bytes, "buffers", "input tokens"))
+    t = 0.0
+    split_s = 0.0
+    for k, r in enumerate(rows):
+        j = first + k
+        act = actions.get(j, _KEEP)
+        p, slow = act.split, act.slowdown()
+        name = f"layer {j} ({r.name})"
+        in_cat = "buffers" if k == 0 else "activations"
+        out_cat = "buffers" if (k == last and not is_last_stage) else "activations"
+        own = r.act_bytes - (r.input_bytes if r.saves_input else 0)
+        releases_input = not r.saves_input and act.action != "recompute"
+        swaps = act.action in ("host", "peer")
+        dur = float(fwd_s[k]) * slow
+        split_s += dur - float(fwd_s[k])
+        dt = dur / p
+        if p > 1:  # what the unsplit op would hold, minus what the split one holds
+            ev.append((t, own + r.output_bytes + r.workspace_bytes, "saved:split", f"{name} split"))
+            rel = r.workspace_bytes + (r.input_bytes if releases_input else 0) + (own if act.action == "recompute" else 0)
+            ev.append((t + dur, -rel, "saved:split", f"{name} split"))
+        for c in range(p):
+            c0, c1 = t + c * dt, t + (c + 1) * dt
+            o, out_c, ws = chunk(own, c, p), chunk(r.output_bytes, c, p), chunk(r.workspace_bytes, c, p)
+            part = f" (micro-op {c + 1}/{p})" if p > 1 else ""
+            ev += [(c0, o, "activations", f"{name} saved activations{part}"),
+                   (c0, out_c, out_cat, f"{name} output{part}"),
+                   (c0, ws, "workspace", f"{name} workspace{part}")]
+            ev.append((c1, -ws, "workspace", f"{name} workspace freed{part}"))
+            if p > 1:
+                ev.append((c0, -(o + out_c + ws), "saved:split", f"{name} split"))
+                ev.append((c1, ws, "saved:split", f"{name} split"))
+            inp_c = chunk(r.input_bytes, c, p)
+            if releases_input:
+                ev.append((c1, -inp_c, in_cat, f"{name} input freed{part}"))
+                if p > 1:
+                    ev.append((c1, inp_c, "saved:split", f"{name} split"))
+            if act.action == "recompute":
+                ev.append((c1, -o, "activations", f"{name} saved activations dropped{part}"))
+                ev.append((c1, o, "saved:recompute", f"{name} dropped"))
+                if p > 1:
+                    ev.append((c1, o, "saved:split", f"{name} split"))
+            if swaps:
+                cuts.append((len(ev), c1, SwapOut(j, o, inp_c if r.saves_input else 0, in_cat, act.action)))
+        if act.action == "recompute" and not r.saves_input:  # the checkpoint outlives the layer
+            ev.append((t + dur, -r.input_bytes, "saved:recompute", f"{name} input kept as checkpoint"))
+        t += dur
+        if k == last and is_last_stage:
+            ev.append((t, -r.output_bytes, out_cat, f"{name} loss freed"))
+    forward: list[Piece] = []
+    i0, start = 0, 0.0
+    for i1, c1, swap in cuts:
+        forward.append(Piece(_template(ev[i0:i1], start), c1 - start, swap))
+        i0, start = i1, c1
+    if i0 < len(ev) or t > start or not forward:
+        forward.append(Piece(_template(ev[i0:], start), t - start))
+    forward_s = t
+    split_forward_s, split_s = split_s, 0.0
+
+    # ---- backward --------------------------------------------------------------------
+    ev = []
+    waits: list[tuple[int, float, int]] = []
+    swap_ins: list[SwapIn] = []
+    t = 0.0
+    recompute_s = 0.0
+    for k in range(last, -1, -1):
+        r = rows[k]
+        j = first + k
+        act = actions.get(j, _KEEP)
+        p, slow = act.split, act.slowdown()
+        name = f"layer {j} ({r.name})"
+        in_cat = "buffers" if k == 0 else "activations"
+        grad_out_cat = "buffers" if (k == last and not is_last_stage) else "activations"
+        grad_out = 0 if (k == last and is_last_stage) else r.output_bytes
+        grad_in = 0 if r.kind == "embedding" else r.input_bytes
+        grad_in_cat = "buffers" if (k == 0 and not is_first_stage) else "activations"
+        own = r.act_bytes - (r.input_bytes if r.saves_input else 0)
+        holds_input = r.saves_input or act.action == "recompute"
+        if act.action in ("host", "peer"):
+            waits.append((len(ev), t, j))
+            swap_ins.append(SwapIn(j, own, r.input_bytes if r.saves_input else 0, in_cat, act.action,
+                                   tuple((x.gpu, x.fraction) for x in act.peers), p, t))
+        if act.action == "recompute":
+            dur = float(fwd_s[k]) * slow
+            dt = dur / p
+            recompute_s += dur
+            split_s += dur - float(fwd_s[k])
+            for c in range(p):
+                c0, c1 = t + c * dt, t + (c + 1) * dt
+                o, out_c, ws = chunk(own, c, p), chunk(r.output_bytes, c, p), chunk(r.workspace_bytes, c, p)
+                ev += [(c0, o, "activations", f"{name} recomputed activations"),
+                       (c0, -o, "saved:recompute", f"{name} recomputed"),
+                       (c0, out_c, "workspace", f"{name} recomputed output"),
+                       (c0, ws, "workspace", f"{name} recompute workspace"),
+                       (c1, -ws - out_c, "workspace", f"{name} recompute workspace freed")]
+            t += dur
+        dur = float(bwd_s[k]) * slow
+        split_s += dur - float(bwd_s[k])
+        dt = dur / p
+        if p > 1:
+            ev.append((t, grad_in + r.workspace_bytes, "saved:split", f"{name} split"))
+            ev.append((t + dur, -(r.workspace_bytes + own + (r.input_bytes if holds_input else 0) + grad_out),
+                       "saved:split", f"{name} split"))
+        for c in range(p):
+            c0, c1 = t + c * dt, t + (c + 1) * dt
+            gi, ws = chunk(grad_in, c, p), chunk(r.workspace_bytes, c, p)
+            o, inp_c, go = chunk(own, c, p), chunk(r.input_bytes, c, p), chunk(grad_out, c, p)
+            ev += [(c0, gi, grad_in_cat, f"{name} input gradient"),
+                   (c0, ws, "workspace", f"{name} backward workspace"),
+                   (c1, -ws, "workspace", f"{name} backward workspace freed"),
+                   (c1, -o, "activations", f"{name} saved activations freed")]
+            if holds_input:
+                ev.append((c1, -inp_c, in_cat, f"{name} saved input freed"))
+            ev.append((c1, -go, grad_out_cat, f"{name} output gradient freed"))
+            if p > 1:
+                ev.append((c0, -(gi + ws), "saved:split", f"{name} split"))
+                ev.append((c1, ws + o + (inp_c if holds_input else 0) + go, "saved:split", f"{name} split"))
+        if act.action == "recompute" and not r.saves_input:
+            ev.append((t + dur, r.input_bytes, "saved:recompute", f"{name} checkpoint freed"))
+        t += dur
+        if k == 0 and is_first_stage and grad_in:
+            ev.append((t, -grad_in, grad_in_cat, f"{name} input gradient freed"))
+    backward: list[Piece] = []
+    i0, start, wait_for = 0, 0.0, None
+    for i1, w_t, w_layer in waits:
+        if i1 > i0 or w_t > start or wait_for is not None:
+            backward.append(Piece(_template(ev[i0:i1], start), w_t - start, wait_for=wait_for))
+        i0, start, wait_for = i1, w_t, w_layer
+    backward.append(Piece(_template(ev[i0:], start), t - start, wait_for=wait_for))
+    return StageProgram(forward, backward, swap_ins, forward_s, t, recompute_s, split_forward_s, split_s,
+                        dict(actions))
+
+
+def static_bytes(rows: list[LayerRow], weight_versions: int) -> dict[str, int]:
+    params = sum(r.param_bytes for r in rows)
+    return {
+        "params": params,
+        "grads": sum(r.grad_bytes for r in rows),
+        "optimizer": sum(r.optimizer_bytes for r in rows),
+        "stash": (weight_versions - 1) * params,
+    }
+
+
+def update_seconds(rows: list[LayerRow], memory_rate: float) -> float:
+    """Adam step, memory bound: read gradients, read and write master weights and moments,
+    write the working weights."""
+    n_bytes = sum(r.grad_bytes + 2 * r.optimizer_bytes + r.param_bytes for r in rows)
+    return n_bytes / memory_rate
