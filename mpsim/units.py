@@ -13,3 +13,21 @@ GiB = 1024**3
 def gbps_to_bytes_per_s(gbps: float) -> float:
     """GB/s (decimal) to bytes per second."""
     return gbps * 1e9
+
+
+_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 1024, "mib": MiB, "gib": GiB, "tib": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """'216MB', '1.5 GiB', '4096' (bytes) to bytes; MB/GB are decimal, MiB/GiB binary."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _BYTE_UNITS and unit != "":
+        raise ValueError(f"not a size: {text!r} (expected a number with B, KB, MB, GB, KiB, MiB or GiB)")
+    n = float(m.group(1)) * _BYTE_UNITS.get(unit, 1)
+    if n <= 0:
+        raise ValueError(f"a size must be positive: {text!r}")
+    return int(round(n))

@@ -123,7 +123,11 @@ class MemoryLog:
         at_peak = np.zeros(len(CAT), dtype=np.int64)
         np.add.at(at_peak, c[: peak_pos + 1], d[: peak_pos + 1])
         breakdown = {name: int(at_peak[i]) for i, name in enumerate(CATEGORIES)}
-        saved = {name: int(at_peak[N_REAL + i]) for i, name in enumerate(TECHNIQUES)}
+        # the ledger moves at instants: take every ledger event of the peak's instant
+        upto = int(np.searchsorted(t, t[peak_pos], side="right"))
+        ledger = np.zeros(len(CAT), dtype=np.int64)
+        np.add.at(ledger, c[:upto], np.where(c[:upto] >= N_REAL, d[:upto], 0))
+        saved = {name: int(ledger[N_REAL + i]) for i, name in enumerate(TECHNIQUES)}
         oom = None
         over = np.nonzero((used > capacity) & (d > 0) & (c < N_REAL))[0]
         if len(over):

@@ -1,0 +1,153 @@
+"""Memory-saving actions on tiny hand-built traces: exact timelines and memory.
+
+One GPU, PCIe 10 GB/s, no latency unless a test says so, GPipe with one microbatch, so
+every time below can be worked out by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import GB, layer, tiny_topology, tiny_trace
+from mpsim.catalog import load_topology
+from mpsim.plan import LayerAction, Stripe, make_plan, stripes_by_bandwidth
+from mpsim.sim import Job, simulate_job
+from mpsim.sim.transfers import Copy, copy_times
+
+
+def run(layers: list[dict], actions: list[LayerAction], n_gpus: int = 1, pcie_gbps: float = 10.0,
+        latency_us: float = 0.0, nvlink_gbps: float = 10.0, optimizer: str = "gpu"):
+    topo = tiny_topology(n_gpus=n_gpus, pcie_gbps=pcie_gbps, latency_us=latency_us, nvlink_gbps=nvlink_gbps,
+                         memory_mib=64 * 1024)
+    trace = tiny_trace(layers)
+    plan = make_plan(trace, topo, "gpipe", 1, [(0, trace.n_layers)], [0], "test", {0: actions},
+                     optimizer={0: optimizer})
+    return simulate_job(Job(topo, trace, plan=plan))
+
+
+def steps(result, gpu: int = 0) -> list[tuple[float, int]]:
+    """(time, bytes in use) after each change of this GPU's memory, zero-byte events and
+    ledger entries left out, and simultaneous allocations at one instant merged."""
+    g = result.gpus[gpu]
+    out: list[tuple[float, int]] = []
+    prev = 0
+    for t, used in zip(g.memory_times_s, g.memory_used_bytes):
+        t, used = round(float(t), 9), int(used)
+        if used == prev:
+            continue
+        if out and out[-1][0] == t and (used - prev > 0) == (out[-1][1] - (out[-2][1] if len(out) > 1 else 0) > 0):
+            out[-1] = (t, used)
+        else:
+            out.append((t, used))
+        prev = used
+    return out
+
+
+def spans(result, lane: str) -> list[tuple[str, float, float]]:
+    return [(s.name, round(s.start_s, 9), round(s.end_s, 9)) for s in result.spans if s.lane == lane]
+
+
+def test_swap_out_frees_memory_when_the_copy_lands():
+    """1 GB over a 10 GB/s route: freed 0.1 s (+ latency) after the forward."""
+    for latency_us in (0.0, 50.0):
+        r = run([layer(fwd_ms=10, bwd_ms=20, act=GB)], [LayerAction(layer=0, action="host")], latency_us=latency_us)
+        lat = latency_us * 1e-6
+        out_end = 0.01 + lat + 0.1
+        assert spans(r, "d2h") == [("swap-out L0 mb0", 0.01, round(out_end, 9))]
+        in_end = round(out_end + lat + 0.1, 9)
+        assert steps(r) == [(0.0, GB), (round(out_end, 9), 0), (round(out_end, 9), GB), (round(in_end + 0.02, 9), 0)]
+        # the swap-in cannot start before the swap-out lands; the backward waits for it
+        assert spans(r, "h2d") == [("swap-in L0 mb0", round(out_end, 9), round(out_end + lat + 0.1, 9))]
+        assert r.gpus[0].costs_s["swap_wait_s"] == pytest.approx(out_end + lat + 0.1 - 0.01)
+        assert r.host_peak_bytes == GB  # pinned host memory counted
+
+
+def test_swap_in_with_slack_adds_no_wait_and_without_adds_exactly_the_shortfall():
+    # slack: layer 1's forward (0.5 s) and backward (0.3 s) hide the 0.1 s copies
+    slow = [layer("a", fwd_ms=10, bwd_ms=20, act=GB), layer("b", fwd_ms=500, bwd_ms=300)]
+    r = run(slow, [LayerAction(layer=0, action="host")])
+    assert r.gpus[0].costs_s["swap_wait_s"] == 0.0
+    # the swap-in is timed to land exactly when the backward reaches layer 0 (0.51 + 0.3)
+    assert spans(r, "h2d") == [("swap-in L0 mb0", 0.71, 0.81)]
+    assert r.iteration_s == pytest.approx(0.81 + 0.02)
+    # no slack: needed at 0.06 + 0.03 = 0.09, but it can only land at 0.11 + 0.1
+    fast = [layer("a", fwd_ms=10, bwd_ms=20, act=GB), layer("b", fwd_ms=50, bwd_ms=30)]
+    r = run(fast, [LayerAction(layer=0, action="host")])
+    assert r.gpus[0].costs_s["swap_wait_s"] == pytest.approx(0.21 - 0.09)
+    assert r.iteration_s == pytest.approx(0.21 + 0.02)
+
+
+def test_recompute_adds_the_forward_on_the_compute_stream_and_nothing_on_copy_engines():
+    layers = [layer("a", fwd_ms=10, bwd_ms=20, act=GB), layer("b", fwd_ms=50, bwd_ms=30)]
+    keep = run(layers, [])
+    r = run(layers, [LayerAction(layer=0, action="recompute")])
+    assert r.iteration_s == pytest.approx(keep.iteration_s + 0.01)
+    assert r.gpus[0].costs_s["recompute_s"] == pytest.approx(0.01)
+    assert not [s for s in r.spans if s.lane != "compute"]
+    # own activations: dropped after layer a's forward, back for the recompute 0.09..0.10
+    assert steps(r) == [(0.0, GB), (0.01, 0), (0.09, GB), (0.12, 0)]
+    assert steps(keep) == [(0.0, GB), (0.11, 0)]
+
+
+def test_two_gpus_behind_one_switch_swapping_together_take_twice_as_long():
+    topo = tiny_topology(n_gpus=2, pcie_gbps=10.0)
+    alone = copy_times(topo, [Copy(0, "host", GB)]).landed_s
+    both = copy_times(topo, [Copy(0, "host", GB), Copy(1, "host", GB)]).landed_s
+    assert alone == [pytest.approx(0.1)]
+    assert both == [pytest.approx(0.2), pytest.approx(0.2)]
+
+
+def test_striped_copy_on_dgx1_gives_gpu3_twice_the_bytes_of_gpu1():
+    topo = load_topology("dgx1-v100")
+    stripes = stripes_by_bandwidth(topo, 0, [1, 3])
+    assert [x.gpu for x in stripes] == [1, 3]
+    assert stripes[1].fraction == pytest.approx(2 * stripes[0].fraction)
+    n = 3 * 10**8
+    times = copy_times(topo, [Copy(0, x.gpu, round(n * x.fraction)) for x in stripes])
+    assert times.bytes_by_link["nvlink:0->3"] == 2 * times.bytes_by_link["nvlink:0->1"]
+    assert times.landed_s[0] == pytest.approx(times.landed_s[1])  # parts land together
+
+
+def test_d2d_swap_reserves_memory_on_the_peer_until_the_swap_in_lands():
+    layers = [layer("a", fwd_ms=10, bwd_ms=20, act=GB), layer("b", fwd_ms=500, bwd_ms=300)]
+    r = run(layers, [LayerAction(layer=0, action="peer", peers=[Stripe(gpu=1, fraction=1.0)])], n_gpus=2)
+    assert steps(r, gpu=1) == [(0.01, GB), (0.81, 0)]  # held from swap-out start to swap-in landing
+    assert r.gpus[1].breakdown["peer_swap"] == GB
+    assert steps(r)[:2] == [(0.0, GB), (0.11, 0)]
+    assert r.gpus[0].saved_at_peak == {"recompute": 0, "host": 0, "peer": 0, "split": 0, "optimizer": 0, "stash": 0}
+    assert r.gpus[0].costs_s["peer_wait_s"] == 0.0
+    assert spans(r, "copy") == [("D2D swap-out L0 mb0", 0.01, 0.11), ("D2D swap-in L0 mb0", 0.71, 0.81)]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_split_lowers_the_transient_peak_by_tsplit_equation_5(p):
+    inp, out = 4 * GB, 2 * GB
+    row = layer(fwd_ms=10, bwd_ms=20, inp=inp, out=out)
+    row["split_dims"] = ["batch"]
+    whole = run([row], [])
+    split = run([row], [LayerAction(layer=0, split=p)])
+    assert whole.max_peak_bytes == inp + out
+    # (p - 1) / p x min(in, out), to the byte that integer micro-tensor sizes allow
+    assert whole.max_peak_bytes - split.max_peak_bytes == pytest.approx((p - 1) * min(inp, out) / p, abs=p)
+    assert split.gpus[0].costs_s["split_s"] == pytest.approx(0.03 * (p - 1) * 0.03)
+    assert split.gpus[0].saved_at_peak["split"] == whole.max_peak_bytes - split.max_peak_bytes
+
+
+def test_memory_saved_at_the_peak_is_credited_to_the_technique():
+    layers = [layer("a", fwd_ms=10, bwd_ms=20, act=GB), layer("b", fwd_ms=10, bwd_ms=20, act=2 * GB)]
+    r = run(layers, [LayerAction(layer=0, action="recompute")])
+    assert r.max_peak_bytes == 2 * GB
+    assert r.gpus[0].saved_at_peak["recompute"] == GB
+
+
+def test_optimizer_on_the_host_leaves_the_gpu_and_costs_pcie_time():
+    layers = [layer("a", fwd_ms=10, bwd_ms=20, params=10**8)]  # 0.2 GB weights and grads, 1.2 GB states
+    on_gpu = run(layers, [])
+    streamed = run(layers, [], optimizer="host-stream")
+    assert on_gpu.gpus[0].breakdown["optimizer"] == 12 * 10**8
+    assert streamed.host_peak_bytes == 12 * 10**8
+    assert streamed.gpus[0].costs_s["optimizer_s"] == pytest.approx(0.12)  # 1.2 GB in at 10 GB/s
+    offloaded = run(layers, [], optimizer="host-update")
+    assert offloaded.max_peak_bytes == 4 * 10**8
+    # gradients out (0.02 s) + CPU Adam at 1e9 params/s (0.1 s) + weights in (0.02 s), instead of the GPU step
+    assert offloaded.gpus[0].costs_s["optimizer_s"] == pytest.approx(0.14 - on_gpu.gpus[0].compute_s + 0.03)
