@@ -68,6 +68,15 @@ class FitsReport:
         }
 
 
+def fits_strategies(server: str | Topology, family: str, schedule: str = "1f1b", microbatch: int | None = None,
+                    microbatches: int = 16, strategies: tuple[str, ...] = ("none", "recompute", "cpu-swap", "d2d"),
+                    on_point: Callable[[str], None] | None = None) -> list[FitsReport]:
+    """``fits`` under each strategy: one report per strategy, in the order given."""
+    return [fits(server, family, schedule, microbatch, microbatches, strategy,
+                 on_point=None if on_point is None else (lambda name, s=strategy: on_point(f"{s}: {name}")))
+            for strategy in strategies]
+
+
 def family_traces(family: str) -> list[Trace]:
     traces = [load_trace(name) for name in shipped_traces()]
     chosen = sorted((t for t in traces if t.spec.model.get("family") == family), key=lambda t: t.spec.params)

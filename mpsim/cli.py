@@ -17,6 +17,8 @@ from mpsim.errors import MpsimError
 _SERVER_HELP = "shipped server name (see `mpsim topo list`) or a topology YAML file"
 _SCHEDULE_HELP = "gpipe, 1f1b (DAPPLE, PipeDream-Flush) or pipedream (asynchronous, weight stashing)"
 _MICROBATCHES_HELP = "microbatches per iteration; 1f1b and pipedream need at least one per stage"
+_STRATEGY_HELP = ("memory-saving strategy: none, recompute (checkpoint every transformer layer), cpu-swap "
+                  "(swap to host memory until it fits), d2d (swap to spare memory of NVLink peers)")
 
 
 def _write_json(target: str | None, data: dict) -> None:
@@ -58,29 +60,56 @@ def app() -> None:
     """
 
 
+def _job_options(f):  # type: ignore[no-untyped-def]
+    """Options shared by simulate and plan."""
+    for opt in reversed([
+        click.option("--server", "-s", help=_SERVER_HELP + "  [default: the plan's, else dgx1-v100]"),
+        click.option("--model", "-m", help="shipped model name (see traces/) or a trace JSON file"
+                                           "  [default: the plan's, else gpt-5.3b]"),
+        click.option("--schedule", default="1f1b", show_default=True, help=_SCHEDULE_HELP),
+        click.option("--microbatch", type=int, help="samples per microbatch  [default: the trace's]"),
+        click.option("--microbatches", type=int, default=16, show_default=True, help=_MICROBATCHES_HELP),
+        click.option("--stages", type=int, help="pipeline stages  [default: one per GPU]"),
+        click.option("--strategy", default="none", show_default=True, help=_STRATEGY_HELP),
+    ]):
+        f = opt(f)
+    return f
+
+
 @app.command()
-@click.option("--server", "-s", default="dgx1-v100", show_default=True, help=_SERVER_HELP)
-@click.option("--model", "-m", default="gpt-5.3b", show_default=True,
-              help="shipped model name (see traces/) or a trace JSON file")
-@click.option("--schedule", default="1f1b", show_default=True, help=_SCHEDULE_HELP)
-@click.option("--microbatch", type=int, help="samples per microbatch  [default: the trace's]")
-@click.option("--microbatches", type=int, default=16, show_default=True, help=_MICROBATCHES_HELP)
-@click.option("--stages", type=int, help="pipeline stages  [default: one per GPU]")
-@click.option("--strategy", default="none", show_default=True, help="memory-saving strategy (only none so far)")
+@_job_options
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="run this plan file (it fixes schedule, microbatches, partition, mapping and actions)")
 @_json_option
 @click.option("--chrome-trace", type=click.Path(dir_okay=False, path_type=Path),
-              help="write a timeline for Perfetto / chrome://tracing to this file")
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="plot memory over time per GPU to this PNG")
-def simulate(server: str, model: str, schedule: str, microbatch: int | None, microbatches: int, stages: int | None,
-             strategy: str, json_out: str | None, chrome_trace: Path | None, plot: Path | None) -> None:
-    """Simulate one training iteration: per-GPU peak memory, iteration time, throughput.
+              help="write a timeline for Perfetto / chrome://tracing to this file (copy-engine lanes, link rates)")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
+              help="plot memory over time per GPU, with swap-outs and swap-ins, to this PNG")
+def simulate(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
+             stages: int | None, strategy: str, plan_path: Path | None, json_out: str | None,
+             chrome_trace: Path | None, plot: Path | None) -> None:
+    """Simulate one training iteration: per-GPU peak memory, iteration time, throughput,
+    and what each memory-saving technique saved and cost.
 
-    Exits 1 when the job does not fit (the result still names where it ran out).
+    Either a --strategy makes the plan (none, recompute, cpu-swap, d2d), or --plan runs a
+    plan file written by `mpsim plan` or by hand. Exits 1 when the job does not fit (the
+    result still names where it ran out).
     """
     from mpsim.api import simulate as run
+    from mpsim.plan import read_plan_file
     from mpsim.report import plot_memory, simulate_text, write_chrome_trace
 
-    result = run(server, model, schedule, microbatch, microbatches, n_stages=stages, strategy=strategy)
+    from mpsim.catalog import load_topology, load_trace
+    from mpsim.plan import check_plan
+
+    plan = read_plan_file(plan_path) if plan_path else None
+    topo = load_topology(server or (plan.server if plan else "dgx1-v100"))
+    trace = load_trace(model or (plan.model if plan else "gpt-5.3b"))
+    if plan is not None:
+        trace = trace.rescale(plan.microbatch)
+        check_plan(plan, topo, trace, str(plan_path))  # errors name the file
+    result = run(topo, trace, schedule, microbatch, microbatches, n_stages=stages, strategy=strategy,
+                 plan_file=plan, record_link_rates=chrome_trace is not None)
     if json_out != "-":
         click.echo(simulate_text(result))
     _write_json(json_out, result.to_dict())
@@ -92,32 +121,69 @@ def simulate(server: str, model: str, schedule: str, microbatch: int | None, mic
         sys.exit(1)
 
 
+@app.command("plan")
+@_job_options
+@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="plan JSON file to write")
+@_json_option
+def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
+             stages: int | None, strategy: str, output: Path, json_out: str | None) -> None:
+    """Make a memory-saving plan with a strategy and write it as a plan file.
+
+    Prints the plan per stage and its simulated result; `mpsim simulate --plan FILE`
+    runs it again, and the file can be edited by hand. Exits 1 when the plan does not fit.
+    """
+    from mpsim.api import plan as make
+    from mpsim.plan import write_plan_file
+    from mpsim.report import plan_text, simulate_text
+
+    planned = make(server or "dgx1-v100", model or "gpt-5.3b", schedule, microbatch, microbatches, n_stages=stages,
+                   strategy=strategy)
+    write_plan_file(planned.plan, output)
+    if json_out != "-":
+        click.echo(plan_text(planned.plan))
+        click.echo("")
+        click.echo(simulate_text(planned.result))
+        click.echo(f"wrote {output} ({planned.simulations} simulation(s) to plan)")
+    _write_json(json_out, {"plan": json.loads(planned.plan.to_json()), "result": planned.result.to_dict()})
+    if not planned.result.fits:
+        sys.exit(1)
+
+
 @app.command()
 @click.option("--server", "-s", default="dgx1-v100", show_default=True, help=_SERVER_HELP)
 @click.option("--family", default="gpt", show_default=True, help="model family of the shipped traces: gpt or bert")
 @click.option("--schedule", default="1f1b", show_default=True, help=_SCHEDULE_HELP)
 @click.option("--microbatch", type=int, help="samples per microbatch  [default: the traces']")
 @click.option("--microbatches", type=int, default=16, show_default=True, help=_MICROBATCHES_HELP)
-@click.option("--strategy", default="none", show_default=True, help="memory-saving strategy (only none so far)")
+@click.option("--strategy", "strategies", default="none,recompute,cpu-swap,d2d", show_default=True,
+              help="comma-separated strategies, one column each")
 @_json_option
-def fits(server: str, family: str, schedule: str, microbatch: int | None, microbatches: int, strategy: str,
+def fits(server: str, family: str, schedule: str, microbatch: int | None, microbatches: int, strategies: str,
          json_out: str | None) -> None:
-    """Which shipped sizes of a family fit, and the largest model that does.
+    """Which shipped sizes of a family fit under each strategy, and the largest that does.
 
     The size knob is the number of transformer layers at the shape of the largest
     shipped size that fits; the search doubles, then bisects.
     """
-    from mpsim.capacity import family_traces, fits as run
-    from mpsim.report import fits_text
+    from mpsim.capacity import family_traces, fits_strategies
+    from mpsim.planners import STRATEGIES
+    from mpsim.report import fits_strategies_text
 
+    names = tuple(x.strip() for x in strategies.split(",") if x.strip())
+    for name in names:
+        if name not in STRATEGIES:
+            raise MpsimError(f"unknown strategy {name!r}: expected one of {', '.join(STRATEGIES)}")
+    if not names:
+        raise MpsimError("--strategy needs at least one strategy")
     n_shipped = len(family_traces(family))
     with _progress(f"fits {family}") as bar:
-        job = bar.add_task("", total=n_shipped + 10)
-        rep = run(server, family, schedule, microbatch, microbatches, strategy,
-                  on_point=lambda name: bar.update(job, advance=1, description=name))
+        job = bar.add_task("", total=(n_shipped + 10) * len(names))
+        reps = fits_strategies(server, family, schedule, microbatch, microbatches, names,
+                               on_point=lambda name: bar.update(job, advance=1, description=name))
     if json_out != "-":
-        click.echo(fits_text(rep))
-    _write_json(json_out, rep.to_dict())
+        click.echo(fits_strategies_text(reps))
+    _write_json(json_out, {"reports": [r.to_dict() for r in reps]})
 
 
 @app.command()
@@ -203,6 +269,73 @@ def topo_check(file: Path) -> None:
 
     t = read_topology_file(file)
     click.echo(f"{file}: ok ({t.name}, {t.n_gpus} x {t.spec.gpu.model}, {len(t.links)} directed links)")
+
+
+@topo.command("transfer")
+@click.option("--server", "-s", default="dgx1-v100", show_default=True, help=_SERVER_HELP)
+@click.option("--src", required=True, help="sending GPU (gpu0, 0) or host")
+@click.option("--dst", help="receiving GPU or host")
+@click.option("--stripe", help="comma-separated peer GPUs for a striped D2D copy, parts sized by route bandwidth")
+@click.option("--size", "sizes", required=True, help="bytes to move, e.g. 216MB or 1.5GiB; comma-separated for several")
+@_json_option
+def topo_transfer(server: str, src: str, dst: str | None, stripe: str | None, sizes: str, json_out: str | None) -> None:
+    """One-way time of a copy alone on an idle server, and its effective bandwidth.
+
+    Each copy pays its route's setup latency once, so effective bandwidth rises with the
+    size (as MPress Fig. 4 measures). With --stripe the copy is split over the peers in
+    proportion to each route's bandwidth (MPress data striping) and lands with its last part.
+    """
+    from mpsim.catalog import load_topology
+    from mpsim.plan import stripes_by_bandwidth
+    from mpsim.report import transfer_text
+    from mpsim.sim.transfers import Copy, copy_times
+    from mpsim.topology import HOST
+    from mpsim.units import parse_bytes
+
+    t = load_topology(server)
+
+    def endpoint(text: str, what: str):  # type: ignore[no-untyped-def]
+        word = text.strip().lower()
+        if word == HOST:
+            return HOST
+        num = word[3:] if word.startswith("gpu") else word
+        if not num.isdigit() or int(num) >= t.n_gpus:
+            raise MpsimError(f"{what} {text!r}: expected host or a GPU of {t.name} (gpu0..gpu{t.n_gpus - 1})")
+        return int(num)
+
+    if (dst is None) == (stripe is None):
+        raise MpsimError("give exactly one of --dst and --stripe")
+    source = endpoint(src, "--src")
+    try:
+        byte_sizes = [parse_bytes(x) for x in sizes.split(",")]
+    except ValueError as exc:
+        raise MpsimError(f"--size: {exc}") from None
+    rows = []
+    for n in byte_sizes:
+        if stripe is not None:
+            if source == HOST:
+                raise MpsimError("--stripe copies go from a GPU to its peers; --src must be a GPU")
+            peers = [endpoint(x, "--stripe") for x in stripe.split(",")]
+            if source in peers or len(set(peers)) != len(peers):
+                raise MpsimError("--stripe peers must be distinct GPUs other than --src")
+            parts = [(x.gpu, round(n * x.fraction)) for x in stripes_by_bandwidth(t, source, peers)]  # type: ignore[arg-type]
+            parts[-1] = (parts[-1][0], n - sum(p for _, p in parts[:-1]))
+            landed = copy_times(t, [Copy(source, g, part) for g, part in parts]).landed_s
+            rows.append({"bytes": n, "seconds": max(landed),
+                         "parts": [{"dst": g, "bytes": part, "seconds": s} for (g, part), s in zip(parts, landed)]})
+        else:
+            target = endpoint(dst, "--dst")  # type: ignore[arg-type]
+            if target == source:
+                raise MpsimError("--src and --dst are the same")
+            landed = copy_times(t, [Copy(source, target, n)]).landed_s
+            route = t.route(source, target)
+            rows.append({"bytes": n, "seconds": landed[0], "route": [link.name for link in route.links]})
+        rows[-1]["effective_gbps"] = n / rows[-1]["seconds"] / 1e9
+    data = {"server": t.name, "src": source, "dst": dst and endpoint(dst, "--dst"),
+            "stripe": stripe and [endpoint(x, "--stripe") for x in stripe.split(",")], "copies": rows}
+    if json_out != "-":
+        click.echo(transfer_text(data))
+    _write_json(json_out, data)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,12 +70,46 @@ def test_simulate_that_does_not_fit_exits_1_and_names_the_point(capsys):
 def test_fits_table_and_json(capsys, tmp_path):
     out_file = tmp_path / "f.json"
     code, out, _ = run(capsys, "fits", "--server", "dgx1-v100", "--family", "gpt", "--schedule", "1f1b",
-                       "--microbatch", "2", "--json", str(out_file))
+                       "--microbatch", "2", "--strategy", "none,recompute", "--json", str(out_file))
     assert code == 0
-    assert "largest that fits" in out
-    d = json.loads(out_file.read_text())
-    assert [r["fits"] for r in d["rows"]] == [True, False, False, False, False]
-    assert d["largest"]["fits"] and d["largest"]["params"] > d["rows"][0]["params"]
+    assert "largest that fits, by strategy:" in out and "recompute" in out
+    reports = json.loads(out_file.read_text())["reports"]
+    assert [r["strategy"] for r in reports] == ["none", "recompute"]
+    none, recompute = reports
+    assert [r["fits"] for r in none["rows"]] == [True, False, False, False, False]
+    assert none["largest"]["fits"] and none["largest"]["params"] > none["rows"][0]["params"]
+    # MPress Fig. 8a: recomputation trains GPT-10.3B on the DGX-1, not 15.4B
+    assert [r["fits"] for r in recompute["rows"]] == [True, True, False, False, False]
+    assert recompute["largest"]["params"] > none["largest"]["params"]
+
+
+def test_plan_then_simulate_the_plan_file(capsys, tmp_path):
+    plan = tmp_path / "plan.json"
+    code, out, _ = run(capsys, "plan", "--model", "gpt-10.3b", "--microbatch", "2", "--strategy", "cpu-swap",
+                       "-o", str(plan))
+    assert code == 0 and f"wrote {plan}" in out and "host" in out
+    code, out2, _ = run(capsys, "simulate", "--plan", str(plan), "--json", "-")
+    d = json.loads(out2)
+    assert code == 0 and d["strategy"] == "cpu-swap" and d["model"] == "gpt-10.3b" and d["fits"]
+    assert d["host"]["peak_bytes"] > 0
+    assert any(g["saved_at_peak"]["optimizer"] or g["saved_at_peak"]["host"] for g in d["gpus"])
+
+
+def test_topo_transfer_to_host_and_striped(capsys):
+    code, out, _ = run(capsys, "topo", "transfer", "--server", "dgx1-v100", "--src", "gpu0", "--dst", "host",
+                       "--size", "216MB", "--json", "-")
+    d = json.loads(out)
+    assert code == 0
+    # PCIe 11.6 GB/s plus 10 us of latency
+    assert d["copies"][0]["seconds"] == pytest.approx(216e6 / 11.6e9 + 10e-6)
+    code, out, _ = run(capsys, "topo", "transfer", "--src", "gpu0", "--stripe", "gpu1,gpu3", "--size", "300MB",
+                       "--json", "-")
+    parts = json.loads(out)["copies"][0]["parts"]
+    assert [p["bytes"] for p in parts] == [100_000_000, 200_000_000]
+    # effective bandwidth rises with size: latency paid once per copy
+    code, out, _ = run(capsys, "topo", "transfer", "--src", "0", "--dst", "3", "--size", "1MB,1GB", "--json", "-")
+    small, big = json.loads(out)["copies"]
+    assert small["effective_gbps"] < big["effective_gbps"] < 45.0
 
 
 def test_help_explains(capsys):
@@ -151,7 +185,31 @@ BAD = [
     ("unwritable output", lambda t: ["simulate", "--json", str(t / "no" / "such" / "dir.json")],
      "dir.json: cannot write (No such file or directory)"),
     ("non-integer option", lambda t: ["simulate", "--microbatches", "many"], "'many' is not a valid integer"),
+    ("unknown strategy in fits", lambda t: ["fits", "--strategy", "none,magic"], "unknown strategy 'magic'"),
+    ("missing plan file", lambda t: ["simulate", "--plan", str(t / "nope.json")], "nope.json: cannot read plan file"),
+    ("plan for another trace", lambda t: ["simulate", "--plan", _plan(t, lambda d: d.update(model="bert-0.35b"))],
+     "the stages end at layer 18 but bert-0.35b has 26 layers"),
+    ("bad stripe in plan", lambda t: ["simulate", "--plan", _plan(t, lambda d: d["stages"][0]["actions"].append(
+        {"layer": 1, "action": "peer", "peers": [{"gpu": 1, "fraction": 0.7}]}))],
+     "plan.json: stages.0.actions.0.peers: stripe fractions must sum to 1, got 0.7"),
+    ("transfer to a missing GPU", lambda t: ["topo", "transfer", "--src", "gpu0", "--dst", "gpu8", "--size", "1MB"],
+     "--dst 'gpu8': expected host or a GPU of dgx1-v100 (gpu0..gpu7)"),
+    ("transfer of a bad size", lambda t: ["topo", "transfer", "--src", "gpu0", "--dst", "host", "--size", "lots"],
+     "--size: not a size: 'lots'"),
+    ("transfer with dst and stripe", lambda t: ["topo", "transfer", "--src", "0", "--dst", "1", "--stripe", "2",
+                                                "--size", "1MB"], "give exactly one of --dst and --stripe"),
 ]
+
+
+def _plan(tmp_path, mutate) -> str:
+    """A plan for gpt-5.3b on dgx1-v100 with ``mutate`` applied."""
+    from mpsim.api import plan as make
+
+    d = json.loads(make("dgx1-v100", "gpt-5.3b", "1f1b", 2, 16).plan.to_json())
+    mutate(d)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(d))
+    return str(path)
 
 
 @pytest.mark.parametrize("case,argv,message", BAD, ids=[b[0] for b in BAD])

@@ -346,7 +346,8 @@ def simulate_job(job: Job) -> SimResult:
                 yield from host_copy(g, n_opt, False, f"optimizer states in L{j}")
                 yield env.timeout(update_seconds(rows[j:j + 1], mem_rate))
                 env.process(optimizer_stream_out(s, j, n_opt))
-        run.costs[g]["optimizer_s"] += env.now - start - upd_dur[s]
+        if mode != "gpu":
+            run.costs[g]["optimizer_s"] += env.now - start - upd_dur[s]
 
     def stage_process(s: int):  # type: ignore[no-untyped-def]
         a, b = stages[s]
