@@ -4,7 +4,11 @@ SimPy's own event rate measured in the same run.
     python benchmarks/bench_simulate.py [--repeat 20]
 
 Job: GPT-25.5B, 1f1b, microbatch 2, 16 microbatches on dgx1-v100 (target: at most 50 ms
-per simulated iteration on a 2-core machine).
+per simulated iteration on a 2-core machine). ``--plan swap-recompute`` runs it under a
+plan that, on every stage, swaps the first transformer layer (the longest-lived
+activations) to host memory and recomputes the others; ``--plan swap-heavy`` swaps every
+other transformer layer and recomputes the rest, the busiest case for the engine (a
+swap-out, a swap-in and a cut piece per swapped layer and microbatch).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import time
 import simpy
 
 from mpsim import load_topology, load_trace
+from mpsim.partition import compute_balanced
+from mpsim.plan import LayerAction, make_plan
 from mpsim.schedule import PIPEDREAM_ITERATIONS
 from mpsim.sim import Job, simulate_job
 
@@ -46,11 +52,22 @@ def main() -> None:
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--microbatch", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=16)
+    ap.add_argument("--plan", choices=["keep", "swap-recompute", "swap-heavy"], default="keep")
     args = ap.parse_args()
 
     topo = load_topology(args.server)
     trace = load_trace(args.model).rescale(args.microbatch)
     job = Job(topo, trace, args.schedule, args.microbatches)
+    if args.plan != "keep":
+        times = trace.layer_times(topo.spec.gpu)
+        stages = compute_balanced(times.fwd_s + times.bwd_s, topo.n_gpus)
+        every = 2 if args.plan == "swap-heavy" else 10**9
+        actions = {s: [LayerAction(layer=j, action="host" if k % every == 0 else "recompute")
+                       for k, j in enumerate(j for j in range(a, b) if trace.layers[j].kind == "transformer")]
+                   for s, (a, b) in enumerate(stages)}
+        plan = make_plan(trace, topo, args.schedule, args.microbatches, list(stages), list(range(topo.n_gpus)),
+                         args.plan, actions)
+        job = Job(topo, trace, plan=plan)
     simulate_job(job)  # warm caches and imports
     walls, events = [], 0
     for _ in range(args.repeat):
@@ -64,7 +81,7 @@ def main() -> None:
     print(f"machine            {platform.processor() or platform.machine()}, python {platform.python_version()}, "
           f"simpy {simpy.__version__}")
     print(f"job                {args.model} {args.schedule} microbatch {args.microbatch} x {args.microbatches} on {args.server}, "
-          f"{len(result.stages)} stages")
+          f"{len(result.stages)} stages, plan {args.plan}")
     print(f"wall per run       {wall * 1e3:.1f} ms (median of {args.repeat}; min {min(walls) * 1e3:.1f} ms), "
           f"{iterations} iteration(s) simulated per run")
     print(f"wall per iteration {wall / iterations * 1e3:.1f} ms")

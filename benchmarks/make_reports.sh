@@ -2,9 +2,23 @@
 # Regenerates every figure in reports/ from the shipped data (run from the repo root).
 set -euo pipefail
 python benchmarks/mpress_table2.py > reports/mpress_table2.md
-mpsim fits --server dgx1-v100 --family gpt --schedule 1f1b --microbatch 2 > reports/fits_dgx1_gpt_1f1b.txt
-mpsim fits --server dgx1-v100 --family bert --schedule pipedream --microbatch 12 > reports/fits_dgx1_bert_pipedream.txt
-mpsim fits --server a100-40gb-nvswitch --family gpt --schedule 1f1b --microbatch 2 > reports/fits_a100_gpt_1f1b.txt
-taskset -c 0,1 python benchmarks/bench_simulate.py > reports/bench_simulate.txt
+for server in dgx1-v100 a100-40gb-nvswitch; do
+  short=${server%%-*}
+  mpsim fits --server "$server" --family gpt --schedule 1f1b --microbatch 2 > "reports/fits_${short}_gpt_1f1b.txt"
+  mpsim fits --server "$server" --family bert --schedule pipedream --microbatch 12 \
+    > "reports/fits_${short}_bert_pipedream.txt"
+done
+{
+  mpsim topo transfer --server dgx1-v100 --src gpu0 --dst host --size 216MB,1152MB
+  echo
+  mpsim topo transfer --server dgx1-v100 --src gpu0 --stripe gpu1,gpu2,gpu3,gpu4 --size 216MB,1152MB
+  echo
+  mpsim topo transfer --server dgx1-v100 --src gpu0 --stripe gpu3,gpu4 --size 216MB,1152MB
+  echo
+  mpsim topo transfer --server dgx1-v100 --src gpu0 --dst gpu3 --size 4KB,64KB,1MB,16MB,216MB
+} > reports/transfers_dgx1.txt
+for plan in keep swap-recompute swap-heavy; do
+  taskset -c 0,1 python benchmarks/bench_simulate.py --plan "$plan" > "reports/bench_simulate_${plan}.txt"
+done
 taskset -c 0,1 python benchmarks/bench_simulate.py --model bert-1.67b --schedule pipedream --microbatch 12 \
   > reports/bench_simulate_pipedream.txt

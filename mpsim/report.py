@@ -147,7 +147,7 @@ def transfer_text(d: dict) -> str:
     for c in d["copies"]:
         detail = (", ".join(f"gpu{p['dst']} {p['bytes'] / 1e6:.0f} MB" for p in c["parts"]) if "parts" in c
                   else " > ".join(c["route"]))
-        rows.append([f"{c['bytes'] / 1e6:.1f}", f"{c['seconds'] * 1e3:.3f}", f"{c['effective_gbps']:.2f}", detail])
+        rows.append([f"{c['bytes'] / 1e6:.4g}", f"{c['seconds'] * 1e3:.3f}", f"{c['effective_gbps']:.2f}", detail])
     lines.append(_table(["MB", "ms", "effective GB/s", "parts" if d["stripe"] else "route"], rows))
     return "\n".join(lines)
 

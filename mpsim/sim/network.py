@@ -76,7 +76,8 @@ class Network:
         self._reschedule()
 
     def _rates(self) -> None:
-        """Max-min fair rates by progressive filling."""
+        """Max-min fair rates by progressive filling; per link, the capacity left and the
+        number of flows not yet frozen are kept up to date, so each round is one pass."""
         capacity: dict[str, float] = {}
         members: dict[str, list[_Flow]] = defaultdict(list)
         for f in self._flows:
@@ -84,21 +85,21 @@ class Network:
             for link in f.links:
                 capacity[link.name] = link.bandwidth
                 members[link.name].append(f)
-        unfrozen = len(self._flows)
+        unfrozen = {name: len(flows) for name, flows in members.items()}
         while unfrozen:
-            best_name, best_share = "", float("inf")
-            for name, flows in members.items():
-                n = sum(1 for f in flows if f.rate < 0)
-                if n:
-                    share = capacity[name] / n
-                    if share < best_share:
-                        best_name, best_share = name, share
+            best_name = min(unfrozen, key=lambda name: capacity[name] / unfrozen[name])
+            share = capacity[best_name] / unfrozen[best_name]
             for f in members[best_name]:
                 if f.rate < 0:
-                    f.rate = best_share
-                    unfrozen -= 1
+                    f.rate = share
                     for link in f.links:
-                        capacity[link.name] -= best_share
+                        name = link.name
+                        capacity[name] -= share
+                        left = unfrozen[name] - 1
+                        if left:
+                            unfrozen[name] = left
+                        else:
+                            del unfrozen[name]
 
     def _reschedule(self) -> None:
         self._version += 1
