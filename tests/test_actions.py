@@ -151,3 +151,38 @@ def test_optimizer_on_the_host_leaves_the_gpu_and_costs_pcie_time():
     assert offloaded.max_peak_bytes == 4 * 10**8
     # gradients out (0.02 s) + CPU Adam at 1e9 params/s (0.1 s) + weights in (0.02 s), instead of the GPU step
     assert offloaded.gpus[0].costs_s["optimizer_s"] == pytest.approx(0.14 - on_gpu.gpus[0].compute_s + 0.03)
+
+
+def test_an_allocation_that_does_not_fit_waits_for_a_swap_out_in_flight():
+    """Capacity 1.5 GB: layer b's 1 GB cannot join layer a's 1 GB until a's swap-out lands
+    (0.01 + 0.1 s); the forward waits exactly that long, and the job fits."""
+    topo = tiny_topology(n_gpus=1, pcie_gbps=10.0, memory_mib=1.5 * GB / 2**20)
+    trace = tiny_trace([layer("a", fwd_ms=10, bwd_ms=20, act=GB), layer("b", fwd_ms=10, bwd_ms=20, act=GB)])
+    plan = make_plan(trace, topo, "gpipe", 1, [(0, 2)], [0], "test", {0: [LayerAction(layer=0, action="host")]})
+    r = simulate_job(Job(topo, trace, plan=plan))
+    assert r.fits
+    assert r.gpus[0].costs_s["memory_wait_s"] == pytest.approx(0.1)
+    assert steps(r)[:3] == [(0.0, GB), (0.11, 0), (0.11, GB)]
+    # without the swap nothing is under way: no wait, and the result names the point
+    keep = simulate_job(Job(topo, trace, plan=make_plan(trace, topo, "gpipe", 1, [(0, 2)], [0], "keep")))
+    assert not keep.fits and keep.gpus[0].costs_s["memory_wait_s"] == 0.0
+    assert keep.oom["task"].startswith("forward of microbatch 0 on stage 0: layer 1 (b) saved activations")
+
+
+def test_pipedream_stash_on_host_moves_weight_versions_over_pcie():
+    """Stage 0 of three keeps two stashed versions; on the host they leave the GPU and each
+    backward first brings its own version back (0.2 GB at 10 GB/s), so the peak drops by
+    one version."""
+    topo = tiny_topology(n_gpus=3, pcie_gbps=10.0, memory_mib=64 * 1024)
+    trace = tiny_trace([layer("a", fwd_ms=10, bwd_ms=20, params=10**8), layer("b", fwd_ms=10, bwd_ms=20),
+                        layer("c", fwd_ms=10, bwd_ms=20)])
+    stages, gpus = [(0, 1), (1, 2), (2, 3)], [0, 1, 2]
+    on_gpu = simulate_job(Job(topo, trace, plan=make_plan(trace, topo, "pipedream", 3, stages, gpus, "gpu")))
+    on_host = simulate_job(Job(topo, trace, plan=make_plan(trace, topo, "pipedream", 3, stages, gpus, "host",
+                                                          stash={0: "host"})))
+    assert on_gpu.gpus[0].breakdown["stash"] == 4 * 10**8
+    assert on_host.gpus[0].peak_bytes == on_gpu.gpus[0].peak_bytes - 2 * 10**8
+    assert on_host.host_peak_bytes >= 2 * 10**8
+    ins = [s for s in on_host.spans if s.lane == "h2d"]
+    assert len(ins) == 3 * 4  # one per microbatch of the four simulated iterations
+    assert all(s.end_s - s.start_s == pytest.approx(0.02) for s in ins)

@@ -86,6 +86,8 @@ class _Run:
     tails: dict[tuple[int, int], simpy.Event] = field(default_factory=dict)
     costs: list[dict[str, float]] = field(default_factory=list)
     chunks_left: dict[tuple, int] = field(default_factory=dict)
+    reached: set[tuple[int, int, int]] = field(default_factory=set)
+    """(stage, microbatch, layer) whose backward is waiting for its swap-in."""
 
     def event(self, *key: object) -> simpy.Event:
         ev = self.events.get(key)
@@ -213,8 +215,7 @@ def simulate_job(job: Job) -> SimResult:
         """Timing: waits for the engine (d2h for host, peer for D2D), then flows over the
         route(s); the GPU's bytes are freed when the last part lands."""
         g = gpu_of[s]
-        n = so.own_bytes + so.input_bytes
-        run.live.freeing[g] += 1
+        n = so.own_bytes + so.input_bytes  # counted as a free under way by the launcher
         label = f"layer {so.layer} microbatch {mb}"
         if so.target == "host":
             with engines[g].d2h.request() as req:
@@ -258,7 +259,11 @@ def simulate_job(job: Job) -> SimResult:
             alone = max(topo.route(peer, g).time_alone_s(part) for peer, part in striped(si.peers, n))
         if need_at - alone > env.now:
             yield env.timeout(need_at - alone - env.now)
-        yield from run.live.wait_for_room(g, n)
+        # a prefetch waits for room while frees are under way or the backward will still
+        # release memory before it needs this tensor (TSPLIT eq. 3: M_k + size <= M)
+        live = run.live
+        while live.used[g] + n > live.capacity and (live.freeing[g] or (s, mb, si.layer) not in run.reached):
+            yield live.changed(g)
         label = f"layer {si.layer} microbatch {mb}" if si.layer != STASH else f"weight version of microbatch {mb}"
         engine = engines[g].h2d if si.target == "host" else engines[g].peer
         with engine.request() as req:
@@ -311,7 +316,6 @@ def simulate_job(job: Job) -> SimResult:
 
     def optimizer_stream_out(s: int, j: int, n_bytes: int):  # type: ignore[no-untyped-def]
         g = gpu_of[s]
-        run.live.freeing[g] += 1
         yield from host_copy(g, n_bytes, True, f"optimizer states out L{j}")
         run.mem.event(g, env.now, -n_bytes, "optimizer", f"layer {j} optimizer states streamed out")
         run.mem.event(g, env.now, n_bytes, "saved:optimizer", f"layer {j} optimizer states streamed out")
@@ -345,6 +349,7 @@ def simulate_job(job: Job) -> SimResult:
                 run.live.used[g] += n_opt
                 yield from host_copy(g, n_opt, False, f"optimizer states in L{j}")
                 yield env.timeout(update_seconds(rows[j:j + 1], mem_rate))
+                run.live.freeing[g] += 1
                 env.process(optimizer_stream_out(s, j, n_opt))
         if mode != "gpu":
             run.costs[g]["optimizer_s"] += env.now - start - upd_dur[s]
@@ -363,9 +368,20 @@ def simulate_job(job: Job) -> SimResult:
         chunks_of = {j: act.split for j, act in prog.actions.items()}
         est = {"F": prog.forward_s, "B": prog.backward_s, "U": upd_dur[s]}
         tasks = stage_tasks(schedule, s, p, m)
+        def prefetch_for(idx: int) -> None:
+            """Swap-ins of the backward after task ``idx``, launched as that task starts."""
+            nxt = tasks[idx + 1] if idx + 1 < len(tasks) else None
+            if nxt is not None and nxt.kind == "B":
+                need_base = env.now + est[tasks[idx].kind]
+                for si in prog.swap_ins:
+                    env.process(swap_in(s, nxt.microbatch, si, need_base + si.need_offset_s))
+                if stash_host:
+                    env.process(swap_in(s, nxt.microbatch, stash_in, need_base))
+
         for idx, task in enumerate(tasks):
             mb = task.microbatch
             if task.kind == "U":
+                prefetch_for(idx)
                 start = env.now
                 yield from update(s)
                 run.spans.append(Span(g, "compute", f"U{mb}", start, env.now))
@@ -380,23 +396,21 @@ def simulate_job(job: Job) -> SimResult:
                     yield run.event("gradient", s, mb)
                 if stash_host:
                     stash_ev = run.event("in", s, mb, STASH)
+                    run.reached.add((s, mb, STASH))
+                    run.live.poke(g)
                     if not stash_ev.processed:
                         t0 = env.now
                         yield stash_ev
                         costs["swap_wait_s"] += env.now - t0
                 pieces = prog.backward
-            nxt = tasks[idx + 1] if idx + 1 < len(tasks) else None
-            if nxt is not None and nxt.kind == "B":
-                need_base = env.now + est[task.kind]
-                for si in prog.swap_ins:
-                    env.process(swap_in(s, nxt.microbatch, si, need_base + si.need_offset_s))
-                if stash_host:
-                    env.process(swap_in(s, nxt.microbatch, stash_in, need_base))
+            prefetch_for(idx)
             start = env.now
             word = "forward" if task.kind == "F" else "backward"
             for piece in pieces:
                 if piece.wait_for is not None:
                     ev = run.event("in", s, mb, piece.wait_for)
+                    run.reached.add((s, mb, piece.wait_for))
+                    run.live.poke(g)
                     if not ev.processed:
                         t0 = env.now
                         yield ev
@@ -417,6 +431,7 @@ def simulate_job(job: Job) -> SimResult:
                     run.live.free_landed(g, 0)
                 if piece.swap_out is not None:
                     j = piece.swap_out.layer
+                    run.live.freeing[g] += 1  # before the next piece asks for room
                     env.process(swap_out(s, mb, piece.swap_out, chunks_of[j], peers_of[j]))
             run.spans.append(Span(g, "compute", f"{task.kind}{mb}", start, env.now))
             if task.kind == "F":
@@ -435,9 +450,11 @@ def simulate_job(job: Job) -> SimResult:
                 if not first:
                     env.process(send("gradient", s, s - 1, mb, in_grad_bytes))
 
-    for s in range(p):
-        env.process(stage_process(s))
+    streams = [env.process(stage_process(s)) for s in range(p)]
     env.run()
+    stuck = [s for s, proc in enumerate(streams) if proc.is_alive]
+    if stuck:  # an engine bug, never a result: say so instead of returning a silent stall
+        raise RuntimeError(f"simulation stalled at {env.now:.6f} s with stages {stuck} unfinished")
 
     if schedule == "pipedream":
         ends = update_end[0][m - 1 :: m]

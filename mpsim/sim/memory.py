@@ -171,6 +171,15 @@ class LiveMemory:
             yield self._landed[gpu]
         return self.env.now - start
 
+    def changed(self, gpu: int) -> simpy.Event:
+        """An event that fires at the next free that lands (or ``poke``) on ``gpu``."""
+        return self._landed[gpu]
+
+    def poke(self, gpu: int) -> None:
+        """Wake whoever waits on ``gpu`` without a change in bytes (a stream reached a point)."""
+        landed, self._landed[gpu] = self._landed[gpu], self.env.event()
+        landed.succeed()
+
     def free_landed(self, gpu: int, n_bytes: int) -> None:
         """A free that was under way has happened: wake whoever waits for room."""
         self.used[gpu] -= n_bytes
