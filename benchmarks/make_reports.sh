@@ -22,3 +22,4 @@ for plan in keep swap-recompute swap-heavy; do
 done
 taskset -c 0,1 python benchmarks/bench_simulate.py --model bert-1.67b --schedule pipedream --microbatch 12 \
   > reports/bench_simulate_pipedream.txt
+mpsim simulate --model gpt-15.4b --microbatch 2 --strategy cpu-swap --plot reports/memory_gpt-15.4b_dgx1_cpu-swap.png > reports/simulate_gpt-15.4b_dgx1_cpu-swap.txt || true
