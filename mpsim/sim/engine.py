@@ -20,7 +20,6 @@ is the cost.
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,7 +32,7 @@ from mpsim.schedule import PIPEDREAM_ITERATIONS, PIPEDREAM_MEASURED, check_sched
 from mpsim.sim.copy_engine import CopyEngines
 from mpsim.sim.memory import CATEGORIES, LiveMemory, MemoryLog
 from mpsim.sim.network import Network
-from mpsim.sim.program import StageProgram, SwapIn, SwapOut, build_program, chunk, static_bytes, update_seconds
+from mpsim.sim.program import StageProgram, SwapIn, SwapOut, build_program, static_bytes, update_seconds
 from mpsim.sim.result import COSTS, GpuResult, SimResult, Span
 from mpsim.topology import HOST, Topology
 from mpsim.trace import Trace
