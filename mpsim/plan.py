@@ -40,7 +40,6 @@ from mpsim.trace import Trace
 
 SCHEMA_VERSION = 1
 STRIPE_TOLERANCE = 1e-6
-ACTIONS: tuple[str, ...] = ("keep", "recompute", "host", "peer")
 DEFAULT_SPLIT_SLOWDOWN_PER_EXTRA_OP = 0.03
 """Default cost of a split: each micro-op beyond the first adds 3% of the layer's time
 (kernel launches and lower utilisation of smaller kernels, TSPLIT III-B and Fig. 5; the
