@@ -43,10 +43,7 @@ def simulate(server: str | Topology, model: str | Trace, schedule: str = "1f1b",
                                 record_link_rates=record_link_rates))
     if microbatch is not None:
         trace = trace.rescale(microbatch)
-    planned = plan_job(strategy, topo, trace, schedule, microbatches, n_stages)
-    if not record_link_rates:
-        return planned.result
-    return simulate_job(Job(topo, trace, strategy=strategy, plan=planned.plan, record_link_rates=True))
+    return plan_job(strategy, topo, trace, schedule, microbatches, n_stages, record_link_rates).result
 
 
 __all__ = ["load_topology", "load_trace", "plan", "simulate"]

@@ -118,27 +118,6 @@ def fits_strategies_text(reports: list[FitsReport]) -> str:
     return "\n".join(lines)
 
 
-def fits_text(rep: FitsReport) -> str:
-    header = ["model", "params (B)", "layers", "fits", "max peak GiB", "on gpu", "samples/s", "TFLOP/s"]
-    def row(fr) -> list[str]:  # type: ignore[no-untyped-def]
-        d = fr.to_dict()
-        return [d["model"], f"{d['params'] / 1e9:.2f}", str(d["transformer_layers"]), "yes" if d["fits"] else "no",
-                _gib(d["max_peak_bytes"]), str(d["max_peak_gpu"]), f"{d['samples_per_s']:.2f}",
-                f"{d['model_tflops']:.1f}"]
-    cap = rep.rows[0].result.gpus[0].capacity_bytes
-    lines = [f"{rep.family} on {rep.server}: {rep.schedule}, microbatch {rep.microbatch} x {rep.microbatches}, "
-             f"strategy {rep.strategy}, capacity {_gib(cap)} GiB per GPU", "",
-             _table(header, [row(r) for r in rep.rows]), ""]
-    if rep.largest is None:
-        lines.append(f"no {rep.family} model fits, even with one transformer layer per GPU")
-    else:
-        d = rep.largest.to_dict()
-        lines.append(f"largest that fits: {d['transformer_layers']} transformer layers at the shape of {rep.largest_template} "
-                     f"= {d['params'] / 1e9:.2f}B parameters, max peak {_gib(d['max_peak_bytes'])} GiB, "
-                     f"{d['samples_per_s']:.2f} samples/s, {d['model_tflops']:.1f} TFLOP/s")
-    return "\n".join(lines)
-
-
 def transfer_text(d: dict) -> str:
     """The table of ``mpsim topo transfer``."""
     target = f"striped over GPUs {', '.join(str(g) for g in d['stripe'])}" if d["stripe"] else f"to {d['dst']}"

@@ -48,6 +48,7 @@ class _Ctx:
     microbatches: int
     stages: list[tuple[int, int]]
     gpus: list[int]
+    record_link_rates: bool = False
 
     def plan(self, strategy: str, actions: dict[int, list[LayerAction]] | None = None,
              optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None) -> PlanFile:
@@ -55,7 +56,8 @@ class _Ctx:
                          actions, optimizer, stash)
 
     def simulate(self, plan: PlanFile) -> SimResult:
-        return simulate_job(Job(self.topo, self.trace, strategy=plan.strategy, plan=plan))
+        return simulate_job(Job(self.topo, self.trace, strategy=plan.strategy, plan=plan,
+                                record_link_rates=self.record_link_rates))
 
     def held_microbatches(self, s: int) -> int:
         """Microbatches whose activations stage s holds at once (the schedule's bound)."""
@@ -63,7 +65,8 @@ class _Ctx:
         return m if self.schedule == "gpipe" else min(p - s, m)
 
 
-def _context(topo: Topology, trace: Trace, schedule: str, microbatches: int, n_stages: int | None) -> _Ctx:
+def _context(topo: Topology, trace: Trace, schedule: str, microbatches: int, n_stages: int | None,
+             record_link_rates: bool) -> _Ctx:
     p = topo.n_gpus if n_stages is None else n_stages
     if p < 1:
         raise MpsimError(f"the number of stages must be at least 1, got {p}")
@@ -72,7 +75,7 @@ def _context(topo: Topology, trace: Trace, schedule: str, microbatches: int, n_s
     check_schedule(schedule, p, microbatches)
     times = trace.layer_times(topo.spec.gpu)
     stages = compute_balanced(times.fwd_s + times.bwd_s, p)
-    return _Ctx(topo, trace, schedule, microbatches, list(stages), list(range(p)))
+    return _Ctx(topo, trace, schedule, microbatches, list(stages), list(range(p)), record_link_rates)
 
 
 def _none(ctx: _Ctx) -> Planned:
@@ -93,14 +96,18 @@ def _over(result: SimResult, gpu: int) -> int:
     return g.peak_bytes - g.capacity_bytes
 
 
-def _cpu_swap(ctx: _Ctx) -> Planned:
-    plan = ctx.plan("cpu-swap")
+def _keep_first(ctx: _Ctx, strategy: str) -> tuple[Planned, dict[int, float]]:
+    """The plan that keeps everything, simulated, and the live intervals it shows."""
+    plan = ctx.plan(strategy)
     result = ctx.simulate(plan)
-    sims = 1
-    if result.fits:
-        return Planned(plan, result, sims)
-    times = ctx.trace.layer_times(ctx.topo.spec.gpu)
-    interval = live_intervals(result, times)
+    return Planned(plan, result), live_intervals(result, ctx.trace.layer_times(ctx.topo.spec.gpu))
+
+
+def _cpu_swap(ctx: _Ctx) -> Planned:
+    planned, interval = _keep_first(ctx, "cpu-swap")
+    if planned.result.fits:
+        return planned
+    plan, result, sims = planned.plan, planned.result, 1
     rows = ctx.trace.layers
     # per stage, candidates by live interval, longest first: ("optimizer"|"stash"|layer, estimated bytes saved)
     queues: list[list[tuple[str | int, int]]] = []
@@ -140,14 +147,11 @@ def _cpu_swap(ctx: _Ctx) -> Planned:
 
 
 def _d2d(ctx: _Ctx) -> Planned:
-    plan = ctx.plan("d2d")
-    result = ctx.simulate(plan)
-    sims = 1
-    if result.fits:
-        return Planned(plan, result, sims)
+    planned, interval = _keep_first(ctx, "d2d")
+    if planned.result.fits:
+        return planned
+    plan, result, sims = planned.plan, planned.result, 1
     topo = ctx.topo
-    times = ctx.trace.layer_times(topo.spec.gpu)
-    interval = live_intervals(result, times)
     rows = ctx.trace.layers
     spare = {g.gpu: max(0, g.capacity_bytes - g.peak_bytes) for g in result.gpus}
     queues = [sorted((j for j in range(a, b) if rows[j].act_bytes), key=lambda j: (-interval[j], j))
@@ -205,9 +209,10 @@ STRATEGIES: dict[str, Callable[[_Ctx], Planned]] = {
 
 
 def plan_job(strategy: str, topo: Topology, trace: Trace, schedule: str = "1f1b", microbatches: int = 16,
-             n_stages: int | None = None) -> Planned:
-    """Plan and simulate ``trace`` on ``topo`` with a named strategy."""
+             n_stages: int | None = None, record_link_rates: bool = False) -> Planned:
+    """Plan and simulate ``trace`` on ``topo`` with a named strategy (``record_link_rates``:
+    the simulations keep every change of link rates, for Chrome-trace counters)."""
     planner = STRATEGIES.get(strategy)
     if planner is None:
         raise MpsimError(f"unknown strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
-    return planner(_context(topo, trace, schedule, microbatches, n_stages))
+    return planner(_context(topo, trace, schedule, microbatches, n_stages, record_link_rates))

@@ -210,6 +210,15 @@ def simulate_job(job: Job) -> SimResult:
             parts.append((peer, part))
         return parts
 
+    def host_copy(g: int, n_bytes: int, to_host: bool, label: str):  # type: ignore[no-untyped-def]
+        """A copy between GPU ``g`` and pinned host memory on its d2h or h2d engine."""
+        engine = engines[g].d2h if to_host else engines[g].h2d
+        with engine.request() as req:
+            yield req
+            start = env.now
+            yield run.net.transfer(topo.route(g, HOST) if to_host else topo.route(HOST, g), n_bytes)
+        run.spans.append(Span(g, "d2h" if to_host else "h2d", label, start, env.now))
+
     def swap_out(s: int, mb: int, so: SwapOut, chunks: int, peers: tuple[tuple[int, float], ...]):  # type: ignore[no-untyped-def]
         """Timing: waits for the engine (d2h for host, peer for D2D), then flows over the
         route(s); the GPU's bytes are freed when the last part lands."""
@@ -217,12 +226,8 @@ def simulate_job(job: Job) -> SimResult:
         n = so.own_bytes + so.input_bytes  # counted as a free under way by the launcher
         label = f"layer {so.layer} microbatch {mb}"
         if so.target == "host":
-            with engines[g].d2h.request() as req:
-                yield req
-                start = env.now
-                yield run.net.transfer(topo.route(g, HOST), n)
+            yield from host_copy(g, n, True, f"swap-out L{so.layer} mb{mb}")
             run.mem.event(host, env.now, n, "activations", f"swap-out of {label} from GPU {g}")
-            run.spans.append(Span(g, "d2h", f"swap-out L{so.layer} mb{mb}", start, env.now))
         else:
             with engines[g].peer.request() as req:
                 yield req
@@ -251,11 +256,12 @@ def simulate_job(job: Job) -> SimResult:
         if not out.processed:
             yield out
         n = si.n_bytes
+        route = topo.route(HOST, g)
+        parts = striped(si.peers, n)
         if si.target == "host":
-            route = topo.route(HOST, g)
             alone = route.time_alone_s(n)
         else:
-            alone = max(topo.route(peer, g).time_alone_s(part) for peer, part in striped(si.peers, n))
+            alone = max(topo.route(peer, g).time_alone_s(part) for peer, part in parts)
         if need_at - alone > env.now:
             yield env.timeout(need_at - alone - env.now)
         # a prefetch waits for room while frees are under way or the backward will still
@@ -280,7 +286,6 @@ def simulate_job(job: Job) -> SimResult:
             if si.target == "host":
                 yield run.net.transfer(route, n)
             else:
-                parts = striped(si.peers, n)
                 yield simpy.AllOf(env, [run.net.transfer(topo.route(peer, g), part) for peer, part in parts])
         if si.target == "host":
             run.mem.event(host, env.now, -n, "activations" if si.layer != STASH else "stash", f"{label} back on GPU {g}")
@@ -297,21 +302,9 @@ def simulate_job(job: Job) -> SimResult:
         the GPU: the live weights stay)."""
         g = gpu_of[s]
         n = stage_params[s]
-        with engines[g].d2h.request() as req:
-            yield req
-            start = env.now
-            yield run.net.transfer(topo.route(g, HOST), n)
+        yield from host_copy(g, n, True, f"stash W mb{mb}")
         run.mem.event(host, env.now, n, "stash", f"weight version of microbatch {mb} from GPU {g}")
-        run.spans.append(Span(g, "d2h", f"stash W mb{mb}", start, env.now))
         run.event("out", s, mb, STASH).succeed()
-
-    def host_copy(g: int, n_bytes: int, to_host: bool, label: str):  # type: ignore[no-untyped-def]
-        engine = engines[g].d2h if to_host else engines[g].h2d
-        with engine.request() as req:
-            yield req
-            start = env.now
-            yield run.net.transfer(topo.route(g, HOST) if to_host else topo.route(HOST, g), n_bytes)
-        run.spans.append(Span(g, "d2h" if to_host else "h2d", label, start, env.now))
 
     def optimizer_stream_out(s: int, j: int, n_bytes: int):  # type: ignore[no-untyped-def]
         g = gpu_of[s]
