@@ -16,24 +16,27 @@ from mpsim.trace import Trace
 
 
 def plan(server: str | Topology, model: str | Trace, schedule: str = "1f1b", microbatch: int | None = None,
-         microbatches: int = 16, n_stages: int | None = None, strategy: str = "none") -> Planned:
+         microbatches: int = 16, n_stages: int | None = None, strategy: str = "none",
+         partition: str = "compute") -> Planned:
     """Make a plan with a named strategy; returns it with its simulated result."""
     topo = load_topology(server) if isinstance(server, str) else server
     trace = load_trace(model) if isinstance(model, str) else model
     if microbatch is not None:
         trace = trace.rescale(microbatch)
-    return plan_job(strategy, topo, trace, schedule, microbatches, n_stages)
+    return plan_job(strategy, topo, trace, schedule, microbatches, n_stages, partition=partition)
 
 
 def simulate(server: str | Topology, model: str | Trace, schedule: str = "1f1b", microbatch: int | None = None,
              microbatches: int = 16, n_stages: int | None = None, strategy: str = "none",
-             plan_file: PlanFile | None = None, record_link_rates: bool = False) -> SimResult:
+             plan_file: PlanFile | None = None, record_link_rates: bool = False,
+             partition: str = "compute") -> SimResult:
     """Simulate one training iteration of ``model`` on ``server``.
 
     With ``plan_file`` the plan says schedule, microbatches, partition, mapping and
     actions (the trace is rescaled to its microbatch). Otherwise ``strategy`` makes the
     plan: ``microbatch`` rescales the trace (None keeps the traced size); one stage per
-    GPU unless ``n_stages`` says otherwise; compute-balanced partition.
+    GPU unless ``n_stages`` says otherwise; ``partition`` ``compute`` (balanced compute
+    time, as PipeDream and DAPPLE) or ``memory`` (balanced predicted peak, mCAP).
     """
     topo = load_topology(server) if isinstance(server, str) else server
     trace = load_trace(model) if isinstance(model, str) else model
@@ -43,7 +46,7 @@ def simulate(server: str | Topology, model: str | Trace, schedule: str = "1f1b",
                                 record_link_rates=record_link_rates))
     if microbatch is not None:
         trace = trace.rescale(microbatch)
-    return plan_job(strategy, topo, trace, schedule, microbatches, n_stages, record_link_rates).result
+    return plan_job(strategy, topo, trace, schedule, microbatches, n_stages, record_link_rates, partition).result
 
 
 __all__ = ["load_topology", "load_trace", "plan", "simulate"]

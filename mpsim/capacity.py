@@ -55,6 +55,7 @@ class FitsReport:
     microbatch: int
     microbatches: int
     strategy: str
+    partition: str
     rows: list[FitRow]
     largest: FitRow | None
     largest_template: str
@@ -63,6 +64,7 @@ class FitsReport:
         return {
             "server": self.server, "family": self.family, "schedule": self.schedule,
             "microbatch": self.microbatch, "microbatches": self.microbatches, "strategy": self.strategy,
+            "partition": self.partition,
             "rows": [r.to_dict() for r in self.rows],
             "largest": None if self.largest is None else dict(self.largest.to_dict(), template=self.largest_template),
         }
@@ -70,9 +72,9 @@ class FitsReport:
 
 def fits_strategies(server: str | Topology, family: str, schedule: str = "1f1b", microbatch: int | None = None,
                     microbatches: int = 16, strategies: tuple[str, ...] = ("none", "recompute", "cpu-swap", "d2d"),
-                    on_point: Callable[[str], None] | None = None) -> list[FitsReport]:
+                    on_point: Callable[[str], None] | None = None, partition: str = "compute") -> list[FitsReport]:
     """``fits`` under each strategy: one report per strategy, in the order given."""
-    return [fits(server, family, schedule, microbatch, microbatches, strategy,
+    return [fits(server, family, schedule, microbatch, microbatches, strategy, partition,
                  on_point=None if on_point is None else (lambda name, s=strategy: on_point(f"{s}: {name}")))
             for strategy in strategies]
 
@@ -91,7 +93,7 @@ def _n_transformer(trace: Trace) -> int:
 
 
 def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch: int | None = None,
-         microbatches: int = 16, strategy: str = "none",
+         microbatches: int = 16, strategy: str = "none", partition: str = "compute",
          on_point: Callable[[str], None] | None = None) -> FitsReport:
     """Simulate every shipped size of ``family`` and search the largest that fits."""
     topo = load_topology(server) if isinstance(server, str) else server
@@ -99,7 +101,7 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
     mb = microbatch or traces[0].microbatch
 
     def run(trace: Trace) -> SimResult:
-        result = simulate(topo, trace, schedule, mb, microbatches, strategy=strategy)
+        result = simulate(topo, trace, schedule, mb, microbatches, strategy=strategy, partition=partition)
         if on_point:
             on_point(trace.name)
         return result
@@ -141,11 +143,11 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
             else:
                 hi = n
         if lo is None:
-            return FitsReport(topo.name, family, schedule, mb, microbatches, strategy, rows, None, template.name)
+            return FitsReport(topo.name, family, schedule, mb, microbatches, strategy, partition, rows, None, template.name)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if probe(mid).result.fits:
             lo = mid
         else:
             hi = mid
-    return FitsReport(topo.name, family, schedule, mb, microbatches, strategy, rows, probe(lo), template.name)
+    return FitsReport(topo.name, family, schedule, mb, microbatches, strategy, partition, rows, probe(lo), template.name)

@@ -19,6 +19,8 @@ _SCHEDULE_HELP = "gpipe, 1f1b (DAPPLE, PipeDream-Flush) or pipedream (asynchrono
 _MICROBATCHES_HELP = "microbatches per iteration; 1f1b and pipedream need at least one per stage"
 _STRATEGY_HELP = ("memory-saving strategy: none, recompute (checkpoint every transformer layer), cpu-swap "
                   "(swap to host memory until it fits), d2d (swap to spare memory of NVLink peers)")
+_PARTITION_HELP = ("layers to stages: compute (balance compute time, as PipeDream/DAPPLE) or memory "
+                   "(balance predicted peak memory, mCAP)")
 
 
 def _write_json(target: str | None, data: dict) -> None:
@@ -71,6 +73,7 @@ def _job_options(f):  # type: ignore[no-untyped-def]
         click.option("--microbatches", type=int, default=16, show_default=True, help=_MICROBATCHES_HELP),
         click.option("--stages", type=int, help="pipeline stages  [default: one per GPU]"),
         click.option("--strategy", default="none", show_default=True, help=_STRATEGY_HELP),
+        click.option("--partition", default="compute", show_default=True, help=_PARTITION_HELP),
     ]):
         f = opt(f)
     return f
@@ -86,7 +89,7 @@ def _job_options(f):  # type: ignore[no-untyped-def]
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="plot memory over time per GPU, with swap-outs and swap-ins, to this PNG")
 def simulate(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
-             stages: int | None, strategy: str, plan_path: Path | None, json_out: str | None,
+             stages: int | None, strategy: str, partition: str, plan_path: Path | None, json_out: str | None,
              chrome_trace: Path | None, plot: Path | None) -> None:
     """Simulate one training iteration: per-GPU peak memory, iteration time, throughput,
     and what each memory-saving technique saved and cost.
@@ -109,7 +112,7 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
         trace = trace.rescale(plan.microbatch)
         check_plan(plan, topo, trace, str(plan_path))  # errors name the file
     result = run(topo, trace, schedule, microbatch, microbatches, n_stages=stages, strategy=strategy,
-                 plan_file=plan, record_link_rates=chrome_trace is not None)
+                 plan_file=plan, record_link_rates=chrome_trace is not None, partition=partition)
     if json_out != "-":
         click.echo(simulate_text(result))
     _write_json(json_out, result.to_dict())
@@ -127,7 +130,7 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
               help="plan JSON file to write")
 @_json_option
 def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
-             stages: int | None, strategy: str, output: Path, json_out: str | None) -> None:
+             stages: int | None, strategy: str, partition: str, output: Path, json_out: str | None) -> None:
     """Make a memory-saving plan with a strategy and write it as a plan file.
 
     Prints the plan per stage and its simulated result; `mpsim simulate --plan FILE`
@@ -138,7 +141,7 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
     from mpsim.report import plan_text, simulate_text
 
     planned = make(server or "dgx1-v100", model or "gpt-5.3b", schedule, microbatch, microbatches, n_stages=stages,
-                   strategy=strategy)
+                   strategy=strategy, partition=partition)
     write_plan_file(planned.plan, output)
     if json_out != "-":
         click.echo(plan_text(planned.plan))
@@ -158,9 +161,10 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
 @click.option("--microbatches", type=int, default=16, show_default=True, help=_MICROBATCHES_HELP)
 @click.option("--strategy", "strategies", default="none,recompute,cpu-swap,d2d", show_default=True,
               help="comma-separated strategies, one column each")
+@click.option("--partition", default="compute", show_default=True, help=_PARTITION_HELP)
 @_json_option
 def fits(server: str, family: str, schedule: str, microbatch: int | None, microbatches: int, strategies: str,
-         json_out: str | None) -> None:
+         partition: str, json_out: str | None) -> None:
     """Which shipped sizes of a family fit under each strategy, and the largest that does.
 
     The size knob is the number of transformer layers at the shape of the largest
@@ -180,7 +184,8 @@ def fits(server: str, family: str, schedule: str, microbatch: int | None, microb
     with _progress(f"fits {family}") as bar:
         job = bar.add_task("", total=(n_shipped + 10) * len(names))
         reps = fits_strategies(server, family, schedule, microbatch, microbatches, names,
-                               on_point=lambda name: bar.update(job, advance=1, description=name))
+                               on_point=lambda name: bar.update(job, advance=1, description=name),
+                               partition=partition)
     if json_out != "-":
         click.echo(fits_strategies_text(reps))
     _write_json(json_out, {"reports": [r.to_dict() for r in reps]})

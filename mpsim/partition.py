@@ -60,3 +60,83 @@ def validate_stages(stages: Stages, n_layers: int) -> None:
         pos = end
     if pos != n_layers:
         raise MpsimError(f"partition covers layers [0, {pos}) but the model has {n_layers} layers")
+
+
+def _range_max(values: np.ndarray) -> np.ndarray:
+    """m[i, j] = max(values[i:j]) for i < j (0 elsewhere), by a running maximum per start."""
+    n = len(values)
+    m = np.zeros((n + 1, n + 1))
+    for i in range(n):
+        m[i, i + 1:] = np.maximum.accumulate(values[i:])
+    return m
+
+
+def stage_peak_table(added: np.ndarray, transient: np.ndarray, boundary_in: np.ndarray,
+                     boundary_out: np.ndarray) -> np.ndarray:
+    """peak[j, i]: predicted peak of a stage holding layers [i, j) (mCAP 3.3, listing 1.1:
+    the first layer's mem_isolated plus the others' mem_added). ``added[l]`` is what layer
+    l holds for the whole iteration on this stage, ``transient[l]`` what it holds only while
+    it runs (so a stage pays the largest one), ``boundary_in[i]`` / ``boundary_out[j]`` the
+    receive and send buffers of a stage starting at layer i / ending before layer j."""
+    prefix = np.concatenate(([0.0], np.cumsum(added)))
+    span = prefix[:, None] - prefix[None, :]
+    peak = span + _range_max(transient).T + boundary_in[None, :] + boundary_out[:, None]
+    return peak
+
+
+def memory_balanced(tables: list[np.ndarray]) -> Stages:
+    """Contiguous, non-empty stages minimising the highest predicted stage peak (exact).
+
+    ``tables[k][j, i]`` is stage k's predicted peak when it holds layers [i, j): a stage's
+    peak depends on its layer range and its position (how many microbatches it holds,
+    how many weight versions), so each stage has its own table. The min-max dynamic
+    programme is the one of ``compute_balanced`` with the span cost replaced by the
+    stage's table: best[k][j] = min_i max(best[k-1][i], tables[k][j, i]). mCAP (3.4)
+    searches the same space by brute force or Bayesian optimisation.
+    """
+    n_stages = len(tables)
+    n = tables[0].shape[0] - 1
+    if n_stages < 1:
+        raise MpsimError(f"the number of stages must be at least 1, got {n_stages}")
+    if n_stages > n:
+        raise MpsimError(f"cannot split {n} layers into {n_stages} non-empty stages: use at most {n} stages")
+    inf = np.inf
+    j_idx, i_idx = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
+    best = np.full((n_stages, n + 1), inf)
+    cut = np.zeros((n_stages, n + 1), dtype=int)
+    best[0, 1:] = tables[0][1:, 0]
+    for k in range(1, n_stages):
+        cand = np.maximum(best[k - 1][None, :], tables[k])
+        cand[(i_idx < k) | (i_idx >= j_idx)] = inf
+        cut[k] = np.argmin(cand, axis=1)
+        best[k] = cand[np.arange(n + 1), cut[k]]
+    stages: Stages = []
+    end = n
+    for k in range(n_stages - 1, 0, -1):
+        start = int(cut[k, end])
+        stages.append((start, end))
+        end = start
+    stages.append((0, end))
+    return stages[::-1]
+
+
+def highest_peak(tables: list[np.ndarray], stages: Stages) -> float:
+    """The highest predicted stage peak of a partition."""
+    return max(float(tables[k][b, a]) for k, (a, b) in enumerate(stages))
+
+
+def brute_force(tables: list[np.ndarray]) -> tuple[Stages, float]:
+    """mCAP-BF (3.4): every one of the C(L-1, G-1) partitions, the lowest highest peak.
+    For checking ``memory_balanced`` on cases small enough to enumerate."""
+    from itertools import combinations
+
+    n_stages, n = len(tables), tables[0].shape[0] - 1
+    best: tuple[Stages, float] | None = None
+    for cuts in combinations(range(1, n), n_stages - 1):
+        bounds = (0, *cuts, n)
+        stages = [(bounds[k], bounds[k + 1]) for k in range(n_stages)]
+        peak = highest_peak(tables, stages)
+        if best is None or peak < best[1]:
+            best = (stages, peak)
+    assert best is not None
+    return best

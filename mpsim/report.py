@@ -104,7 +104,7 @@ def fits_strategies_text(reports: list[FitsReport]) -> str:
         rows.append(cells)
     cap = first.rows[0].result.gpus[0].capacity_bytes
     lines = [f"{first.family} on {first.server}: {first.schedule}, microbatch {first.microbatch} x "
-             f"{first.microbatches}, capacity {_gib(cap)} GiB per GPU",
+             f"{first.microbatches}, {first.partition}-balanced partition, capacity {_gib(cap)} GiB per GPU",
              "(samples/s where it fits; OOM and the highest per-GPU peak in GiB where it does not)", "",
              _table(header, rows), "", "largest that fits, by strategy:"]
     for rep in reports:

@@ -95,6 +95,19 @@ def test_plan_then_simulate_the_plan_file(capsys, tmp_path):
     assert any(g["saved_at_peak"]["optimizer"] or g["saved_at_peak"]["host"] for g in d["gpus"])
 
 
+def test_memory_partition_fits_what_the_compute_partition_does_not(capsys):
+    """GPT-10.3B on the 40 GB A100 server with 1F1B: compute-balanced stage 0 needs 49.3
+    GiB; the memory-balanced partition keeps every stage under 37.8 GiB."""
+    argv = ["simulate", "--server", "a100-40gb-nvswitch", "--model", "gpt-10.3b", "--microbatch", "2", "--json", "-"]
+    code, out, _ = run(capsys, *argv)
+    assert code == 1 and json.loads(out)["partition"][0] == [0, 5]
+    code, out, _ = run(capsys, *argv, "--partition", "memory")
+    d = json.loads(out)
+    assert code == 0 and d["fits"]
+    assert max(g["peak_bytes"] for g in d["gpus"]) < 37.8 * 2**30
+    assert d["partition"] == [[0, 3], [3, 6], [6, 9], [9, 13], [13, 17], [17, 22], [22, 27], [27, 34]]
+
+
 def test_topo_transfer_to_host_and_striped(capsys):
     code, out, _ = run(capsys, "topo", "transfer", "--server", "dgx1-v100", "--src", "gpu0", "--dst", "host",
                        "--size", "216MB", "--json", "-")
@@ -185,6 +198,8 @@ BAD = [
     ("unwritable output", lambda t: ["simulate", "--json", str(t / "no" / "such" / "dir.json")],
      "dir.json: cannot write (No such file or directory)"),
     ("non-integer option", lambda t: ["simulate", "--microbatches", "many"], "'many' is not a valid integer"),
+    ("unknown partition", lambda t: ["simulate", "--partition", "random"],
+     "unknown partition 'random': expected one of compute, memory"),
     ("unknown strategy in fits", lambda t: ["fits", "--strategy", "none,magic"], "unknown strategy 'magic'"),
     ("missing plan file", lambda t: ["simulate", "--plan", str(t / "nope.json")], "nope.json: cannot read plan file"),
     ("plan for another trace", lambda t: ["simulate", "--plan", _plan(t, lambda d: d.update(model="bert-0.35b"))],

@@ -1,8 +1,9 @@
 """Planners: each turns a job (server, trace, schedule) into a plan and its simulated result.
 
-``STRATEGIES`` maps the names accepted by ``--strategy`` to planners.
+``STRATEGIES`` maps the names accepted by ``--strategy`` to planners; ``plan_job`` runs one.
 """
 
-from mpsim.planners.baselines import STRATEGIES, Planned, plan_job
+from mpsim.planners.context import PARTITIONS, Planned
+from mpsim.planners.registry import STRATEGIES, plan_job
 
-__all__ = ["STRATEGIES", "Planned", "plan_job"]
+__all__ = ["PARTITIONS", "STRATEGIES", "Planned", "plan_job"]

@@ -18,72 +18,16 @@ again, until every GPU fits or nothing is left to swap.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
-from mpsim.errors import MpsimError
-from mpsim.partition import compute_balanced
-from mpsim.plan import LayerAction, PlanFile, Stripe, make_plan, stripes_by_bandwidth
-from mpsim.planners.liveness import live_intervals
-from mpsim.schedule import check_schedule
-from mpsim.sim import Job, SimResult, simulate_job
+from mpsim.plan import LayerAction, Stripe, stripes_by_bandwidth
+from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
 from mpsim.topology import Topology
-from mpsim.trace import Trace
 
-MAX_ROUNDS = 64
-
-
-@dataclass
-class Planned:
-    plan: PlanFile
-    result: SimResult
-    simulations: int = 1
-
-
-@dataclass(frozen=True)
-class _Ctx:
-    topo: Topology
-    trace: Trace
-    schedule: str
-    microbatches: int
-    stages: list[tuple[int, int]]
-    gpus: list[int]
-    record_link_rates: bool = False
-
-    def plan(self, strategy: str, actions: dict[int, list[LayerAction]] | None = None,
-             optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None) -> PlanFile:
-        return make_plan(self.trace, self.topo, self.schedule, self.microbatches, self.stages, self.gpus, strategy,
-                         actions, optimizer, stash)
-
-    def simulate(self, plan: PlanFile) -> SimResult:
-        return simulate_job(Job(self.topo, self.trace, strategy=plan.strategy, plan=plan,
-                                record_link_rates=self.record_link_rates))
-
-    def held_microbatches(self, s: int) -> int:
-        """Microbatches whose activations stage s holds at once (the schedule's bound)."""
-        p, m = len(self.stages), self.microbatches
-        return m if self.schedule == "gpipe" else min(p - s, m)
-
-
-def _context(topo: Topology, trace: Trace, schedule: str, microbatches: int, n_stages: int | None,
-             record_link_rates: bool) -> _Ctx:
-    p = topo.n_gpus if n_stages is None else n_stages
-    if p < 1:
-        raise MpsimError(f"the number of stages must be at least 1, got {p}")
-    if p > topo.n_gpus:
-        raise MpsimError(f"{p} stages need {p} GPUs but {topo.name} has {topo.n_gpus}")
-    check_schedule(schedule, p, microbatches)
-    times = trace.layer_times(topo.spec.gpu)
-    stages = compute_balanced(times.fwd_s + times.bwd_s, p)
-    return _Ctx(topo, trace, schedule, microbatches, list(stages), list(range(p)), record_link_rates)
-
-
-def _none(ctx: _Ctx) -> Planned:
+def _none(ctx: Ctx) -> Planned:
     plan = ctx.plan("none")
     return Planned(plan, ctx.simulate(plan))
 
 
-def _recompute(ctx: _Ctx) -> Planned:
+def _recompute(ctx: Ctx) -> Planned:
     actions = {s: [LayerAction(layer=j, action="recompute") for j in range(a, b)
                    if ctx.trace.layers[j].kind == "transformer"]
                for s, (a, b) in enumerate(ctx.stages)}
@@ -91,20 +35,8 @@ def _recompute(ctx: _Ctx) -> Planned:
     return Planned(plan, ctx.simulate(plan))
 
 
-def _over(result: SimResult, gpu: int) -> int:
-    g = result.gpus[gpu]
-    return g.peak_bytes - g.capacity_bytes
-
-
-def _keep_first(ctx: _Ctx, strategy: str) -> tuple[Planned, dict[int, float]]:
-    """The plan that keeps everything, simulated, and the live intervals it shows."""
-    plan = ctx.plan(strategy)
-    result = ctx.simulate(plan)
-    return Planned(plan, result), live_intervals(result, ctx.trace.layer_times(ctx.topo.spec.gpu))
-
-
-def _cpu_swap(ctx: _Ctx) -> Planned:
-    planned, interval = _keep_first(ctx, "cpu-swap")
+def _cpu_swap(ctx: Ctx) -> Planned:
+    planned, interval = keep_first(ctx, "cpu-swap")
     if planned.result.fits:
         return planned
     plan, result, sims = planned.plan, planned.result, 1
@@ -125,7 +57,7 @@ def _cpu_swap(ctx: _Ctx) -> Planned:
     for _ in range(MAX_ROUNDS):
         moved = False
         for s, g in enumerate(ctx.gpus):
-            short = _over(result, g)
+            short = over(result, g)
             while short > 0 and queues[s]:
                 what, saves = queues[s].pop(0)
                 if what == "optimizer":
@@ -146,8 +78,8 @@ def _cpu_swap(ctx: _Ctx) -> Planned:
     return Planned(plan, result, sims)
 
 
-def _d2d(ctx: _Ctx) -> Planned:
-    planned, interval = _keep_first(ctx, "d2d")
+def _d2d(ctx: Ctx) -> Planned:
+    planned, interval = keep_first(ctx, "d2d")
     if planned.result.fits:
         return planned
     plan, result, sims = planned.plan, planned.result, 1
@@ -160,7 +92,7 @@ def _d2d(ctx: _Ctx) -> Planned:
     for _ in range(MAX_ROUNDS):
         moved = False
         for s, g in enumerate(ctx.gpus):
-            short = _over(result, g)
+            short = over(result, g)
             held = ctx.held_microbatches(s)
             while short > 0 and queues[s]:
                 j = queues[s][0]
@@ -200,19 +132,9 @@ def _fit_stripes(topo: Topology, g: int, need: int, spare: dict[int, int]) -> li
     return None
 
 
-STRATEGIES: dict[str, Callable[[_Ctx], Planned]] = {
+BASELINES = {
     "none": _none,
     "recompute": _recompute,
     "cpu-swap": _cpu_swap,
     "d2d": _d2d,
 }
-
-
-def plan_job(strategy: str, topo: Topology, trace: Trace, schedule: str = "1f1b", microbatches: int = 16,
-             n_stages: int | None = None, record_link_rates: bool = False) -> Planned:
-    """Plan and simulate ``trace`` on ``topo`` with a named strategy (``record_link_rates``:
-    the simulations keep every change of link rates, for Chrome-trace counters)."""
-    planner = STRATEGIES.get(strategy)
-    if planner is None:
-        raise MpsimError(f"unknown strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
-    return planner(_context(topo, trace, schedule, microbatches, n_stages, record_link_rates))

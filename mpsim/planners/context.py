@@ -1,0 +1,85 @@
+"""What every planner shares: the job it plans (``Ctx``), its answer (``Planned``), and
+the first step of the swap planners (simulate keeping everything, read live intervals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpsim.errors import MpsimError
+from mpsim.partition import Stages, compute_balanced
+from mpsim.plan import LayerAction, PlanFile, make_plan
+from mpsim.planners.liveness import live_intervals
+from mpsim.planners.mcap import held_microbatches, mcap_partition
+from mpsim.schedule import check_schedule
+from mpsim.sim import Job, SimResult, simulate_job
+from mpsim.topology import Topology
+from mpsim.trace import Trace
+
+MAX_ROUNDS = 64
+PARTITIONS = ("compute", "memory")
+
+
+@dataclass
+class Planned:
+    plan: PlanFile
+    result: SimResult
+    simulations: int = 1
+
+
+@dataclass(frozen=True)
+class Ctx:
+    topo: Topology
+    trace: Trace
+    schedule: str
+    microbatches: int
+    stages: Stages
+    gpus: list[int]
+    record_link_rates: bool = False
+    partition: str = "compute"
+
+    def plan(self, strategy: str, actions: dict[int, list[LayerAction]] | None = None,
+             optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None) -> PlanFile:
+        return make_plan(self.trace, self.topo, self.schedule, self.microbatches, self.stages, self.gpus, strategy,
+                         actions, optimizer, stash)
+
+    def simulate(self, plan: PlanFile) -> SimResult:
+        return simulate_job(Job(self.topo, self.trace, strategy=plan.strategy, plan=plan,
+                                record_link_rates=self.record_link_rates))
+
+    def held_microbatches(self, s: int) -> int:
+        """Microbatches whose activations stage s holds at once (the schedule's bound)."""
+        return held_microbatches(self.schedule, s, len(self.stages), self.microbatches)
+
+
+def make_context(topo: Topology, trace: Trace, schedule: str, microbatches: int, n_stages: int | None,
+                 record_link_rates: bool = False, partition: str = "compute", recompute: bool = False) -> Ctx:
+    """The job with its partition: ``compute`` balances per-stage compute time (PipeDream,
+    DAPPLE), ``memory`` the predicted per-GPU peak (mCAP; ``recompute`` predicts it with
+    every transformer layer checkpointed). Stage i on GPU i."""
+    p = topo.n_gpus if n_stages is None else n_stages
+    if p < 1:
+        raise MpsimError(f"the number of stages must be at least 1, got {p}")
+    if p > topo.n_gpus:
+        raise MpsimError(f"{p} stages need {p} GPUs but {topo.name} has {topo.n_gpus}")
+    check_schedule(schedule, p, microbatches)
+    if partition == "compute":
+        times = trace.layer_times(topo.spec.gpu)
+        stages = compute_balanced(times.fwd_s + times.bwd_s, p)
+    elif partition == "memory":
+        stages = mcap_partition(trace, schedule, p, microbatches, recompute)
+    else:
+        raise MpsimError(f"unknown partition {partition!r}: expected one of {', '.join(PARTITIONS)}")
+    return Ctx(topo, trace, schedule, microbatches, list(stages), list(range(p)), record_link_rates, partition)
+
+
+def over(result: SimResult, gpu: int) -> int:
+    """Bytes by which ``gpu``'s peak exceeds its capacity (negative: room left)."""
+    g = result.gpus[gpu]
+    return g.peak_bytes - g.capacity_bytes
+
+
+def keep_first(ctx: Ctx, strategy: str) -> tuple[Planned, dict[int, float]]:
+    """The plan that keeps everything, simulated, and the live intervals it shows."""
+    plan = ctx.plan(strategy)
+    result = ctx.simulate(plan)
+    return Planned(plan, result), live_intervals(result, ctx.trace.layer_times(ctx.topo.spec.gpu))

@@ -1,0 +1,63 @@
+"""mCAP (papers/mcap.txt 3): the partition whose highest per-GPU peak is lowest.
+
+mCAP profiles two statistics per layer, mem_isolated (the peak with the layer alone on a
+GPU) and mem_added (what adding it to a GPU's layers adds to the peak), and predicts a
+partition's per-GPU peaks from them (listing 1.1). Here both come from the trace and the
+schedule instead of profiling runs:
+
+- mem_added(l) on stage k = weights, gradients and optimizer states of l, plus its saved
+  activations times the microbatches stage k holds at once (all m under GPipe,
+  min(p - k, m) under 1F1B and PipeDream), plus p - k - 1 stashed weight versions under
+  PipeDream; with recomputation only the layer's checkpointed input is held per
+  microbatch (mCAP 3.2);
+- mem_isolated(l) adds what l holds only while it runs: input, output, workspace and,
+  recomputed, its own activations re-materialised before its backward; and the receive
+  and send buffers at the stage's boundaries.
+
+Because a stage's predicted peak depends only on its layer range and its position, the
+best partition is found exactly by a min-max dynamic programme (``memory_balanced``),
+in milliseconds, where mCAP enumerates (mCAP-BF) or samples (mCAP-BO) partitions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpsim.partition import Stages, memory_balanced, stage_peak_table
+from mpsim.schedule import weight_versions
+from mpsim.trace import Trace
+
+
+def held_microbatches(schedule: str, stage: int, n_stages: int, microbatches: int) -> int:
+    """Microbatches whose activations stage ``stage`` holds at once (the schedule's bound)."""
+    return microbatches if schedule == "gpipe" else min(n_stages - stage, microbatches)
+
+
+def peak_tables(trace: Trace, schedule: str, n_stages: int, microbatches: int,
+                recompute: bool = False) -> list[np.ndarray]:
+    """Per stage, the predicted peak of every layer range (``stage_peak_table``)."""
+    rows = trace.layers
+    fixed = np.array([r.param_bytes + r.grad_bytes + r.optimizer_bytes for r in rows], dtype=float)
+    params = np.array([r.param_bytes for r in rows], dtype=float)
+    inp = np.array([r.input_bytes for r in rows], dtype=float)
+    out = np.array([r.output_bytes for r in rows], dtype=float)
+    ws = np.array([r.workspace_bytes for r in rows], dtype=float)
+    act = np.array([r.act_bytes for r in rows], dtype=float)
+    checkpointed = np.array([recompute and r.kind == "transformer" for r in rows])
+    saved = np.where(checkpointed, inp, act)
+    own = act - np.array([r.input_bytes if r.saves_input else 0 for r in rows], dtype=float)
+    transient = inp + out + ws + np.where(checkpointed, own, 0.0)
+    boundary_in = np.concatenate((inp, [0.0]))
+    boundary_out = np.concatenate(([0.0], out))
+    boundary_out[-1] = 0.0  # the last stage sends nothing forward
+    tables = []
+    for k in range(n_stages):
+        held = held_microbatches(schedule, k, n_stages, microbatches)
+        added = fixed + held * saved + (weight_versions(schedule, k, n_stages) - 1) * params
+        tables.append(stage_peak_table(added, transient, boundary_in, boundary_out))
+    return tables
+
+
+def mcap_partition(trace: Trace, schedule: str, n_stages: int, microbatches: int, recompute: bool = False) -> Stages:
+    """The memory-balanced partition (exact for the prediction)."""
+    return memory_balanced(peak_tables(trace, schedule, n_stages, microbatches, recompute))

@@ -1,0 +1,26 @@
+"""The named strategies and the one entry point that runs them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mpsim.errors import MpsimError
+from mpsim.planners.baselines import BASELINES
+from mpsim.planners.context import Ctx, Planned, make_context
+from mpsim.topology import Topology
+from mpsim.trace import Trace
+
+STRATEGIES: dict[str, Callable[[Ctx], Planned]] = {**BASELINES}
+
+
+def plan_job(strategy: str, topo: Topology, trace: Trace, schedule: str = "1f1b", microbatches: int = 16,
+             n_stages: int | None = None, record_link_rates: bool = False, partition: str = "compute") -> Planned:
+    """Plan and simulate ``trace`` on ``topo`` with a named strategy and partition
+    (``record_link_rates``: the simulations keep every change of link rates, for Chrome-trace
+    counters)."""
+    planner = STRATEGIES.get(strategy)
+    if planner is None:
+        raise MpsimError(f"unknown strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
+    ctx = make_context(topo, trace, schedule, microbatches, n_stages, record_link_rates, partition,
+                       recompute=strategy == "recompute")
+    return planner(ctx)
