@@ -1,0 +1,333 @@
+"""MPress memory compaction planning (papers/mpress.txt III-C, III-D).
+
+1. Simulate the iteration keeping everything; read each layer's live interval (the time
+   from its forward to its backward, MPress's live-variable analysis).
+2. Device mapping (``mpsim.planners.mapping``, Fig. 6): stages that must shed memory next
+   to stages with spare memory over many NVLinks; skipped on symmetric servers.
+3. Initial assignment per GPU that does not fit, cheapest extra time per byte saved
+   first: GPU-CPU swap where the swap hides in the live interval (cost 0; the longest
+   intervals first), else recomputation where it costs less than the part of the swap
+   the interval cannot hide (footnote 2), else GPU-CPU swap; optimizer states (streamed
+   to the host around the update) and PipeDream's stashed weights compete on the same
+   footing. Candidates are taken until the estimated saving covers the shortfall, then
+   the iteration is simulated again, until every GPU fits.
+4. Tuning rounds: the tensors whose choice costs the most are moved to D2D swap into the
+   spare memory of NVLink neighbours (striped in proportion to link bandwidth) where that
+   costs less; a round is kept when the simulated iteration fits and is faster, and the
+   search stops when a round gains nothing.
+
+The per-tensor rule behind steps 3 and 4 is ``choose`` (Table III's reading in IV-D).
+Ablations (Fig. 9): without the mapping search (stage i on GPU i, DAPPLE's), without
+striping (each swap to its one fastest neighbour), and D2D swap only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from mpsim.plan import LayerAction, Stripe, stripes_by_bandwidth
+from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
+from mpsim.planners.mapping import Mapping, search_mapping
+from mpsim.sim import SimResult
+
+MIN_GAIN = 0.001
+"""A tuning round must make the iteration this much faster (relative) to be kept."""
+SPARE_MARGIN = 0.97
+"""Share of a peer's measured spare memory D2D swaps may fill (the rest absorbs timing)."""
+
+
+def choose(interval_s: float, recompute_s: float, host_swap_s: float, d2d_swap_s: float | None) -> str:
+    """MPress's choice for one activation tensor (IV-D on Table III): GPU-CPU swap when
+    the interval hides it; otherwise the least extra time among recomputation (its forward
+    again), D2D swap and GPU-CPU swap (each: swap time minus live interval, footnote 2);
+    on a tie recomputation, which spends no spare GPU memory. ``d2d_swap_s`` None: no
+    peer has room. Returns ``host``, ``recompute`` or ``peer``."""
+    host_extra = max(0.0, host_swap_s - interval_s)
+    if host_extra == 0.0:
+        return "host"
+    d2d_extra = float("inf") if d2d_swap_s is None else max(0.0, d2d_swap_s - interval_s)
+    best = min(recompute_s, d2d_extra, host_extra)
+    if recompute_s == best:
+        return "recompute"
+    return "peer" if d2d_extra == best else "host"
+
+
+@dataclass(frozen=True)
+class Options:
+    mapping: bool = True
+    striping: bool = True
+    d2d_only: bool = False
+
+
+VARIANTS: dict[str, Options] = {
+    "mpress": Options(),
+    "mpress-no-mapping": Options(mapping=False),
+    "mpress-no-striping": Options(striping=False),
+    "mpress-no-mapping-no-striping": Options(mapping=False, striping=False),
+    "mpress-d2d-only": Options(d2d_only=True),
+}
+
+
+@dataclass
+class _Candidate:
+    stage: int
+    what: str | int
+    """``optimizer``, ``stash`` or a layer index."""
+    saves_bytes: int
+    """Estimated bytes off the GPU at its peak."""
+    extra_s: float
+    """Estimated extra time per iteration."""
+    action: str
+    interval_s: float = 0.0
+
+
+class _Planner:
+    def __init__(self, ctx: Ctx, opts: Options, name: str) -> None:
+        self.ctx, self.opts, self.name = ctx, opts, name
+        self.times = ctx.trace.layer_times(ctx.topo.spec.gpu)
+        self.actions: dict[int, dict[int, LayerAction]] = {s: {} for s in range(len(ctx.stages))}
+        self.optimizer: dict[int, str] = {}
+        self.stash: dict[int, str] = {}
+        self.sims = 0
+
+    # ---- costs ---------------------------------------------------------------------------
+    def host_bw(self, s: int) -> float:
+        return self.ctx.topo.route(self.ctx.gpus[s], "host").bandwidth
+
+    def pcie_sharers(self, s: int) -> int:
+        """Stages whose GPU-host route shares a link with stage s's (a PCIe switch uplink)."""
+        topo = self.ctx.topo
+        mine = {link.name for link in topo.route(self.ctx.gpus[s], "host").links}
+        return sum(1 for g in self.ctx.gpus if mine & {link.name for link in topo.route(g, "host").links})
+
+    def stripes(self, s: int, need: int, spare: dict[int, float]) -> list[Stripe] | None:
+        """Where ``need`` bytes of stage s go by D2D swap: bandwidth-weighted over NVLink
+        neighbours with room, or (no striping) the fastest one with room; None if none."""
+        topo, g = self.ctx.topo, self.ctx.gpus[s]
+        peers = [q for q in range(topo.n_gpus) if q != g and topo.nvlinks_between(g, q) and spare.get(q, 0) > 0]
+        if not self.opts.striping:
+            fit = [q for q in peers if spare[q] >= need]
+            if not fit:
+                return None
+            best = max(fit, key=lambda q: (topo.route(g, q).bandwidth, -q))
+            return [Stripe(gpu=best, fraction=1.0)]
+        while peers:
+            stripes = stripes_by_bandwidth(topo, g, peers)
+            short = [x.gpu for x in stripes if need * x.fraction > spare[x.gpu]]
+            if not short:
+                return stripes
+            peers = [q for q in peers if q not in short]
+        return None
+
+    def d2d_seconds(self, s: int, n_bytes: int, stripes: list[Stripe]) -> float:
+        """Swap-out plus swap-in of ``n_bytes`` over ``stripes``, alone on the links."""
+        g = self.ctx.gpus[s]
+        return 2 * max(n_bytes * x.fraction / self.ctx.topo.route(g, x.gpu).bandwidth for x in stripes)
+
+    def layer_costs(self, s: int, j: int, interval: float) -> tuple[int, float, float, float]:
+        """Per microbatch for layer j: (bytes a swap moves, recompute s, GPU-CPU swap-out plus
+        swap-in s, live interval s)."""
+        r = self.ctx.trace.layers[j]
+        return r.act_bytes, float(self.times.fwd_s[j]), 2 * r.act_bytes / self.host_bw(s), interval
+
+    # ---- steps ---------------------------------------------------------------------------
+    def simulate(self) -> tuple[SimResult, object]:
+        actions = {s: sorted(a.values(), key=lambda x: x.layer) for s, a in self.actions.items()}
+        plan = self.ctx.plan(self.name, actions, self.optimizer, self.stash)
+        self.sims += 1
+        return self.ctx.simulate(plan), plan
+
+    def initial_candidates(self, intervals: dict[int, float]) -> list[list[_Candidate]]:
+        """Per stage, candidates in the order the initial assignment takes them.
+
+        The live interval hides a GPU-CPU swap only while the stage's PCIe route has time
+        to spare: all its swaps of one microbatch share one pipeline period (the stage's
+        forward plus backward time), so once that budget is spent a swap costs its whole
+        transfer time. Each step takes the candidate with the least extra time per byte
+        given what is left of the budget (TSPLIT's PCIe occupancy, eq. 3, in MPress's
+        per-tensor terms)."""
+        ctx, m = self.ctx, self.ctx.microbatches
+        rows = ctx.trace.layers
+        queues = []
+        for s, (a, b) in enumerate(ctx.stages):
+            held = ctx.held_microbatches(s)
+            if self.opts.d2d_only:
+                layers = sorted((j for j in range(a, b) if rows[j].act_bytes), key=lambda j: (-intervals[j], j))
+                queues.append([_Candidate(s, j, rows[j].act_bytes * held, 0.0, "peer", intervals[j]) for j in layers])
+                continue
+            budget = float(self.times.fwd_s[a:b].sum() + self.times.bwd_s[a:b].sum()) / self.pcie_sharers(s)
+            pool: list[tuple[str | int, int, float, float]] = []  # what, bytes saved, recompute s, host s
+            opt = sum(r.optimizer_bytes for r in rows[a:b])
+            if opt:
+                pool.append(("optimizer", opt, float("inf"), 2 * opt / self.host_bw(s) / m))
+            if ctx.schedule == "pipedream" and len(ctx.stages) - s > 1:
+                params = sum(r.param_bytes for r in rows[a:b])
+                pool.append(("stash", (len(ctx.stages) - s - 1) * params, float("inf"), params / self.host_bw(s)))
+            for j in range(a, b):
+                if rows[j].act_bytes:
+                    n_bytes, rec_s, host_s, _ = self.layer_costs(s, j, intervals[j])
+                    pool.append((j, n_bytes * held, rec_s if rows[j].kind == "transformer" else float("inf"), host_s))
+            q: list[_Candidate] = []
+            while pool:
+                best: tuple[float, float, int, _Candidate] | None = None
+                for i, (what, saves, rec_s, host_s) in enumerate(pool):
+                    # optimizer states stream around the update, which nothing overlaps
+                    interval = {"optimizer": 0.0, "stash": float("inf")}.get(str(what), intervals.get(what, 0.0))  # type: ignore[arg-type]
+                    hidden = min(interval, budget)
+                    action = choose(hidden, rec_s, host_s, None)
+                    if action == "recompute":
+                        r = rows[int(what)]
+                        saves = (r.act_bytes - (r.input_bytes if r.saves_input else 0)) * held
+                        extra = rec_s
+                    else:
+                        action = {"optimizer": "host-stream"}.get(str(what), "host")
+                        extra = max(0.0, host_s - hidden)
+                    if saves <= 0:
+                        continue
+                    key = (extra / saves, -interval, i, _Candidate(s, what, saves, extra * m, action, interval))
+                    if best is None or key[:3] < best[:3]:
+                        best = key
+                if best is None:
+                    break
+                c = best[3]
+                pool.pop(best[2])
+                if c.action == "host":
+                    budget = max(0.0, budget - pool_host_s(c, self, s, m))
+                q.append(c)
+            queues.append(q)
+        return queues
+
+    def apply(self, c: _Candidate, spare: dict[int, float]) -> bool:
+        if c.what == "optimizer":
+            self.optimizer[c.stage] = "host-stream"
+        elif c.what == "stash":
+            self.stash[c.stage] = "host"
+        elif c.action == "peer":
+            held = self.ctx.held_microbatches(c.stage)
+            need = self.ctx.trace.layers[int(c.what)].act_bytes * held
+            stripes = self.stripes(c.stage, need, spare)
+            if stripes is None:
+                return False
+            for x in stripes:
+                spare[x.gpu] -= need * x.fraction
+            self.actions[c.stage][int(c.what)] = LayerAction(layer=int(c.what), action="peer", peers=stripes)
+        else:
+            self.actions[c.stage][int(c.what)] = LayerAction(layer=int(c.what), action=c.action)  # type: ignore[arg-type]
+        return True
+
+    def spare_of(self, result: SimResult) -> dict[int, float]:
+        return {g.gpu: max(0.0, (g.capacity_bytes - g.peak_bytes) * SPARE_MARGIN) for g in result.gpus}
+
+    def fit(self, result: SimResult, plan: object, intervals: dict[int, float]) -> tuple[SimResult, object]:
+        """Step 3: rounds of the initial assignment until every GPU fits."""
+        queues = self.initial_candidates(intervals)
+        spare = self.spare_of(result)
+        for g in self.ctx.gpus:
+            if over(result, g) > 0:
+                spare[g] = 0.0
+        for _ in range(MAX_ROUNDS):
+            if result.fits:
+                break
+            moved = False
+            for s, g in enumerate(self.ctx.gpus):
+                short = over(result, g)
+                chosen: list[_Candidate] = []
+                covered = 0
+                while covered < short and queues[s]:
+                    chosen.append(queues[s].pop(0))
+                    covered += chosen[-1].saves_bytes
+                # the last pick may cover alone what cheaper earlier picks did: drop those
+                # no longer needed, the dearest per byte first
+                for c in sorted(chosen[:-1], key=lambda c: -c.extra_s / c.saves_bytes):
+                    if covered - c.saves_bytes >= short:
+                        chosen.remove(c)
+                        covered -= c.saves_bytes
+                        queues[s].insert(0, c)
+                for c in chosen:
+                    moved |= self.apply(c, spare)
+            if not moved:
+                break
+            result, plan = self.simulate()
+            for gr in result.gpus:  # a peer that overflowed has no spare left
+                if gr.peak_bytes > gr.capacity_bytes and gr.gpu not in self.ctx.gpus:
+                    spare[gr.gpu] = 0.0
+        return result, plan
+
+    def tune(self, result: SimResult, plan: object, intervals: dict[int, float]) -> tuple[SimResult, object]:
+        """Step 4: move the costliest choices to D2D swap while that makes the iteration faster."""
+        ctx, m = self.ctx, self.ctx.microbatches
+        rows = ctx.trace.layers
+        for _ in range(MAX_ROUNDS):
+            spare = self.spare_of(result)
+            cands: list[tuple[float, int, int]] = []
+            for s, acts in self.actions.items():
+                held = ctx.held_microbatches(s)
+                for j, act in acts.items():
+                    if act.action not in ("recompute", "host"):
+                        continue
+                    n_bytes, rec_s, host_s, interval = self.layer_costs(s, j, intervals[j])
+                    # a host swap that the PCIe budget let through still costs its share of the route
+                    now = rec_s if act.action == "recompute" else max(0.0, host_s - interval) + host_s / m
+                    stripes = self.stripes(s, n_bytes * held, spare)
+                    if stripes is None:
+                        continue
+                    d2d = max(0.0, self.d2d_seconds(s, n_bytes, stripes) - interval)
+                    if now > d2d:  # the simulation judges contention
+                        cands.append(((now - d2d) * m, s, j))
+            if not cands:
+                break
+            cands.sort(key=lambda x: (-x[0], x[1], x[2]))
+            batch = cands
+            accepted = False
+            while batch and not accepted:
+                saved = {s: dict(a) for s, a in self.actions.items()}
+                room = dict(spare)
+                for _, s, j in batch:
+                    self.apply(_Candidate(s, j, 0, 0.0, "peer"), room)
+                trial, trial_plan = self.simulate()
+                if trial.fits and trial.iteration_s < result.iteration_s * (1 - MIN_GAIN):
+                    result, plan, accepted = trial, trial_plan, True
+                else:
+                    self.actions = saved
+                    batch = batch[: len(batch) // 2]
+            if not accepted:
+                break
+        return result, plan
+
+
+def pool_host_s(c: _Candidate, planner: _Planner, s: int, m: int) -> float:
+    """PCIe time per microbatch a host candidate takes from its stage's budget."""
+    rows = planner.ctx.trace.layers
+    if c.what == "stash":
+        a, b = planner.ctx.stages[s]
+        return sum(r.param_bytes for r in rows[a:b]) / planner.host_bw(s)
+    return 2 * rows[int(c.what)].act_bytes / planner.host_bw(s)
+
+
+def plan_mpress(ctx: Ctx, opts: Options, name: str) -> Planned:
+    planned, intervals = keep_first(ctx, name)
+    if planned.result.fits:
+        return planned
+    sims = 1
+    mapping: Mapping | None = None
+    if opts.mapping:
+        res = planned.result
+        demand = [max(0, over(res, g)) for g in ctx.gpus]
+        spare = [max(0, -over(res, g)) for g in ctx.gpus]
+        mapping = search_mapping(ctx.topo, demand, spare)
+        if list(mapping.gpus) != ctx.gpus:
+            ctx = replace(ctx, gpus=list(mapping.gpus))
+            planned, intervals = keep_first(ctx, name)
+            sims += 1
+    planner = _Planner(ctx, opts, name)
+    result, plan = planner.fit(planned.result, planned.plan, intervals)
+    if result.fits and not opts.d2d_only:
+        result, plan = planner.tune(result, plan, intervals)
+    return Planned(plan, result, sims + planner.sims)  # type: ignore[arg-type]
+
+
+def _variant(name: str):  # type: ignore[no-untyped-def]
+    return lambda ctx: plan_mpress(ctx, VARIANTS[name], name)
+
+
+MPRESS_STRATEGIES = {name: _variant(name) for name in VARIANTS}

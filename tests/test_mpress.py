@@ -1,0 +1,99 @@
+"""MPress planner: Table III's rule, the device-mapping search, and its plans simulated."""
+
+import pytest
+
+from mpsim.catalog import load_topology
+from mpsim.planners import plan_job
+from mpsim.planners.mapping import is_symmetric, nvlink_bandwidth, search_mapping
+from mpsim.planners.mpress import choose
+from mpsim.catalog import load_trace
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("tensor,interval,recompute,host,d2d,expected", [
+    ("t1", 78, 4, 42, 6, "host"),       # the interval hides the GPU-CPU swap
+    ("t2", 16, 3, 22, 3, "peer"),       # D2D hides, recompute costs 3 ms, host swap 6 ms
+    ("t3", 2, 4, 42, 6, "recompute"),   # recompute and D2D both cost 4 ms: keep the spare memory
+    ("t4", 214, 8, 74, 9, "host"),
+    ("t5", 50, 8, 74, 9, "peer"),
+    ("t6", 12, 14, 222, 27, "recompute"),  # 14 ms against D2D's 15 ms
+])
+def test_table_iii_choices(tensor, interval, recompute, host, d2d, expected):
+    """MPress Table III (ms) and the choices IV-D gives for each tensor."""
+    assert choose(interval / 1e3, recompute / 1e3, host / 1e3, d2d / 1e3) == expected
+
+
+def test_no_spare_memory_means_no_d2d():
+    assert choose(0.016, 0.003, 0.022, None) == "recompute"
+    assert choose(0.016, 0.009, 0.022, None) == "host"  # host's 6 ms beat recompute's 9 ms
+
+
+def test_mapping_puts_the_heaviest_stage_next_to_spare_memory_over_double_links():
+    """DGX-1: stage 0 must shed 20 GiB, stages 1-3 have none to spare, 4-7 have 8 GiB each.
+    
+    The best map puts stage 0 where its NVLink neighbours carry the spare stages and keeps
+    every pair of consecutive stages on NVLink (stage i on GPU i crosses PCIe from 3 to 4)."""
+    topo = load_topology("dgx1-v100")
+    bw = nvlink_bandwidth(topo)
+    demand = [20 * GiB, 0, 0, 0, 0, 0, 0, 0]
+    spare = [0, 0, 0, 0, 8 * GiB, 8 * GiB, 8 * GiB, 8 * GiB]
+    m = search_mapping(topo, demand, spare)
+    assert m.searched == 40320
+    assert m.pcie_boundaries == 0 and bw[3, 4] == 0
+    assert m.uncovered_bytes == 0
+    to_spare = sum(bw[m.gpus[0], g] for g in m.gpus[4:])
+    # stage 0 on GPU 0 would reach the spare stages over GPU 4's two links only (45 GB/s);
+    # the best map gives them three of its four neighbours (stage 1 needs one), leaving
+    # stage 1 the single-link one: 2 + 2 + 1 links of 22.5 GB/s
+    assert sum(bw[0, g] for g in range(4, 8)) == 45e9
+    assert to_spare == 112.5e9
+    assert m.d2d_s == pytest.approx(20 * GiB / to_spare, rel=1e-6)
+
+
+def test_mapping_is_skipped_on_symmetric_servers():
+    topo = load_topology("a100-40gb-nvswitch")
+    assert is_symmetric(topo) and not is_symmetric(load_topology("dgx1-v100"))
+    m = search_mapping(topo, [10 * GiB] + [0] * 7, [0] + [5 * GiB] * 7)
+    assert m.gpus == tuple(range(8)) and m.searched == 1
+
+
+def test_local_search_on_a_server_too_large_to_enumerate():
+    topo = load_topology("dgx2-v100")  # NVSwitch: skipped like any symmetric server
+    m = search_mapping(topo, [0] * 16, [GiB] * 16)
+    assert m.searched == 1
+
+
+@pytest.fixture(scope="module")
+def gpt_15b():
+    topo = load_topology("dgx1-v100")
+    trace = load_trace("gpt-15.4b").rescale(2)
+    return {s: plan_job(s, topo, trace, "1f1b", 16) for s in ("recompute", "cpu-swap", "mpress", "mpress-no-striping")}
+
+
+def test_mpress_plan_fits_where_recompute_does_not_and_beats_cpu_swap(gpt_15b):
+    mp = gpt_15b["mpress"].result
+    assert not gpt_15b["recompute"].result.fits
+    assert mp.fits and all(g.peak_bytes <= g.capacity_bytes for g in mp.gpus)
+    assert mp.samples_per_s > gpt_15b["cpu-swap"].result.samples_per_s
+    used = {x.action for st in gpt_15b["mpress"].plan.stages for x in st.actions}
+    assert {"recompute", "host", "peer"} <= used  # all three techniques combined
+
+
+def test_striping_follows_link_bandwidth_and_its_ablation_uses_one_peer(gpt_15b):
+    topo = load_topology("dgx1-v100")
+    for st in gpt_15b["mpress"].plan.stages:
+        for x in st.actions:
+            if x.action == "peer":
+                bws = [topo.route(st.gpu, p.gpu).bandwidth for p in x.peers]
+                for p, b in zip(x.peers, bws):
+                    assert p.fraction == pytest.approx(b / sum(bws))
+    peers = [x for st in gpt_15b["mpress-no-striping"].plan.stages for x in st.actions if x.action == "peer"]
+    assert peers and all(len(x.peers) == 1 for x in peers)
+
+
+def test_mpress_fits_gpt_25b_on_the_dgx1_where_no_baseline_does():
+    topo = load_topology("dgx1-v100")
+    trace = load_trace("gpt-25.5b").rescale(2)
+    assert plan_job("mpress", topo, trace, "1f1b", 16).result.fits
+    assert not plan_job("cpu-swap", topo, trace, "1f1b", 16).result.fits
