@@ -8,10 +8,11 @@ from mpsim.errors import MpsimError
 from mpsim.planners.baselines import BASELINES
 from mpsim.planners.context import Ctx, Planned, make_context
 from mpsim.planners.mpress import MPRESS_STRATEGIES
+from mpsim.planners.tsplit import plan_tsplit
 from mpsim.topology import Topology
 from mpsim.trace import Trace
 
-STRATEGIES: dict[str, Callable[[Ctx], Planned]] = {**BASELINES, **MPRESS_STRATEGIES}
+STRATEGIES: dict[str, Callable[[Ctx], Planned]] = {**BASELINES, **MPRESS_STRATEGIES, "tsplit": plan_tsplit}
 
 
 def plan_job(strategy: str, topo: Topology, trace: Trace, schedule: str = "1f1b", microbatches: int = 16,
