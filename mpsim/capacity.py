@@ -71,12 +71,25 @@ class FitsReport:
 
 
 def fits_strategies(server: str | Topology, family: str, schedule: str = "1f1b", microbatch: int | None = None,
-                    microbatches: int = 16, strategies: tuple[str, ...] = ("none", "recompute", "cpu-swap", "d2d"),
+                    microbatches: int = 16, strategies: tuple[str, ...] = ("none", "recompute", "cpu-swap", "d2d", "mpress", "tsplit", "best"),
                     on_point: Callable[[str], None] | None = None, partition: str = "compute") -> list[FitsReport]:
-    """``fits`` under each strategy: one report per strategy, in the order given."""
-    return [fits(server, family, schedule, microbatch, microbatches, strategy, partition,
-                 on_point=None if on_point is None else (lambda name, s=strategy: on_point(f"{s}: {name}")))
-            for strategy in strategies]
+    """``fits`` under each strategy: one report per strategy, in the order given.
+
+    ``best`` runs last: it fits whatever a single planner fits (under the same partition),
+    so its search starts from the largest size they reached."""
+    order = sorted(strategies, key=lambda s: s == "best")
+    done: dict[str, FitsReport] = {}
+    for strategy in order:
+        known = {}
+        if strategy == "best":
+            for rep in done.values():
+                if rep.largest is not None and rep.partition == partition:
+                    t = rep.largest_template
+                    known[t] = max(known.get(t, 0), rep.largest.layers)
+        done[strategy] = fits(server, family, schedule, microbatch, microbatches, strategy, partition,
+                              on_point=None if on_point is None else (lambda name, s=strategy: on_point(f"{s}: {name}")),
+                              known_fitting=known)
+    return [done[s] for s in strategies]
 
 
 def family_traces(family: str) -> list[Trace]:
@@ -94,8 +107,11 @@ def _n_transformer(trace: Trace) -> int:
 
 def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch: int | None = None,
          microbatches: int = 16, strategy: str = "none", partition: str = "compute",
-         on_point: Callable[[str], None] | None = None) -> FitsReport:
-    """Simulate every shipped size of ``family`` and search the largest that fits."""
+         on_point: Callable[[str], None] | None = None, known_fitting: dict[str, int] | None = None) -> FitsReport:
+    """Simulate every shipped size of ``family`` and search the largest that fits.
+
+    ``known_fitting``: per template trace name, a number of transformer layers already
+    known to fit under this strategy; the search starts there."""
     topo = load_topology(server) if isinstance(server, str) else server
     traces = family_traces(family)
     mb = microbatch or traces[0].microbatch
@@ -123,6 +139,9 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
     if fitting:
         lo, hi = n0, None
         step = max(1, n0)
+        hint = (known_fitting or {}).get(template.name, 0)
+        if hint > lo:
+            lo, step = hint, max(1, hint // 8)
         while hi is None:
             cand = lo + step
             if cand > MAX_LAYERS:

@@ -17,8 +17,11 @@ from mpsim.errors import MpsimError
 _SERVER_HELP = "shipped server name (see `mpsim topo list`) or a topology YAML file"
 _SCHEDULE_HELP = "gpipe, 1f1b (DAPPLE, PipeDream-Flush) or pipedream (asynchronous, weight stashing)"
 _MICROBATCHES_HELP = "microbatches per iteration; 1f1b and pipedream need at least one per stage"
-_STRATEGY_HELP = ("memory-saving strategy: none, recompute (checkpoint every transformer layer), cpu-swap "
-                  "(swap to host memory until it fits), d2d (swap to spare memory of NVLink peers)")
+_STRATEGY_HELP = ("memory-saving strategy: none; recompute (checkpoint every transformer layer); cpu-swap "
+                  "(swap to host memory until it fits); d2d (swap to spare memory of NVLink peers); mpress "
+                  "(host swap, recompute and D2D with device mapping; ablations mpress-no-mapping, "
+                  "mpress-no-striping, mpress-d2d-only); tsplit (swap, recompute and tensor splitting by "
+                  "TSPLIT's cost model); best (every planner under both partitions, the fastest that fits)")
 _PARTITION_HELP = ("layers to stages: compute (balance compute time, as PipeDream/DAPPLE) or memory "
                    "(balance predicted peak memory, mCAP)")
 
@@ -159,7 +162,7 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
 @click.option("--schedule", default="1f1b", show_default=True, help=_SCHEDULE_HELP)
 @click.option("--microbatch", type=int, help="samples per microbatch  [default: the traces']")
 @click.option("--microbatches", type=int, default=16, show_default=True, help=_MICROBATCHES_HELP)
-@click.option("--strategy", "strategies", default="none,recompute,cpu-swap,d2d", show_default=True,
+@click.option("--strategy", "strategies", default="none,recompute,cpu-swap,d2d,mpress,tsplit,best", show_default=True,
               help="comma-separated strategies, one column each")
 @click.option("--partition", default="compute", show_default=True, help=_PARTITION_HELP)
 @_json_option

@@ -1,0 +1,42 @@
+"""The combined planner (``--strategy best``, DESIGN "Planners: Combined").
+
+Each single planner is run under both partitions (compute-balanced as PipeDream and
+DAPPLE, memory-balanced as mCAP); MPress's includes the device-mapping search and a
+per-tensor choice among host swap, recomputation and D2D swap, TSPLIT's adds splits.
+Every candidate plan is simulated, and the fastest that fits on every GPU wins; when
+none fits, the one with the lowest highest per-GPU peak. So the combined planner is
+never worse than any single one on the same job, by construction, and its plan names
+the planner and partition that produced it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mpsim.planners.context import PARTITIONS, Ctx, Planned, make_context
+
+SINGLE = ("none", "recompute", "cpu-swap", "d2d", "mpress", "tsplit")
+
+
+def plan_best(ctx: Ctx) -> Planned:
+    from mpsim.planners.registry import run_planner
+
+    n_stages = len(ctx.stages)
+    tried: list[tuple[str, str, Planned]] = []
+    for partition in PARTITIONS:
+        for name in SINGLE:
+            sub = make_context(ctx.topo, ctx.trace, ctx.schedule, ctx.microbatches, n_stages, ctx.record_link_rates,
+                               partition, recompute=name == "recompute")
+            tried.append((name, partition, run_planner(name, sub)))
+            if name == "none" and tried[-1][2].result.fits:
+                break  # nothing to save: keeping everything is fastest
+
+    def key(t: tuple[str, str, Planned]) -> tuple:
+        r = t[2].result
+        return (0, -r.samples_per_s) if r.fits else (1, r.max_peak_bytes)
+
+    name, partition, best = min(tried, key=key)
+    label = f"best ({name}, {partition} partition)"
+    plan = best.plan.model_copy(update={"strategy": label})
+    result = replace(best.result, strategy=label)
+    return Planned(plan, result, sum(t[2].simulations for t in tried))
