@@ -194,6 +194,65 @@ def fits(server: str, family: str, schedule: str, microbatch: int | None, microb
     _write_json(json_out, {"reports": [r.to_dict() for r in reps]})
 
 
+def _list(text: str, cast=str) -> list:  # type: ignore[no-untyped-def]
+    try:
+        return [cast(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise MpsimError(f"expected a comma-separated list of integers, got {text!r}") from None
+
+
+@app.command("sweep")
+@click.option("--server", "-s", "servers", default="dgx1-v100", show_default=True,
+              help="comma-separated servers (" + _SERVER_HELP + ")")
+@click.option("--model", "-m", "models", default="gpt-5.3b", show_default=True, help="comma-separated models")
+@click.option("--schedule", default="1f1b", show_default=True, help=_SCHEDULE_HELP)
+@click.option("--microbatch", "sizes", default="1,2,4,8", show_default=True, help="comma-separated microbatch sizes")
+@click.option("--microbatches", "counts", default="16", show_default=True,
+              help="comma-separated microbatches per iteration")
+@click.option("--strategy", "strategies", default="none,recompute,cpu-swap,mpress,best", show_default=True,
+              help="comma-separated strategies")
+@click.option("--partition", default="compute", show_default=True, help=_PARTITION_HELP)
+@click.option("--workers", "-j", type=click.IntRange(min=1), default=1, show_default=True,
+              help="points run in parallel worker processes")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path), default=Path("sweep.csv"),
+              show_default=True, help="rows are appended here as points finish; points already in it are skipped")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
+              help="PNG of throughput and peak memory against microbatch size")
+@_json_option
+def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str, strategies: str, partition: str,
+              workers: int, csv_path: Path, plot: Path | None, json_out: str | None) -> None:
+    """Throughput and peak memory over a grid of microbatch sizes, microbatch counts,
+    strategies, models and servers.
+
+    One row per point in the CSV, written as each point finishes, so an interrupted
+    sweep run again with the same --csv resumes without redoing finished points. A point
+    that does not fit is a row with its first out-of-memory point.
+
+    \b
+    Example:
+      mpsim sweep --server dgx1-v100 --model bert-1.67b --schedule pipedream \\
+        --microbatch 1,2,4,8,12,16 --strategy none,recompute,cpu-swap,mpress,best -j 2 --plot sweep.png
+    """
+    from mpsim.sweep import grid, plot_sweep, sweep, sweep_text
+
+    points = grid(_list(servers), _list(models), schedule, _list(sizes, int), _list(counts, int), _list(strategies),
+                  partition)
+    with _progress("sweep") as bar:
+        job = bar.add_task("", total=len(points))
+
+        def advance(row: dict, resumed: bool) -> None:
+            what = "already in the CSV" if resumed else ("fits" if str(row["fits"]) == "True" else "OOM")
+            bar.update(job, advance=1, description=f"{row['model']} mb {row['microbatch']} {row['strategy']}: {what}")
+
+        frame = sweep(points, csv_path, workers, advance)
+    if json_out != "-":
+        click.echo(sweep_text(frame))
+        click.echo(f"\n{len(frame)} points in {csv_path}")
+    if plot:
+        plot_sweep(frame, plot)
+    _write_json(json_out, {"rows": frame.to_dict(orient="records")})
+
+
 @app.command()
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="trace JSON file to write")

@@ -1,0 +1,59 @@
+"""Sweeps: one row per point, OOM rows, resume without redoing points, workers agree."""
+
+import csv
+
+import pytest
+
+from mpsim.errors import MpsimError
+from mpsim.sweep import FIELDS, grid, sweep
+
+from test_cli import run
+
+
+def points(sizes):
+    return grid(["dgx1-v100"], ["gpt-5.3b"], "1f1b", sizes, [16], ["none", "recompute"])
+
+
+def test_rows_per_point_with_oom_rows(tmp_path):
+    frame = sweep(points([2, 4]), tmp_path / "s.csv")
+    assert len(frame) == 4
+    none4 = frame[(frame.strategy == "none") & (frame.microbatch == 4)].iloc[0]
+    assert str(none4.fits) == "False" and none4.oom_task and none4.samples_per_s == ""
+    rec2 = frame[(frame.strategy == "recompute") & (frame.microbatch == 2)].iloc[0]
+    assert str(rec2.fits) == "True" and float(rec2.samples_per_s) == pytest.approx(5.15, abs=0.01)
+
+
+def test_an_interrupted_sweep_resumes_without_redoing_points(tmp_path):
+    path = tmp_path / "s.csv"
+    sweep(points([2]), path)
+    seen = []
+    frame = sweep(points([2, 4]), path, on_row=lambda row, resumed: seen.append((row["microbatch"], resumed)))
+    assert sorted(seen) == [("2", True), ("2", True), ("4", False), ("4", False)]
+    assert len(frame) == 4
+    with path.open() as f:
+        assert len(list(csv.DictReader(f))) == 4  # no point written twice
+
+
+def test_workers_give_the_same_rows(tmp_path):
+    one = sweep(points([1, 2]), tmp_path / "a.csv", workers=1).drop(columns="plan_s")
+    two = sweep(points([1, 2]), tmp_path / "b.csv", workers=2).drop(columns="plan_s")
+    key = ["strategy", "microbatch"]
+    assert one.sort_values(key).reset_index(drop=True).equals(two.sort_values(key).reset_index(drop=True))
+
+
+def test_a_foreign_csv_is_refused(tmp_path):
+    path = tmp_path / "s.csv"
+    path.write_text("a,b\n1,2\n")
+    with pytest.raises(MpsimError, match="not a sweep CSV"):
+        sweep(points([1]), path)
+    assert FIELDS[0] == "server"
+
+
+def test_sweep_cli_table_and_bad_list(capsys, tmp_path):
+    code, out, _ = run(capsys, "sweep", "--model", "gpt-5.3b", "--microbatch", "1,2", "--strategy", "none",
+                       "--csv", str(tmp_path / "s.csv"), "--plot", str(tmp_path / "s.png"))
+    assert code == 0 and "gpt-5.3b on dgx1-v100" in out and (tmp_path / "s.png").stat().st_size > 1000
+    code, _, err = run(capsys, "sweep", "--microbatch", "1,two", "--csv", str(tmp_path / "t.csv"))
+    assert code == 2 and "expected a comma-separated list of integers, got '1,two'" in err
+    code, _, err = run(capsys, "sweep", "--strategy", "magic", "--csv", str(tmp_path / "t.csv"))
+    assert code == 2 and "unknown strategy 'magic'" in err
