@@ -23,3 +23,8 @@ done
 taskset -c 0,1 python benchmarks/bench_simulate.py --model bert-1.67b --schedule pipedream --microbatch 12 \
   > reports/bench_simulate_pipedream.txt
 mpsim simulate --model gpt-15.4b --microbatch 2 --strategy cpu-swap --plot reports/memory_gpt-15.4b_dgx1_cpu-swap.png > reports/simulate_gpt-15.4b_dgx1_cpu-swap.txt || true
+taskset -c 0,1 python benchmarks/bench_planners.py > reports/bench_planners.txt
+mpsim sweep --server dgx1-v100 --model bert-1.67b --schedule pipedream --microbatch 1,2,4,8,12,16 \
+  --strategy none,recompute,cpu-swap,mpress,best -j 2 --csv reports/sweep_bert-1.67b_dgx1.csv \
+  --plot reports/sweep_bert-1.67b_dgx1.png > reports/sweep_bert-1.67b_dgx1.txt
+mpsim reproduce --out reports

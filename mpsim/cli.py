@@ -194,6 +194,27 @@ def fits(server: str, family: str, schedule: str, microbatch: int | None, microb
     _write_json(json_out, {"reports": [r.to_dict() for r in reps]})
 
 
+@app.command("reproduce")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"), show_default=True,
+              help="folder for the markdown reports and plots")
+@click.option("--only", default="mpress,mcap,tsplit", show_default=True, help="comma-separated papers")
+def reproduce_cmd(out: Path, only: str) -> None:
+    """Simulate the papers' comparisons from the shipped data and write a markdown report
+    with plots per paper (mpress.md, mcap.md, tsplit.md), our numbers beside theirs."""
+    from mpsim.reproduce import REPORTS
+
+    names = [x.strip() for x in only.split(",") if x.strip()]
+    for name in names:
+        if name not in REPORTS:
+            raise MpsimError(f"unknown paper {name!r}: expected one of {', '.join(REPORTS)}")
+    out.mkdir(parents=True, exist_ok=True)
+    with _progress("reproduce") as bar:
+        job = bar.add_task("", total=None)
+        for name in names:
+            REPORTS[name](out, lambda what: bar.update(job, description=what))
+            click.echo(f"wrote {out / (name + '.md')}")
+
+
 def _list(text: str, cast=str) -> list:  # type: ignore[no-untyped-def]
     try:
         return [cast(x.strip()) for x in text.split(",") if x.strip()]

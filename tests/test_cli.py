@@ -200,6 +200,8 @@ BAD = [
     ("non-integer option", lambda t: ["simulate", "--microbatches", "many"], "'many' is not a valid integer"),
     ("unknown partition", lambda t: ["simulate", "--partition", "random"],
      "unknown partition 'random': expected one of compute, memory"),
+    ("unknown paper", lambda t: ["reproduce", "--out", str(t), "--only", "alexnet"],
+     "unknown paper 'alexnet': expected one of mpress, mcap, tsplit"),
     ("unknown strategy in fits", lambda t: ["fits", "--strategy", "none,magic"], "unknown strategy 'magic'"),
     ("missing plan file", lambda t: ["simulate", "--plan", str(t / "nope.json")], "nope.json: cannot read plan file"),
     ("plan for another trace", lambda t: ["simulate", "--plan", _plan(t, lambda d: d.update(model="bert-0.35b"))],
