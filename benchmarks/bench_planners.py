@@ -11,7 +11,7 @@ import numpy as np
 
 from mpsim.api import plan
 from mpsim.catalog import load_topology, load_trace
-from mpsim.partition import memory_balanced, stage_peak_table
+from mpsim.partition import min_max_partition, stage_peak_table
 from mpsim.planners.mapping import search_mapping
 
 GiB = 2**30
@@ -49,7 +49,7 @@ def main() -> None:
 
     def partition() -> None:
         tables = [stage_peak_table(added * (1 + 0.1 * (p - k)), transient, b_in, b_out) for k in range(p)]
-        memory_balanced(tables)
+        min_max_partition(tables)
 
     t = best_of(partition)
     print(f"memory-balanced partition, {n} layers over {p} GPUs (exact DP, tables included): {t * 1e3:.1f} ms  "

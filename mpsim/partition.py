@@ -23,32 +23,11 @@ def compute_balanced(layer_cost: np.ndarray, n_stages: int) -> Stages:
     Among optimal partitions the one whose earlier stages end earliest is returned, so the
     result is deterministic.
     """
-    n = len(layer_cost)
     if n_stages < 1:
         raise MpsimError(f"the number of stages must be at least 1, got {n_stages}")
-    if n_stages > n:
-        raise MpsimError(f"cannot split {n} layers into {n_stages} non-empty stages: use at most {n} stages")
     prefix = np.concatenate(([0.0], np.cumsum(np.asarray(layer_cost, dtype=float))))
-    inf = np.inf
-    # best[k, j]: lowest bottleneck putting layers [0, j) on k+1 stages; cut[k, j]: start of the last one.
-    best = np.full((n_stages, n + 1), inf)
-    cut = np.zeros((n_stages, n + 1), dtype=int)
-    best[0, 1:] = prefix[1:]
-    j_idx, i_idx = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
-    span = prefix[:, None] - prefix[None, :]  # span[j, i]: cost of layers [i, j)
-    for k in range(1, n_stages):
-        cand = np.maximum(best[k - 1][None, :], span)
-        cand[(i_idx < k) | (i_idx >= j_idx)] = inf  # the last stage starts at i >= k and is non-empty
-        cut[k] = np.argmin(cand, axis=1)  # first minimum: the earliest cut among ties
-        best[k] = cand[np.arange(n + 1), cut[k]]
-    stages: Stages = []
-    end = n
-    for k in range(n_stages - 1, 0, -1):
-        start = int(cut[k, end])
-        stages.append((start, end))
-        end = start
-    stages.append((0, end))
-    return stages[::-1]
+    span = prefix[:, None] - prefix[None, :]  # span[j, i]: cost of layers [i, j), whatever the stage
+    return min_max_partition([span] * n_stages)
 
 
 def validate_stages(stages: Stages, n_layers: int) -> None:
@@ -84,20 +63,22 @@ def stage_peak_table(added: np.ndarray, transient: np.ndarray, boundary_in: np.n
     return peak
 
 
-def memory_balanced(tables: list[np.ndarray]) -> Stages:
-    """Contiguous, non-empty stages minimising the highest predicted stage peak (exact).
+def min_max_partition(tables: list[np.ndarray]) -> Stages:
+    """Contiguous, non-empty stages minimising the highest stage cost (exact), where stage
+    k's cost of layers [i, j) is ``tables[k][j, i]``: compute time for ``compute_balanced``
+    (every stage alike), the predicted peak for mCAP's memory-balanced partition.
 
-    ``tables[k][j, i]`` is stage k's predicted peak when it holds layers [i, j): a stage's
-    peak depends on its layer range and its position (how many microbatches it holds,
-    how many weight versions), so each stage has its own table. The min-max dynamic
-    programme is the one of ``compute_balanced`` with the span cost replaced by the
-    stage's table: best[k][j] = min_i max(best[k-1][i], tables[k][j, i]). mCAP (3.4)
-    searches the same space by brute force or Bayesian optimisation.
+    A stage's peak depends on its layer range and its position (how many microbatches it
+    holds, how many weight versions), so each stage has its own table:
+    best[k][j] = min_i max(best[k-1][i], tables[k][j, i]), best[k][j] the lowest bottleneck
+    putting layers [0, j) on k + 1 stages; among optimal partitions the one whose earlier
+    stages end earliest. mCAP (3.4) searches the same space by brute force or Bayesian
+    optimisation.
     """
     n_stages = len(tables)
-    n = tables[0].shape[0] - 1
     if n_stages < 1:
         raise MpsimError(f"the number of stages must be at least 1, got {n_stages}")
+    n = tables[0].shape[0] - 1
     if n_stages > n:
         raise MpsimError(f"cannot split {n} layers into {n_stages} non-empty stages: use at most {n} stages")
     inf = np.inf
@@ -107,8 +88,8 @@ def memory_balanced(tables: list[np.ndarray]) -> Stages:
     best[0, 1:] = tables[0][1:, 0]
     for k in range(1, n_stages):
         cand = np.maximum(best[k - 1][None, :], tables[k])
-        cand[(i_idx < k) | (i_idx >= j_idx)] = inf
-        cut[k] = np.argmin(cand, axis=1)
+        cand[(i_idx < k) | (i_idx >= j_idx)] = inf  # the last stage starts at i >= k and is non-empty
+        cut[k] = np.argmin(cand, axis=1)  # first minimum: the earliest cut among ties
         best[k] = cand[np.arange(n + 1), cut[k]]
     stages: Stages = []
     end = n
@@ -127,7 +108,7 @@ def highest_peak(tables: list[np.ndarray], stages: Stages) -> float:
 
 def brute_force(tables: list[np.ndarray]) -> tuple[Stages, float]:
     """mCAP-BF (3.4): every one of the C(L-1, G-1) partitions, the lowest highest peak.
-    For checking ``memory_balanced`` on cases small enough to enumerate."""
+    For checking ``min_max_partition`` on cases small enough to enumerate."""
     from itertools import combinations
 
     n_stages, n = len(tables), tables[0].shape[0] - 1

@@ -204,3 +204,17 @@ def stripes_by_bandwidth(topo: Topology, src: int, peers: list[int]) -> list[Str
     fractions = [b / total for b in bw]
     fractions[-1] = 1.0 - sum(fractions[:-1])
     return [Stripe(gpu=g, fraction=f) for g, f in zip(peers, fractions)]
+
+
+def fit_stripes(topo: Topology, src: int, need_bytes: float, spare_bytes: dict[int, float]) -> list[Stripe] | None:
+    """Bandwidth-weighted stripes over the NVLink neighbours of ``src`` whose spare memory
+    takes their part of ``need_bytes``; None when no such neighbour is left."""
+    peers = [q for q in range(topo.n_gpus)
+             if q != src and topo.nvlinks_between(src, q) and spare_bytes.get(q, 0) > 0]
+    while peers:
+        stripes = stripes_by_bandwidth(topo, src, peers)
+        short = [x.gpu for x in stripes if need_bytes * x.fraction > spare_bytes[x.gpu]]
+        if not short:
+            return stripes
+        peers = [q for q in peers if q not in short]
+    return None

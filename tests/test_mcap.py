@@ -7,7 +7,7 @@ import pytest
 
 from mpsim.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
-from mpsim.partition import brute_force, compute_balanced, highest_peak, memory_balanced
+from mpsim.partition import brute_force, compute_balanced, highest_peak, min_max_partition
 from mpsim.planners.mcap import mcap_partition, peak_tables
 from mpsim.sim import Job, simulate_job
 
@@ -28,7 +28,7 @@ def test_dynamic_programme_matches_brute_force_on_random_cases(seed):
     rng = random.Random(seed)
     n, p = rng.randint(4, 12), rng.randint(2, 4)
     tables = random_tables(rng, n, p)
-    stages = memory_balanced(tables)
+    stages = min_max_partition(tables)
     _, best = brute_force(tables)
     assert highest_peak(tables, stages) == best
     assert stages[0][0] == 0 and stages[-1][1] == n and all(a < b for a, b in stages)
@@ -41,7 +41,7 @@ def test_dynamic_programme_matches_brute_force_on_a_traced_model():
     tables = peak_tables(trace, "pipedream", 4, 8)
     stages, best = brute_force(tables)
     assert trace.n_layers == 10
-    assert highest_peak(tables, memory_balanced(tables)) == best
+    assert highest_peak(tables, min_max_partition(tables)) == best
 
 
 def test_prediction_matches_the_simulated_peaks_and_never_falls_short():
@@ -80,4 +80,4 @@ def test_memory_balanced_lowers_the_highest_peak_of_bert_under_pipedream():
 def test_too_many_stages_for_the_layers_is_refused():
     tables = random_tables(random.Random(0), 3, 4)
     with pytest.raises(MpsimError, match="cannot split 3 layers into 4"):
-        memory_balanced(tables)
+        min_max_partition(tables)

@@ -18,9 +18,8 @@ again, until every GPU fits or nothing is left to swap.
 
 from __future__ import annotations
 
-from mpsim.plan import LayerAction, Stripe, stripes_by_bandwidth
+from mpsim.plan import LayerAction, fit_stripes
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
-from mpsim.topology import Topology
 
 def _none(ctx: Ctx) -> Planned:
     plan = ctx.plan("none")
@@ -97,7 +96,7 @@ def _d2d(ctx: Ctx) -> Planned:
             while short > 0 and queues[s]:
                 j = queues[s][0]
                 need = rows[j].act_bytes * held
-                stripes = _fit_stripes(topo, g, need, spare)
+                stripes = fit_stripes(topo, g, need, spare)
                 if stripes is None:
                     break
                 queues[s].pop(0)
@@ -117,19 +116,6 @@ def _d2d(ctx: Ctx) -> Planned:
             if gr.peak_bytes > gr.capacity_bytes and gr.gpu not in ctx.gpus[: len(ctx.stages)]:
                 spare[gr.gpu] = 0
     return Planned(plan, result, sims)
-
-
-def _fit_stripes(topo: Topology, g: int, need: int, spare: dict[int, int]) -> list[Stripe] | None:
-    """Bandwidth-weighted stripes over the NVLink neighbours of ``g`` whose spare memory
-    takes their part; None when no such neighbour is left."""
-    peers = [q for q in range(topo.n_gpus) if q != g and topo.nvlinks_between(g, q) and spare.get(q, 0) > 0]
-    while peers:
-        stripes = stripes_by_bandwidth(topo, g, peers)
-        short = [x.gpu for x in stripes if need * x.fraction > spare[x.gpu]]
-        if not short:
-            return stripes
-        peers = [q for q in peers if q not in short]
-    return None
 
 
 BASELINES = {

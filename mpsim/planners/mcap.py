@@ -15,7 +15,7 @@ schedule instead of profiling runs:
   and send buffers at the stage's boundaries.
 
 Because a stage's predicted peak depends only on its layer range and its position, the
-best partition is found exactly by a min-max dynamic programme (``memory_balanced``),
+best partition is found exactly by a min-max dynamic programme (``min_max_partition``),
 in milliseconds, where mCAP enumerates (mCAP-BF) or samples (mCAP-BO) partitions.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpsim.partition import Stages, memory_balanced, stage_peak_table
+from mpsim.partition import Stages, min_max_partition, stage_peak_table
 from mpsim.schedule import weight_versions
 from mpsim.trace import Trace
 
@@ -60,4 +60,4 @@ def peak_tables(trace: Trace, schedule: str, n_stages: int, microbatches: int,
 
 def mcap_partition(trace: Trace, schedule: str, n_stages: int, microbatches: int, recompute: bool = False) -> Stages:
     """The memory-balanced partition (exact for the prediction)."""
-    return memory_balanced(peak_tables(trace, schedule, n_stages, microbatches, recompute))
+    return min_max_partition(peak_tables(trace, schedule, n_stages, microbatches, recompute))

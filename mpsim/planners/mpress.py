@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from mpsim.plan import LayerAction, Stripe, stripes_by_bandwidth
+from mpsim.plan import LayerAction, Stripe, fit_stripes
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
 from mpsim.planners.mapping import Mapping, search_mapping
 from mpsim.sim import SimResult
@@ -104,20 +104,13 @@ class _Planner:
         """Where ``need`` bytes of stage s go by D2D swap: bandwidth-weighted over NVLink
         neighbours with room, or (no striping) the fastest one with room; None if none."""
         topo, g = self.ctx.topo, self.ctx.gpus[s]
-        peers = [q for q in range(topo.n_gpus) if q != g and topo.nvlinks_between(g, q) and spare.get(q, 0) > 0]
-        if not self.opts.striping:
-            fit = [q for q in peers if spare[q] >= need]
-            if not fit:
-                return None
-            best = max(fit, key=lambda q: (topo.route(g, q).bandwidth, -q))
-            return [Stripe(gpu=best, fraction=1.0)]
-        while peers:
-            stripes = stripes_by_bandwidth(topo, g, peers)
-            short = [x.gpu for x in stripes if need * x.fraction > spare[x.gpu]]
-            if not short:
-                return stripes
-            peers = [q for q in peers if q not in short]
-        return None
+        if self.opts.striping:
+            return fit_stripes(topo, g, need, spare)
+        fit = [q for q in range(topo.n_gpus) if q != g and topo.nvlinks_between(g, q) and spare.get(q, 0) >= need]
+        if not fit:
+            return None
+        best = max(fit, key=lambda q: (topo.route(g, q).bandwidth, -q))
+        return [Stripe(gpu=best, fraction=1.0)]
 
     def d2d_seconds(self, s: int, n_bytes: int, stripes: list[Stripe]) -> float:
         """Swap-out plus swap-in of ``n_bytes`` over ``stripes``, alone on the links."""
@@ -169,7 +162,7 @@ class _Planner:
                     pool.append((j, n_bytes * held, rec_s if rows[j].kind == "transformer" else float("inf"), host_s))
             q: list[_Candidate] = []
             while pool:
-                best: tuple[float, float, int, _Candidate] | None = None
+                best: tuple[float, float, int, _Candidate, float] | None = None
                 for i, (what, saves, rec_s, host_s) in enumerate(pool):
                     # optimizer states stream around the update, which nothing overlaps
                     interval = {"optimizer": 0.0, "stash": float("inf")}.get(str(what), intervals.get(what, 0.0))  # type: ignore[arg-type]
@@ -184,15 +177,15 @@ class _Planner:
                         extra = max(0.0, host_s - hidden)
                     if saves <= 0:
                         continue
-                    key = (extra / saves, -interval, i, _Candidate(s, what, saves, extra * m, action, interval))
+                    key = (extra / saves, -interval, i, _Candidate(s, what, saves, extra * m, action, interval), host_s)
                     if best is None or key[:3] < best[:3]:
                         best = key
                 if best is None:
                     break
                 c = best[3]
                 pool.pop(best[2])
-                if c.action == "host":
-                    budget = max(0.0, budget - pool_host_s(c, self, s, m))
+                if c.action == "host":  # its transfer takes its share of the stage's PCIe budget
+                    budget = max(0.0, budget - best[4])
                 q.append(c)
             queues.append(q)
         return queues
@@ -293,15 +286,6 @@ class _Planner:
             if not accepted:
                 break
         return result, plan
-
-
-def pool_host_s(c: _Candidate, planner: _Planner, s: int, m: int) -> float:
-    """PCIe time per microbatch a host candidate takes from its stage's budget."""
-    rows = planner.ctx.trace.layers
-    if c.what == "stash":
-        a, b = planner.ctx.stages[s]
-        return sum(r.param_bytes for r in rows[a:b]) / planner.host_bw(s)
-    return 2 * rows[int(c.what)].act_bytes / planner.host_bw(s)
 
 
 def plan_mpress(ctx: Ctx, opts: Options, name: str) -> Planned:
