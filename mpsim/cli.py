@@ -288,14 +288,24 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
 @click.option("--recipe", type=click.Choice(["mixed-fp16", "mixed-bf16", "fp32"]),
               help="precision; mixed-precision Adam keeps 16 bytes per parameter  [default: mixed-fp16]")
 @click.option("--name", help="name stored in the trace  [default: the preset's, else from the shape]")
+@click.option("--measure", is_flag=True, help="run the layers for real on --device and record measured times and bytes")
+@click.option("--device", default="cpu", show_default=True, help="with --measure: cpu, cuda or cuda:N")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="with --measure on CPU: intra-op threads (as each pipeline process will have)")
+@click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True,
+              help="with --measure: timed runs per layer (the median is kept)")
 def trace(output: Path, preset: str | None, family: str | None, layers: int | None, hidden: int | None,
           heads: int | None, seq_len: int | None, vocab: int | None, microbatch: int | None, recipe: str | None,
-          name: str | None) -> None:
-    """Trace a GPT or BERT configuration under FakeTensor mode (no memory allocated).
+          name: str | None, measure: bool, device: str, threads: int, repeats: int) -> None:
+    """Trace a GPT or BERT configuration.
 
-    Records per layer the saved-for-backward bytes, parameters, FLOPs and bytes moved;
-    times are derived per GPU when simulated. `--preset gpt-5.3b -o traces/gpt-5.3b.json`
-    regenerates a shipped trace.
+    By default under FakeTensor mode (no memory allocated): per layer the saved-for-backward
+    bytes, parameters, FLOPs and bytes moved; times are derived per GPU when simulated.
+    `--preset gpt-5.3b -o traces/gpt-5.3b.json` regenerates a shipped trace.
+
+    With --measure the layers run on --device: measured forward and backward times, real
+    saved bytes and the backward's transient memory go into the trace, with the device
+    named (`--preset gpt-tiny --measure --device cpu -o tiny.json`).
     """
     from dataclasses import replace
 
@@ -314,7 +324,13 @@ def trace(output: Path, preset: str | None, family: str | None, layers: int | No
 
     if name is None and preset is not None and not shape and microbatch in (None, base_mb):
         name = preset
-    result = trace_model(cfg, microbatch or base_mb, recipe or base_recipe, name)
+    if measure:
+        from mpsim.profiling import measure_trace
+
+        result = measure_trace(cfg, microbatch or base_mb, recipe or base_recipe, device, threads, repeats=repeats,
+                               name=name)
+    else:
+        result = trace_model(cfg, microbatch or base_mb, recipe or base_recipe, name)
     output.write_text(result.to_json() + "\n")
     click.echo(f"wrote {output}: {result.name}, {result.spec.params / 1e9:.2f}B parameters, {result.n_layers} layers, "
                f"microbatch {result.microbatch}, {result.spec.precision.recipe}")
@@ -357,6 +373,38 @@ def topo_check(file: Path) -> None:
 
     t = read_topology_file(file)
     click.echo(f"{file}: ok ({t.name}, {t.n_gpus} x {t.spec.gpu.model}, {len(t.links)} directed links)")
+
+
+@topo.command("probe")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), help="topology YAML file to write")
+@click.option("--device", default="cpu", show_default=True, help="cuda: the GPUs here; cpu: CPU processes as devices")
+@click.option("--devices", type=click.IntRange(min=1), default=1, show_default=True,
+              help="on CPU: how many devices (one pipeline process each)")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="on CPU: threads per device")
+@click.option("--memory-mib", type=click.FloatRange(min=1), help="on CPU: memory of each device  [default: RAM / devices]")
+@click.option("--name", help="name stored in the file  [default: from what was found]")
+def topo_probe(output: Path | None, device: str, devices: int, threads: int, memory_mib: float | None,
+               name: str | None) -> None:
+    """Write a topology file for the machine at hand, from measurements.
+
+    On GPUs: count, model and memory, NVLink and PCIe layout from `nvidia-smi topo -m`,
+    measured host-device and device-device copy bandwidth, device memory bandwidth and
+    matmul throughput. On CPU: DEVICES processes with THREADS threads each, with measured
+    matmul and memory-copy rates (what `mpsim validate --device cpu` simulates).
+    """
+    import yaml
+
+    from mpsim.probe import probe
+    from mpsim.profiling import check_device
+    from mpsim.report import topo_text
+
+    check_device(device)
+    spec, topology = probe(device, devices, threads, memory_mib, name)
+    text = yaml.safe_dump(spec, sort_keys=False)
+    if output:
+        output.write_text(f"# Measured by mpsim topo probe.\n{text}")
+        click.echo(f"wrote {output}")
+    click.echo(topo_text(topology))
 
 
 @topo.command("transfer")
@@ -424,6 +472,72 @@ def topo_transfer(server: str, src: str, dst: str | None, stripe: str | None, si
     if json_out != "-":
         click.echo(transfer_text(data))
     _write_json(json_out, data)
+
+
+@app.command("validate")
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="plan JSON file to run  [default: make one with --strategy]")
+@click.option("--model", "-m", default="gpt-tiny", show_default=True,
+              help="model preset to build and measure (see `mpsim trace --preset`), or a measured trace JSON file")
+@click.option("--server", "-s", help="topology file of this machine  [default: probe it]")
+@click.option("--strategy", default="none", show_default=True, help="without --plan: " + _STRATEGY_HELP)
+@click.option("--schedule", type=click.Choice(["gpipe", "1f1b"]), default="1f1b", show_default=True,
+              help="without --plan: pipeline schedule")
+@click.option("--microbatches", type=click.IntRange(min=1), default=4, show_default=True,
+              help="without --plan: microbatches per iteration")
+@click.option("--stages", type=click.IntRange(min=1), default=2, show_default=True,
+              help="without --plan: pipeline stages (processes)")
+@click.option("--device", default="cpu", show_default=True, help="cpu (gloo) or cuda (NCCL)")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="on CPU: threads per process")
+@click.option("--memory-mib", type=click.FloatRange(min=1),
+              help="memory each stage may use, enforced  [default: the device's; on CPU RAM / stages]")
+@click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True, help="timed steps (median)")
+@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="untimed steps before them")
+@_json_option
+def validate_cmd(plan_path: Path | None, model: str, server: str | None, strategy: str, schedule: str,
+                 microbatches: int, stages: int, device: str, threads: int, memory_mib: float | None, steps: int,
+                 warmup: int, json_out: str | None) -> None:
+    """Run a plan on this machine and compare it with the simulator.
+
+    Measures the model's layers here (or takes a measured trace), probes this machine
+    (or takes --server), simulates the plan, runs it with the PyTorch executor
+    (validate/executor.py, one process per stage under torchrun) and prints per stage the
+    predicted and measured peak memory with its breakdown, and the iteration time, with
+    the errors in percent. An out-of-memory during the run is reported as a result.
+    """
+    from mpsim.catalog import load_topology, load_trace
+    from mpsim.planners import plan_job
+    from mpsim.plan import read_plan_file
+    from mpsim.probe import probe
+    from mpsim.profiling import check_device, measure_trace
+    from mpsim.validation import RunSettings, validate_plan, validation_text
+    from mpsim.workloads import ZOO
+
+    check_device(device)
+    plan = read_plan_file(plan_path) if plan_path else None
+    if model in ZOO:
+        cfg, mb, recipe = ZOO[model]
+        if device.startswith("cpu") and recipe != "fp32":
+            raise MpsimError(f"--model {model} trains in {recipe}; on CPU validate an fp32 preset such as gpt-tiny")
+        trace = measure_trace(cfg, plan.microbatch if plan else mb, recipe, device, threads, name=model)
+    else:
+        trace = load_trace(model)
+        if trace.spec.source.kind != "measured":
+            raise MpsimError(f"--model {model}: a derived trace predicts no measured run; give a preset or a trace "
+                             "made with `mpsim trace --measure`")
+    n_devices = len(plan.stages) if plan else stages
+    if server:
+        topo = load_topology(server)
+    else:
+        topo = probe(device, n_devices, threads, memory_mib)[1]
+    if plan is None:
+        plan = plan_job(strategy, topo, trace, schedule, microbatches, stages).plan
+    settings = RunSettings(device=device, threads=threads, warmup=warmup, steps=steps,
+                           capacity_bytes=int(memory_mib * 2**20) if memory_mib else None)
+    report = validate_plan(plan, topo, trace, settings, str(plan_path) if plan_path else "<plan>")
+    if json_out != "-":
+        click.echo(validation_text(report))
+    _write_json(json_out, report)
 
 
 def main(argv: list[str] | None = None) -> int:

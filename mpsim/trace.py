@@ -75,6 +75,9 @@ class LayerRow(_Strict):
     input_bytes: int = Field(ge=0)
     output_bytes: int = Field(ge=0, description="what crosses a stage boundary after this layer")
     workspace_bytes: int = Field(ge=0, description="largest transient tensor of the forward, freed within the layer")
+    bwd_workspace_bytes: int | None = Field(
+        default=None, ge=0, description="transient bytes of the backward beyond the input gradient (measured traces); "
+                                        "absent: taken equal to workspace_bytes")
     fwd_flops: float = Field(ge=0)
     bwd_flops: float = Field(ge=0)
     fwd_mem_bytes: float = Field(ge=0, description="bytes read and written by the forward's non-matmul ops")
@@ -106,6 +109,7 @@ class TraceFile(_Strict):
 
 _SCALED = ("act_bytes", "input_bytes", "output_bytes", "workspace_bytes", "fwd_flops", "bwd_flops",
            "fwd_mem_bytes", "bwd_mem_bytes")
+_SCALED_OPTIONAL = ("fwd_ms", "bwd_ms", "bwd_workspace_bytes")
 
 
 @dataclass(frozen=True)
@@ -162,10 +166,10 @@ class Trace:
         rows = []
         for r in self.spec.layers:
             upd = {k: (round(getattr(r, k) * f) if isinstance(getattr(r, k), int) else getattr(r, k) * f) for k in _SCALED}
-            if r.fwd_ms is not None:
-                upd["fwd_ms"] = r.fwd_ms * f
-            if r.bwd_ms is not None:
-                upd["bwd_ms"] = r.bwd_ms * f
+            for k in _SCALED_OPTIONAL:
+                v = getattr(r, k)
+                if v is not None:
+                    upd[k] = round(v * f) if isinstance(v, int) else v * f
             rows.append(r.model_copy(update=upd))
         return Trace(self.spec.model_copy(update={"layers": rows, "microbatch": microbatch}), self.source)
 

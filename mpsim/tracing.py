@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from mpsim.trace import RECIPES, SCHEMA_VERSION, LayerRow, Trace, TraceFile
+from mpsim.trace import RECIPES, SCHEMA_VERSION, LayerRow, Source, Trace, TraceFile
 from mpsim.workloads import Embedding, LossHead, ModelConfig, TransformerLayer
 
 _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_product_efficient_attention",
@@ -131,7 +131,9 @@ def _trace_layers(cfg: ModelConfig, b: int, dtype: torch.dtype) -> tuple[dict, d
 
 
 def _assemble(cfg: ModelConfig, microbatch: int, recipe: str, name: str | None, emb: dict, layer: dict,
-              head: dict) -> Trace:
+              head: dict, source: Source | None = None) -> Trace:
+    """One trace row per layer from the fields measured on the embedding, one transformer
+    layer (repeated) and the loss head."""
     precision = RECIPES[recipe]
 
     def row(name: str, kind: str, fields: dict) -> LayerRow:
@@ -151,8 +153,9 @@ def _assemble(cfg: ModelConfig, microbatch: int, recipe: str, name: str | None, 
         params=cfg.param_count(),
         microbatch=microbatch,
         precision=precision,
-        source={"kind": "derived", "tool": "mpsim trace (FakeTensorMode, FlopCounterMode, saved_tensors_hooks)",
-                "torch_version": torch.__version__.split("+")[0]},
+        source=source or Source(kind="derived",
+                                tool="mpsim trace (FakeTensorMode, FlopCounterMode, saved_tensors_hooks)",
+                                torch_version=torch.__version__.split("+")[0]),
         layers=rows,
     )
     return Trace(spec, "<traced>")

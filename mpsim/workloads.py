@@ -168,4 +168,6 @@ ZOO: dict[str, tuple[ModelConfig, int, str]] = {
     "gpt-15.4b": (ModelConfig("gpt", 48, 5120, 40, GPT_SEQ, GPT_VOCAB), 2, "mixed-fp16"),
     "gpt-20.4b": (ModelConfig("gpt", 64, 5120, 40, GPT_SEQ, GPT_VOCAB), 2, "mixed-fp16"),
     "gpt-25.5b": (ModelConfig("gpt", 80, 5120, 40, GPT_SEQ, GPT_VOCAB), 2, "mixed-fp16"),
+    # Small enough to train on a laptop CPU: what `mpsim validate` runs in CI.
+    "gpt-tiny": (ModelConfig("gpt", 8, 256, 4, 128, 512), 4, "fp32"),
 }

@@ -21,6 +21,7 @@ is the cost.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import simpy
@@ -72,6 +73,11 @@ class Job:
     plan: PlanFile | None = None
     record_link_rates: bool = False
     """Keep every change of link rates (for Chrome-trace counters)."""
+    receive_buffers: Literal["in-flight", "per-microbatch"] = "in-flight"
+    """``in-flight``: a receive buffer is allocated when its transfer starts and freed when
+    the tensor is consumed (MPress's and DAPPLE's runtimes). ``per-microbatch``: one
+    activation and one gradient receive buffer per microbatch, allocated before the first
+    task and kept (``torch.distributed.pipelining``'s ``PipelineStage``)."""
 
 
 @dataclass
@@ -166,9 +172,12 @@ def simulate_job(job: Job) -> SimResult:
     for s, (a, b) in enumerate(stages):
         g = gpu_of[s]
         stage_rows = rows[a:b]
+        keep_received = job.receive_buffers == "per-microbatch"
         programs.append(build_program(stage_rows, times.fwd_s[a:b], times.bwd_s[a:b], a, s == 0, s == p - 1,
-                                      lay.actions[s]))
-        static = static_bytes(stage_rows, weight_versions(schedule, s, p))
+                                      lay.actions[s], keep_received))
+        received = (m * ((stage_rows[0].input_bytes if s > 0 else 0) + (stage_rows[-1].output_bytes if s < p - 1 else 0))
+                    if keep_received else 0)
+        static = static_bytes(stage_rows, weight_versions(schedule, s, p), received)
         stage_params.append(static["params"])
         moved = {"optimizer": lay.optimizer[s] != "gpu", "stash": lay.stash[s] == "host"}
         for cat, n in static.items():
@@ -193,8 +202,9 @@ def simulate_job(job: Job) -> SimResult:
         with engines[src].peer.request() as engine:
             yield engine
             start = env.now
-            run.mem.event(dst, start, n_bytes, "buffers", f"{kind} of microbatch {mb} from stage {src_stage} (receive buffer)")
-            run.live.used[dst] += n_bytes
+            if job.receive_buffers == "in-flight":
+                run.mem.event(dst, start, n_bytes, "buffers", f"{kind} of microbatch {mb} from stage {src_stage} (receive buffer)")
+                run.live.used[dst] += n_bytes
             yield run.net.transfer(topo.route(src, dst), n_bytes)
         run.mem.event(src, env.now, -n_bytes, "buffers", f"{kind} of microbatch {mb} sent to stage {dst_stage}")
         run.live.used[src] -= n_bytes

@@ -8,7 +8,8 @@ unless the layer holds it (it saves it, or it is the recompute checkpoint). The 
 layer's output on a non-last stage is the boundary buffer, freed when its send lands.
 
 backward (layers in reverse), at its start: + gradient of the input (none for the
-embedding, whose input is token ids), + workspace (taken equal to the forward's); at its
+embedding, whose input is token ids), + backward workspace (measured traces have it,
+otherwise taken equal to the forward's); at its
 end: - workspace, - own, - in if held, - gradient of the output. The gradient of the
 stage's first layer input is the boundary buffer sent back, freed when its send lands.
 
@@ -115,9 +116,12 @@ def _template(events: list[Event], start_s: float) -> Template:
 
 
 def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, first: int, is_first_stage: bool,
-                  is_last_stage: bool, actions: dict[int, LayerAction]) -> StageProgram:
+                  is_last_stage: bool, actions: dict[int, LayerAction], keep_received: bool = False) -> StageProgram:
     """``rows`` are the stage's layers, ``first`` the index of rows[0] in the model,
-    ``actions`` keyed by model layer index (missing: keep)."""
+    ``actions`` keyed by model layer index (missing: keep). With ``keep_received`` the
+    received activation (input of the first layer) and gradient (of the last layer's
+    output) live in receive buffers allocated once per microbatch, so they are never freed."""
+    received_input = 0 if is_first_stage or not keep_received else 1  # 1: do not free the stage's input
     last = len(rows) - 1
     # ---- forward ---------------------------------------------------------------------
     ev: list[Event] = []
@@ -155,7 +159,7 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
                 ev.append((c0, -(o + out_c + ws), "saved:split", f"{name} split"))
                 ev.append((c1, ws, "saved:split", f"{name} split"))
             inp_c = chunk(r.input_bytes, c, p)
-            if releases_input:
+            if releases_input and not (k == 0 and received_input):
                 ev.append((c1, -inp_c, in_cat, f"{name} input freed{part}"))
                 if p > 1:
                     ev.append((c1, inp_c, "saved:split", f"{name} split"))
@@ -220,22 +224,24 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
             t += dur
         dur = float(bwd_s[k]) * slow
         split_s += dur - float(bwd_s[k])
+        bwd_ws = r.workspace_bytes if r.bwd_workspace_bytes is None else r.bwd_workspace_bytes
         dt = dur / p
         if p > 1:
-            ev.append((t, grad_in + r.workspace_bytes, "saved:split", f"{name} split"))
-            ev.append((t + dur, -(r.workspace_bytes + own + (r.input_bytes if holds_input else 0) + grad_out),
+            ev.append((t, grad_in + bwd_ws, "saved:split", f"{name} split"))
+            ev.append((t + dur, -(bwd_ws + own + (r.input_bytes if holds_input else 0) + grad_out),
                        "saved:split", f"{name} split"))
         for c in range(p):
             c0, c1 = t + c * dt, t + (c + 1) * dt
-            gi, ws = chunk(grad_in, c, p), chunk(r.workspace_bytes, c, p)
+            gi, ws = chunk(grad_in, c, p), chunk(bwd_ws, c, p)
             o, inp_c, go = chunk(own, c, p), chunk(r.input_bytes, c, p), chunk(grad_out, c, p)
             ev += [(c0, gi, grad_in_cat, f"{name} input gradient"),
                    (c0, ws, "workspace", f"{name} backward workspace"),
                    (c1, -ws, "workspace", f"{name} backward workspace freed"),
                    (c1, -o, "activations", f"{name} saved activations freed")]
-            if holds_input:
+            if holds_input and not (k == 0 and received_input):
                 ev.append((c1, -inp_c, in_cat, f"{name} saved input freed"))
-            ev.append((c1, -go, grad_out_cat, f"{name} output gradient freed"))
+            if not (k == last and keep_received and not is_last_stage):
+                ev.append((c1, -go, grad_out_cat, f"{name} output gradient freed"))
             if p > 1:
                 ev.append((c0, -(gi + ws), "saved:split", f"{name} split"))
                 ev.append((c1, ws + o + (inp_c if holds_input else 0) + go, "saved:split", f"{name} split"))
@@ -255,13 +261,16 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
                         dict(actions))
 
 
-def static_bytes(rows: list[LayerRow], weight_versions: int) -> dict[str, int]:
+def static_bytes(rows: list[LayerRow], weight_versions: int, receive_buffers: int = 0) -> dict[str, int]:
+    """What a stage allocates once: weights, gradients, optimizer states, stashed weight
+    versions, and ``receive_buffers`` bytes of preallocated receive buffers."""
     params = sum(r.param_bytes for r in rows)
     return {
         "params": params,
         "grads": sum(r.grad_bytes for r in rows),
         "optimizer": sum(r.optimizer_bytes for r in rows),
         "stash": (weight_versions - 1) * params,
+        "buffers": receive_buffers,
     }
 
 

@@ -1,0 +1,226 @@
+"""``mpsim validate``: run a plan for real and compare it with the simulator's prediction.
+
+The loop is "profile here, simulate, run here": a trace measured on the device at hand
+(``mpsim.profiling``), a topology probed on it (``mpsim.probe``), the plan simulated with
+both, and the same plan executed by ``validate/executor.py`` under torchrun (one process
+per stage). Per stage it reports predicted against measured peak memory (with the
+breakdown: weights, gradients, optimizer states, everything else) and the iteration time,
+and the error in percent: ``(predicted - measured) / measured``.
+
+The executor runs on ``torch.distributed.pipelining``, whose ``PipelineStage`` keeps one
+activation and one gradient receive buffer per microbatch, so the job is simulated with
+``receive_buffers="per-microbatch"``.
+
+What the executor does not run is refused before anything starts: PipeDream's asynchronous
+schedule and host-streamed optimizer (no counterpart in torch's pipelining), splits other
+than along the batch, peer swaps without GPUs, precision other than fp32 on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mpsim.catalog import data_root
+from mpsim.errors import MpsimError
+from mpsim.plan import PlanFile, check_plan
+from mpsim.profiling import check_device
+from mpsim.sim import Job, SimResult, simulate_job
+from mpsim.topology import Topology
+from mpsim.trace import Trace
+from mpsim.workloads import ModelConfig
+
+#: Categories of the comparison; the simulator's others (activations, buffers, workspace,
+#: stash, peer swap space) are "activations" in the executor's tracker too.
+STATIC = ("params", "grads", "optimizer")
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """How the executor runs."""
+
+    device: str = "cpu"
+    """``cpu`` or ``cuda``."""
+    threads: int = 1
+    """Intra-op threads per process on CPU (the trace must be measured with the same)."""
+    warmup: int = 2
+    """Untimed steps after the memory step."""
+    steps: int = 5
+    """Timed steps; the median is reported."""
+    capacity_bytes: int | None = None
+    """Memory a stage may use (enforced); None: the topology's capacity."""
+    seed: int = 0
+    timeout_s: float = 600.0
+
+
+def executor_path() -> Path:
+    path = data_root() / "validate" / "executor.py"
+    if not path.exists():
+        raise MpsimError(f"the executor {path} is missing (set MPSIM_DATA to a checkout of the repository)")
+    return path
+
+
+def check_runnable(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSettings, source: str = "<plan>") -> None:
+    """Refuse, with one line, a plan the executor cannot run here (module doc)."""
+    check_plan(plan, topo, trace, source)
+    dev = check_device(settings.device)
+    if plan.schedule == "pipedream":
+        raise MpsimError(f"{source}: the executor runs gpipe and 1f1b; torch's pipelining has no asynchronous "
+                         "PipeDream schedule")
+    if dev.type == "cuda":
+        need = max(s.gpu for s in plan.stages) + 1
+        if torch.cuda.device_count() < need:
+            raise MpsimError(f"{source}: the plan uses GPU {need - 1} but this machine has "
+                             f"{torch.cuda.device_count()} CUDA GPU(s)")
+    if trace.spec.precision.recipe != "fp32":
+        raise MpsimError(f"{source}: the executor trains in fp32; {trace.name} is a {trace.spec.precision.recipe} trace")
+    for s, st in enumerate(plan.stages):
+        if st.optimizer == "host-stream":
+            raise MpsimError(f"{source}: stages.{s}.optimizer 'host-stream' is not run by the executor "
+                             "(use gpu or host-update)")
+        for act in st.actions:
+            if act.action == "peer" and dev.type != "cuda":
+                raise MpsimError(f"{source}: layer {act.layer} swaps to peer GPUs, which needs --device cuda")
+            if act.split > 1 and (act.split_dim or "batch") != "batch":
+                raise MpsimError(f"{source}: layer {act.layer} splits along {act.split_dim}; the executor "
+                                 "splits along the batch only")
+            if act.split > plan.microbatch:
+                raise MpsimError(f"{source}: layer {act.layer} splits a microbatch of {plan.microbatch} "
+                                 f"into {act.split}")
+
+
+def model_config(trace: Trace) -> ModelConfig:
+    """The model a trace describes (its ``model`` block)."""
+    try:
+        return ModelConfig(**trace.spec.model)
+    except TypeError as exc:
+        raise MpsimError(f"{trace.name}: its model block does not describe a GPT or BERT ({exc})") from None
+
+
+def run_executor(plan: PlanFile, cfg: ModelConfig, settings: RunSettings, capacity_bytes: int | None,
+                 workdir: Path) -> list[dict | None]:
+    """Run the plan with torchrun; the per-stage result dicts (None for a stage that
+    stopped because another failed)."""
+    job = {"plan": json.loads(plan.to_json()), "model": dataclasses.asdict(cfg), "device": settings.device,
+           "threads": settings.threads, "seed": settings.seed, "warmup": settings.warmup, "steps": settings.steps,
+           "capacity_bytes": capacity_bytes}
+    job_path = workdir / "job.json"
+    job_path.write_text(json.dumps(job, indent=1))
+    out = workdir / "stages"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(plan.stages)}",
+           str(executor_path()), "--job", str(job_path), "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(settings.threads), PYTHONUNBUFFERED="1")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=settings.timeout_s, env=env, check=False)
+    except subprocess.TimeoutExpired:
+        raise MpsimError(f"the executor did not finish within {settings.timeout_s:.0f} s") from None
+    results: list[dict | None] = []
+    for s in range(len(plan.stages)):
+        f = out / f"stage{s}.json"
+        results.append(json.loads(f.read_text()) if f.exists() else None)
+    if any(r is not None and r.get("oom") for r in results):
+        return results
+    if proc.returncode != 0 or any(r is None for r in results):
+        errors = sorted(out.glob("stage*.error.txt")) if out.exists() else []
+        detail = errors[0].read_text().strip().splitlines()[-1] if errors else (proc.stderr.strip().splitlines() or ["?"])[-1]
+        raise MpsimError(f"the executor failed (exit {proc.returncode}): {detail}")
+    return results
+
+
+def simulate_plan(plan: PlanFile, topo: Topology, trace: Trace) -> SimResult:
+    """The simulator's prediction for the executor's run."""
+    return simulate_job(Job(topo, trace.rescale(plan.microbatch), strategy=plan.strategy, plan=plan,
+                            receive_buffers="per-microbatch"))
+
+
+def _error_pct(predicted: float, measured: float) -> float:
+    return 100.0 * (predicted - measured) / measured if measured else float("nan")
+
+
+def compare(plan: PlanFile, predicted: SimResult, measured: list[dict | None]) -> dict:
+    """The validation report: per stage predicted and measured peak and breakdown, and
+    the iteration time, with errors in percent."""
+    stages = []
+    oom = next((r["oom"] for r in measured if r is not None and r.get("oom")), None)
+    for s, st in enumerate(plan.stages):
+        g = predicted.gpus[st.gpu]
+        pred_bd = {k: g.breakdown.get(k, 0) for k in STATIC}
+        pred_bd["activations"] = g.peak_bytes - sum(pred_bd.values())
+        m = measured[s]
+        row: dict = {"stage": s, "gpu": st.gpu, "layers": list(st.layers), "predicted_peak_bytes": g.peak_bytes,
+                     "predicted_breakdown": pred_bd, "predicted_fits": g.fits}
+        if m is not None and not m.get("oom"):
+            bd = {k: m["breakdown"].get(k, 0) for k in (*STATIC, "activations")}
+            row.update(measured_peak_bytes=m["peak_bytes"], measured_breakdown=bd, measured_step_s=m["step_s"],
+                       peak_error_pct=_error_pct(g.peak_bytes, m["peak_bytes"]))
+        stages.append(row)
+    report: dict = {
+        "model": plan.model, "server": predicted.server, "schedule": plan.schedule, "strategy": plan.strategy,
+        "microbatch": plan.microbatch, "microbatches": plan.microbatches,
+        "predicted_fits": predicted.fits, "predicted_oom": predicted.oom, "oom": oom, "stages": stages,
+        "predicted_iteration_s": predicted.iteration_s,
+    }
+    if oom is None:
+        step = max(r["step_s"] for r in measured if r is not None)
+        report["measured_iteration_s"] = step
+        report["iteration_error_pct"] = _error_pct(predicted.iteration_s, step)
+    return report
+
+
+def validate_plan(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSettings, source: str = "<plan>",
+                  workdir: Path | None = None) -> dict:
+    """Check, simulate, run and compare one plan (see the module doc)."""
+    check_runnable(plan, topo, trace, settings, source)
+    cfg = model_config(trace)
+    predicted = simulate_plan(plan, topo, trace)
+    capacity = settings.capacity_bytes if settings.capacity_bytes is not None else topo.capacity_bytes
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="mpsim-validate-") as tmp:
+            measured = run_executor(plan, cfg, settings, capacity, Path(tmp))
+    else:
+        measured = run_executor(plan, cfg, settings, capacity, workdir)
+    report = compare(plan, predicted, measured)
+    report["device"] = trace.spec.source.device or settings.device
+    report["torch_version"] = torch.__version__
+    report["cuda_version"] = torch.version.cuda
+    return report
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:9.1f}"
+
+
+def validation_text(report: dict) -> str:
+    """The report as a table a person reads."""
+    lines = [f"{report['model']} on {report['server']} ({report['device']}), {report['schedule']}, "
+             f"{report['microbatches']} x {report['microbatch']} samples, plan {report['strategy']}", ""]
+    head = f"{'stage':>5} {'layers':>8}  {'peak MiB':>20} {'error':>7}   {'weights':>17} {'grads':>17} {'optimizer':>17} {'other':>17}"
+    lines += [head, f"{'':>5} {'':>8}  {'predicted  measured':>20} {'':>7}   " + "   pred / meas    " * 4]
+    for row in report["stages"]:
+        a, b = row["layers"]
+        pb = row["predicted_breakdown"]
+        if "measured_peak_bytes" in row:
+            mb = row["measured_breakdown"]
+            cells = "".join(f" {_mib(pb[k]).strip():>8}/{_mib(mb[k]).strip():<8}" for k in (*STATIC, "activations"))
+            lines.append(f"{row['stage']:>5} {f'{a}-{b - 1}':>8}  {_mib(row['predicted_peak_bytes'])} "
+                         f"{_mib(row['measured_peak_bytes'])} {row['peak_error_pct']:+6.1f}%  {cells}")
+        else:
+            lines.append(f"{row['stage']:>5} {f'{a}-{b - 1}':>8}  {_mib(row['predicted_peak_bytes'])} {'-':>9}")
+    lines.append("")
+    if report["oom"]:
+        o = report["oom"]
+        pred = "predicted it" if not report["predicted_fits"] else "the simulator predicted it fits"
+        lines.append(f"OUT OF MEMORY: stage {o['stage']} (GPU {o['gpu']}) at step {o['step']}, {o['phase']} "
+                     f"({o['message']}); {pred}")
+    else:
+        lines.append(f"iteration: predicted {report['predicted_iteration_s'] * 1e3:.1f} ms, measured "
+                     f"{report['measured_iteration_s'] * 1e3:.1f} ms ({report['iteration_error_pct']:+.1f}%)")
+    return "\n".join(lines)
