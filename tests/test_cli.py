@@ -164,6 +164,11 @@ def _set(path, value):
 
 
 BAD = [
+    ("validate on a missing GPU", lambda t: ["validate", "--device", "cuda"], "--device cuda: no CUDA GPU is visible"),
+    ("validate mixed precision on CPU", lambda t: ["validate", "--model", "gpt-5.3b"], "trains in mixed-fp16; on CPU"),
+    ("validate a derived trace", lambda t: ["validate", "--model", "traces/bert-0.35b.json"],
+     "a derived trace predicts no measured run"),
+    ("probe a bad device", lambda t: ["topo", "probe", "--device", "tpu"], "--device 'tpu': expected cpu, cuda or cuda:N"),
     ("unknown server", lambda t: ["simulate", "--server", "dgx9"], "unknown server 'dgx9'"),
     ("unknown model", lambda t: ["simulate", "--model", "gpt-99b"], "unknown model 'gpt-99b'"),
     ("missing file", lambda t: ["topo", "check", str(t / "nope.yaml")], "nope.yaml: cannot read topology file"),

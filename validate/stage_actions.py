@@ -5,10 +5,11 @@
 - ``host`` / ``peer``: ``torch.autograd.graph.saved_tensors_hooks``. The pack hook copies
   each saved storage once (views share it) to host memory (pinned on CUDA) or, striped
   by the plan's fractions, to peer GPUs, on a side stream; the unpack hook brings it back.
-  On CUDA the restore of a layer starts when the backward reaches the layer above it
-  (one layer of lookahead, MPress III-B), on a side stream the compute stream then waits
-  for. On CPU the copies are synchronous and the "host" copy is kept out of the stage's
-  memory accounting (it stands for memory that is not the device's).
+  The restore of a layer starts when the backward reaches the swapped layer above it
+  (one layer of lookahead, MPress III-B, as the simulator times swap-ins), on CUDA on a
+  side stream the compute stream then waits for. On CPU the copies are synchronous and
+  the "host" copy is kept out of the stage's memory accounting (it stands for memory that
+  is not the device's).
 - ``split``: the layer runs as ``p`` micro-ops over the batch dimension (TSPLIT III-A);
   each micro-output is written into the layer's output and freed.
 
@@ -152,7 +153,7 @@ class Swap(nn.Module):
     """Saved activations of ``inner`` leave the device after its forward (see the module doc).
 
     ``previous`` is the swapped layer just below in the same stage: when this layer's
-    backward begins, its restore starts too (CUDA lookahead)."""
+    backward begins, its restore starts too (lookahead)."""
 
     def __init__(self, inner: nn.Module, space: SwapSpace) -> None:
         super().__init__()
@@ -160,7 +161,7 @@ class Swap(nn.Module):
         self.space = space
         self.previous: Swap | None = None
         self._pending: list[dict[int, _Stored]] = []
-        """CUDA: stored tensors of microbatches whose backward has not begun, oldest first."""
+        """Stored tensors of microbatches whose backward has not begun, oldest first."""
         self._param_keys: set[int] | None = None
 
     def _restore_all(self, stored: dict[int, _Stored]) -> None:
@@ -168,6 +169,8 @@ class Swap(nn.Module):
             self.space.restore(s)
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        if any(a.device != self.space.device for a in args):  # the pipeline's shape inference (meta tensors)
+            return self.inner(*args)
         if self._param_keys is None:
             self._param_keys = {p.untyped_storage().data_ptr() for p in self.inner.parameters()}
         stored: dict[int, _Stored] = {}
@@ -195,16 +198,22 @@ class Swap(nn.Module):
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = self.inner(*args)
         del alive
-        if space.cuda and out.requires_grad:
+        if out.requires_grad:
             prev = self.previous
             self._pending.append(stored)
 
+            box = [stored]  # emptied when the hook fires: the graph keeps hooks alive until it dies
+
             def lookahead(grad: torch.Tensor) -> None:
-                # Backwards run microbatches first in, first out (GPipe and 1F1B alike).
-                if self._pending:
-                    self._restore_all(self._pending.pop(0))
+                # Backwards run microbatches first in, first out (GPipe and 1F1B alike), so
+                # the oldest pending entry below is the microbatch this backward works on.
+                if not box:
+                    return
+                mine = box.pop()
+                self._restore_all(mine)
+                self._pending = [x for x in self._pending if x is not mine]
                 if prev is not None and prev._pending:
-                    prev._restore_all(prev._pending.pop(0))
+                    prev._restore_all(prev._pending[0])
 
             out.register_hook(lookahead)
         return out

@@ -13,7 +13,7 @@ and the sender's freed when it lands.
 Swaps (``swap_out``/``swap_in`` below) run on copy engines and share links with
 everything else. A swap-in is prefetched when the task before the backward that needs it
 starts, timed to land when that backward reaches the layer if the copy ran alone on an
-idle route; it waits for room while frees are under way (swap-outs in flight, or a
+idle route (re-timed from the gradient's arrival when the gradient comes later); it waits for room while frees are under way (swap-outs in flight, or a
 running piece that releases memory), and a backward that finds it late waits: that wait
 is the cost.
 """
@@ -274,6 +274,12 @@ def simulate_job(job: Job) -> SimResult:
             alone = max(topo.route(peer, g).time_alone_s(part) for peer, part in parts)
         if need_at - alone > env.now:
             yield env.timeout(need_at - alone - env.now)
+        grad = run.event("gradient", s, mb)
+        if s < p - 1 and not grad.triggered:
+            # the backward cannot start before its gradient arrives: re-time to that
+            yield grad
+            if env.now + si.need_offset_s - alone > env.now:
+                yield env.timeout(si.need_offset_s - alone)
         # a prefetch waits for room while frees are under way or the backward will still
         # release memory before it needs this tensor (TSPLIT eq. 3: M_k + size <= M)
         live = run.live
