@@ -27,13 +27,15 @@ from collections.abc import Callable
 import torch
 
 from mpsim.errors import MpsimError
+from mpsim.profiling import sync_device
 from mpsim.topology import Topology, parse_topology
 from mpsim.units import MiB
 
 _MATMUL_N = {"cpu": 1024, "cuda": 8192}
 
 
-def _best_seconds(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
+def _median_seconds(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs after one untimed run."""
     fn()
     sync()
     times = []
@@ -50,19 +52,17 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, repeats: int = 5) ->
     n = _MATMUL_N[device.type]
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    s = _best_seconds(lambda: a @ b, sync, repeats)
+    s = _median_seconds(lambda: a @ b, lambda: sync_device(device), repeats)
     return 2 * n**3 / s / 1e12
 
 
 def copy_gbps(src: torch.Tensor, dst: torch.Tensor, repeats: int = 5) -> float:
     """One-way copy bandwidth from ``src`` to ``dst``, GB/s."""
     def sync() -> None:
-        for t in (src, dst):
-            if t.is_cuda:
-                torch.cuda.synchronize(t.device)
+        sync_device(src.device)
+        sync_device(dst.device)
 
-    s = _best_seconds(lambda: dst.copy_(src, non_blocking=True), sync, repeats)
+    s = _median_seconds(lambda: dst.copy_(src, non_blocking=True), sync, repeats)
     return src.numel() * src.element_size() / s / 1e9
 
 
@@ -84,8 +84,8 @@ def probe_cpu(devices: int = 1, threads: int = 1, memory_mib: float | None = Non
         n = 64 * 2**20 // 4
         src, dst = torch.randn(n), torch.empty(n)
         copy = copy_gbps(src, dst)
-        small = torch.empty(1024)
-        latency_s = _best_seconds(lambda: small.copy_(small[torch.arange(1024)]), lambda: None, 20)
+        small_src, small_dst = torch.empty(1024), torch.empty(1024)
+        latency_s = _median_seconds(lambda: small_dst.copy_(small_src), lambda: None, 20)
     finally:
         torch.set_num_threads(previous)
     host_gib = _host_memory_gib()

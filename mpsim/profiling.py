@@ -56,7 +56,8 @@ def device_name(dev: torch.device, threads: int) -> str:
     return f"cpu ({platform.machine()}, {threads} thread{'s' if threads > 1 else ''})"
 
 
-def _sync(dev: torch.device) -> None:
+def sync_device(dev: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing to wait for on CPU."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
@@ -68,13 +69,13 @@ def time_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Callabl
     bwd: list[float] = []
     for i in range(warmup + repeats):
         module.zero_grad(set_to_none=False)
-        _sync(dev)
+        sync_device(dev)
         t0 = time.perf_counter()
         out = run(module, *inputs)
-        _sync(dev)
+        sync_device(dev)
         t1 = time.perf_counter()
         out.backward(torch.ones_like(out))
-        _sync(dev)
+        sync_device(dev)
         t2 = time.perf_counter()
         if i >= warmup:
             fwd.append((t1 - t0) * 1e3)

@@ -182,11 +182,8 @@ def validate_plan(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSet
     cfg = model_config(trace)
     predicted = simulate_plan(plan, topo, trace)
     capacity = settings.capacity_bytes if settings.capacity_bytes is not None else topo.capacity_bytes
-    if workdir is None:
-        with tempfile.TemporaryDirectory(prefix="mpsim-validate-") as tmp:
-            measured = run_executor(plan, cfg, settings, capacity, Path(tmp))
-    else:
-        measured = run_executor(plan, cfg, settings, capacity, workdir)
+    with tempfile.TemporaryDirectory(prefix="mpsim-validate-") as tmp:
+        measured = run_executor(plan, cfg, settings, capacity, workdir or Path(tmp))
     report = compare(plan, predicted, measured)
     report["device"] = trace.spec.source.device or settings.device
     report["torch_version"] = torch.__version__

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stage_actions import Recompute, Split, Swap, SwapSpace, untracked  # noqa: E402
 
 from mpsim.plan import PlanFile  # noqa: E402
+from mpsim.profiling import sync_device  # noqa: E402
 from mpsim.workloads import Embedding, LossHead, ModelConfig, TransformerLayer  # noqa: E402
 
 _CATEGORY = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer", "Buffer": "activations",
@@ -160,11 +161,6 @@ class HostAdam:
                 p.grad.zero_()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run(job: dict, out_dir: Path) -> dict:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
@@ -218,12 +214,12 @@ def run(job: dict, out_dir: Path) -> dict:
         tracker = CappedMemTracker(device, None if use_cuda else cap)
         tracker.track_external(module, *([opt] if isinstance(opt, torch.optim.Optimizer) else []))
         if use_cuda:
-            _sync(device)
+            sync_device(device)
             torch.cuda.reset_peak_memory_stats(device)
         dist.barrier()
         with tracker:
             step()
-        _sync(device)
+        sync_device(device)
         snap = tracker.get_tracker_snapshot("peak")[device]
         breakdown: dict[str, int] = {}
         for key, n in snap.items():
@@ -239,10 +235,10 @@ def run(job: dict, out_dir: Path) -> dict:
         for i in range(job["warmup"] + job["steps"]):
             step_no = 2 + i
             dist.barrier()
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             step()
-            _sync(device)
+            sync_device(device)
             if i >= job["warmup"]:
                 times.append(time.perf_counter() - t0)
         result["step_times_s"] = times

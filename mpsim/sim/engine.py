@@ -13,9 +13,9 @@ and the sender's freed when it lands.
 Swaps (``swap_out``/``swap_in`` below) run on copy engines and share links with
 everything else. A swap-in is prefetched when the task before the backward that needs it
 starts, timed to land when that backward reaches the layer if the copy ran alone on an
-idle route (re-timed from the gradient's arrival when the gradient comes later); it waits for room while frees are under way (swap-outs in flight, or a
-running piece that releases memory), and a backward that finds it late waits: that wait
-is the cost.
+idle route (re-timed from the gradient's arrival when the gradient comes later); it
+waits for room while frees are under way (swap-outs in flight, or a running piece that
+releases memory), and a backward that finds it late waits: that wait is the cost.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from mpsim.schedule import PIPEDREAM_ITERATIONS, PIPEDREAM_MEASURED, check_sched
 from mpsim.sim.copy_engine import CopyEngines
 from mpsim.sim.memory import CATEGORIES, LiveMemory, MemoryLog
 from mpsim.sim.network import Network
-from mpsim.sim.program import StageProgram, SwapIn, SwapOut, build_program, static_bytes, update_seconds
+from mpsim.sim.program import (StageProgram, SwapIn, SwapOut, build_program, received_bytes, static_bytes,
+                               update_seconds)
 from mpsim.sim.result import COSTS, GpuResult, SimResult, Span
 from mpsim.topology import HOST, Topology
 from mpsim.trace import Trace
@@ -169,14 +170,13 @@ def simulate_job(job: Job) -> SimResult:
     programs: list[StageProgram] = []
     upd_dur: list[float] = []
     stage_params: list[int] = []
+    keep_received = job.receive_buffers == "per-microbatch"
     for s, (a, b) in enumerate(stages):
         g = gpu_of[s]
         stage_rows = rows[a:b]
-        keep_received = job.receive_buffers == "per-microbatch"
         programs.append(build_program(stage_rows, times.fwd_s[a:b], times.bwd_s[a:b], a, s == 0, s == p - 1,
                                       lay.actions[s], keep_received))
-        received = (m * ((stage_rows[0].input_bytes if s > 0 else 0) + (stage_rows[-1].output_bytes if s < p - 1 else 0))
-                    if keep_received else 0)
+        received = m * received_bytes(stage_rows, s == 0, s == p - 1) if keep_received else 0
         static = static_bytes(stage_rows, weight_versions(schedule, s, p), received)
         stage_params.append(static["params"])
         moved = {"optimizer": lay.optimizer[s] != "gpu", "stash": lay.stash[s] == "host"}
@@ -202,7 +202,7 @@ def simulate_job(job: Job) -> SimResult:
         with engines[src].peer.request() as engine:
             yield engine
             start = env.now
-            if job.receive_buffers == "in-flight":
+            if not keep_received:
                 run.mem.event(dst, start, n_bytes, "buffers", f"{kind} of microbatch {mb} from stage {src_stage} (receive buffer)")
                 run.live.used[dst] += n_bytes
             yield run.net.transfer(topo.route(src, dst), n_bytes)
@@ -278,7 +278,7 @@ def simulate_job(job: Job) -> SimResult:
         if s < p - 1 and not grad.triggered:
             # the backward cannot start before its gradient arrives: re-time to that
             yield grad
-            if env.now + si.need_offset_s - alone > env.now:
+            if si.need_offset_s > alone:
                 yield env.timeout(si.need_offset_s - alone)
         # a prefetch waits for room while frees are under way or the backward will still
         # release memory before it needs this tensor (TSPLIT eq. 3: M_k + size <= M)

@@ -115,13 +115,30 @@ def _template(events: list[Event], start_s: float) -> Template:
     return make_template([(t - start_s, d, c, lbl) for (t, d, c, lbl) in events])
 
 
+def _layer(rows: list[LayerRow], k: int, first: int,
+           actions: dict[int, LayerAction]) -> tuple[int, LayerAction, int, float, str, str, int]:
+    """What the forward and the backward both need of stage layer ``k``: its model index,
+    action, split count and slowdown, label, input category and own saved bytes."""
+    r = rows[k]
+    j = first + k
+    act = actions.get(j, _KEEP)
+    own = r.act_bytes - (r.input_bytes if r.saves_input else 0)
+    return j, act, act.split, act.slowdown(), f"layer {j} ({r.name})", "buffers" if k == 0 else "activations", own
+
+
+def received_bytes(rows: list[LayerRow], is_first_stage: bool, is_last_stage: bool) -> int:
+    """Bytes a stage receives per microbatch: its input activation and its output gradient."""
+    return (0 if is_first_stage else rows[0].input_bytes) + (0 if is_last_stage else rows[-1].output_bytes)
+
+
 def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, first: int, is_first_stage: bool,
                   is_last_stage: bool, actions: dict[int, LayerAction], keep_received: bool = False) -> StageProgram:
     """``rows`` are the stage's layers, ``first`` the index of rows[0] in the model,
     ``actions`` keyed by model layer index (missing: keep). With ``keep_received`` the
     received activation (input of the first layer) and gradient (of the last layer's
     output) live in receive buffers allocated once per microbatch, so they are never freed."""
-    received_input = 0 if is_first_stage or not keep_received else 1  # 1: do not free the stage's input
+    keep_input = keep_received and not is_first_stage
+    keep_grad = keep_received and not is_last_stage
     last = len(rows) - 1
     # ---- forward ---------------------------------------------------------------------
     ev: list[Event] = []
@@ -131,13 +148,8 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
     t = 0.0
     split_s = 0.0
     for k, r in enumerate(rows):
-        j = first + k
-        act = actions.get(j, _KEEP)
-        p, slow = act.split, act.slowdown()
-        name = f"layer {j} ({r.name})"
-        in_cat = "buffers" if k == 0 else "activations"
+        j, act, p, slow, name, in_cat, own = _layer(rows, k, first, actions)
         out_cat = "buffers" if (k == last and not is_last_stage) else "activations"
-        own = r.act_bytes - (r.input_bytes if r.saves_input else 0)
         releases_input = not r.saves_input and act.action != "recompute"
         swaps = act.action in ("host", "peer")
         dur = float(fwd_s[k]) * slow
@@ -159,7 +171,7 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
                 ev.append((c0, -(o + out_c + ws), "saved:split", f"{name} split"))
                 ev.append((c1, ws, "saved:split", f"{name} split"))
             inp_c = chunk(r.input_bytes, c, p)
-            if releases_input and not (k == 0 and received_input):
+            if releases_input and not (k == 0 and keep_input):
                 ev.append((c1, -inp_c, in_cat, f"{name} input freed{part}"))
                 if p > 1:
                     ev.append((c1, inp_c, "saved:split", f"{name} split"))
@@ -193,16 +205,11 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
     recompute_s = 0.0
     for k in range(last, -1, -1):
         r = rows[k]
-        j = first + k
-        act = actions.get(j, _KEEP)
-        p, slow = act.split, act.slowdown()
-        name = f"layer {j} ({r.name})"
-        in_cat = "buffers" if k == 0 else "activations"
+        j, act, p, slow, name, in_cat, own = _layer(rows, k, first, actions)
         grad_out_cat = "buffers" if (k == last and not is_last_stage) else "activations"
         grad_out = 0 if (k == last and is_last_stage) else r.output_bytes
         grad_in = 0 if r.kind == "embedding" else r.input_bytes
         grad_in_cat = "buffers" if (k == 0 and not is_first_stage) else "activations"
-        own = r.act_bytes - (r.input_bytes if r.saves_input else 0)
         holds_input = r.saves_input or act.action == "recompute"
         if act.action in ("host", "peer"):
             waits.append((len(ev), t, j))
@@ -238,9 +245,9 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
                    (c0, ws, "workspace", f"{name} backward workspace"),
                    (c1, -ws, "workspace", f"{name} backward workspace freed"),
                    (c1, -o, "activations", f"{name} saved activations freed")]
-            if holds_input and not (k == 0 and received_input):
+            if holds_input and not (k == 0 and keep_input):
                 ev.append((c1, -inp_c, in_cat, f"{name} saved input freed"))
-            if not (k == last and keep_received and not is_last_stage):
+            if not (k == last and keep_grad):
                 ev.append((c1, -go, grad_out_cat, f"{name} output gradient freed"))
             if p > 1:
                 ev.append((c0, -(gi + ws), "saved:split", f"{name} split"))
