@@ -9,7 +9,7 @@ and the error in percent: ``(predicted - measured) / measured``.
 
 The executor runs on ``torch.distributed.pipelining``, whose ``PipelineStage`` keeps one
 activation and one gradient receive buffer per microbatch, so the job is simulated with
-``receive_buffers="per-microbatch"``.
+``runtime="torch-pipelining"``.
 
 What the executor does not run is refused before anything starts: PipeDream's asynchronous
 schedule and host-streamed optimizer (no counterpart in torch's pipelining), splits other
@@ -138,7 +138,7 @@ def run_executor(plan: PlanFile, cfg: ModelConfig, settings: RunSettings, capaci
 def simulate_plan(plan: PlanFile, topo: Topology, trace: Trace) -> SimResult:
     """The simulator's prediction for the executor's run."""
     return simulate_job(Job(topo, trace.rescale(plan.microbatch), strategy=plan.strategy, plan=plan,
-                            receive_buffers="per-microbatch"))
+                            runtime="torch-pipelining"))
 
 
 def _error_pct(predicted: float, measured: float) -> float:

@@ -57,7 +57,7 @@ def test_measured_trace_names_its_device_and_times_every_layer(tiny):
 def test_per_microbatch_receive_buffers_are_allocated_once(tiny, cpu2):
     plan = _plan(tiny, cpu2, "gpipe", "none")
     base = simulate_job(Job(cpu2, tiny, plan=plan))
-    kept = simulate_job(Job(cpu2, tiny, plan=plan, receive_buffers="per-microbatch"))
+    kept = simulate_job(Job(cpu2, tiny, plan=plan, runtime="torch-pipelining"))
     boundary = tiny.layers[4].output_bytes
     assert kept.gpus[0].breakdown["buffers"] >= 4 * boundary  # 4 gradient buffers on stage 0
     assert kept.gpus[1].peak_bytes - base.gpus[1].peak_bytes <= 4 * boundary

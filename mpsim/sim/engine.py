@@ -13,8 +13,8 @@ and the sender's freed when it lands.
 Swaps (``swap_out``/``swap_in`` below) run on copy engines and share links with
 everything else. A swap-in is prefetched when the task before the backward that needs it
 starts, timed to land when that backward reaches the layer if the copy ran alone on an
-idle route (re-timed from the gradient's arrival when the gradient comes later); it
-waits for room while frees are under way (swap-outs in flight, or a running piece that
+idle route (under ``Job.runtime = "torch-pipelining"``, re-timed from the gradient's
+arrival when the gradient comes later); it waits for room while frees are under way (swap-outs in flight, or a running piece that
 releases memory), and a backward that finds it late waits: that wait is the cost.
 """
 
@@ -74,11 +74,16 @@ class Job:
     plan: PlanFile | None = None
     record_link_rates: bool = False
     """Keep every change of link rates (for Chrome-trace counters)."""
-    receive_buffers: Literal["in-flight", "per-microbatch"] = "in-flight"
-    """``in-flight``: a receive buffer is allocated when its transfer starts and freed when
-    the tensor is consumed (MPress's and DAPPLE's runtimes). ``per-microbatch``: one
-    activation and one gradient receive buffer per microbatch, allocated before the first
-    task and kept (``torch.distributed.pipelining``'s ``PipelineStage``)."""
+    runtime: Literal["mpress", "torch-pipelining"] = "mpress"
+    """The training runtime whose buffer and prefetch policies are modelled.
+
+    ``mpress`` (MPress's and DAPPLE's runtimes): a receive buffer is allocated when its
+    transfer starts and freed when the tensor is consumed; a swap-in is prefetched while
+    the task before its backward runs. ``torch-pipelining`` (``validate/executor.py`` on
+    ``torch.distributed.pipelining``): ``PipelineStage`` allocates one activation and one
+    gradient receive buffer per microbatch before the first task and keeps them; a
+    swap-in is re-timed from the arrival of its backward's gradient when that comes late
+    (the executor restores a layer when the backward reaches the swapped layer above it)."""
 
 
 @dataclass
@@ -170,13 +175,13 @@ def simulate_job(job: Job) -> SimResult:
     programs: list[StageProgram] = []
     upd_dur: list[float] = []
     stage_params: list[int] = []
-    keep_received = job.receive_buffers == "per-microbatch"
+    torch_pipelining = job.runtime == "torch-pipelining"
     for s, (a, b) in enumerate(stages):
         g = gpu_of[s]
         stage_rows = rows[a:b]
         programs.append(build_program(stage_rows, times.fwd_s[a:b], times.bwd_s[a:b], a, s == 0, s == p - 1,
-                                      lay.actions[s], keep_received))
-        received = m * received_bytes(stage_rows, s == 0, s == p - 1) if keep_received else 0
+                                      lay.actions[s], torch_pipelining))
+        received = m * received_bytes(stage_rows, s == 0, s == p - 1) if torch_pipelining else 0
         static = static_bytes(stage_rows, weight_versions(schedule, s, p), received)
         stage_params.append(static["params"])
         moved = {"optimizer": lay.optimizer[s] != "gpu", "stash": lay.stash[s] == "host"}
@@ -202,7 +207,7 @@ def simulate_job(job: Job) -> SimResult:
         with engines[src].peer.request() as engine:
             yield engine
             start = env.now
-            if not keep_received:
+            if not torch_pipelining:
                 run.mem.event(dst, start, n_bytes, "buffers", f"{kind} of microbatch {mb} from stage {src_stage} (receive buffer)")
                 run.live.used[dst] += n_bytes
             yield run.net.transfer(topo.route(src, dst), n_bytes)
@@ -274,8 +279,8 @@ def simulate_job(job: Job) -> SimResult:
             alone = max(topo.route(peer, g).time_alone_s(part) for peer, part in parts)
         if need_at - alone > env.now:
             yield env.timeout(need_at - alone - env.now)
-        grad = run.event("gradient", s, mb)
-        if s < p - 1 and not grad.triggered:
+        grad = run.event("gradient", s, mb) if torch_pipelining and s < p - 1 else None
+        if grad is not None and not grad.triggered:
             # the backward cannot start before its gradient arrives: re-time to that
             yield grad
             if si.need_offset_s > alone:
