@@ -515,5 +515,6 @@ def _result(job: Job, lay: _Layout, run: _Run, programs: list[StageProgram], upd
         gpus=gpus, oom=oom, links=links, spans=run.spans, makespan_s=run.env.now,
         sim_events=run.env.scheduled,  # type: ignore[attr-defined]
         host_peak_bytes=host_analysis.peak_bytes, host_capacity_bytes=topo.host_memory_bytes,
+        host_memory_times_s=host_analysis.times_s, host_memory_used_bytes=host_analysis.used_bytes,
         link_rates=run.net.rate_log,
     )

@@ -87,6 +87,9 @@ class SimResult:
     host_peak_bytes: int = 0
     """Peak of pinned host memory (swapped tensors, offloaded optimizer states, stashes)."""
     host_capacity_bytes: int = 0
+    host_memory_times_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    host_memory_used_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
+    """Pinned host memory over time (swapped tensors, offloaded states, stashes)."""
     link_rates: list[tuple[float, dict[str, float]]] = field(default_factory=list, repr=False)
     """Link rates (bytes/s) at every change, when the job asked to record them."""
 
