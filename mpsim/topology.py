@@ -11,6 +11,8 @@ while two GPUs behind one PCIe switch swapping out at once share its uplink.
 
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -259,6 +261,11 @@ class Topology:
         return Route((self.links[f"pcie:cpu{sw.socket}->{sw.name}"], self.links[f"pcie:{sw.name}->gpu{g}"]))
 
     # -- queries --------------------------------------------------------------------------
+    @cached_property
+    def content_hash(self) -> str:
+        """SHA-256 of the validated contents (not the name or path): equal contents, equal hash."""
+        return hashlib.sha256(self.spec.model_dump_json(by_alias=True).encode()).hexdigest()
+
     @property
     def name(self) -> str:
         return self.spec.name

@@ -11,6 +11,8 @@ parameter, gradient and optimizer bytes do not.
 
 from __future__ import annotations
 
+import hashlib
+
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -128,6 +130,11 @@ class Trace:
             raise SchemaError(source, "schema", f"expected {SCHEMA_VERSION}, got {spec.schema_}")
         self.spec = spec
         self.source = source
+
+    @cached_property
+    def content_hash(self) -> str:
+        """SHA-256 of the validated contents (not the name or path): equal contents, equal hash."""
+        return hashlib.sha256(self.spec.model_dump_json(by_alias=True).encode()).hexdigest()
 
     @property
     def name(self) -> str:

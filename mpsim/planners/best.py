@@ -13,21 +13,26 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from collections.abc import Callable
+
+from mpsim.planners.baselines import BASELINES
+from mpsim.planners.cache import cached_plan
 from mpsim.planners.context import PARTITIONS, Ctx, Planned, make_context
+from mpsim.planners.mpress import MPRESS_STRATEGIES
+from mpsim.planners.tsplit import plan_tsplit
 
 SINGLE = ("none", "recompute", "cpu-swap", "d2d", "mpress", "tsplit")
+SINGLE_PLANNERS: dict[str, Callable[[Ctx], Planned]] = {**BASELINES, **MPRESS_STRATEGIES, "tsplit": plan_tsplit}
 
 
 def plan_best(ctx: Ctx) -> Planned:
-    from mpsim.planners.registry import run_planner
-
     n_stages = len(ctx.stages)
     tried: list[tuple[str, str, Planned]] = []
     for partition in PARTITIONS:
         for name in SINGLE:
             sub = make_context(ctx.topo, ctx.trace, ctx.schedule, ctx.microbatches, n_stages, ctx.record_link_rates,
                                partition, recompute=name == "recompute")
-            tried.append((name, partition, run_planner(name, sub)))
+            tried.append((name, partition, cached_plan(name, sub, SINGLE_PLANNERS[name])))
             if name == "none" and tried[-1][2].result.fits:
                 break  # nothing to save: keeping everything is fastest
 

@@ -11,7 +11,8 @@ from mpsim.plan import LayerAction, PlanFile, make_plan
 from mpsim.planners.liveness import live_intervals
 from mpsim.planners.mcap import held_microbatches, mcap_partition
 from mpsim.schedule import check_schedule
-from mpsim.sim import Job, SimResult, simulate_job
+from mpsim.sim import SimResult, simulate_layout
+from mpsim.sim.layout import layout_of_plan
 from mpsim.topology import Topology
 from mpsim.trace import Trace
 
@@ -43,8 +44,10 @@ class Ctx:
                          actions, optimizer, stash)
 
     def simulate(self, plan: PlanFile) -> SimResult:
-        return simulate_job(Job(self.topo, self.trace, strategy=plan.strategy, plan=plan,
-                                record_link_rates=self.record_link_rates))
+        """Simulate a plan this context made (``make_plan`` output is valid by construction,
+        so it is not checked again)."""
+        return simulate_layout(layout_of_plan(plan, self.topo, self.trace, checked=True,
+                                              record_link_rates=self.record_link_rates))
 
     def held_microbatches(self, s: int) -> int:
         """Microbatches whose activations stage s holds at once (the schedule's bound)."""

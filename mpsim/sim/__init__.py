@@ -1,6 +1,6 @@
 """The discrete-event simulator (SimPy): network, memory, engine, results."""
 
-from mpsim.sim.engine import Job, simulate_job
+from mpsim.sim.engine import Job, Layout, simulate_job, simulate_layout
 from mpsim.sim.result import GpuResult, SimResult, Span
 
-__all__ = ["GpuResult", "Job", "SimResult", "Span", "simulate_job"]
+__all__ = ["GpuResult", "Job", "Layout", "SimResult", "Span", "simulate_job", "simulate_layout"]

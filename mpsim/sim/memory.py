@@ -1,28 +1,33 @@
-"""Per-GPU memory: a log of allocations and frees analysed after the run, and the live
-count of bytes in use that decides when an allocation must wait.
+"""Device memory: one owner per device through which every byte is allocated and freed,
+and the log it writes, analysed after the run.
+
+``DeviceMemory`` is the only way memory changes (DESIGN "Memory has one owner"): each
+change updates the live count, writes the log and wakes whoever waits for room, in one
+step. An allocation that may wait (``acquire``, ``acquire_task``) waits while it does
+not fit and a free is under way on that device (a swap-out, a send or a releasing piece
+in flight), and is granted in the same instant the check passes, so nothing can take the
+room between the check and the grant. When no free is under way it goes ahead even if
+it does not fit, so a job that does not fit still runs to the end and shows its demand;
+the log then names the first point over capacity as the out-of-memory.
 
 The log (``MemoryLog``) is exact. A piece of a stage's forward or backward registers all
 its per-layer allocations at once from a precomputed template (offsets within the piece,
-byte deltas, categories) instead of one simulation event per layer. After the run, the
-events of each GPU are ordered by (time, order of registration), summed, and give the
-peak, the breakdown by category at the peak, the memory-over-time series and the first
-point where a GPU exceeded its capacity. The host's pinned memory is one more log.
+byte deltas, categories) instead of one simulation event per layer; while it runs, the
+owner holds the piece's highest point as a reservation, so the live count never falls
+below the log's (a wait may start slightly early, never late). After the run, the events
+of each device are ordered by (time, order of registration), summed, and give the peak,
+the breakdown by category at the peak, the memory-over-time series and the first point
+over capacity. The host's pinned memory has an owner and a log too.
 
 Ledger categories (``saved:<technique>``) do not count as memory in use: they record
 what a technique keeps off the GPU at each moment (bytes the plain plan would hold there
 and this plan does not), so their sum at a GPU's peak is what each technique saved there
 (MPress Table IV).
-
-``LiveMemory`` decides waits (DESIGN "The simulation"): an allocation that does not fit
-waits while frees are under way on that GPU (a swap-out in flight) and goes ahead when
-none are, so a job that does not fit still runs to the end and shows its demand. While a
-piece runs, its highest point is held as a reservation, so the live count never falls
-below the log's (it may wait slightly early, never late).
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -154,35 +159,90 @@ class MemoryLog:
         return "?"
 
 
-class LiveMemory:
-    """Bytes in use per GPU as the run goes, and the frees under way (swap-outs in flight)."""
 
-    def __init__(self, env: simpy.Environment, n_gpus: int, capacity_bytes: int) -> None:
+Entry = tuple[int, str, str]
+"""One change of a device's memory: (bytes, category, label); negative bytes free."""
+
+
+def real_bytes(entries: Sequence[Entry]) -> int:
+    """Bytes in use that ``entries`` add (ledger entries add none)."""
+    return sum(delta for delta, cat, _label in entries if CAT[cat] < N_REAL)
+
+
+class DeviceMemory:
+    """The one owner of a device's memory: live bytes in use, frees under way, waiters."""
+
+    def __init__(self, env: simpy.Environment, device: int, capacity_bytes: int, log: MemoryLog) -> None:
         self.env = env
+        self.device = device
         self.capacity = capacity_bytes
-        self.used = [0] * n_gpus
-        self.freeing = [0] * n_gpus
-        self._landed = [env.event() for _ in range(n_gpus)]
+        self.log = log
+        self.used = 0
+        """Bytes in use now, the highest point of running pieces included."""
+        self.frees_under_way = 0
+        self._changed = env.event()
 
-    def wait_for_room(self, gpu: int, n_bytes: int) -> Generator[simpy.Event, object, float]:
-        """Wait while ``n_bytes`` do not fit and a free is under way; return seconds waited."""
-        start = self.env.now
-        while self.used[gpu] + n_bytes > self.capacity and self.freeing[gpu]:
-            yield self._landed[gpu]
+    def change(self, entries: Sequence[Entry]) -> None:
+        """Allocate and free now, without waiting (an allocation may exceed capacity: the
+        log reports it as the out-of-memory)."""
+        now = self.env.now
+        for delta, cat, label in entries:
+            self.log.event(self.device, now, delta, cat, label)
+        self._add(real_bytes(entries))
+
+    def acquire(self, entries: Sequence[Entry],
+                hold_while: Callable[[], bool] | None = None) -> Generator[simpy.Event, object, float]:
+        """Wait while ``entries`` do not fit and a free is under way (or ``hold_while()``
+        is true), then make the change in the same instant. Returns seconds waited."""
+        n_bytes, start = real_bytes(entries), self.env.now
+        while self.used + n_bytes > self.capacity and (self.frees_under_way or (hold_while and hold_while())):
+            yield self._changed
+        self.change(entries)
         return self.env.now - start
 
-    def changed(self, gpu: int) -> simpy.Event:
-        """An event that fires at the next free that lands (or ``poke``) on ``gpu``."""
-        return self._landed[gpu]
+    def begin_free(self) -> None:
+        """A free is under way (a copy that releases memory when it lands)."""
+        self.frees_under_way += 1
 
-    def poke(self, gpu: int) -> None:
-        """Wake whoever waits on ``gpu`` without a change in bytes (a stream reached a point)."""
-        landed, self._landed[gpu] = self._landed[gpu], self.env.event()
-        landed.succeed()
+    def end_free(self, entries: Sequence[Entry]) -> None:
+        """The free announced by ``begin_free`` happens now."""
+        self.frees_under_way -= 1
+        self.change(entries)
+        self.poke()
 
-    def free_landed(self, gpu: int, n_bytes: int) -> None:
-        """A free that was under way has happened: wake whoever waits for room."""
-        self.used[gpu] -= n_bytes
-        self.freeing[gpu] -= 1
-        landed, self._landed[gpu] = self._landed[gpu], self.env.event()
-        landed.succeed()
+    def start_task(self, template: Template, label: str) -> None:
+        """Log a piece's events and hold its highest point until ``finish_task``."""
+        self.log.task(self.device, self.env.now, template, label)
+        self._add(template.peak_bytes)
+        if template.net_bytes < 0:
+            self.begin_free()
+
+    def acquire_task(self, template: Template, label: str) -> Generator[simpy.Event, object, float]:
+        """``start_task`` once the piece's highest point fits or no free is under way."""
+        start = self.env.now
+        while self.used + template.peak_bytes > self.capacity and self.frees_under_way:
+            yield self._changed
+        self.start_task(template, label)
+        return self.env.now - start
+
+    def finish_task(self, template: Template) -> None:
+        """The piece has ended: what it holds drops from its highest point to its net."""
+        self._add(template.net_bytes - template.peak_bytes)
+        if template.net_bytes < 0:
+            self.frees_under_way -= 1
+            self.poke()
+
+    def changed(self) -> simpy.Event:
+        """An event that fires at the next free on this device (or ``poke``)."""
+        return self._changed
+
+    def poke(self) -> None:
+        """Wake whoever waits on this device (memory freed, or a stream reached a point)."""
+        if self._changed.callbacks:  # nobody waiting: nothing to schedule
+            fired, self._changed = self._changed, self.env.event()
+            fired.succeed()
+
+    def _add(self, n_bytes: int) -> None:
+        self.used += n_bytes
+        if n_bytes < 0:
+            self.poke()

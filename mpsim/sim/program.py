@@ -115,20 +115,59 @@ def _template(events: list[Event], start_s: float) -> Template:
     return make_template([(t - start_s, d, c, lbl) for (t, d, c, lbl) in events])
 
 
-def _layer(rows: list[LayerRow], k: int, first: int,
-           actions: dict[int, LayerAction]) -> tuple[int, LayerAction, int, float, str, str, int]:
-    """What the forward and the backward both need of stage layer ``k``: its model index,
-    action, split count and slowdown, label, input category and own saved bytes."""
+@dataclass(frozen=True)
+class _Layer:
+    """What the forward and the backward both need of one stage layer."""
+
+    row: LayerRow
+    k: int
+    """Index within the stage."""
+    j: int
+    """Index in the model."""
+    act: LayerAction
+    p: int
+    """Micro-ops it runs as."""
+    slowdown: float
+    name: str
+    input_cat: str
+    own: int
+    """Saved activations other than its input."""
+
+    def chunks(self, n_bytes: int, c: int) -> int:
+        return chunk(n_bytes, c, self.p)
+
+
+def _layer(rows: list[LayerRow], k: int, first: int, actions: dict[int, LayerAction]) -> _Layer:
     r = rows[k]
-    j = first + k
-    act = actions.get(j, _KEEP)
+    act = actions.get(first + k, _KEEP)
     own = r.act_bytes - (r.input_bytes if r.saves_input else 0)
-    return j, act, act.split, act.slowdown(), f"layer {j} ({r.name})", "buffers" if k == 0 else "activations", own
+    return _Layer(r, k, first + k, act, act.split, act.slowdown(), f"layer {first + k} ({r.name})",
+                  "buffers" if k == 0 else "activations", own)
 
 
 def received_bytes(rows: list[LayerRow], is_first_stage: bool, is_last_stage: bool) -> int:
     """Bytes a stage receives per microbatch: its input activation and its output gradient."""
     return (0 if is_first_stage else rows[0].input_bytes) + (0 if is_last_stage else rows[-1].output_bytes)
+
+
+@dataclass(frozen=True)
+class _Stage:
+    rows: list[LayerRow]
+    first: int
+    is_first: bool
+    is_last: bool
+    actions: dict[int, LayerAction]
+    keep_input: bool
+    """The received activation lives in a preallocated buffer (never freed)."""
+    keep_grad: bool
+    """The received gradient lives in a preallocated buffer (never freed)."""
+
+    @property
+    def last(self) -> int:
+        return len(self.rows) - 1
+
+    def layer(self, k: int) -> _Layer:
+        return _layer(self.rows, k, self.first, self.actions)
 
 
 def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, first: int, is_first_stage: bool,
@@ -137,56 +176,30 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
     ``actions`` keyed by model layer index (missing: keep). With ``keep_received`` the
     received activation (input of the first layer) and gradient (of the last layer's
     output) live in receive buffers allocated once per microbatch, so they are never freed."""
-    keep_input = keep_received and not is_first_stage
-    keep_grad = keep_received and not is_last_stage
-    last = len(rows) - 1
-    # ---- forward ---------------------------------------------------------------------
+    st = _Stage(rows, first, is_first_stage, is_last_stage, actions, keep_received and not is_first_stage,
+                keep_received and not is_last_stage)
+    forward, forward_s, split_forward_s = _forward(st, fwd_s)
+    backward, swap_ins, backward_s, recompute_s, split_backward_s = _backward(st, fwd_s, bwd_s)
+    return StageProgram(forward, backward, swap_ins, forward_s, backward_s, recompute_s, split_forward_s,
+                        split_backward_s, dict(actions))
+
+
+# ---- forward ---------------------------------------------------------------------------
+def _forward(st: _Stage, fwd_s: np.ndarray) -> tuple[list[Piece], float, float]:
+    """The forward's pieces, its length and the extra time of its split micro-ops."""
     ev: list[Event] = []
     cuts: list[tuple[int, float, SwapOut]] = []
-    if is_first_stage:
-        ev.append((0.0, rows[0].input_bytes, "buffers", "input tokens"))
-    t = 0.0
-    split_s = 0.0
-    for k, r in enumerate(rows):
-        j, act, p, slow, name, in_cat, own = _layer(rows, k, first, actions)
-        out_cat = "buffers" if (k == last and not is_last_stage) else "activations"
-        releases_input = not r.saves_input and act.action != "recompute"
-        swaps = act.action in ("host", "peer")
-        dur = float(fwd_s[k]) * slow
+    if st.is_first:
+        ev.append((0.0, st.rows[0].input_bytes, "buffers", "input tokens"))
+    t = split_s = 0.0
+    for k in range(len(st.rows)):
+        lay = st.layer(k)
+        dur = float(fwd_s[k]) * lay.slowdown
         split_s += dur - float(fwd_s[k])
-        dt = dur / p
-        if p > 1:  # what the unsplit op would hold, minus what the split one holds
-            ev.append((t, own + r.output_bytes + r.workspace_bytes, "saved:split", f"{name} split"))
-            rel = r.workspace_bytes + (r.input_bytes if releases_input else 0) + (own if act.action == "recompute" else 0)
-            ev.append((t + dur, -rel, "saved:split", f"{name} split"))
-        for c in range(p):
-            c0, c1 = t + c * dt, t + (c + 1) * dt
-            o, out_c, ws = chunk(own, c, p), chunk(r.output_bytes, c, p), chunk(r.workspace_bytes, c, p)
-            part = f" (micro-op {c + 1}/{p})" if p > 1 else ""
-            ev += [(c0, o, "activations", f"{name} saved activations{part}"),
-                   (c0, out_c, out_cat, f"{name} output{part}"),
-                   (c0, ws, "workspace", f"{name} workspace{part}")]
-            ev.append((c1, -ws, "workspace", f"{name} workspace freed{part}"))
-            if p > 1:
-                ev.append((c0, -(o + out_c + ws), "saved:split", f"{name} split"))
-                ev.append((c1, ws, "saved:split", f"{name} split"))
-            inp_c = chunk(r.input_bytes, c, p)
-            if releases_input and not (k == 0 and keep_input):
-                ev.append((c1, -inp_c, in_cat, f"{name} input freed{part}"))
-                if p > 1:
-                    ev.append((c1, inp_c, "saved:split", f"{name} split"))
-            if act.action == "recompute":
-                ev.append((c1, -o, "activations", f"{name} saved activations dropped{part}"))
-                ev.append((c1, o, "saved:recompute", f"{name} dropped"))
-                if p > 1:
-                    ev.append((c1, o, "saved:split", f"{name} split"))
-            if swaps:
-                cuts.append((len(ev), c1, SwapOut(j, o, inp_c if r.saves_input else 0, in_cat, act.action)))
-        if act.action == "recompute" and not r.saves_input:  # the checkpoint outlives the layer
-            ev.append((t + dur, -r.input_bytes, "saved:recompute", f"{name} input kept as checkpoint"))
+        _forward_layer(st, lay, t, dur, ev, cuts)
         t += dur
-        if k == last and is_last_stage:
-            ev.append((t, -r.output_bytes, out_cat, f"{name} loss freed"))
+        if k == st.last and st.is_last:
+            ev.append((t, -lay.row.output_bytes, "activations", f"{lay.name} loss freed"))
     forward: list[Piece] = []
     i0, start = 0, 0.0
     for i1, c1, swap in cuts:
@@ -194,69 +207,71 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
         i0, start = i1, c1
     if i0 < len(ev) or t > start or not forward:
         forward.append(Piece(_template(ev[i0:], start), t - start))
-    forward_s = t
-    split_forward_s, split_s = split_s, 0.0
+    return forward, t, split_s
 
-    # ---- backward --------------------------------------------------------------------
-    ev = []
+
+def _forward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event],
+                   cuts: list[tuple[int, float, SwapOut]]) -> None:
+    """Events of one layer's forward from ``t``; a swapped micro-tensor cuts the piece."""
+    r, act, p, name = lay.row, lay.act, lay.p, lay.name
+    out_cat = "buffers" if (lay.k == st.last and not st.is_last) else "activations"
+    releases_input = not r.saves_input and act.action != "recompute"
+    if p > 1:  # what the unsplit op would hold, minus what the split one holds
+        ev.append((t, lay.own + r.output_bytes + r.workspace_bytes, "saved:split", f"{name} split"))
+        rel = r.workspace_bytes + (r.input_bytes if releases_input else 0) + (lay.own if act.action == "recompute" else 0)
+        ev.append((t + dur, -rel, "saved:split", f"{name} split"))
+    dt = dur / p
+    for c in range(p):
+        c0, c1 = t + c * dt, t + (c + 1) * dt
+        o, out_c, ws = lay.chunks(lay.own, c), lay.chunks(r.output_bytes, c), lay.chunks(r.workspace_bytes, c)
+        part = f" (micro-op {c + 1}/{p})" if p > 1 else ""
+        ev += [(c0, o, "activations", f"{name} saved activations{part}"),
+               (c0, out_c, out_cat, f"{name} output{part}"),
+               (c0, ws, "workspace", f"{name} workspace{part}"),
+               (c1, -ws, "workspace", f"{name} workspace freed{part}")]
+        if p > 1:
+            ev += [(c0, -(o + out_c + ws), "saved:split", f"{name} split"), (c1, ws, "saved:split", f"{name} split")]
+        inp_c = lay.chunks(r.input_bytes, c)
+        if releases_input and not (lay.k == 0 and st.keep_input):
+            ev.append((c1, -inp_c, lay.input_cat, f"{name} input freed{part}"))
+            if p > 1:
+                ev.append((c1, inp_c, "saved:split", f"{name} split"))
+        if act.action == "recompute":
+            ev += [(c1, -o, "activations", f"{name} saved activations dropped{part}"),
+                   (c1, o, "saved:recompute", f"{name} dropped")]
+            if p > 1:
+                ev.append((c1, o, "saved:split", f"{name} split"))
+        if act.action in ("host", "peer"):
+            cuts.append((len(ev), c1, SwapOut(lay.j, o, inp_c if r.saves_input else 0, lay.input_cat, act.action)))
+    if act.action == "recompute" and not r.saves_input:  # the checkpoint outlives the layer
+        ev.append((t + dur, -r.input_bytes, "saved:recompute", f"{name} input kept as checkpoint"))
+
+
+# ---- backward --------------------------------------------------------------------------
+def _backward(st: _Stage, fwd_s: np.ndarray,
+              bwd_s: np.ndarray) -> tuple[list[Piece], list[SwapIn], float, float, float]:
+    """The backward's pieces (cut before every layer whose swap-in it waits for), its
+    swap-ins, length, recompute time and extra time of split micro-ops."""
+    ev: list[Event] = []
     waits: list[tuple[int, float, int]] = []
     swap_ins: list[SwapIn] = []
-    t = 0.0
-    recompute_s = 0.0
-    for k in range(last, -1, -1):
-        r = rows[k]
-        j, act, p, slow, name, in_cat, own = _layer(rows, k, first, actions)
-        grad_out_cat = "buffers" if (k == last and not is_last_stage) else "activations"
-        grad_out = 0 if (k == last and is_last_stage) else r.output_bytes
-        grad_in = 0 if r.kind == "embedding" else r.input_bytes
-        grad_in_cat = "buffers" if (k == 0 and not is_first_stage) else "activations"
-        holds_input = r.saves_input or act.action == "recompute"
-        if act.action in ("host", "peer"):
-            waits.append((len(ev), t, j))
-            swap_ins.append(SwapIn(j, own, r.input_bytes if r.saves_input else 0, in_cat, act.action,
-                                   tuple((x.gpu, x.fraction) for x in act.peers), p, t))
-        if act.action == "recompute":
-            dur = float(fwd_s[k]) * slow
-            dt = dur / p
+    t = recompute_s = split_s = 0.0
+    for k in range(st.last, -1, -1):
+        lay = st.layer(k)
+        if lay.act.action in ("host", "peer"):
+            waits.append((len(ev), t, lay.j))
+            swap_ins.append(SwapIn(lay.j, lay.own, lay.row.input_bytes if lay.row.saves_input else 0, lay.input_cat,
+                                   lay.act.action, tuple((x.gpu, x.fraction) for x in lay.act.peers), lay.p, t))
+        if lay.act.action == "recompute":
+            dur = float(fwd_s[k]) * lay.slowdown
             recompute_s += dur
             split_s += dur - float(fwd_s[k])
-            for c in range(p):
-                c0, c1 = t + c * dt, t + (c + 1) * dt
-                o, out_c, ws = chunk(own, c, p), chunk(r.output_bytes, c, p), chunk(r.workspace_bytes, c, p)
-                ev += [(c0, o, "activations", f"{name} recomputed activations"),
-                       (c0, -o, "saved:recompute", f"{name} recomputed"),
-                       (c0, out_c, "workspace", f"{name} recomputed output"),
-                       (c0, ws, "workspace", f"{name} recompute workspace"),
-                       (c1, -ws - out_c, "workspace", f"{name} recompute workspace freed")]
+            _recompute_layer(lay, t, dur, ev)
             t += dur
-        dur = float(bwd_s[k]) * slow
+        dur = float(bwd_s[k]) * lay.slowdown
         split_s += dur - float(bwd_s[k])
-        bwd_ws = r.workspace_bytes if r.bwd_workspace_bytes is None else r.bwd_workspace_bytes
-        dt = dur / p
-        if p > 1:
-            ev.append((t, grad_in + bwd_ws, "saved:split", f"{name} split"))
-            ev.append((t + dur, -(bwd_ws + own + (r.input_bytes if holds_input else 0) + grad_out),
-                       "saved:split", f"{name} split"))
-        for c in range(p):
-            c0, c1 = t + c * dt, t + (c + 1) * dt
-            gi, ws = chunk(grad_in, c, p), chunk(bwd_ws, c, p)
-            o, inp_c, go = chunk(own, c, p), chunk(r.input_bytes, c, p), chunk(grad_out, c, p)
-            ev += [(c0, gi, grad_in_cat, f"{name} input gradient"),
-                   (c0, ws, "workspace", f"{name} backward workspace"),
-                   (c1, -ws, "workspace", f"{name} backward workspace freed"),
-                   (c1, -o, "activations", f"{name} saved activations freed")]
-            if holds_input and not (k == 0 and keep_input):
-                ev.append((c1, -inp_c, in_cat, f"{name} saved input freed"))
-            if not (k == last and keep_grad):
-                ev.append((c1, -go, grad_out_cat, f"{name} output gradient freed"))
-            if p > 1:
-                ev.append((c0, -(gi + ws), "saved:split", f"{name} split"))
-                ev.append((c1, ws + o + (inp_c if holds_input else 0) + go, "saved:split", f"{name} split"))
-        if act.action == "recompute" and not r.saves_input:
-            ev.append((t + dur, r.input_bytes, "saved:recompute", f"{name} checkpoint freed"))
+        _backward_layer(st, lay, t, dur, ev)
         t += dur
-        if k == 0 and is_first_stage and grad_in:
-            ev.append((t, -grad_in, grad_in_cat, f"{name} input gradient freed"))
     backward: list[Piece] = []
     i0, start, wait_for = 0, 0.0, None
     for i1, w_t, w_layer in waits:
@@ -264,8 +279,55 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
             backward.append(Piece(_template(ev[i0:i1], start), w_t - start, wait_for=wait_for))
         i0, start, wait_for = i1, w_t, w_layer
     backward.append(Piece(_template(ev[i0:], start), t - start, wait_for=wait_for))
-    return StageProgram(forward, backward, swap_ins, forward_s, t, recompute_s, split_forward_s, split_s,
-                        dict(actions))
+    return backward, swap_ins, t, recompute_s, split_s
+
+
+def _recompute_layer(lay: _Layer, t: float, dur: float, ev: list[Event]) -> None:
+    """The forward re-run before the backward: the cost is exactly the forward time."""
+    r, name, dt = lay.row, lay.name, dur / lay.p
+    for c in range(lay.p):
+        c0, c1 = t + c * dt, t + (c + 1) * dt
+        o, out_c, ws = lay.chunks(lay.own, c), lay.chunks(r.output_bytes, c), lay.chunks(r.workspace_bytes, c)
+        ev += [(c0, o, "activations", f"{name} recomputed activations"),
+               (c0, -o, "saved:recompute", f"{name} recomputed"),
+               (c0, out_c, "workspace", f"{name} recomputed output"),
+               (c0, ws, "workspace", f"{name} recompute workspace"),
+               (c1, -ws - out_c, "workspace", f"{name} recompute workspace freed")]
+
+
+def _backward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event]) -> None:
+    """Events of one layer's backward from ``t``."""
+    r, k, p, name = lay.row, lay.k, lay.p, lay.name
+    grad_out_cat = "buffers" if (k == st.last and not st.is_last) else "activations"
+    grad_out = 0 if (k == st.last and st.is_last) else r.output_bytes
+    grad_in = 0 if r.kind == "embedding" else r.input_bytes
+    grad_in_cat = "buffers" if (k == 0 and not st.is_first) else "activations"
+    holds_input = r.saves_input or lay.act.action == "recompute"
+    bwd_ws = r.workspace_bytes if r.bwd_workspace_bytes is None else r.bwd_workspace_bytes
+    if p > 1:
+        ev.append((t, grad_in + bwd_ws, "saved:split", f"{name} split"))
+        ev.append((t + dur, -(bwd_ws + lay.own + (r.input_bytes if holds_input else 0) + grad_out),
+                   "saved:split", f"{name} split"))
+    dt = dur / p
+    for c in range(p):
+        c0, c1 = t + c * dt, t + (c + 1) * dt
+        gi, ws = lay.chunks(grad_in, c), lay.chunks(bwd_ws, c)
+        o, inp_c, go = lay.chunks(lay.own, c), lay.chunks(r.input_bytes, c), lay.chunks(grad_out, c)
+        ev += [(c0, gi, grad_in_cat, f"{name} input gradient"),
+               (c0, ws, "workspace", f"{name} backward workspace"),
+               (c1, -ws, "workspace", f"{name} backward workspace freed"),
+               (c1, -o, "activations", f"{name} saved activations freed")]
+        if holds_input and not (k == 0 and st.keep_input):
+            ev.append((c1, -inp_c, lay.input_cat, f"{name} saved input freed"))
+        if not (k == st.last and st.keep_grad):
+            ev.append((c1, -go, grad_out_cat, f"{name} output gradient freed"))
+        if p > 1:
+            ev.append((c0, -(gi + ws), "saved:split", f"{name} split"))
+            ev.append((c1, ws + o + (inp_c if holds_input else 0) + go, "saved:split", f"{name} split"))
+    if lay.act.action == "recompute" and not r.saves_input:
+        ev.append((t + dur, r.input_bytes, "saved:recompute", f"{name} checkpoint freed"))
+    if k == 0 and st.is_first and grad_in:
+        ev.append((t + dur, -grad_in, grad_in_cat, f"{name} input gradient freed"))
 
 
 def static_bytes(rows: list[LayerRow], weight_versions: int, receive_buffers: int = 0) -> dict[str, int]:

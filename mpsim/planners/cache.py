@@ -1,0 +1,36 @@
+"""Planner answers remembered per process, keyed by content: ``best`` and ``fits`` ask for
+the same plans many times."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from mpsim.planners.context import Ctx, Planned
+
+CACHE_SIZE = 512
+_CACHE: OrderedDict[tuple[object, ...], Planned] = OrderedDict()
+
+
+def job_key(strategy: str, ctx: Ctx) -> tuple[object, ...]:
+    """What a planner's answer depends on: the server's and the trace's contents (hashes,
+    so two different traces with one name never share an answer) and the job."""
+    return (strategy, ctx.partition, ctx.topo.content_hash, ctx.trace.content_hash, ctx.schedule, ctx.microbatches,
+            tuple(ctx.stages), tuple(ctx.gpus), ctx.record_link_rates)
+
+
+def cached_plan(strategy: str, ctx: Ctx, planner: Callable[[Ctx], Planned]) -> Planned:
+    """``planner(ctx)``, or the answer it gave before for the same content."""
+    key = job_key(strategy, ctx)
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    planned = planner(ctx)
+    _CACHE[key] = planned
+    if len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return planned
+
+
+def clear() -> None:
+    _CACHE.clear()

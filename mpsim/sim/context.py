@@ -1,0 +1,75 @@
+"""What the engine's components share during one run: the environment, the network, the
+memory owners, copy engines, the signals between components, and what the run records."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import simpy
+
+from mpsim.sim.copy_engine import CopyEngines
+from mpsim.sim.layout import Layout
+from mpsim.sim.memory import DeviceMemory, MemoryLog
+from mpsim.sim.network import Network
+from mpsim.sim.result import COSTS, Span
+from mpsim.topology import HOST
+
+
+class Signals:
+    """Named one-shot events between components, made on first use by either side:
+    ``("activation"|"gradient", stage, mb)`` a boundary tensor has landed,
+    ``("out"|"in", stage, mb, layer)`` a swap-out or swap-in has landed. ``reached``
+    holds the (stage, mb, layer) whose backward waits for its swap-in."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self._env = env
+        self._events: dict[tuple[object, ...], simpy.Event] = {}
+        self.reached: set[tuple[int, int, int]] = set()
+
+    def __call__(self, *key: object) -> simpy.Event:
+        ev = self._events.get(key)
+        if ev is None:
+            ev = self._events[key] = self._env.event()
+        return ev
+
+
+class RunContext:
+    """One run's shared state; components hold a reference and never copy it."""
+
+    def __init__(self, layout: Layout) -> None:
+        topo = layout.topology
+        self.layout = layout
+        self.topo = topo
+        self.env = simpy.Environment()
+        self.net = Network(self.env, layout.record_link_rates)
+        self.log = MemoryLog(topo.n_gpus + 1)
+        self.memory = [DeviceMemory(self.env, g, topo.capacity_bytes, self.log) for g in range(topo.n_gpus)]
+        """The owner of each GPU's memory."""
+        self.host = DeviceMemory(self.env, topo.n_gpus, topo.host_memory_bytes, self.log)
+        """The owner of pinned host memory (it never waits)."""
+        self.engines = [CopyEngines(self.env, g, topo.spec.gpu.peer_copy_engines) for g in range(topo.n_gpus)]
+        self.signals = Signals(self.env)
+        self.spans: list[Span] = []
+        self.costs = [dict.fromkeys(COSTS, 0.0) for _ in range(topo.n_gpus)]
+        """Seconds each technique cost each GPU over the whole run."""
+
+    def events_scheduled(self) -> int:
+        """SimPy events scheduled so far (a measure of simulation work): SimPy numbers
+        every scheduled event from one counter, read here without a per-event hook."""
+        return next(self.env._eid)  # type: ignore[attr-defined]
+
+    @property
+    def torch_pipelining(self) -> bool:
+        return self.layout.runtime == "torch-pipelining"
+
+    def host_copy(self, gpu: int, n_bytes: int, to_host: bool, label: str) -> Generator[simpy.Event, object, None]:
+        """A copy between ``gpu`` and pinned host memory. Timing: waits in FIFO order for
+        the GPU's d2h or h2d engine, then flows over the PCIe route; memory is the
+        caller's business."""
+        engine = self.engines[gpu].d2h if to_host else self.engines[gpu].h2d
+        with engine.request() as req:
+            yield req
+            start = self.env.now
+            route = self.topo.route(gpu, HOST) if to_host else self.topo.route(HOST, gpu)
+            yield self.net.transfer(route, n_bytes)
+        self.spans.append(Span(gpu, "d2h" if to_host else "h2d", label, start, self.env.now))

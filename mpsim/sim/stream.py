@@ -1,0 +1,134 @@
+"""A stage's compute stream: its task list in schedule order on its GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import simpy
+
+from mpsim.schedule import Task, stage_tasks
+from mpsim.sim.channels import PeerChannels
+from mpsim.sim.context import RunContext
+from mpsim.sim.program import Piece, StageProgram, SwapIn
+from mpsim.sim.result import Span
+from mpsim.sim.swapper import STASH, Swapper
+from mpsim.sim.update import Updater
+
+
+class ComputeStream:
+    """The compute stream of one stage; the process is the stream, so tasks of a GPU
+    never overlap.
+
+    Timing: a forward waits for its activation (a backward for its gradient), then runs
+    its pieces (``mpsim.sim.program``) back to back; a piece waits for the swap-in it
+    needs, and for room while a free is under way on the GPU, and holds its highest
+    point while it runs. The swap-ins of a backward are launched when the task before
+    it starts, timed from that task's estimated length. After a forward the activation
+    is sent on (and a PipeDream weight version stashed), after a backward the gradient
+    is sent back; the update runs where the schedule puts it."""
+
+    def __init__(self, run: RunContext, stage: int, program: StageProgram, swapper: Swapper, updater: Updater,
+                 channels: PeerChannels, stash_in: SwapIn | None) -> None:
+        layout = run.layout
+        self.run = run
+        self.stage = stage
+        self.gpu = layout.gpu_of[stage]
+        self.memory = run.memory[self.gpu]
+        self.program = program
+        self.swapper = swapper
+        self.updater = updater
+        self.channels = channels
+        self.stash_in = stash_in
+        """The weight version a backward needs from the host (PipeDream, stash on host)."""
+        self.first = stage == 0
+        self.last = stage == layout.n_stages - 1
+        a, b = layout.stages[stage]
+        self.output_bytes = layout.trace.layers[b - 1].output_bytes
+        self.input_grad_bytes = layout.trace.layers[a].input_bytes
+        self.tasks = stage_tasks(layout.schedule, stage, layout.n_stages, layout.microbatches)
+        self._estimate_s = {"F": program.forward_s, "B": program.backward_s, "U": updater.gpu_update_s}
+        self.costs = run.costs[self.gpu]
+
+    def process(self) -> Generator[simpy.Event, object, None]:
+        for idx, task in enumerate(self.tasks):
+            if task.kind == "U":
+                self._prefetch_for(idx)
+                start = self.run.env.now
+                yield from self.updater.update()
+                self.run.spans.append(Span(self.gpu, "compute", f"U{task.microbatch}", start, self.run.env.now))
+                continue
+            yield from self._wait_for_inputs(task)
+            self._prefetch_for(idx)
+            start = self.run.env.now
+            yield from self._run_pieces(task)
+            self.run.spans.append(Span(self.gpu, "compute", f"{task.kind}{task.microbatch}", start, self.run.env.now))
+            self._after(task)
+
+    def _prefetch_for(self, idx: int) -> None:
+        """Launch the swap-ins of the backward after task ``idx`` as that task starts."""
+        nxt = self.tasks[idx + 1] if idx + 1 < len(self.tasks) else None
+        if nxt is None or nxt.kind != "B":
+            return
+        env = self.run.env
+        need_base_s = env.now + self._estimate_s[self.tasks[idx].kind]
+        for si in self.program.swap_ins:
+            env.process(self.swapper.swap_in(nxt.microbatch, si, need_base_s + si.need_offset_s))
+        if self.stash_in is not None:
+            env.process(self.swapper.swap_in(nxt.microbatch, self.stash_in, need_base_s))
+
+    def _wait_for_inputs(self, task: Task) -> Generator[simpy.Event, object, None]:
+        signals = self.run.signals
+        if task.kind == "F":
+            if not self.first:
+                yield signals("activation", self.stage, task.microbatch)
+            return
+        if not self.last:
+            yield signals("gradient", self.stage, task.microbatch)
+        if self.stash_in is not None:
+            yield from self._wait_for_swap_in(task.microbatch, STASH, "swap_wait_s")
+
+    def _wait_for_swap_in(self, mb: int, layer: int, cost: str) -> Generator[simpy.Event, object, None]:
+        """Mark the point reached (a held prefetch may go now) and wait for the swap-in."""
+        signals = self.run.signals
+        landed = signals("in", self.stage, mb, layer)
+        signals.reached.add((self.stage, mb, layer))
+        self.memory.poke()
+        if not landed.processed:
+            start = self.run.env.now
+            yield landed
+            self.costs[cost] += self.run.env.now - start
+
+    def _run_pieces(self, task: Task) -> Generator[simpy.Event, object, None]:
+        env, mb = self.run.env, task.microbatch
+        pieces: list[Piece] = self.program.forward if task.kind == "F" else self.program.backward
+        word = "forward" if task.kind == "F" else "backward"
+        for piece in pieces:
+            if piece.wait_for is not None:
+                target = self.program.actions[piece.wait_for].action
+                yield from self._wait_for_swap_in(mb, piece.wait_for, "swap_wait_s" if target == "host" else "peer_wait_s")
+            label = f"{word} of microbatch {mb} on stage {self.stage}:"
+            self.costs["memory_wait_s"] += yield from self.memory.acquire_task(piece.template, label)
+            if piece.duration_s:
+                yield env.timeout(piece.duration_s)
+            self.memory.finish_task(piece.template)
+            if piece.swap_out is not None:
+                self.swapper.start_swap_out(mb, piece.swap_out)
+
+    def _after(self, task: Task) -> None:
+        """Costs, sends and stashes that follow a forward or a backward."""
+        run, mb, prog = self.run, task.microbatch, self.program
+        if task.kind == "F":
+            self.costs["split_s"] += prog.split_forward_s
+            if self.stash_in is not None:
+                run.env.process(self.swapper.stash_out(mb, self.stash_in.n_bytes))
+            if not self.last:
+                self.channels.send("activation", self.stage, self.stage + 1, mb, self.output_bytes)
+            return
+        self.costs["recompute_s"] += prog.recompute_s
+        self.costs["split_s"] += prog.split_backward_s
+        if self.stash_in is not None:
+            label = f"weight version of microbatch {mb} released"
+            n = self.stash_in.n_bytes
+            self.memory.change([(-n, "stash", label), (n, "saved:stash", label)])
+        if not self.first:
+            self.channels.send("gradient", self.stage, self.stage - 1, mb, self.input_grad_bytes)

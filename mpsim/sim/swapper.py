@@ -1,0 +1,172 @@
+"""A stage's swaps: activations to host or peer GPUs and back, PipeDream weight versions
+and streamed optimizer states to the host."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import simpy
+
+from mpsim.sim.context import RunContext
+from mpsim.sim.memory import Entry
+from mpsim.sim.program import SwapIn, SwapOut
+from mpsim.sim.result import Span
+from mpsim.topology import HOST
+
+STASH = -1
+"""Pseudo-layer of a PipeDream weight version kept in host memory."""
+
+Peers = tuple[tuple[int, float], ...]
+
+
+def striped(peers: Peers, n_bytes: int) -> list[tuple[int, int]]:
+    """Bytes per peer of a striped copy (MPress III-C); the last part takes the rounding."""
+    parts, given = [], 0
+    for i, (peer, fraction) in enumerate(peers):
+        part = n_bytes - given if i == len(peers) - 1 else int(round(n_bytes * fraction))
+        given += part
+        parts.append((peer, part))
+    return parts
+
+
+class Swapper:
+    """The copies of one stage that move model data off its GPU and back.
+
+    Timing: a swap-out waits for the engine of its kind (d2h for the host, a peer engine
+    for D2D), flows over its route(s), and frees the GPU's bytes when the last part
+    lands. A swap-in is prefetched so that, alone on an idle route, it would land when
+    the backward needs it; its memory is granted when it may start (it waits while it
+    does not fit and a free is under way or the backward has not reached it yet, TSPLIT
+    eq. 3: M_k + size <= M) and only then does it queue for its engine."""
+
+    def __init__(self, run: RunContext, stage: int, chunks: dict[int, int], peers: dict[int, Peers]) -> None:
+        self.run = run
+        self.stage = stage
+        self.gpu = run.layout.gpu_of[stage]
+        self.memory = run.memory[self.gpu]
+        self._chunks = chunks
+        self._peers = peers
+        self._chunks_left: dict[tuple[int, int], int] = {}
+
+    # ---- activations --------------------------------------------------------------------
+    def start_swap_out(self, mb: int, so: SwapOut) -> None:
+        """Launch a swap-out; it counts as a free under way before the next piece asks."""
+        self.memory.begin_free()
+        self.run.env.process(self._swap_out(mb, so))
+
+    def _swap_out(self, mb: int, so: SwapOut) -> Generator[simpy.Event, object, None]:
+        run, g = self.run, self.gpu
+        n = so.own_bytes + so.input_bytes
+        label = f"layer {so.layer} microbatch {mb}"
+        if so.target == "host":
+            yield from run.host_copy(g, n, True, f"swap-out L{so.layer} mb{mb}")
+            run.host.change([(n, "activations", f"swap-out of {label} from GPU {g}")])
+        else:
+            yield from self._to_peers(so, mb, n, label)
+        entries: list[Entry] = [(-so.own_bytes, "activations", f"{label} saved activations swapped out")]
+        if so.input_bytes:
+            entries.append((-so.input_bytes, so.input_cat, f"{label} saved input swapped out"))
+        entries.append((n, f"saved:{so.target}", f"{label} swapped out"))
+        self.memory.end_free(entries)
+        key = (mb, so.layer)
+        left = self._chunks_left.get(key, self._chunks[so.layer]) - 1
+        self._chunks_left[key] = left
+        if left == 0:
+            run.signals("out", self.stage, mb, so.layer).succeed()
+
+    def _to_peers(self, so: SwapOut, mb: int, n_bytes: int, label: str) -> Generator[simpy.Event, object, None]:
+        """D2D swap-out striped over the peers; each peer's area is allocated as it starts."""
+        run, g = self.run, self.gpu
+        with run.engines[g].peer.request() as req:
+            yield req
+            start = run.env.now
+            flows = []
+            for peer, part in striped(self._peers[so.layer], n_bytes):
+                run.memory[peer].change([(part, "peer_swap", f"D2D swap-in area for GPU {g} {label}")])
+                flows.append(run.net.transfer(run.topo.route(g, peer), part))
+            yield simpy.AllOf(run.env, flows)
+        run.spans.append(Span(g, "copy", f"D2D swap-out L{so.layer} mb{mb}", start, run.env.now))
+
+    def swap_in(self, mb: int, si: SwapIn, need_at_s: float) -> Generator[simpy.Event, object, None]:
+        """Bring ``si`` back for microbatch ``mb``'s backward, needed at ``need_at_s``."""
+        run = self.run
+        out = run.signals("out", self.stage, mb, si.layer)
+        if not out.processed:
+            yield out
+        yield from self._until_start(mb, si, need_at_s)
+        key = (self.stage, mb, si.layer)
+        yield from self.memory.acquire(self._swap_in_entries(mb, si), lambda: key not in run.signals.reached)
+        if si.target == "host":
+            yield from self._from_host(mb, si)
+        else:
+            yield from self._from_peers(mb, si)
+        run.signals("in", self.stage, mb, si.layer).succeed()
+
+    def _time_alone_s(self, si: SwapIn) -> float:
+        topo = self.run.topo
+        if si.target == "host":
+            return topo.route(HOST, self.gpu).time_alone_s(si.n_bytes)
+        return max(topo.route(peer, self.gpu).time_alone_s(part) for peer, part in striped(si.peers, si.n_bytes))
+
+    def _until_start(self, mb: int, si: SwapIn, need_at_s: float) -> Generator[simpy.Event, object, None]:
+        """Wait until the copy, alone on its route, would land when it is needed; under
+        ``torch-pipelining``, re-timed from the gradient's arrival when that comes late."""
+        run, alone = self.run, self._time_alone_s(si)
+        if need_at_s - alone > run.env.now:
+            yield run.env.timeout(need_at_s - alone - run.env.now)
+        if run.torch_pipelining and self.stage < run.layout.n_stages - 1:
+            gradient = run.signals("gradient", self.stage, mb)
+            if not gradient.triggered:
+                yield gradient
+                if si.need_offset_s > alone:
+                    yield run.env.timeout(si.need_offset_s - alone)
+
+    @staticmethod
+    def _swap_in_entries(mb: int, si: SwapIn) -> list[Entry]:
+        if si.layer == STASH:
+            label = f"weight version of microbatch {mb}"
+            return [(si.n_bytes, "stash", f"{label} swapped in"), (-si.n_bytes, "saved:stash", f"{label} swapped in")]
+        label = f"layer {si.layer} microbatch {mb}"
+        entries: list[Entry] = [(si.own_bytes, "activations", f"{label} saved activations swapped in")]
+        if si.input_bytes:
+            entries.append((si.input_bytes, si.input_cat, f"{label} saved input swapped in"))
+        entries.append((-si.n_bytes, f"saved:{si.target}", f"{label} swapped in"))
+        return entries
+
+    def _from_host(self, mb: int, si: SwapIn) -> Generator[simpy.Event, object, None]:
+        run = self.run
+        what = "W" if si.layer == STASH else f"L{si.layer}"
+        yield from run.host_copy(self.gpu, si.n_bytes, False, f"swap-in {what} mb{mb}")
+        category, label = ("stash", f"weight version of microbatch {mb}") if si.layer == STASH else \
+            ("activations", f"layer {si.layer} microbatch {mb}")
+        run.host.change([(-si.n_bytes, category, f"{label} back on GPU {self.gpu}")])
+
+    def _from_peers(self, mb: int, si: SwapIn) -> Generator[simpy.Event, object, None]:
+        run, g = self.run, self.gpu
+        parts = striped(si.peers, si.n_bytes)
+        with run.engines[g].peer.request() as req:
+            yield req
+            start = run.env.now
+            yield simpy.AllOf(run.env, [run.net.transfer(run.topo.route(peer, g), part) for peer, part in parts])
+        for peer, part in parts:
+            run.memory[peer].change([(-part, "peer_swap", f"D2D swap area of GPU {g} layer {si.layer} microbatch {mb} released")])
+        run.spans.append(Span(g, "copy", f"D2D swap-in L{si.layer} mb{mb}", start, run.env.now))
+
+    # ---- weight versions and optimizer states -------------------------------------------
+    def stash_out(self, mb: int, n_bytes: int) -> Generator[simpy.Event, object, None]:
+        """PipeDream weight version to host memory after the forward (nothing to free on
+        the GPU: the live weights stay)."""
+        run = self.run
+        yield from run.host_copy(self.gpu, n_bytes, True, f"stash W mb{mb}")
+        run.host.change([(n_bytes, "stash", f"weight version of microbatch {mb} from GPU {self.gpu}")])
+        run.signals("out", self.stage, mb, STASH).succeed()
+
+    def start_optimizer_out(self, layer: int, n_bytes: int) -> None:
+        """Stream a layer's optimizer states back to the host after its update."""
+        self.memory.begin_free()
+        self.run.env.process(self._optimizer_out(layer, n_bytes))
+
+    def _optimizer_out(self, layer: int, n_bytes: int) -> Generator[simpy.Event, object, None]:
+        yield from self.run.host_copy(self.gpu, n_bytes, True, f"optimizer states out L{layer}")
+        label = f"layer {layer} optimizer states streamed out"
+        self.memory.end_free([(-n_bytes, "optimizer", label), (n_bytes, "saved:optimizer", label)])
