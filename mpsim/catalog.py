@@ -11,7 +11,6 @@ from mpsim.errors import MpsimError
 from mpsim.topology import Topology, read_topology_file
 from mpsim.trace import Trace, read_trace_file
 
-
 #: The packages the shipped files are installed as (the top-level ``topologies/`` and
 #: ``traces/`` folders, mapped into the package at build time, see pyproject.toml).
 DATA_PACKAGES = {"topologies": "mpsim.data.topologies", "traces": "mpsim.data.traces"}
