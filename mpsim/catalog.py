@@ -4,28 +4,41 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 
 from mpsim.errors import MpsimError
 from mpsim.topology import Topology, read_topology_file
 from mpsim.trace import Trace, read_trace_file
 
+#: The packages the shipped files are installed as (the top-level ``topologies/`` and
+#: ``traces/`` folders, mapped into the package at build time, see pyproject.toml).
+DATA_PACKAGES = {"topologies": "mpsim.data.topologies", "traces": "mpsim.data.traces"}
 
-def data_root() -> Path:
-    """The folder holding ``topologies/`` and ``traces/`` (the repository root by default).
 
-    Set ``MPSIM_DATA`` to use another folder with the same layout.
+def data_dir(kind: str) -> Path:
+    """The folder of shipped ``topologies`` or ``traces``, found with ``importlib.resources``.
+
+    Set ``MPSIM_DATA`` to a folder with ``topologies/`` and ``traces/`` in it (a checkout
+    of the repository, say) to use those files instead.
     """
+    if kind not in DATA_PACKAGES:
+        raise ValueError(f"unknown data folder {kind!r}: expected one of {', '.join(DATA_PACKAGES)}")
     env = os.environ.get("MPSIM_DATA")
-    return Path(env) if env else Path(__file__).resolve().parent.parent
+    if env:
+        return Path(env) / kind
+    root = resources.files(DATA_PACKAGES[kind])
+    if not isinstance(root, Path):  # a zipped install: the files have no path of their own
+        raise MpsimError(f"{DATA_PACKAGES[kind]} is not installed as files; set MPSIM_DATA to a folder with {kind}/")
+    return root
 
 
 def shipped_topologies() -> dict[str, Path]:
-    return {p.stem: p for p in sorted((data_root() / "topologies").glob("*.yaml"))}
+    return {p.stem: p for p in sorted(data_dir("topologies").glob("*.yaml"))}
 
 
 def shipped_traces() -> dict[str, Path]:
-    return {p.stem: p for p in sorted((data_root() / "traces").glob("*.json"))}
+    return {p.stem: p for p in sorted(data_dir("traces").glob("*.json"))}
 
 
 def _resolve(name_or_path: str, shipped: dict[str, Path], what: str) -> Path:

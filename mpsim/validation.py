@@ -2,8 +2,9 @@
 
 The loop is "profile here, simulate, run here": a trace measured on the device at hand
 (``mpsim.profiling``), a topology probed on it (``mpsim.probe``), the plan simulated with
-both, and the same plan executed by ``validate/executor.py`` under torchrun (one process
-per stage). Per stage it reports predicted against measured peak memory (with the
+both, and the same plan executed by the executor (``validate/executor.py`` in the
+repository, installed as ``mpsim.executor.executor``) under torchrun (one process per
+stage). Per stage it reports predicted against measured peak memory (with the
 breakdown: weights, gradients, optimizer states, everything else) and the iteration time,
 and the error in percent: ``(predicted - measured) / measured``.
 
@@ -19,6 +20,7 @@ than along the batch, peer swaps without GPUs, precision other than fp32 on CPU.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -29,7 +31,6 @@ from pathlib import Path
 
 import torch
 
-from mpsim.catalog import data_root
 from mpsim.errors import MpsimError
 from mpsim.plan import PlanFile, check_plan
 from mpsim.profiling import check_device
@@ -61,11 +62,20 @@ class RunSettings:
     timeout_s: float = 600.0
 
 
-def executor_path() -> Path:
-    path = data_root() / "validate" / "executor.py"
-    if not path.exists():
-        raise MpsimError(f"the executor {path} is missing (set MPSIM_DATA to a checkout of the repository)")
-    return path
+#: The executor's module, run by torchrun with ``-m`` (the repository's ``validate/``
+#: folder is installed as the package ``mpsim.executor``).
+EXECUTOR_MODULE = "mpsim.executor.executor"
+
+
+def executor_module() -> str:
+    """The executor's module name, after checking that it is installed."""
+    try:
+        spec = importlib.util.find_spec(EXECUTOR_MODULE)
+    except ImportError:
+        spec = None
+    if spec is None:
+        raise MpsimError(f"the executor {EXECUTOR_MODULE} is not installed (reinstall mpsim)")
+    return EXECUTOR_MODULE
 
 
 def check_runnable(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSettings, source: str = "<plan>") -> None:
@@ -116,7 +126,7 @@ def run_executor(plan: PlanFile, cfg: ModelConfig, settings: RunSettings, capaci
     job_path.write_text(json.dumps(job, indent=1))
     out = workdir / "stages"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(plan.stages)}",
-           str(executor_path()), "--job", str(job_path), "--out", str(out)]
+           "-m", executor_module(), "--job", str(job_path), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS=str(settings.threads), PYTHONUNBUFFERED="1")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=settings.timeout_s, env=env, check=False)

@@ -1,9 +1,10 @@
 """One pipeline stage of a plan, run for real: the torchrun worker of ``mpsim validate``.
 
-Launched as ``torchrun --nproc-per-node P validate/executor.py --job JOB.json`` (one
-process per stage; gloo on CPU, NCCL on GPUs). Each process builds its stage's layers
-from ``mpsim.workloads`` (the modules the trace was measured on), wraps them as the plan
-says (``stage_actions``), and drives them with ``torch.distributed.pipelining``
+Launched as ``torchrun --nproc-per-node P -m mpsim.executor.executor --job JOB.json``
+(one process per stage; gloo on CPU, NCCL on GPUs); this folder is installed as the
+package ``mpsim.executor``. Each process builds its stage's layers from
+``mpsim.workloads`` (the modules the trace was measured on), wraps them as the plan says
+(``stage_actions``), and drives them with ``torch.distributed.pipelining``
 (``ScheduleGPipe`` or ``Schedule1F1B``) on synthetic tokens.
 
 Steps, in order:
@@ -29,7 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -40,12 +40,10 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stage_actions import Recompute, Split, Swap, SwapSpace, untracked  # noqa: E402
-
-from mpsim.plan import PlanFile  # noqa: E402
-from mpsim.profiling import sync_device  # noqa: E402
-from mpsim.workloads import Embedding, LossHead, ModelConfig, TransformerLayer  # noqa: E402
+from mpsim.executor.stage_actions import Recompute, Split, Swap, SwapSpace, untracked
+from mpsim.plan import PlanFile
+from mpsim.profiling import sync_device
+from mpsim.workloads import Embedding, LossHead, ModelConfig, TransformerLayer
 
 _CATEGORY = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer", "Buffer": "activations",
              "Activation": "activations", "Temp": "activations", "Other": "activations", "Input": "activations"}

@@ -1,0 +1,1 @@
+"""Shipped server topologies (YAML), installed as the package ``mpsim.data.topologies``."""

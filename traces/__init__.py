@@ -1,0 +1,1 @@
+"""Shipped model traces (JSON), installed as the package ``mpsim.data.traces``."""
