@@ -102,11 +102,9 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
     result still names where it ran out).
     """
     from mpsim.api import simulate as run
-    from mpsim.plan import read_plan_file
-    from mpsim.report import plot_memory, simulate_text, write_chrome_trace
-
     from mpsim.catalog import load_topology, load_trace
-    from mpsim.plan import check_plan
+    from mpsim.plan import check_plan, read_plan_file
+    from mpsim.report import plot_memory, simulate_text, write_chrome_trace
 
     plan = read_plan_file(plan_path) if plan_path else None
     topo = load_topology(server or (plan.server if plan else "dgx1-v100"))
@@ -320,12 +318,12 @@ def trace(output: Path, preset: str | None, family: str | None, layers: int | No
     if h % a:
         raise MpsimError(f"--heads {a} must divide --hidden {h}")
     cfg: ModelConfig = replace(base, **shape)
-    from mpsim.tracing import trace_model
+    from mpsim.tracer import trace_model
 
     if name is None and preset is not None and not shape and microbatch in (None, base_mb):
         name = preset
     if measure:
-        from mpsim.profiling import measure_trace
+        from mpsim.profiler import measure_trace
 
         result = measure_trace(cfg, microbatch or base_mb, recipe or base_recipe, device, threads, repeats=repeats,
                                name=name)
@@ -395,7 +393,7 @@ def topo_probe(output: Path | None, device: str, devices: int, threads: int, mem
     import yaml
 
     from mpsim.probe import probe
-    from mpsim.profiling import check_device
+    from mpsim.profiler import check_device
     from mpsim.report import topo_text
 
     check_device(device)
@@ -506,11 +504,11 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
     the errors in percent. An out-of-memory during the run is reported as a result.
     """
     from mpsim.catalog import load_topology, load_trace
-    from mpsim.planners import plan_job
     from mpsim.plan import read_plan_file
+    from mpsim.planners import plan_job
     from mpsim.probe import probe
-    from mpsim.profiling import check_device, measure_trace
-    from mpsim.validation import RunSettings, validate_plan, validation_text
+    from mpsim.profiler import check_device, measure_trace
+    from mpsim.hardware_check import RunSettings, validate_plan, validation_text
     from mpsim.workloads import ZOO
 
     check_device(device)

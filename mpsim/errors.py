@@ -23,7 +23,7 @@ class SchemaError(MpsimError):
         super().__init__(f"{where}{field}: {expected}" if field else f"{where}{expected}")
 
 
-def from_pydantic(path: Path | str, exc: "object") -> SchemaError:
+def from_pydantic(path: Path | str, exc: object) -> SchemaError:
     """Turn the first error of a pydantic ValidationError into a SchemaError."""
     errors = exc.errors()  # type: ignore[attr-defined]
     first = errors[0]

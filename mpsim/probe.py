@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from mpsim.errors import MpsimError
-from mpsim.profiling import sync_device
+from mpsim.profiler import sync_device
 from mpsim.topology import Topology, parse_topology
 from mpsim.units import MiB
 

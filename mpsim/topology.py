@@ -12,7 +12,6 @@ while two GPUs behind one PCIe switch swapping out at once share its uplink.
 from __future__ import annotations
 
 import hashlib
-
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -22,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mpsim.datafile import read_data_file, validate
 from mpsim.errors import MpsimError, SchemaError
-from mpsim.units import MiB, GiB, gbps_to_bytes_per_s
+from mpsim.units import GiB, MiB, gbps_to_bytes_per_s
 
 SCHEMA_VERSION = 1
 
@@ -51,7 +50,7 @@ class GpuSpec(_Strict):
     )
 
     @model_validator(mode="after")
-    def _reserved_below_memory(self) -> "GpuSpec":
+    def _reserved_below_memory(self) -> GpuSpec:
         if self.reserved_mib >= self.memory_mib:
             raise ValueError("reserved_mib must be smaller than memory_mib")
         for dtype, tflops in self.peak_tflops.items():

@@ -12,7 +12,6 @@ parameter, gradient and optimizer bytes do not.
 from __future__ import annotations
 
 import hashlib
-
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -89,7 +88,7 @@ class LayerRow(_Strict):
     split_dims: list[Literal["batch", "sequence", "hidden"]] = Field(default_factory=list)
 
     @model_validator(mode="after")
-    def _saved_input_fits(self) -> "LayerRow":
+    def _saved_input_fits(self) -> LayerRow:
         if self.saves_input and self.act_bytes < self.input_bytes:
             raise ValueError("act_bytes must include input_bytes when saves_input is true")
         return self
@@ -163,7 +162,7 @@ class Trace:
     def to_json(self) -> str:
         return json.dumps(self.spec.model_dump(by_alias=True), indent=1)
 
-    def rescale(self, microbatch: int) -> "Trace":
+    def rescale(self, microbatch: int) -> Trace:
         """The same model at another microbatch size, by the linear rule in the module doc."""
         if microbatch <= 0:
             raise MpsimError(f"microbatch must be a positive integer, got {microbatch}")
@@ -180,7 +179,7 @@ class Trace:
             rows.append(r.model_copy(update=upd))
         return Trace(self.spec.model_copy(update={"layers": rows, "microbatch": microbatch}), self.source)
 
-    def with_layers(self, n_transformer: int) -> "Trace":
+    def with_layers(self, n_transformer: int) -> Trace:
         """The same family with ``n_transformer`` identical transformer layers: the size knob
         that ``fits`` searches (hidden size, heads and sequence stay as traced)."""
         rows = self.spec.layers

@@ -1,6 +1,6 @@
 """The model zoo in PyTorch: GPT and BERT, built layer by layer.
 
-The same modules are traced (``mpsim.tracing``) and, later, executed for validation, so a
+The same modules are traced (``mpsim.tracer``) and, later, executed for validation, so a
 trace and a real run describe the same network. Attention is written out (scores,
 softmax, dropout, weighted sum) rather than fused, so saved activations match the
 Megatron accounting of Korthikanti et al. (s*b*h*(34 + 5*a*s/h) bytes per layer in fp16).

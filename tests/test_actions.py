@@ -7,8 +7,8 @@ every time below can be worked out by hand.
 from __future__ import annotations
 
 import pytest
-
 from helpers import GB, layer, tiny_topology, tiny_trace
+
 from mpsim.catalog import load_topology
 from mpsim.plan import LayerAction, Stripe, make_plan, stripes_by_bandwidth
 from mpsim.sim import Job, simulate_job

@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from helpers import layer, tiny_topology, tiny_trace
+
 from mpsim import simulate
 from mpsim.sim import Job, simulate_job
 
@@ -151,6 +151,7 @@ def test_peer_copy_engines_bound_concurrent_sends(engines):
     # Stage 1 of 3 sends activations forward and gradients back; with slow links the two
     # overlap when it has two engines and queue when it has one.
     from helpers import topology_dict
+
     from mpsim.topology import parse_topology
 
     d = topology_dict(n_gpus=3, nvlink_gbps=0.0003)

@@ -2,11 +2,10 @@
 
 import pytest
 
-from mpsim.catalog import load_topology
+from mpsim.catalog import load_topology, load_trace
 from mpsim.planners import plan_job
 from mpsim.planners.mapping import is_symmetric, nvlink_bandwidth, search_mapping
 from mpsim.planners.mpress import choose
-from mpsim.catalog import load_trace
 
 GiB = 2**30
 

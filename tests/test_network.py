@@ -1,7 +1,7 @@
 """Fluid links: exact completion times for transfers alone and sharing links max-min fairly."""
 
-import simpy
 import pytest
+import simpy
 
 from mpsim.sim.network import Network
 from mpsim.topology import Link, Route

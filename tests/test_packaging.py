@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mpsim.catalog import data_dir, load_topology, load_trace, shipped_topologies, shipped_traces
-from mpsim.validation import EXECUTOR_MODULE, executor_module
+from mpsim.hardware_check import EXECUTOR_MODULE, executor_module
 
 ROOT = Path(__file__).resolve().parent.parent
 

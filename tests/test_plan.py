@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers import layer, tiny_topology, tiny_trace
+
 from mpsim.api import plan as make_strategy_plan
 from mpsim.api import simulate
 from mpsim.catalog import load_topology, load_trace

@@ -1,6 +1,7 @@
 """Planner answers are cached by content, never by names or object identity."""
 
 from helpers import layer, tiny_topology, trace_dict
+
 from mpsim.planners import plan_job
 from mpsim.planners.cache import job_key
 from mpsim.planners.context import make_context

@@ -3,11 +3,10 @@
 import csv
 
 import pytest
+from test_cli import run
 
 from mpsim.errors import MpsimError
 from mpsim.sweep import FIELDS, grid, sweep
-
-from test_cli import run
 
 
 def points(sizes):

@@ -1,10 +1,10 @@
 """Trace files, rescaling, the layer-count knob, and FakeTensor tracing against formulas."""
 
 import pytest
-
 from helpers import layer, tiny_trace
+
 from mpsim import load_topology, load_trace
-from mpsim.tracing import trace_model
+from mpsim.tracer import trace_model
 from mpsim.workloads import ZOO, ModelConfig
 
 

@@ -1,13 +1,12 @@
 """TSPLIT planner: its cost models (eq. 3, 5) and Algorithm 2's plans, simulated."""
 
 import pytest
+from helpers import layer, tiny_topology, tiny_trace
 
 from mpsim.catalog import load_topology, load_trace
 from mpsim.planners import plan_job
 from mpsim.planners.context import make_context
 from mpsim.planners.tsplit import _Stage, split_saving, swap_cost_s
-
-from helpers import layer, tiny_topology, tiny_trace
 
 MB = 10**6
 

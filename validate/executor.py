@@ -42,7 +42,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from mpsim.executor.stage_actions import Recompute, Split, Swap, SwapSpace, untracked
 from mpsim.plan import PlanFile
-from mpsim.profiling import sync_device
+from mpsim.profiler import sync_device
 from mpsim.workloads import Embedding, LossHead, ModelConfig, TransformerLayer
 
 _CATEGORY = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer", "Buffer": "activations",

@@ -21,6 +21,7 @@ from __future__ import annotations
 from mpsim.plan import LayerAction, fit_stripes
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
 
+
 def _none(ctx: Ctx) -> Planned:
     plan = ctx.plan("none")
     return Planned(plan, ctx.simulate(plan))

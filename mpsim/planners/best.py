@@ -11,9 +11,8 @@ the planner and partition that produced it.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from collections.abc import Callable
+from dataclasses import replace
 
 from mpsim.planners.baselines import BASELINES
 from mpsim.planners.cache import cached_plan

@@ -14,9 +14,9 @@ import pytest
 from mpsim.errors import MpsimError, SchemaError
 from mpsim.plan import LayerAction, make_plan
 from mpsim.probe import probe
-from mpsim.profiling import measure_trace
+from mpsim.profiler import measure_trace
 from mpsim.sim import Job, simulate_job
-from mpsim.validation import RunSettings, check_runnable, validate_plan, validation_text
+from mpsim.hardware_check import RunSettings, check_runnable, validate_plan, validation_text
 from mpsim.workloads import ZOO
 
 SETTINGS = RunSettings(device="cpu", threads=1, warmup=1, steps=3)
@@ -51,7 +51,7 @@ def test_measured_trace_names_its_device_and_times_every_layer(tiny):
     # the backward's transients exceed the forward's largest temporary (gradients of scores, MLP)
     assert block.bwd_workspace_bytes > block.workspace_bytes
     # saved bytes from real tensors are what the FakeTensor tracer counts
-    from mpsim.tracing import trace_model
+    from mpsim.tracer import trace_model
 
     derived = trace_model(ZOO["gpt-tiny"][0], 4, "fp32")
     assert [r.act_bytes for r in tiny.layers] == [r.act_bytes for r in derived.layers]

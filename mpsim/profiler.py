@@ -1,6 +1,6 @@
 """Measured traces: run each distinct layer for real on the device at hand and time it.
 
-``mpsim trace --measure`` builds the same modules as ``mpsim.tracing`` (embedding, one
+``mpsim trace --measure`` builds the same modules as ``mpsim.tracer`` (embedding, one
 transformer layer, the loss head) with real tensors on ``cpu`` or ``cuda``, and records:
 
 - the byte counts and FLOPs exactly as the FakeTensor tracer does (same hooks, same
@@ -27,7 +27,7 @@ import torch
 
 from mpsim.errors import MpsimError
 from mpsim.trace import RECIPES, Source, Trace
-from mpsim.tracing import _DTYPES, _assemble, _trace_module
+from mpsim.tracer import _DTYPES, _assemble, _trace_module
 from mpsim.workloads import Embedding, LossHead, ModelConfig, TransformerLayer
 
 

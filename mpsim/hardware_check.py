@@ -1,7 +1,7 @@
 """``mpsim validate``: run a plan for real and compare it with the simulator's prediction.
 
 The loop is "profile here, simulate, run here": a trace measured on the device at hand
-(``mpsim.profiling``), a topology probed on it (``mpsim.probe``), the plan simulated with
+(``mpsim.profiler``), a topology probed on it (``mpsim.probe``), the plan simulated with
 both, and the same plan executed by the executor (``validate/executor.py`` in the
 repository, installed as ``mpsim.executor.executor``) under torchrun (one process per
 stage). Per stage it reports predicted against measured peak memory (with the
@@ -33,7 +33,7 @@ import torch
 
 from mpsim.errors import MpsimError
 from mpsim.plan import PlanFile, check_plan
-from mpsim.profiling import check_device
+from mpsim.profiler import check_device
 from mpsim.sim import Job, SimResult, simulate_job
 from mpsim.topology import Topology
 from mpsim.trace import Trace
