@@ -37,7 +37,7 @@ def main() -> None:
         topo = load_topology(name)
         d = demand + [0] * (topo.n_gpus - 8)
         s = spare + [4 * GiB] * (topo.n_gpus - 8)
-        t = best_of(lambda: search_mapping(topo, d, s))
+        t = best_of(lambda topo=topo, d=d, s=s: search_mapping(topo, d, s))
         print(f"device-mapping search, {name} ({topo.n_gpus} GPUs, symmetric: skipped): {t * 1e3:.2f} ms")
 
     rng = np.random.default_rng(0)

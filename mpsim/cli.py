@@ -504,11 +504,11 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
     the errors in percent. An out-of-memory during the run is reported as a result.
     """
     from mpsim.catalog import load_topology, load_trace
+    from mpsim.hardware_check import RunSettings, validate_plan, validation_text
     from mpsim.plan import read_plan_file
     from mpsim.planners import plan_job
     from mpsim.probe import probe
     from mpsim.profiler import check_device, measure_trace
-    from mpsim.hardware_check import RunSettings, validate_plan, validation_text
     from mpsim.workloads import ZOO
 
     check_device(device)

@@ -30,7 +30,7 @@ def test_no_spare_memory_means_no_d2d():
 
 def test_mapping_puts_the_heaviest_stage_next_to_spare_memory_over_double_links():
     """DGX-1: stage 0 must shed 20 GiB, stages 1-3 have none to spare, 4-7 have 8 GiB each.
-    
+
     The best map puts stage 0 where its NVLink neighbours carry the spare stages and keeps
     every pair of consecutive stages on NVLink (stage i on GPU i crosses PCIe from 3 to 4)."""
     topo = load_topology("dgx1-v100")

@@ -97,7 +97,7 @@ class SwapSpace:
         if not self.cuda:
             with untracked():
                 off = 0
-                for dev, k in self._split_bytes(st.nbytes()):
+                for _dev, k in self._split_bytes(st.nbytes()):
                     parts.append(flat[off:off + k].clone())
                     off += k
             return _Stored(parts, None)
@@ -197,7 +197,7 @@ class Swap(nn.Module):
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = self.inner(*args)
-        del alive
+        alive.clear()
         if out.requires_grad:
             prev = self.previous
             self._pending.append(stored)

@@ -249,7 +249,6 @@ class _Planner:
     def tune(self, result: SimResult, plan: object, intervals: dict[int, float]) -> tuple[SimResult, object]:
         """Step 4: move the costliest choices to D2D swap while that makes the iteration faster."""
         ctx, m = self.ctx, self.ctx.microbatches
-        rows = ctx.trace.layers
         for _ in range(MAX_ROUNDS):
             spare = self.spare_of(result)
             cands: list[tuple[float, int, int]] = []

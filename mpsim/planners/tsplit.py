@@ -78,7 +78,7 @@ class _Stage:
 
     def candidates(self) -> list[_Choice]:
         rows = self.ctx.trace.layers
-        a, b = self.layers.start, self.layers.stop
+        b = self.layers.stop
         occ = min(1.0, self.pcie_busy_s / self.period_s) if self.period_s else 1.0
         out: list[_Choice] = []
         for j in self.layers:  # step 1: tensors that still reside
