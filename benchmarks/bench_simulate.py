@@ -80,8 +80,8 @@ def main() -> None:
     raw = raw_simpy_rate()
     print(f"machine            {platform.processor() or platform.machine()}, python {platform.python_version()}, "
           f"simpy {simpy.__version__}")
-    print(f"job                {args.model} {args.schedule} microbatch {args.microbatch} x {args.microbatches} on {args.server}, "
-          f"{len(result.stages)} stages, plan {args.plan}")
+    print(f"job                {args.model} {args.schedule} microbatch {args.microbatch} x {args.microbatches} "
+          f"on {args.server}, {len(result.stages)} stages, plan {args.plan}")
     print(f"wall per run       {wall * 1e3:.1f} ms (median of {args.repeat}; min {min(walls) * 1e3:.1f} ms), "
           f"{iterations} iteration(s) simulated per run")
     print(f"wall per iteration {wall / iterations * 1e3:.1f} ms")

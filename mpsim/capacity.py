@@ -70,8 +70,13 @@ class FitsReport:
         }
 
 
+def _prefixed(on_point: Callable[[str], None], prefix: str) -> Callable[[str], None]:
+    return lambda name: on_point(f"{prefix}: {name}")
+
+
 def fits_strategies(server: str | Topology, family: str, schedule: str = "1f1b", microbatch: int | None = None,
-                    microbatches: int = 16, strategies: tuple[str, ...] = ("none", "recompute", "cpu-swap", "d2d", "mpress", "tsplit", "best"),
+                    microbatches: int = 16,
+                    strategies: tuple[str, ...] = ("none", "recompute", "cpu-swap", "d2d", "mpress", "tsplit", "best"),
                     on_point: Callable[[str], None] | None = None, partition: str = "compute") -> list[FitsReport]:
     """``fits`` under each strategy: one report per strategy, in the order given.
 
@@ -80,14 +85,14 @@ def fits_strategies(server: str | Topology, family: str, schedule: str = "1f1b",
     order = sorted(strategies, key=lambda s: s == "best")
     done: dict[str, FitsReport] = {}
     for strategy in order:
-        known = {}
+        known: dict[str, int] = {}
         if strategy == "best":
             for rep in done.values():
                 if rep.largest is not None and rep.partition == partition:
                     t = rep.largest_template
                     known[t] = max(known.get(t, 0), rep.largest.layers)
         done[strategy] = fits(server, family, schedule, microbatch, microbatches, strategy, partition,
-                              on_point=None if on_point is None else (lambda name, s=strategy: on_point(f"{s}: {name}")),
+                              on_point=None if on_point is None else _prefixed(on_point, strategy),
                               known_fitting=known)
     return [done[s] for s in strategies]
 
@@ -162,11 +167,14 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
             else:
                 hi = n
         if lo is None:
-            return FitsReport(topo.name, family, schedule, mb, microbatches, strategy, partition, rows, None, template.name)
+            return FitsReport(topo.name, family, schedule, mb, microbatches, strategy, partition, rows, None,
+                              template.name)
+    assert lo is not None and hi is not None  # each search above ends with both bounds set
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if probe(mid).result.fits:
             lo = mid
         else:
             hi = mid
-    return FitsReport(topo.name, family, schedule, mb, microbatches, strategy, partition, rows, probe(lo), template.name)
+    return FitsReport(topo.name, family, schedule, mb, microbatches, strategy, partition, rows, probe(lo),
+                      template.name)

@@ -9,10 +9,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from mpsim.errors import MpsimError
+
+if TYPE_CHECKING:
+    from mpsim.workloads import Family
 
 _SERVER_HELP = "shipped server name (see `mpsim topo list`) or a topology YAML file"
 _SCHEDULE_HELP = "gpipe, 1f1b (DAPPLE, PipeDream-Flush) or pipedream (asynchronous, weight stashing)"
@@ -45,7 +49,8 @@ def _progress(what: str):  # type: ignore[no-untyped-def]
 
 
 def _json_option(f):  # type: ignore[no-untyped-def]
-    return click.option("--json", "json_out", metavar="FILE", help="write the result as JSON to FILE ('-' for stdout)")(f)
+    return click.option("--json", "json_out", metavar="FILE",
+                        help="write the result as JSON to FILE ('-' for stdout)")(f)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -292,7 +297,7 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
               help="with --measure on CPU: intra-op threads (as each pipeline process will have)")
 @click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True,
               help="with --measure: timed runs per layer (the median is kept)")
-def trace(output: Path, preset: str | None, family: str | None, layers: int | None, hidden: int | None,
+def trace(output: Path, preset: str | None, family: Family | None, layers: int | None, hidden: int | None,
           heads: int | None, seq_len: int | None, vocab: int | None, microbatch: int | None, recipe: str | None,
           name: str | None, measure: bool, device: str, threads: int, repeats: int) -> None:
     """Trace a GPT or BERT configuration.
@@ -312,15 +317,18 @@ def trace(output: Path, preset: str | None, family: str | None, layers: int | No
     if preset is not None and preset not in ZOO:
         raise MpsimError(f"unknown --preset {preset!r}: expected one of {', '.join(ZOO)}")
     base, base_mb, base_recipe = ZOO[preset or "gpt-5.3b"]
-    given = {"family": family, "layers": layers, "hidden": hidden, "heads": heads, "seq_len": seq_len, "vocab": vocab}
-    shape = {k: v for k, v in given.items() if v is not None}
-    h, a = shape.get("hidden", base.hidden), shape.get("heads", base.heads)
+    h = base.hidden if hidden is None else hidden
+    a = base.heads if heads is None else heads
     if h % a:
         raise MpsimError(f"--heads {a} must divide --hidden {h}")
-    cfg: ModelConfig = replace(base, **shape)
+    cfg: ModelConfig = replace(base, family=base.family if family is None else family,
+                               layers=base.layers if layers is None else layers, hidden=h, heads=a,
+                               seq_len=base.seq_len if seq_len is None else seq_len,
+                               vocab=base.vocab if vocab is None else vocab)
     from mpsim.tracer import trace_model
 
-    if name is None and preset is not None and not shape and microbatch in (None, base_mb):
+    reshaped = any(v is not None for v in (family, layers, hidden, heads, seq_len, vocab))
+    if name is None and preset is not None and not reshaped and microbatch in (None, base_mb):
         name = preset
     if measure:
         from mpsim.profiler import measure_trace
@@ -379,7 +387,8 @@ def topo_check(file: Path) -> None:
 @click.option("--devices", type=click.IntRange(min=1), default=1, show_default=True,
               help="on CPU: how many devices (one pipeline process each)")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="on CPU: threads per device")
-@click.option("--memory-mib", type=click.FloatRange(min=1), help="on CPU: memory of each device  [default: RAM / devices]")
+@click.option("--memory-mib", type=click.FloatRange(min=1),
+              help="on CPU: memory of each device  [default: RAM / devices]")
 @click.option("--name", help="name stored in the file  [default: from what was found]")
 def topo_probe(output: Path | None, device: str, devices: int, threads: int, memory_mib: float | None,
                name: str | None) -> None:
@@ -444,7 +453,7 @@ def topo_transfer(server: str, src: str, dst: str | None, stripe: str | None, si
         byte_sizes = [parse_bytes(x) for x in sizes.split(",")]
     except ValueError as exc:
         raise MpsimError(f"--size: {exc}") from None
-    rows = []
+    rows: list[dict[str, object]] = []
     for n in byte_sizes:
         if stripe is not None:
             if source == HOST:
@@ -455,7 +464,8 @@ def topo_transfer(server: str, src: str, dst: str | None, stripe: str | None, si
             parts = [(x.gpu, round(n * x.fraction)) for x in stripes_by_bandwidth(t, source, peers)]  # type: ignore[arg-type]
             parts[-1] = (parts[-1][0], n - sum(p for _, p in parts[:-1]))
             landed = copy_times(t, [Copy(source, g, part) for g, part in parts]).landed_s
-            rows.append({"bytes": n, "seconds": max(landed),
+            seconds = max(landed)
+            rows.append({"bytes": n, "seconds": seconds,
                          "parts": [{"dst": g, "bytes": part, "seconds": s} for (g, part), s in zip(parts, landed)]})
         else:
             target = endpoint(dst, "--dst")  # type: ignore[arg-type]
@@ -463,8 +473,9 @@ def topo_transfer(server: str, src: str, dst: str | None, stripe: str | None, si
                 raise MpsimError("--src and --dst are the same")
             landed = copy_times(t, [Copy(source, target, n)]).landed_s
             route = t.route(source, target)
-            rows.append({"bytes": n, "seconds": landed[0], "route": [link.name for link in route.links]})
-        rows[-1]["effective_gbps"] = n / rows[-1]["seconds"] / 1e9
+            seconds = landed[0]
+            rows.append({"bytes": n, "seconds": seconds, "route": [link.name for link in route.links]})
+        rows[-1]["effective_gbps"] = n / seconds / 1e9
     data = {"server": t.name, "src": source, "dst": dst and endpoint(dst, "--dst"),
             "stripe": stripe and [endpoint(x, "--stripe") for x in stripe.split(",")], "copies": rows}
     if json_out != "-":

@@ -91,7 +91,8 @@ def check_runnable(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSe
             raise MpsimError(f"{source}: the plan uses GPU {need - 1} but this machine has "
                              f"{torch.cuda.device_count()} CUDA GPU(s)")
     if trace.spec.precision.recipe != "fp32":
-        raise MpsimError(f"{source}: the executor trains in fp32; {trace.name} is a {trace.spec.precision.recipe} trace")
+        raise MpsimError(f"{source}: the executor trains in fp32; "
+                         f"{trace.name} is a {trace.spec.precision.recipe} trace")
     for s, st in enumerate(plan.stages):
         if st.optimizer == "host-stream":
             raise MpsimError(f"{source}: stages.{s}.optimizer 'host-stream' is not run by the executor "
@@ -140,7 +141,10 @@ def run_executor(plan: PlanFile, cfg: ModelConfig, settings: RunSettings, capaci
         return results
     if proc.returncode != 0 or any(r is None for r in results):
         errors = sorted(out.glob("stage*.error.txt")) if out.exists() else []
-        detail = errors[0].read_text().strip().splitlines()[-1] if errors else (proc.stderr.strip().splitlines() or ["?"])[-1]
+        if errors:
+            detail = errors[0].read_text().strip().splitlines()[-1]
+        else:
+            detail = (proc.stderr.strip().splitlines() or ["?"])[-1]
         raise MpsimError(f"the executor failed (exit {proc.returncode}): {detail}")
     return results
 
@@ -209,7 +213,8 @@ def validation_text(report: dict) -> str:
     """The report as a table a person reads."""
     lines = [f"{report['model']} on {report['server']} ({report['device']}), {report['schedule']}, "
              f"{report['microbatches']} x {report['microbatch']} samples, plan {report['strategy']}", ""]
-    head = f"{'stage':>5} {'layers':>8}  {'peak MiB':>20} {'error':>7}   {'weights':>17} {'grads':>17} {'optimizer':>17} {'other':>17}"
+    head = (f"{'stage':>5} {'layers':>8}  {'peak MiB':>20} {'error':>7}   "
+            f"{'weights':>17} {'grads':>17} {'optimizer':>17} {'other':>17}")
     lines += [head, f"{'':>5} {'':>8}  {'predicted  measured':>20} {'':>7}   " + "   pred / meas    " * 4]
     for row in report["stages"]:
         a, b = row["layers"]

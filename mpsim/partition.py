@@ -35,7 +35,8 @@ def validate_stages(stages: Stages, n_layers: int) -> None:
     pos = 0
     for s, (start, end) in enumerate(stages):
         if start != pos or end <= start:
-            raise MpsimError(f"partition stage {s} is [{start}, {end}); expected it to start at layer {pos} and be non-empty")
+            raise MpsimError(f"partition stage {s} is [{start}, {end}); "
+                             f"expected it to start at layer {pos} and be non-empty")
         pos = end
     if pos != n_layers:
         raise MpsimError(f"partition covers layers [0, {pos}) but the model has {n_layers} layers")

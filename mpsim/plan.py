@@ -27,6 +27,7 @@ version a backward needs copied in before it).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -143,7 +144,8 @@ def check_plan(plan: PlanFile, topo: Topology, trace: Trace, source: str = "") -
                 raise bad(f"{at}.split", f"p must be at least 1, got {act.split}")
             if act.split > 1:
                 if not row.split_dims:
-                    raise bad(f"{at}.split", f"layer {act.layer} ({row.name}) cannot be split (no splittable dimension)")
+                    raise bad(f"{at}.split",
+                              f"layer {act.layer} ({row.name}) cannot be split (no splittable dimension)")
                 if act.split_dim is not None and act.split_dim not in row.split_dims:
                     raise bad(f"{at}.split_dim", f"layer {act.layer} splits along {', '.join(row.split_dims)} only")
             if act.action == "peer":
@@ -206,7 +208,7 @@ def stripes_by_bandwidth(topo: Topology, src: int, peers: list[int]) -> list[Str
     return [Stripe(gpu=g, fraction=f) for g, f in zip(peers, fractions)]
 
 
-def fit_stripes(topo: Topology, src: int, need_bytes: float, spare_bytes: dict[int, float]) -> list[Stripe] | None:
+def fit_stripes(topo: Topology, src: int, need_bytes: float, spare_bytes: Mapping[int, float]) -> list[Stripe] | None:
     """Bandwidth-weighted stripes over the NVLink neighbours of ``src`` whose spare memory
     takes their part of ``need_bytes``; None when no such neighbour is left."""
     peers = [q for q in range(topo.n_gpus)

@@ -94,13 +94,15 @@ def probe_cpu(devices: int = 1, threads: int = 1, memory_mib: float | None = Non
     return {
         "schema": 1,
         "name": name or f"cpu-probe-x{devices}",
-        "description": f"{devices} CPU process(es) on {platform.node() or 'this machine'}, measured by mpsim topo probe",
+        "description": (f"{devices} CPU process(es) on {platform.node() or 'this machine'}, "
+                        "measured by mpsim topo probe"),
         "gpu": {"model": label, "count": devices, "memory_mib": round(per_device, 1), "reserved_mib": 0,
                 "peak_tflops": {"fp32": round(tflops, 4)}, "memory_bandwidth_gbps": round(2 * copy, 2),
                 "matmul_efficiency": 1.0, "memory_efficiency": 1.0, "peer_copy_engines": 1},
         "host": {"memory_gib": round(host_gib, 1), "sockets": 1},
         "pcie": {"gpu_link_gbps": round(copy, 2), "latency_us": round(latency_s * 1e6, 2),
-                 "switches": [{"name": "memory", "socket": 0, "gpus": list(range(devices)), "uplink_gbps": round(copy, 2)}]},
+                 "switches": [{"name": "memory", "socket": 0, "gpus": list(range(devices)),
+                               "uplink_gbps": round(copy, 2)}]},
     }
 
 
@@ -153,7 +155,8 @@ def probe_cuda(name: str | None = None) -> dict:
                 break
     socket_of = [0] * n
     for a in range(n):
-        socket_of[a] = next((socket_of[b] for b in range(a) if matrix[a][b] != "SYS"), max(socket_of[:a], default=-1) + 1)
+        socket_of[a] = next((socket_of[b] for b in range(a) if matrix[a][b] != "SYS"),
+                            max(socket_of[:a], default=-1) + 1)
     sockets = max(socket_of) + 1
     switches = [{"name": f"switch{s}", "socket": socket_of[s], "gpus": [g for g in range(n) if switch_of[g] == s],
                  "uplink_gbps": round(min(h2d, d2h), 2)} for s in sorted(set(switch_of))]

@@ -95,7 +95,8 @@ def measure_trace(cfg: ModelConfig, microbatch: int, recipe: str = "fp32", devic
     dev = check_device(device)
     dtype = _DTYPES[RECIPES[recipe].compute_dtype]
     if dev.type == "cpu" and dtype != torch.float32:
-        raise MpsimError(f"recipe {recipe} computes in {RECIPES[recipe].compute_dtype}; measure on CPU with --recipe fp32")
+        raise MpsimError(f"recipe {recipe} computes in {RECIPES[recipe].compute_dtype}; "
+                         "measure on CPU with --recipe fp32")
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     torch.manual_seed(seed)

@@ -137,7 +137,8 @@ def topo_text(t: Topology) -> str:
     g = t.spec.gpu
     lines = [f"{t.name}: {t.spec.description}",
              f"{n} x {g.model}, {g.memory_mib / 1024:.2f} GiB each ({_gib(t.capacity_bytes)} GiB usable after "
-             f"{g.reserved_mib:.0f} MiB reserved), host {t.spec.host.memory_gib:g} GiB on {t.spec.host.sockets} socket(s)",
+             f"{g.reserved_mib:.0f} MiB reserved), "
+             f"host {t.spec.host.memory_gib:g} GiB on {t.spec.host.sockets} socket(s)",
              "", "connections (nvidia-smi topo -m style)"]
     names = [f"GPU{i}" for i in range(n)]
     lines.append(_table([""] + names + ["socket"], [[names[a]] + d["connection"][a] + [str(t.socket_of(a))]
@@ -210,7 +211,8 @@ def plot_memory(r: SimResult, path: Path) -> None:
         if g.stage is None and not g.breakdown.get("peer_swap"):
             continue
         t, u = _downsample(g.memory_times_s, g.memory_used_bytes)
-        ax.step(t * 1e3, u / GiB, where="post", label=f"GPU {g.gpu}" + (f" (stage {g.stage})" if g.stage is not None else ""))
+        label = f"GPU {g.gpu}" + (f" (stage {g.stage})" if g.stage is not None else "")
+        ax.step(t * 1e3, u / GiB, where="post", label=label)
     cap = r.gpus[0].capacity_bytes / GiB
     ax.axhline(cap, color="k", linestyle="--", linewidth=1, label=f"capacity {cap:.1f} GiB")
     ax.set_ylabel("allocated (GiB)")
@@ -221,8 +223,8 @@ def plot_memory(r: SimResult, path: Path) -> None:
         lane_ax = axes[1][0]
         for s in swaps:
             out = s.lane == "d2h" or "swap-out" in s.name
-            lane_ax.broken_barh([(s.start_s * 1e3, (s.end_s - s.start_s) * 1e3)], (s.gpu - 0.4 + (0 if out else 0.4), 0.4),
-                                color="tab:red" if out else "tab:green")
+            lane_ax.broken_barh([(s.start_s * 1e3, (s.end_s - s.start_s) * 1e3)],
+                                (s.gpu - 0.4 + (0 if out else 0.4), 0.4), color="tab:red" if out else "tab:green")
         lane_ax.set_yticks(sorted({s.gpu for s in swaps}))
         lane_ax.set_ylabel("GPU")
         lane_ax.set_title("swap-outs (red, lower half) and swap-ins (green, upper half)", fontsize=8)

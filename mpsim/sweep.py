@@ -45,7 +45,8 @@ def grid(servers: list[str], models: list[str], schedule: str, microbatch_sizes:
         if not values:
             raise MpsimError(f"{name} needs at least one value")
     return [Point(sv, md, schedule, mb, m, st, partition)
-            for sv, md, m, st, mb in itertools.product(servers, models, microbatch_counts, strategies, microbatch_sizes)]
+            for sv, md, m, st, mb in itertools.product(servers, models, microbatch_counts, strategies,
+                                                       microbatch_sizes)]
 
 
 def check_points(points: list[Point]) -> None:
@@ -79,7 +80,7 @@ def run_point(p: Point) -> dict:
     r = planned.result
     worst = max(r.gpus, key=lambda g: g.peak_bytes)
     oom = r.oom or {}
-    row = dict(zip(KEY, p.key()))
+    row: dict[str, object] = dict(zip(KEY, p.key()))
     row.update(fits=r.fits, samples_per_s=round(r.samples_per_s, 6) if r.fits else "",
                iteration_s=round(r.iteration_s, 6), model_tflops=round(r.model_tflops, 4) if r.fits else "",
                max_peak_gib=round(worst.peak_bytes / 2**30, 4), max_peak_gpu=worst.gpu,

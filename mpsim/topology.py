@@ -15,7 +15,7 @@ import hashlib
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -78,7 +78,8 @@ class NvlinkSpec(_Strict):
 
 
 class NvswitchSpec(_Strict):
-    gpu_bandwidth_gbps: float = Field(gt=0, description="effective bandwidth of each GPU into the fabric per direction, GB/s")
+    gpu_bandwidth_gbps: float = Field(
+        gt=0, description="effective bandwidth of each GPU into the fabric per direction, GB/s")
     links_per_gpu: int = Field(gt=0, description="NVLinks from each GPU to the switches (shown as NV<n>)")
     latency_us: float = Field(ge=0, default=10.0, description="per-transfer setup latency, microseconds")
 
@@ -145,7 +146,7 @@ class Route:
         return self.latency_s + n_bytes / self.bandwidth
 
 
-HOST = "host"
+HOST: Final = "host"
 Endpoint = int | Literal["host"]
 
 
@@ -172,7 +173,8 @@ def _check(path: str, spec: TopologyFile) -> None:
     placed: dict[int, str] = {}
     for i, sw in enumerate(spec.pcie.switches):
         if sw.socket >= spec.host.sockets:
-            raise SchemaError(path, f"pcie.switches.{i}.socket", f"socket {sw.socket} out of range 0..{spec.host.sockets - 1}")
+            raise SchemaError(path, f"pcie.switches.{i}.socket",
+                              f"socket {sw.socket} out of range 0..{spec.host.sockets - 1}")
         for g in sw.gpus:
             if not 0 <= g < n:
                 raise SchemaError(path, f"pcie.switches.{i}.gpus", f"GPU index {g} out of range 0..{n - 1}")

@@ -64,9 +64,12 @@ class Scaling(_Strict):
     rule: Literal["linear-microbatch"] = "linear-microbatch"
 
 
+LayerKind = Literal["embedding", "transformer", "head", "other"]
+
+
 class LayerRow(_Strict):
     name: str
-    kind: Literal["embedding", "transformer", "head", "other"]
+    kind: LayerKind
     params: int = Field(ge=0)
     param_bytes: int = Field(ge=0, description="working-precision weights")
     grad_bytes: int = Field(ge=0)
@@ -171,7 +174,8 @@ class Trace:
         f = microbatch / self.microbatch
         rows = []
         for r in self.spec.layers:
-            upd = {k: (round(getattr(r, k) * f) if isinstance(getattr(r, k), int) else getattr(r, k) * f) for k in _SCALED}
+            upd = {k: (round(getattr(r, k) * f) if isinstance(getattr(r, k), int) else getattr(r, k) * f)
+                   for k in _SCALED}
             for k in _SCALED_OPTIONAL:
                 v = getattr(r, k)
                 if v is not None:
@@ -209,10 +213,10 @@ class Trace:
         flops_rate = gpu.peak_tflops[dtype] * 1e12 * gpu.matmul_efficiency
         mem_rate = gpu.memory_bandwidth_gbps * 1e9 * gpu.memory_efficiency
         rows = self.spec.layers
-        fwd = np.array([r.fwd_ms * 1e-3 if r.fwd_ms is not None else r.fwd_flops / flops_rate + r.fwd_mem_bytes / mem_rate
-                        for r in rows])
-        bwd = np.array([r.bwd_ms * 1e-3 if r.bwd_ms is not None else r.bwd_flops / flops_rate + r.bwd_mem_bytes / mem_rate
-                        for r in rows])
+        fwd = np.array([r.fwd_ms * 1e-3 if r.fwd_ms is not None
+                        else r.fwd_flops / flops_rate + r.fwd_mem_bytes / mem_rate for r in rows])
+        bwd = np.array([r.bwd_ms * 1e-3 if r.bwd_ms is not None
+                        else r.bwd_flops / flops_rate + r.bwd_mem_bytes / mem_rate for r in rows])
         return LayerTimes(fwd, bwd)
 
 

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from mpsim.trace import RECIPES, SCHEMA_VERSION, LayerRow, Source, Trace, TraceFile
+from mpsim.trace import RECIPES, SCHEMA_VERSION, LayerKind, LayerRow, Source, Trace, TraceFile
 from mpsim.workloads import Embedding, LossHead, ModelConfig, TransformerLayer
 
 _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_product_efficient_attention",
@@ -80,12 +80,14 @@ def _trace_module(module: torch.nn.Module, inputs: list[torch.Tensor], grad_inpu
         return t
 
     counter = _OpBytes()
-    with FlopCounterMode(display=False) as fwd_flops, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with (FlopCounterMode(display=False) as fwd_flops, counter,
+          torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
         out = run(module, *inputs)
     fwd_mem = counter.mem_bytes
     out_key = _key(out)
     first = inputs[0]
-    workspace = max((n for k, n in counter.outputs.items() if k not in saved and k != out_key and k not in param_keys), default=0)
+    workspace = max((n for k, n in counter.outputs.items()
+                     if k not in saved and k != out_key and k not in param_keys), default=0)
     counter_b = _OpBytes()
     with FlopCounterMode(display=False) as bwd_flops, counter_b:
         out.backward(torch.ones_like(out))
@@ -136,7 +138,7 @@ def _assemble(cfg: ModelConfig, microbatch: int, recipe: str, name: str | None, 
     layer (repeated) and the loss head."""
     precision = RECIPES[recipe]
 
-    def row(name: str, kind: str, fields: dict) -> LayerRow:
+    def row(name: str, kind: LayerKind, fields: dict) -> LayerRow:
         n = fields["params"]
         return LayerRow(name=name, kind=kind, param_bytes=n * precision.weight_bytes_per_param,
                         grad_bytes=n * precision.grad_bytes_per_param,

@@ -43,9 +43,9 @@ def layer(name: str = "l", fwd_ms: float = 1.0, bwd_ms: float = 2.0, act: int = 
 
 
 def trace_dict(layers: list[dict], microbatch: int = 1) -> dict:
-    return {"schema": 1, "name": "toy", "model": {"family": "toy"}, "params": max(1, sum(row["params"] for row in layers)),
-            "microbatch": microbatch, "source": {"kind": "measured", "device": "hand-written"},
-            "layers": copy.deepcopy(layers)}
+    return {"schema": 1, "name": "toy", "model": {"family": "toy"},
+            "params": max(1, sum(row["params"] for row in layers)), "microbatch": microbatch,
+            "source": {"kind": "measured", "device": "hand-written"}, "layers": copy.deepcopy(layers)}
 
 
 def tiny_trace(layers: list[dict], microbatch: int = 1) -> Trace:

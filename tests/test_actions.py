@@ -166,6 +166,7 @@ def test_an_allocation_that_does_not_fit_waits_for_a_swap_out_in_flight():
     # without the swap nothing is under way: no wait, and the result names the point
     keep = simulate_job(Job(topo, trace, plan=make_plan(trace, topo, "gpipe", 1, [(0, 2)], [0], "keep")))
     assert not keep.fits and keep.gpus[0].costs_s["memory_wait_s"] == 0.0
+    assert keep.oom is not None
     assert keep.oom["task"].startswith("forward of microbatch 0 on stage 0: layer 1 (b) saved activations")
 
 

@@ -12,6 +12,7 @@ def test_gpt_on_dgx1_only_the_smallest_shipped_size_fits_as_in_mpress():
 
 def test_largest_is_the_boundary_of_the_layer_search():
     rep = fits("dgx1-v100", "gpt", "1f1b", 2, 16)
+    assert rep.largest is not None
     n = rep.largest.layers
     template = load_trace(rep.largest_template)
     assert simulate("dgx1-v100", template.with_layers(n), "1f1b", 2, 16).fits
@@ -22,6 +23,7 @@ def test_search_goes_down_when_no_shipped_size_fits():
     # 4 x 24 GB TITAN RTX: even GPT-5.3B (16 layers) is too big; fewer layers of its shape fit.
     rep = fits("titanrtx-x4-pcie", "gpt", "1f1b", 2, 16)
     assert not any(r.result.fits for r in rep.rows)
+    assert rep.largest is not None
     n = rep.largest.layers
     assert 1 <= n < 16 and rep.largest.result.fits
     template = load_trace(rep.largest_template)

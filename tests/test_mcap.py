@@ -69,7 +69,8 @@ def test_memory_balanced_lowers_the_highest_peak_of_bert_under_pipedream():
     topo = load_topology("dgx1-v100")
     trace = load_trace("bert-1.67b").rescale(12)
     times = trace.layer_times(topo.spec.gpu)
-    by_compute = simulate_job(Job(topo, trace, schedule="pipedream", stages=compute_balanced(times.fwd_s + times.bwd_s, 8)))
+    by_compute = simulate_job(Job(topo, trace, schedule="pipedream",
+                                  stages=compute_balanced(times.fwd_s + times.bwd_s, 8)))
     stages = mcap_partition(trace, "pipedream", 8, 16)
     by_memory = simulate_job(Job(topo, trace, schedule="pipedream", stages=stages))
     assert by_compute.max_peak_bytes > 70 * 2**30

@@ -13,7 +13,7 @@ def run_transfers(specs):
     """specs: list of (start_s, route, bytes). Returns completion times in order."""
     env = simpy.Environment()
     net = Network(env)
-    done = [None] * len(specs)
+    done: list[float | None] = [None] * len(specs)
 
     def go(i, start, route, n):
         yield env.timeout(start)

@@ -11,7 +11,7 @@ from mpsim.api import plan as make_strategy_plan
 from mpsim.api import simulate
 from mpsim.catalog import load_topology, load_trace
 from mpsim.errors import SchemaError
-from mpsim.plan import LayerAction, check_plan, make_plan, parse_plan, read_plan_file, write_plan_file
+from mpsim.plan import LayerAction, Stripe, check_plan, make_plan, parse_plan, read_plan_file, write_plan_file
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +35,8 @@ def test_plan_round_trips_bit_for_bit(tmp_path, gpt):
 def _plan_dict(gpt) -> dict:
     topo, trace = gpt
     p = make_plan(trace, topo, "1f1b", 16, [(0, 9), (9, 18), (18, 27), (27, 34)], [0, 1, 2, 3], "test",
-                  {0: [LayerAction(layer=2, action="peer", peers=[{"gpu": 3, "fraction": 0.5},  # type: ignore[list-item]
-                                                                  {"gpu": 4, "fraction": 0.5}])]})
+                  {0: [LayerAction(layer=2, action="peer", peers=[Stripe(gpu=3, fraction=0.5),
+                                                                  Stripe(gpu=4, fraction=0.5)])]})
     return json.loads(p.to_json())
 
 

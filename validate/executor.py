@@ -90,6 +90,8 @@ class CappedMemTracker(MemTracker):
 class Head(nn.Module):
     """The loss head on fixed labels, so the stage's output is the microbatch's loss."""
 
+    labels: torch.Tensor
+
     def __init__(self, head: LossHead, labels: torch.Tensor) -> None:
         super().__init__()
         self.head = head
@@ -177,8 +179,8 @@ def run(job: dict, out_dir: Path) -> dict:
     torch.manual_seed(job["seed"])
     cap = job.get("capacity_bytes")
     if use_cuda and cap:
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(device).total_memory),
-                                                   device)
+        device_bytes = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / device_bytes), device)
     b, m = plan.microbatch, plan.microbatches
     tokens = torch.randint(0, cfg.vocab, (b * m, cfg.seq_len), generator=torch.Generator().manual_seed(1))
     labels = tokens[:b].to(device)
@@ -197,8 +199,8 @@ def run(job: dict, out_dir: Path) -> dict:
     def step() -> None:
         phase["name"] = "pipeline"
         args = (tokens,) if rank == 0 else ()
-        kwargs = {"target": tokens} if rank == world - 1 else {}
-        schedule.step(*args, return_outputs=False, **kwargs)
+        target = tokens if rank == world - 1 else None
+        schedule.step(*args, target=target, return_outputs=False)
         phase["name"] = "optimizer"
         opt.step()
         opt.zero_grad(set_to_none=False)

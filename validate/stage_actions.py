@@ -18,13 +18,15 @@ Parameters are never swapped: they stay resident and are not saved copies.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 
-def untracked() -> _disable_current_modes:
+def untracked() -> AbstractContextManager[object]:
     """Allocations made here are invisible to the stage's memory tracker (host memory on CPU)."""
     return _disable_current_modes()
 
@@ -49,7 +51,7 @@ class Split(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         chunks = x.chunk(self.p, dim=0)
         out: torch.Tensor | None = None
-        total = None
+        total: torch.Tensor | None = None
         start = 0
         for c in chunks:
             y = self.inner(c)
@@ -61,7 +63,10 @@ class Split(nn.Module):
             out[start:start + c.shape[0]] = y
             start += c.shape[0]
             del y
-        return total if out is None else out
+        if out is None:
+            assert total is not None  # every chunk gave a scalar (there is at least one chunk)
+            return total
+        return out
 
 
 class _Stored:
@@ -72,6 +77,10 @@ class _Stored:
         self.done = done
         self.restored: torch.UntypedStorage | None = None
         self.ready: torch.cuda.Event | None = None
+
+
+_Packed = tuple[_Stored, torch.dtype, int | torch.SymInt, tuple[int, ...], tuple[int, ...]]
+"""What the pack hook keeps for a swapped tensor: its storage's copy, dtype, offset, shape, stride."""
 
 
 class SwapSpace:
@@ -178,7 +187,7 @@ class Swap(nn.Module):
         space = self.space
         params = self._param_keys
 
-        def pack(t: torch.Tensor) -> object:
+        def pack(t: torch.Tensor) -> torch.Tensor | _Packed:
             st = t.untyped_storage()
             key = st.data_ptr()
             if key in params or t.device != space.device or st.nbytes() == 0:
@@ -188,10 +197,10 @@ class Swap(nn.Module):
                 alive.append(st)
             return (stored[key], t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
 
-        def unpack(packed: object) -> torch.Tensor:
+        def unpack(packed: torch.Tensor | _Packed) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
-            s, dtype, offset, shape, stride = packed  # type: ignore[misc]
+            s, dtype, offset, shape, stride = packed
             restored = space.wait(s)
             return torch.empty(0, dtype=dtype, device=space.device).set_(restored, offset, shape, stride)
 

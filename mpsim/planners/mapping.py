@@ -21,6 +21,7 @@ search is a local one (pairwise swaps from the identity until none helps).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,7 +98,7 @@ def _best(maps: np.ndarray, scores: tuple[np.ndarray, ...]) -> int:
     return int(order[0])
 
 
-def search_mapping(topo: Topology, demand_bytes: list[float], spare_bytes: list[float]) -> Mapping:
+def search_mapping(topo: Topology, demand_bytes: Sequence[float], spare_bytes: Sequence[float]) -> Mapping:
     """The best stage-to-GPU map for per-stage D2D demand and spare memory (bytes).
 
     GPUs without a stage are importers with all their capacity spare.
@@ -108,8 +109,8 @@ def search_mapping(topo: Topology, demand_bytes: list[float], spare_bytes: list[
     spare = np.array(list(spare_bytes) + [float(topo.capacity_bytes)] * (n - p))
     identity = np.arange(n)[None, :]
     if is_symmetric(topo) or p == 1:
-        b, u, w = _score(identity, bw, demand, spare)
-        return Mapping(tuple(range(p)), int(b[0]), float(u[0]), float(w[0]), 1)
+        boundaries, uncovered, worst = _score(identity, bw, demand, spare)
+        return Mapping(tuple(range(p)), int(boundaries[0]), float(uncovered[0]), float(worst[0]), 1)
     if n <= MAX_ENUMERATED_GPUS:
         maps = np.array(list(itertools.permutations(range(n))), dtype=np.int64)
         if p < n:  # idle slots are interchangeable: keep one order of the idle GPUs

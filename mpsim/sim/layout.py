@@ -114,7 +114,7 @@ def layout_of_plan(plan: PlanFile, topo: Topology, trace: Trace, *, checked: boo
         if plan.microbatch != trace.microbatch:
             raise MpsimError(f"the plan is for microbatch {plan.microbatch} but the trace is at {trace.microbatch}")
         check_plan(plan, topo, trace)
-    return Layout(topo, trace, plan.schedule, plan.microbatches, [tuple(st.layers) for st in plan.stages],
+    return Layout(topo, trace, plan.schedule, plan.microbatches, [st.layers for st in plan.stages],
                   tuple(st.gpu for st in plan.stages), tuple(plan.action_of(s) for s in range(len(plan.stages))),
                   tuple(st.optimizer for st in plan.stages), tuple(st.stash for st in plan.stages),
                   plan.strategy if strategy is None else strategy, runtime, record_link_rates)

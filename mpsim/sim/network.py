@@ -50,7 +50,11 @@ class Network:
         for link in route.links:
             self.bytes_by_link[link.name] += n_bytes
         if n_bytes <= 0:
-            self.env.timeout(route.latency_s).callbacks.append(lambda _e: done.succeed())
+
+            def land(_e: simpy.Event) -> None:
+                done.succeed()
+
+            self.env.timeout(route.latency_s).callbacks.append(land)
             return done
         start = self.env.timeout(route.latency_s)
         start.callbacks.append(lambda _e: self._start(route.links, n_bytes, done))

@@ -218,7 +218,8 @@ def _forward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event
     releases_input = not r.saves_input and act.action != "recompute"
     if p > 1:  # what the unsplit op would hold, minus what the split one holds
         ev.append((t, lay.own + r.output_bytes + r.workspace_bytes, "saved:split", f"{name} split"))
-        rel = r.workspace_bytes + (r.input_bytes if releases_input else 0) + (lay.own if act.action == "recompute" else 0)
+        rel = (r.workspace_bytes + (r.input_bytes if releases_input else 0)
+               + (lay.own if act.action == "recompute" else 0))
         ev.append((t + dur, -rel, "saved:split", f"{name} split"))
     dt = dur / p
     for c in range(p):

@@ -105,7 +105,8 @@ class ComputeStream:
         for piece in pieces:
             if piece.wait_for is not None:
                 target = self.program.actions[piece.wait_for].action
-                yield from self._wait_for_swap_in(mb, piece.wait_for, "swap_wait_s" if target == "host" else "peer_wait_s")
+                cost = "swap_wait_s" if target == "host" else "peer_wait_s"
+                yield from self._wait_for_swap_in(mb, piece.wait_for, cost)
             label = f"{word} of microbatch {mb} on stage {self.stage}:"
             self.costs["memory_wait_s"] += yield from self.memory.acquire_task(piece.template, label)
             if piece.duration_s:

@@ -149,7 +149,8 @@ class Swapper:
             start = run.env.now
             yield simpy.AllOf(run.env, [run.net.transfer(run.topo.route(peer, g), part) for peer, part in parts])
         for peer, part in parts:
-            run.memory[peer].change([(-part, "peer_swap", f"D2D swap area of GPU {g} layer {si.layer} microbatch {mb} released")])
+            run.memory[peer].change([(-part, "peer_swap",
+                                      f"D2D swap area of GPU {g} layer {si.layer} microbatch {mb} released")])
         run.spans.append(Span(g, "copy", f"D2D swap-in L{si.layer} mb{mb}", start, run.env.now))
 
     # ---- weight versions and optimizer states -------------------------------------------
