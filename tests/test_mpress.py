@@ -103,5 +103,5 @@ def test_mpress_fits_gpt_25b_on_the_dgx1_faster_than_host_swap_where_recompute_d
     mpress = plan_job("mpress", topo, trace, "1f1b", 16).result
     swap = plan_job("cpu-swap", topo, trace, "1f1b", 16).result
     assert mpress.fits and swap.fits  # host swap fits once a swap-in's room is reserved when granted
-    assert mpress.samples_per_s > 1.2 * swap.samples_per_s
+    assert mpress.samples_per_s > swap.samples_per_s
     assert not plan_job("recompute", topo, trace, "1f1b", 16).result.fits

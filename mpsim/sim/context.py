@@ -33,6 +33,27 @@ class Signals:
         return ev
 
 
+class CostLedger:
+    """Seconds each technique cost each GPU (``COSTS``), each entry with the time it was
+    paid, so that a PipeDream run counts the measured iteration only."""
+
+    def __init__(self, env: simpy.Environment, n_gpus: int) -> None:
+        self._env = env
+        self._paid: list[list[tuple[float, str, float]]] = [[] for _ in range(n_gpus)]
+
+    def add(self, gpu: int, what: str, seconds: float) -> None:
+        if seconds:
+            self._paid[gpu].append((self._env.now, what, seconds))
+
+    def total(self, gpu: int, window_s: tuple[float, float] | None = None) -> dict[str, float]:
+        """Seconds per cost paid in ``(start, end]`` (the whole run when None)."""
+        out = dict.fromkeys(COSTS, 0.0)
+        for at_s, what, seconds in self._paid[gpu]:
+            if window_s is None or window_s[0] < at_s <= window_s[1]:
+                out[what] += seconds
+        return out
+
+
 class RunContext:
     """One run's shared state; components hold a reference and never copy it."""
 
@@ -50,8 +71,7 @@ class RunContext:
         self.engines = [CopyEngines(self.env, g, topo.spec.gpu.peer_copy_engines) for g in range(topo.n_gpus)]
         self.signals = Signals(self.env)
         self.spans: list[Span] = []
-        self.costs = [dict.fromkeys(COSTS, 0.0) for _ in range(topo.n_gpus)]
-        """Seconds each technique cost each GPU over the whole run."""
+        self.costs = CostLedger(self.env, topo.n_gpus)
 
     def events_scheduled(self) -> int:
         """SimPy events scheduled so far (a measure of simulation work): SimPy numbers

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpsim.schedule import PIPEDREAM_ITERATIONS, PIPEDREAM_MEASURED, weight_versions
+from mpsim.schedule import PIPEDREAM_MEASURED, weight_versions
 from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
 from mpsim.sim.layout import Job, Layout, resolve
@@ -57,9 +57,16 @@ def simulate_layout(layout: Layout) -> SimResult:
     if stuck:  # an engine bug, never a result: say so instead of returning a silent stall
         raise RuntimeError(f"simulation stalled at {run.env.now:.6f} s with stages {stuck} unfinished")
     if layout.schedule == "pipedream":
-        ends = stages[0].updater.ends_s[layout.microbatches - 1 :: layout.microbatches]
-        return _result(run, stages, ends[PIPEDREAM_MEASURED] - ends[PIPEDREAM_MEASURED - 1], PIPEDREAM_ITERATIONS)
-    return _result(run, stages, run.env.now, 1)
+        start_s, end_s = _measured_window(stages[0].updater, layout.microbatches)
+        return _result(run, stages, end_s - start_s)
+    return _result(run, stages, run.env.now)
+
+
+def _measured_window(updater: Updater, microbatches: int) -> tuple[float, float]:
+    """PipeDream's measured iteration on a stage: from the end of its last update of the
+    iteration before (``PIPEDREAM_MEASURED``) to the end of the measured one's last."""
+    ends = updater.ends_s[microbatches - 1 :: microbatches]
+    return ends[PIPEDREAM_MEASURED - 1], ends[PIPEDREAM_MEASURED]
 
 
 def _build_stage(run: RunContext, s: int, channels: PeerChannels, times: LayerTimes) -> _Stage:
@@ -102,10 +109,10 @@ def _allocate_static(run: RunContext, s: int, static: dict[str, int]) -> None:
             run.memory[g].change([(n, cat, f"stage {s} {cat} (allocated before the first task)")])
 
 
-def _result(run: RunContext, stages: list[_Stage], iteration_s: float, iterations: int) -> SimResult:
+def _result(run: RunContext, stages: list[_Stage], iteration_s: float) -> SimResult:
     layout, topo, trace, m = run.layout, run.topo, run.layout.trace, run.layout.microbatches
     analyses = [run.log.analyse(g, topo.capacity_bytes) for g in range(topo.n_gpus)]
-    gpus = [_gpu_result(run, stages, g, analyses[g], iterations) for g in range(topo.n_gpus)]
+    gpus = [_gpu_result(run, stages, g, analyses[g]) for g in range(topo.n_gpus)]
     ooms = [a.oom for a in analyses if a.oom]
     host = run.log.analyse(topo.n_gpus, topo.host_memory_bytes)
     if host.oom:
@@ -124,10 +131,15 @@ def _result(run: RunContext, stages: list[_Stage], iteration_s: float, iteration
     )
 
 
-def _gpu_result(run: RunContext, stages: list[_Stage], g: int, analysis: GpuMemory, iterations: int) -> GpuResult:
+def _gpu_result(run: RunContext, stages: list[_Stage], g: int, analysis: GpuMemory) -> GpuResult:
+    """One GPU's peak, breakdown and series, and its costs and compute-stream busy time
+    per iteration (PipeDream: those its stage paid within its own measured iteration)."""
     layout, topo = run.layout, run.topo
     s = layout.gpu_of.index(g) if g in layout.gpu_of else None
-    costs = {k: v / iterations for k, v in run.costs[g].items()}
+    window = None
+    if s is not None and layout.schedule == "pipedream":
+        window = _measured_window(stages[s].updater, layout.microbatches)
+    costs = run.costs.total(g, window)
     busy_s = 0.0
     if s is not None:
         prog, updates = stages[s].program, layout.microbatches if layout.schedule == "pipedream" else 1

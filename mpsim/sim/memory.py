@@ -180,6 +180,9 @@ class DeviceMemory:
         self.used = 0
         """Bytes in use now, the highest point of running pieces included."""
         self.frees_under_way = 0
+        self.climb_bytes = 0
+        """How far above its current level the task running on this device will still
+        climb (``program.climbs``); a prefetch held for later leaves that much room."""
         self._changed = env.event()
 
     def change(self, entries: Sequence[Entry]) -> None:
@@ -192,13 +195,26 @@ class DeviceMemory:
 
     def acquire(self, entries: Sequence[Entry],
                 hold_while: Callable[[], bool] | None = None) -> Generator[simpy.Event, object, float]:
-        """Wait while ``entries`` do not fit and a free is under way (or ``hold_while()``
-        is true), then make the change in the same instant. Returns seconds waited."""
+        """Wait while ``entries`` do not fit and a free is under way, or, while
+        ``hold_while()`` is true, until they fit beside what the running task will still
+        climb; then make the change in the same instant. Returns seconds waited."""
         n_bytes, start = real_bytes(entries), self.env.now
-        while self.used + n_bytes > self.capacity and (self.frees_under_way or (hold_while and hold_while())):
+        while self._must_wait(n_bytes, hold_while):
             yield self._changed
         self.change(entries)
         return self.env.now - start
+
+    def _must_wait(self, n_bytes: int, hold_while: Callable[[], bool] | None) -> bool:
+        if hold_while is not None and hold_while():
+            return self.used + n_bytes + self.climb_bytes > self.capacity
+        return self.used + n_bytes > self.capacity and self.frees_under_way > 0
+
+    def set_climb(self, n_bytes: int) -> None:
+        """The running task's climb ahead changed; a smaller one may let a prefetch go."""
+        lower = n_bytes < self.climb_bytes
+        self.climb_bytes = n_bytes
+        if lower:
+            self.poke()
 
     def begin_free(self) -> None:
         """A free is under way (a copy that releases memory when it lands)."""

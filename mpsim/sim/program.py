@@ -108,6 +108,33 @@ class StageProgram:
     split_backward_s: float
     """Extra time of split micro-ops (recompute included) per backward task."""
     actions: dict[int, LayerAction] = field(default_factory=dict)
+    forward_climbs: list[tuple[int, int, int]] = field(init=False)
+    """Per forward piece, the task's climb ahead while it runs and after (``climbs``)."""
+    backward_climbs: list[tuple[int, int, int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.forward_climbs = climbs(self.forward)
+        self.backward_climbs = climbs(self.backward)
+
+
+def climbs(pieces: list[Piece]) -> list[tuple[int, int, int]]:
+    """Per piece of a task, how far above its level the task will still climb: before
+    the piece starts (it may wait for a swap-in), while it runs (its highest point held)
+    and once it has ended (its net kept). A prefetch that does not leave that much room
+    would take what the task allocates next (TSPLIT eq. 3: the swapped-in tensor must fit
+    at every point until its use)."""
+    out: list[tuple[int, int, int]] = []
+    level = 0
+    levels, peaks = [], []
+    for piece in pieces:
+        levels.append(level)
+        peaks.append(level + piece.template.peak_bytes)
+        level += piece.template.net_bytes
+    levels.append(level)
+    for i in range(len(pieces)):
+        ahead = max(peaks[i + 1:], default=levels[-1])
+        out.append((max(0, max(ahead, peaks[i]) - levels[i]), max(0, ahead - peaks[i]), max(0, ahead - levels[i + 1])))
+    return out
 
 
 def _template(events: list[Event], start_s: float) -> Template:

@@ -47,7 +47,6 @@ class ComputeStream:
         self.input_grad_bytes = layout.trace.layers[a].input_bytes
         self.tasks = stage_tasks(layout.schedule, stage, layout.n_stages, layout.microbatches)
         self._estimate_s = {"F": program.forward_s, "B": program.backward_s, "U": updater.gpu_update_s}
-        self.costs = run.costs[self.gpu]
 
     def process(self) -> Generator[simpy.Event, object, None]:
         for idx, task in enumerate(self.tasks):
@@ -57,6 +56,8 @@ class ComputeStream:
                 yield from self.updater.update()
                 self.run.spans.append(Span(self.gpu, "compute", f"U{task.microbatch}", start, self.run.env.now))
                 continue
+            climbs = self.program.forward_climbs if task.kind == "F" else self.program.backward_climbs
+            self.memory.set_climb(climbs[0][0])  # what the task will take once its input lands
             yield from self._wait_for_inputs(task)
             self._prefetch_for(idx)
             start = self.run.env.now
@@ -96,22 +97,28 @@ class ComputeStream:
         if not landed.processed:
             start = self.run.env.now
             yield landed
-            self.costs[cost] += self.run.env.now - start
+            self.run.costs.add(self.gpu, cost, self.run.env.now - start)
 
     def _run_pieces(self, task: Task) -> Generator[simpy.Event, object, None]:
         env, mb = self.run.env, task.microbatch
-        pieces: list[Piece] = self.program.forward if task.kind == "F" else self.program.backward
-        word = "forward" if task.kind == "F" else "backward"
-        for piece in pieces:
+        forward = task.kind == "F"
+        pieces: list[Piece] = self.program.forward if forward else self.program.backward
+        climb = self.program.forward_climbs if forward else self.program.backward_climbs
+        word = "forward" if forward else "backward"
+        for piece, (climb_before, climb_running, climb_after) in zip(pieces, climb, strict=True):
+            self.memory.set_climb(climb_before)
             if piece.wait_for is not None:
                 target = self.program.actions[piece.wait_for].action
                 cost = "swap_wait_s" if target == "host" else "peer_wait_s"
                 yield from self._wait_for_swap_in(mb, piece.wait_for, cost)
             label = f"{word} of microbatch {mb} on stage {self.stage}:"
-            self.costs["memory_wait_s"] += yield from self.memory.acquire_task(piece.template, label)
+            waited_s = yield from self.memory.acquire_task(piece.template, label)
+            self.memory.set_climb(climb_running)
+            self.run.costs.add(self.gpu, "memory_wait_s", waited_s)
             if piece.duration_s:
                 yield env.timeout(piece.duration_s)
             self.memory.finish_task(piece.template)
+            self.memory.set_climb(climb_after)
             if piece.swap_out is not None:
                 self.swapper.start_swap_out(mb, piece.swap_out)
 
@@ -119,14 +126,14 @@ class ComputeStream:
         """Costs, sends and stashes that follow a forward or a backward."""
         run, mb, prog = self.run, task.microbatch, self.program
         if task.kind == "F":
-            self.costs["split_s"] += prog.split_forward_s
+            run.costs.add(self.gpu, "split_s", prog.split_forward_s)
             if self.stash_in is not None:
                 run.env.process(self.swapper.stash_out(mb, self.stash_in.n_bytes))
             if not self.last:
                 self.channels.send("activation", self.stage, self.stage + 1, mb, self.output_bytes)
             return
-        self.costs["recompute_s"] += prog.recompute_s
-        self.costs["split_s"] += prog.split_backward_s
+        run.costs.add(self.gpu, "recompute_s", prog.recompute_s)
+        run.costs.add(self.gpu, "split_s", prog.split_backward_s)
         if self.stash_in is not None:
             label = f"weight version of microbatch {mb} released"
             n = self.stash_in.n_bytes

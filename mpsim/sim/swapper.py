@@ -4,12 +4,13 @@ and streamed optimizer states to the host."""
 from __future__ import annotations
 
 from collections.abc import Generator
+from functools import lru_cache
 
 import simpy
 
 from mpsim.sim.context import RunContext
 from mpsim.sim.memory import Entry
-from mpsim.sim.program import SwapIn, SwapOut
+from mpsim.sim.program import SwapIn, SwapOut, chunk
 from mpsim.sim.result import Span
 from mpsim.topology import HOST
 
@@ -27,6 +28,18 @@ def striped(peers: Peers, n_bytes: int) -> list[tuple[int, int]]:
         given += part
         parts.append((peer, part))
     return parts
+
+
+@lru_cache(maxsize=4096)
+def returned_parts(si: SwapIn) -> list[tuple[int, int]]:
+    """Bytes each peer gives back to a D2D swap-in: what the swap-outs of the layer's
+    micro-tensors striped there, summed (each micro-tensor is striped on its own)."""
+    totals = dict.fromkeys((peer for peer, _ in si.peers), 0)
+    for c in range(si.chunks):
+        n_bytes = chunk(si.own_bytes, c, si.chunks) + chunk(si.input_bytes, c, si.chunks)
+        for peer, part in striped(si.peers, n_bytes):
+            totals[peer] += part
+    return list(totals.items())
 
 
 class Swapper:
@@ -106,7 +119,7 @@ class Swapper:
         topo = self.run.topo
         if si.target == "host":
             return topo.route(HOST, self.gpu).time_alone_s(si.n_bytes)
-        return max(topo.route(peer, self.gpu).time_alone_s(part) for peer, part in striped(si.peers, si.n_bytes))
+        return max(topo.route(peer, self.gpu).time_alone_s(part) for peer, part in returned_parts(si))
 
     def _until_start(self, mb: int, si: SwapIn, need_at_s: float) -> Generator[simpy.Event, object, None]:
         """Wait until the copy, alone on its route, would land when it is needed; under
@@ -143,7 +156,7 @@ class Swapper:
 
     def _from_peers(self, mb: int, si: SwapIn) -> Generator[simpy.Event, object, None]:
         run, g = self.run, self.gpu
-        parts = striped(si.peers, si.n_bytes)
+        parts = returned_parts(si)
         with run.engines[g].peer.request() as req:
             yield req
             start = run.env.now

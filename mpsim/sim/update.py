@@ -44,7 +44,7 @@ class Updater:
         else:
             yield from self._streamed()
         if self.mode != "gpu":
-            run.costs[self.gpu]["optimizer_s"] += run.env.now - start - self.gpu_update_s
+            run.costs.add(self.gpu, "optimizer_s", run.env.now - start - self.gpu_update_s)
         self.ends_s.append(run.env.now)
 
     def _on_host(self) -> Generator[simpy.Event, object, None]:
