@@ -40,7 +40,7 @@ def _write_json(target: str | None, data: dict) -> None:
         Path(target).write_text(text + "\n")
 
 
-def _progress(what: str):  # type: ignore[no-untyped-def]
+def _progress(what: str):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -48,7 +48,7 @@ def _progress(what: str):  # type: ignore[no-untyped-def]
                     TimeElapsedColumn(), console=Console(stderr=True), transient=True)
 
 
-def _json_option(f):  # type: ignore[no-untyped-def]
+def _json_option(f):
     return click.option("--json", "json_out", metavar="FILE",
                         help="write the result as JSON to FILE ('-' for stdout)")(f)
 
@@ -70,7 +70,7 @@ def app() -> None:
     """
 
 
-def _job_options(f):  # type: ignore[no-untyped-def]
+def _job_options(f):
     """Options shared by simulate and plan."""
     for opt in reversed([
         click.option("--server", "-s", help=_SERVER_HELP + "  [default: the plan's, else dgx1-v100]"),
@@ -218,7 +218,7 @@ def reproduce_cmd(out: Path, only: str) -> None:
             click.echo(f"wrote {out / (name + '.md')}")
 
 
-def _list(text: str, cast=str) -> list:  # type: ignore[no-untyped-def]
+def _list(text: str, cast=str) -> list:
     try:
         return [cast(x.strip()) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -437,7 +437,7 @@ def topo_transfer(server: str, src: str, dst: str | None, stripe: str | None, si
 
     t = load_topology(server)
 
-    def endpoint(text: str, what: str):  # type: ignore[no-untyped-def]
+    def endpoint(text: str, what: str):
         word = text.strip().lower()
         if word == HOST:
             return HOST
@@ -461,7 +461,7 @@ def topo_transfer(server: str, src: str, dst: str | None, stripe: str | None, si
             peers = [endpoint(x, "--stripe") for x in stripe.split(",")]
             if source in peers or len(set(peers)) != len(peers):
                 raise MpsimError("--stripe peers must be distinct GPUs other than --src")
-            parts = [(x.gpu, round(n * x.fraction)) for x in stripes_by_bandwidth(t, source, peers)]  # type: ignore[arg-type]
+            parts = [(x.gpu, round(n * x.fraction)) for x in stripes_by_bandwidth(t, source, peers)]
             parts[-1] = (parts[-1][0], n - sum(p for _, p in parts[:-1]))
             landed = copy_times(t, [Copy(source, g, part) for g, part in parts]).landed_s
             seconds = max(landed)

@@ -48,7 +48,7 @@ class _OpBytes(TorchDispatchMode):
         self.outputs: dict[int, int] = {}
         self._alive: list[torch.Tensor] = []  # keeps storages alive so their keys are never reused
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         for t in outs:

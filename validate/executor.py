@@ -66,19 +66,19 @@ class CappedMemTracker(MemTracker):
         self._cap_device = device
         self._cap_bytes = cap_bytes
 
-    def _pre_fw_hook(self, module, inputs) -> None:  # type: ignore[no-untyped-def]
+    def _pre_fw_hook(self, module, inputs) -> None:
         pass
 
-    def _post_fw_hook(self, module, inputs, outputs) -> None:  # type: ignore[no-untyped-def]
+    def _post_fw_hook(self, module, inputs, outputs) -> None:
         pass
 
-    def _pre_bw_hook(self, module, args) -> None:  # type: ignore[no-untyped-def]
+    def _pre_bw_hook(self, module, args) -> None:
         pass
 
-    def _post_bw_hook(self, module, args) -> None:  # type: ignore[no-untyped-def]
+    def _post_bw_hook(self, module, args) -> None:
         pass
 
-    def _update_peak_stats(self, peak_state) -> None:  # type: ignore[no-untyped-def]
+    def _update_peak_stats(self, peak_state) -> None:
         super()._update_peak_stats(peak_state)
         if self._cap_bytes is None:
             return

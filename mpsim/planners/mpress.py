@@ -309,7 +309,7 @@ def plan_mpress(ctx: Ctx, opts: Options, name: str) -> Planned:
     return Planned(plan, result, sims + planner.sims)  # type: ignore[arg-type]
 
 
-def _variant(name: str):  # type: ignore[no-untyped-def]
+def _variant(name: str):
     return lambda ctx: plan_mpress(ctx, VARIANTS[name], name)
 
 

@@ -76,7 +76,7 @@ class RunContext:
     def events_scheduled(self) -> int:
         """SimPy events scheduled so far (a measure of simulation work): SimPy numbers
         every scheduled event from one counter, read here without a per-event hook."""
-        return next(self.env._eid)  # type: ignore[attr-defined]
+        return next(self.env._eid)
 
     @property
     def torch_pipelining(self) -> bool:

@@ -36,7 +36,7 @@ def copy_times(topo: Topology, copies: list[Copy]) -> CopyTimes:
     net = Network(env)
     landed = [0.0] * len(copies)
 
-    def one(i: int, c: Copy):  # type: ignore[no-untyped-def]
+    def one(i: int, c: Copy):
         yield net.transfer(topo.route(c.src, c.dst), c.n_bytes)
         landed[i] = env.now
 
