@@ -7,9 +7,11 @@ layer keep, recompute, host or peer swap, split, with optimizer states and stash
 weights on the GPU or the host. The examples are fixed (``derandomize``), so CI sees the
 same ones every run.
 
-Three sections: the properties; regression tests for engine bugs they found (``xfail``
-with ``strict=True``, so a fix shows up as an unexpected pass); and cases where a
-tempting property does not hold by design, which say why each property below is
+Three sections: the properties; the engine bugs they found, each kept as its shrunk
+example (fixed by the one memory owner: a grant made in the instant its check passes, a
+prefetch that leaves room for the running task's climb, D2D swap-ins that return each
+micro-tensor's stripes, PipeDream costs counted in the measured iteration); and cases
+where a tempting property does not hold by design, which say why each property below is
 stated as it is.
 """
 
@@ -99,8 +101,6 @@ def test_memory_exceeds_capacity_only_at_the_reported_oom(case):
 
 # ---- 2. an out-of-memory only when no pending free could make room --------------------------
 
-@pytest.mark.xfail(strict=False, reason="a prefetch for the next backward takes room the running backward "
-                                        "allocates next (see the regression test)")
 @PROPS
 @given(cases())
 def test_capacity_raised_by_the_shortfall_moves_the_oom_point(case):
@@ -132,8 +132,6 @@ def test_no_oom_while_a_free_of_that_gpu_is_in_flight(case):
     assert not pending, f"{r.oom} while {pending} were landing"
 
 
-@pytest.mark.xfail(strict=False, reason="swap-in checks for room before it waits for its copy engine and "
-                                        "allocates after without checking again (see the regression tests)")
 @settings(PROPS, max_examples=200)
 @given(st.one_of(cases(choices=("keep", "host", "peer"), splits=False, percent=(70, 120)),
                  # where prefetches queue for the h2d engine: one GPU, slow PCIe, host swaps, tight memory
@@ -153,8 +151,6 @@ def test_a_swap_in_runs_out_of_memory_only_once_its_backward_has_started(case):
 
 # ---- 3. every allocation is freed by the end of the run ------------------------------------
 
-@pytest.mark.xfail(strict=False, reason="a split layer's D2D swap stripes each micro-tensor on the way out "
-                                        "but the whole tensor on the way back (see the regression test)")
 @PROPS
 @given(cases())
 def test_memory_returns_to_the_static_level_at_the_end(case):
@@ -204,8 +200,6 @@ def test_synchronous_iteration_at_least_the_busiest_compute(case):
     assert r.iteration_s >= max(g.compute_s for g in r.gpus) * (1 - 1e-12)
 
 
-@pytest.mark.xfail(strict=False, reason="PipeDream's compute_s averages optimizer time over all simulated "
-                                        "iterations, iteration_s is the measured one (see the regression test)")
 @settings(PROPS, max_examples=60)
 @given(cases(schedules=("pipedream",)))
 def test_pipedream_iteration_at_least_the_busiest_compute(case):
@@ -244,11 +238,9 @@ def test_the_properties_still_read_the_labels_they_rely_on():
 
 
 # =================================================================================================
-# Engine bugs the properties found (shrunk counterexamples)
+# Engine bugs the properties found (shrunk counterexamples, fixed)
 # =================================================================================================
 
-@pytest.mark.xfail(strict=True, reason="swap-in checks for room, waits for the h2d engine, then allocates "
-                                       "without checking again")
 def test_a_prefetch_that_queued_for_its_copy_engine_checks_for_room_again():
     """GPipe on one GPU of 75,001 B, PCIe 0.5 GB/s; layer 2 keeps 75,001 B, swapped to the
     host (0.15 ms each way). F0 0-0.3 ms; F1 from 0.3 ms, its layers waiting until mb0's
@@ -256,8 +248,8 @@ def test_a_prefetch_that_queued_for_its_copy_engine_checks_for_room_again():
     0.900004 ms the GPU is empty and both prefetches find room: mb0's takes the h2d engine
     and its 75,001 B, mb1's queues for the engine and allocates at 1.050006 ms without
     looking again: 150,002 B, reported as out of memory, though B0 frees mb0's tensor at
-    1.35 ms, before B1 needs mb1's. Checking again once the engine is granted, mb1's
-    prefetch waits for that and the job fits."""
+    1.35 ms, before B1 needs mb1's. Fixed: the room is granted in the instant the check
+    passes, before the prefetch queues for its engine, so mb1's waits and the job fits."""
     topo = tiny_topology(n_gpus=1, pcie_gbps=0.5, memory_mib=75_001 / 2**20)
     trace = tiny_trace([layer("l0", 0.1, 0.1), layer("l1", 0.1, 0.1), layer("l2", 0.1, 0.1, act=75_001)])
     plan = make_plan(trace, topo, "gpipe", 2, [(0, 3)], [0], "test", {0: [LayerAction(layer=2, action="host")]})
@@ -275,22 +267,19 @@ def stashed_weights_on_a_full_gpu():
     return simulate_job(Job(topo, trace, plan=plan))
 
 
-@pytest.mark.xfail(strict=True, reason="swap-in checks for room, waits for the h2d engine, then allocates "
-                                       "without checking again")
 def test_a_stashed_weight_version_is_not_brought_back_into_a_full_gpu_before_its_backward():
     """PipeDream, two stages, 7 B per GPU. Stage 0 (4 B of weights and gradients, optimizer
     on the host) swaps layer 1's 3 B to the host and stashes its 2 B weight version there.
     At 0.400012 ms mb0's activations come back (7 B in use); the weight version of mb0 had
     found room before that, queued behind them for the h2d engine, and allocates at
     0.400018 ms: 9 B, reported as the out-of-memory point, though B0 cannot start before
-    its gradient arrives at 0.6 ms, and until it does, the prefetch should wait."""
+    its gradient arrives at 0.6 ms, and until it does, the prefetch should wait. Fixed as
+    above: the out-of-memory is now at B0 itself."""
     r = stashed_weights_on_a_full_gpu()
     assert not r.fits  # 9 B are needed at B0 whatever the order
     assert r.oom["time_s"] >= backward_ready(r, 0, 0), r.oom
 
 
-@pytest.mark.xfail(strict=True, reason="a prefetch for the next backward that fits now takes room the running "
-                                       "backward allocates next, so the reported shortfall does not make room")
 def test_capacity_raised_by_the_shortfall_makes_room_at_that_point():
     """GPipe, one GPU, layer 0 saves its 100,000 B input (swapped to the host), layer 1
     holds nothing (also 'swapped', which costs B0 a 0.1 ms wait for the h2d engine). At
@@ -299,7 +288,9 @@ def test_capacity_raised_by_the_shortfall_makes_room_at_that_point():
     from B0's start by B0's length without waits, takes 100,000 B at 9.7 ms, while it fits,
     0.1 ms before B0's layer 0 allocates its input gradient: the same point, earlier
     (9.8 ms), now 100,000 B short. Had the prefetch waited for B0 to end (it frees
-    100,000 B at 9.9 ms, before B1 needs mb1's input), 200,000 B would have been enough."""
+    100,000 B at 9.9 ms, before B1 needs mb1's input), 200,000 B would have been enough.
+    Fixed: a prefetch held before its backward leaves room for what the task on its GPU
+    still climbs (``program.climbs``), so the raised capacity fits."""
     def run(capacity: int):
         topo = tiny_topology(n_gpus=1, pcie_gbps=0.5, memory_mib=capacity / 2**20)
         trace = tiny_trace([layer("l0", 4.7, 0.1, act=100_000, inp=100_000, saves_input=True), layer("l1", 0.1, 0.1)])
@@ -313,13 +304,12 @@ def test_capacity_raised_by_the_shortfall_makes_room_at_that_point():
     assert after is None or after["task"] != tight["task"] or after["time_s"] > tight["time_s"], after
 
 
-@pytest.mark.xfail(strict=True, reason="swap-out stripes each micro-tensor over the peers, swap-in the whole "
-                                       "tensor, and integer rounding differs")
 def test_a_split_layer_swapped_to_peers_gives_each_peer_back_what_it_took():
     """Layer 0 on GPU 1 keeps 2 B, split in 2 micro-tensors of 1 B, swapped half to GPU 0
     and half to GPU 2. Each 1 B micro-tensor is striped round(0.5) = 0 B to GPU 0 and 1 B to
     GPU 2; the swap-in stripes the whole 2 B as 1 B and 1 B. GPU 0 ends at -1 B and GPU 2
-    keeps 1 B for ever (at most a byte per micro-tensor and peer, but never balanced)."""
+    keeps 1 B for ever (at most a byte per micro-tensor and peer, but never balanced).
+    Fixed: the swap-in returns per peer the sum of what each micro-tensor left there."""
     topo = tiny_topology(n_gpus=3, nvlink_gbps=0.5, pcie_gbps=0.5, memory_mib=1024)
     row = layer("l0", 0.1, 0.1, act=2)
     row["split_dims"] = ["batch"]
@@ -331,14 +321,13 @@ def test_a_split_layer_swapped_to_peers_gives_each_peer_back_what_it_took():
     assert min(int(np.min(g.memory_used_bytes)) for g in r.gpus) >= 0
 
 
-@pytest.mark.xfail(strict=True, reason="PipeDream's compute_s adds optimizer time averaged over the four "
-                                       "simulated iterations to the measured iteration's work")
 def test_pipedream_busy_time_fits_in_the_measured_iteration():
     """PipeDream, two stages, 1 ms layers; stage 0 (layers 0-2, optimizer update on the host)
     swaps layer 2's 1 MB to the host at 0.5 GB/s (2 ms). In some of the four simulated
     iterations the update's gradient copy queues behind a swap-out on the d2h engine;
     compute_s of GPU 0 counts that wait averaged over all four (12.5 ms), while the
-    measured (third) iteration lasts 12 ms: busier than the iteration is long."""
+    measured (third) iteration lasts 12 ms: busier than the iteration is long. Fixed:
+    costs carry the time they are paid, and PipeDream counts its measured iteration's."""
     topo = tiny_topology(n_gpus=2, nvlink_gbps=0.5, pcie_gbps=0.5, memory_mib=1024)
     trace = tiny_trace([layer(f"l{i}", 1.0, 1.0, act=1_000_000 if i == 2 else 0) for i in range(4)])
     plan = make_plan(trace, topo, "pipedream", 2, [(0, 3), (3, 4)], [0, 1], "test",
