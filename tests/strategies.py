@@ -49,7 +49,7 @@ class _Short:
     def __repr__(self) -> str:
         return _short(self)
 
-    def _repr_pretty_(self, printer, cycle: bool) -> None:  # type: ignore[no-untyped-def]
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
         printer.text(_short(self))
 
 
