@@ -188,10 +188,12 @@ class DeviceMemory:
     def change(self, entries: Sequence[Entry]) -> None:
         """Allocate and free now, without waiting (an allocation may exceed capacity: the
         log reports it as the out-of-memory)."""
-        now = self.env.now
+        now, n_bytes = self.env.now, 0
         for delta, cat, label in entries:
             self.log.event(self.device, now, delta, cat, label)
-        self._add(real_bytes(entries))
+            if CAT[cat] < N_REAL:
+                n_bytes += delta
+        self._add(n_bytes)
 
     def acquire(self, entries: Sequence[Entry],
                 hold_while: Callable[[], bool] | None = None) -> Generator[simpy.Event, object, float]:
@@ -211,10 +213,11 @@ class DeviceMemory:
 
     def set_climb(self, n_bytes: int) -> None:
         """The running task's climb ahead changed; a smaller one may let a prefetch go."""
-        lower = n_bytes < self.climb_bytes
-        self.climb_bytes = n_bytes
-        if lower:
+        if n_bytes < self.climb_bytes:
+            self.climb_bytes = n_bytes
             self.poke()
+        else:
+            self.climb_bytes = n_bytes
 
     def begin_free(self) -> None:
         """A free is under way (a copy that releases memory when it lands)."""
@@ -236,10 +239,14 @@ class DeviceMemory:
     def acquire_task(self, template: Template, label: str) -> Generator[simpy.Event, object, float]:
         """``start_task`` once the piece's highest point fits or no free is under way."""
         start = self.env.now
-        while self.used + template.peak_bytes > self.capacity and self.frees_under_way:
+        while self.task_must_wait(template):
             yield self._changed
         self.start_task(template, label)
         return self.env.now - start
+
+    def task_must_wait(self, template: Template) -> bool:
+        """Whether a piece must wait for room before it starts (``acquire_task``)."""
+        return self.used + template.peak_bytes > self.capacity and self.frees_under_way > 0
 
     def finish_task(self, template: Template) -> None:
         """The piece has ended: what it holds drops from its highest point to its net."""

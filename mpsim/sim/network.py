@@ -84,11 +84,17 @@ class Network:
         number of flows not yet frozen are kept up to date, so each round is one pass."""
         capacity: dict[str, float] = {}
         members: dict[str, list[_Flow]] = defaultdict(list)
+        slots = 0
         for f in self._flows:
             f.rate = -1.0
+            slots += len(f.links)
             for link in f.links:
                 capacity[link.name] = link.bandwidth
                 members[link.name].append(f)
+        if slots == len(members):  # no link shared: each flow runs at its narrowest link
+            for f in self._flows:
+                f.rate = min(link.bandwidth for link in f.links)
+            return
         unfrozen = {name: len(flows) for name, flows in members.items()}
         while unfrozen:
             best_name = min(unfrozen, key=lambda name: capacity[name] / unfrozen[name])
