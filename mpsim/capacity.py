@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from mpsim.api import simulate
 from mpsim.catalog import load_topology, load_trace, shipped_traces
 from mpsim.errors import MpsimError
+from mpsim.schedule import check_schedule
 from mpsim.sim import SimResult
 from mpsim.topology import Topology
 from mpsim.trace import Trace
@@ -119,7 +120,10 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
     known to fit under this strategy; the search starts there."""
     topo = load_topology(server) if isinstance(server, str) else server
     traces = family_traces(family)
-    mb = microbatch or traces[0].microbatch
+    mb = traces[0].microbatch if microbatch is None else microbatch
+    if mb < 1:
+        raise MpsimError(f"microbatch must be a positive integer, got {mb}")
+    check_schedule(schedule, topo.n_gpus, microbatches)
 
     def run(trace: Trace) -> SimResult:
         result = simulate(topo, trace, schedule, mb, microbatches, strategy=strategy, partition=partition)

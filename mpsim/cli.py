@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 _SERVER_HELP = "shipped server name (see `mpsim topo list`) or a topology YAML file"
 _SCHEDULE_HELP = "gpipe, 1f1b (DAPPLE, PipeDream-Flush) or pipedream (asynchronous, weight stashing)"
-_MICROBATCHES_HELP = "microbatches per iteration; 1f1b and pipedream need at least one per stage"
+_MICROBATCHES_HELP = ("microbatches per iteration, at most 4096; 1f1b and pipedream need at least one per "
+                      "stage")
 _STRATEGY_HELP = ("memory-saving strategy: none; recompute (checkpoint every transformer layer); cpu-swap "
                   "(swap to host memory until it fits); d2d (swap to spare memory of NVLink peers); mpress "
                   "(host swap, recompute and D2D with device mapping; ablations mpress-no-mapping, "
@@ -177,16 +178,21 @@ def fits(server: str, family: str, schedule: str, microbatch: int | None, microb
     shipped size that fits; the search doubles, then bisects.
     """
     from mpsim.capacity import family_traces, fits_strategies
+    from mpsim.catalog import load_topology
     from mpsim.planners import STRATEGIES
     from mpsim.report import fits_strategies_text
+    from mpsim.schedule import check_schedule
 
-    names = tuple(x.strip() for x in strategies.split(",") if x.strip())
+    names = tuple(_list(strategies, option="--strategy"))
+    if microbatch is not None and microbatch < 1:
+        raise MpsimError(f"microbatch must be a positive integer, got {microbatch}")
     for name in names:
         if name not in STRATEGIES:
             raise MpsimError(f"unknown strategy {name!r}: expected one of {', '.join(STRATEGIES)}")
     if not names:
         raise MpsimError("--strategy needs at least one strategy")
     n_shipped = len(family_traces(family))
+    check_schedule(schedule, load_topology(server).n_gpus, microbatches)  # before the progress bar
     with _progress(f"fits {family}") as bar:
         job = bar.add_task("", total=(n_shipped + 10) * len(names))
         reps = fits_strategies(server, family, schedule, microbatch, microbatches, names,
@@ -206,7 +212,7 @@ def reproduce_cmd(out: Path, only: str) -> None:
     with plots per paper (mpress.md, mcap.md, tsplit.md), our numbers beside theirs."""
     from mpsim.reproduce import REPORTS
 
-    names = [x.strip() for x in only.split(",") if x.strip()]
+    names = _list(only, option="--only")
     for name in names:
         if name not in REPORTS:
             raise MpsimError(f"unknown paper {name!r}: expected one of {', '.join(REPORTS)}")
@@ -218,11 +224,16 @@ def reproduce_cmd(out: Path, only: str) -> None:
             click.echo(f"wrote {out / (name + '.md')}")
 
 
-def _list(text: str, cast=str) -> list:
+def _list(text: str, cast=str, option: str = "") -> list:
+    """A comma-separated option value; an empty item (``1,,2``, a trailing comma) is refused."""
+    where = f"{option}: " if option else ""
+    items = [x.strip() for x in text.split(",")]
+    if not all(items):
+        raise MpsimError(f"{where}expected a comma-separated list without empty items, got {text!r}")
     try:
-        return [cast(x.strip()) for x in text.split(",") if x.strip()]
+        return [cast(x) for x in items]
     except ValueError:
-        raise MpsimError(f"expected a comma-separated list of integers, got {text!r}") from None
+        raise MpsimError(f"{where}expected a comma-separated list of integers, got {text!r}") from None
 
 
 @app.command("sweep")
@@ -232,7 +243,7 @@ def _list(text: str, cast=str) -> list:
 @click.option("--schedule", default="1f1b", show_default=True, help=_SCHEDULE_HELP)
 @click.option("--microbatch", "sizes", default="1,2,4,8", show_default=True, help="comma-separated microbatch sizes")
 @click.option("--microbatches", "counts", default="16", show_default=True,
-              help="comma-separated microbatches per iteration")
+              help="comma-separated microbatches per iteration (each at most 4096)")
 @click.option("--strategy", "strategies", default="none,recompute,cpu-swap,mpress,best", show_default=True,
               help="comma-separated strategies")
 @click.option("--partition", default="compute", show_default=True, help=_PARTITION_HELP)
@@ -259,8 +270,9 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
     """
     from mpsim.sweep import grid, plot_sweep, sweep, sweep_text
 
-    points = grid(_list(servers), _list(models), schedule, _list(sizes, int), _list(counts, int), _list(strategies),
-                  partition)
+    points = grid(_list(servers, option="--server"), _list(models, option="--model"), schedule,
+                  _list(sizes, int, "--microbatch"), _list(counts, int, "--microbatches"),
+                  _list(strategies, option="--strategy"), partition)
     with _progress("sweep") as bar:
         job = bar.add_task("", total=len(points))
 
@@ -419,7 +431,8 @@ def topo_probe(output: Path | None, device: str, devices: int, threads: int, mem
 @click.option("--src", required=True, help="sending GPU (gpu0, 0) or host")
 @click.option("--dst", help="receiving GPU or host")
 @click.option("--stripe", help="comma-separated peer GPUs for a striped D2D copy, parts sized by route bandwidth")
-@click.option("--size", "sizes", required=True, help="bytes to move, e.g. 216MB or 1.5GiB; comma-separated for several")
+@click.option("--size", "sizes", required=True,
+              help="bytes to move, e.g. 216MB or 1.5GiB, at most 1 PiB; comma-separated for several")
 @_json_option
 def topo_transfer(server: str, src: str, dst: str | None, stripe: str | None, sizes: str, json_out: str | None) -> None:
     """One-way time of a copy alone on an idle server, and its effective bandwidth.
@@ -450,7 +463,7 @@ def topo_transfer(server: str, src: str, dst: str | None, stripe: str | None, si
         raise MpsimError("give exactly one of --dst and --stripe")
     source = endpoint(src, "--src")
     try:
-        byte_sizes = [parse_bytes(x) for x in sizes.split(",")]
+        byte_sizes = [parse_bytes(x) for x in _list(sizes, option="--size")]
     except ValueError as exc:
         raise MpsimError(f"--size: {exc}") from None
     rows: list[dict[str, object]] = []
@@ -458,7 +471,7 @@ def topo_transfer(server: str, src: str, dst: str | None, stripe: str | None, si
         if stripe is not None:
             if source == HOST:
                 raise MpsimError("--stripe copies go from a GPU to its peers; --src must be a GPU")
-            peers = [endpoint(x, "--stripe") for x in stripe.split(",")]
+            peers = [endpoint(x, "--stripe") for x in _list(stripe, option="--stripe")]
             if source in peers or len(set(peers)) != len(peers):
                 raise MpsimError("--stripe peers must be distinct GPUs other than --src")
             parts = [(x.gpu, round(n * x.fraction)) for x in stripes_by_bandwidth(t, source, peers)]

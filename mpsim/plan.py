@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mpsim.datafile import read_data_file, validate
 from mpsim.errors import SchemaError
-from mpsim.schedule import SCHEDULES, check_schedule
+from mpsim.schedule import MAX_MICROBATCH, MAX_MICROBATCHES, SCHEDULES, check_schedule
 from mpsim.topology import Topology
 from mpsim.trace import Trace
 
@@ -47,8 +47,12 @@ DEFAULT_SPLIT_SLOWDOWN_PER_EXTRA_OP = 0.03
 split and merge copies themselves are under 1% of the run, TSPLIT V-B)."""
 
 
+MAX_SPLIT = 1024
+"""The most micro-ops a layer may be split into."""
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Stripe(_Strict):
@@ -60,11 +64,12 @@ class LayerAction(_Strict):
     layer: int = Field(description="layer index in the trace (0-based)")
     action: Literal["keep", "recompute", "host", "peer"] = "keep"
     peers: list[Stripe] = Field(default_factory=list, description="stripes of a peer swap; fractions sum to 1")
-    split: int = Field(default=1, description="micro-ops the layer runs as (TSPLIT p_num); 1 = not split")
+    split: int = Field(
+        default=1, le=MAX_SPLIT, description="micro-ops the layer runs as (TSPLIT p_num); 1 = not split")
     split_dim: Literal["batch", "sequence", "hidden"] | None = Field(
         default=None, description="dimension split along  [default: the layer's first splittable one]")
     split_slowdown: float | None = Field(
-        default=None, ge=1, description="layer time factor when split  [default: 1 + 0.03 (p - 1)]")
+        default=None, ge=1, le=1e3, description="layer time factor when split  [default: 1 + 0.03 (p - 1)]")
 
     def slowdown(self) -> float:
         if self.split <= 1:
@@ -88,13 +93,13 @@ class PlanFile(_Strict):
     schema_: int = Field(alias="schema", description="format version, currently 1")
     model: str = Field(description="trace the plan was made for")
     server: str = Field(description="topology the plan was made for")
-    microbatch: int = Field(gt=0)
-    microbatches: int = Field(gt=0)
+    microbatch: int = Field(gt=0, le=MAX_MICROBATCH)
+    microbatches: int = Field(gt=0, le=MAX_MICROBATCHES)
     schedule: Literal["gpipe", "1f1b", "pipedream"]
     strategy: str = Field(default="custom", description="what produced the plan")
-    stages: list[StagePlan] = Field(min_length=1)
+    stages: list[StagePlan] = Field(min_length=1, max_length=1024)
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(by_alias=True, exclude_defaults=False), indent=1)

@@ -24,6 +24,12 @@ ScheduleName = Literal["gpipe", "1f1b", "pipedream"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "pipedream")
 PIPEDREAM_ITERATIONS = 4
 PIPEDREAM_MEASURED = 2
+MAX_MICROBATCHES = 4096
+"""The most microbatches per iteration a job may have: one iteration simulates every one
+of them on every stage (PipeDream four iterations), so beyond this a run takes minutes and
+gigabytes without telling more."""
+MAX_MICROBATCH = 65536
+"""The largest microbatch size (samples) a trace is rescaled to."""
 """The measured PipeDream iteration: the third of four, past the fill and before the drain."""
 
 
@@ -37,6 +43,8 @@ def check_schedule(name: str, n_stages: int, n_microbatches: int) -> None:
         raise MpsimError(f"unknown schedule {name!r}: expected one of {', '.join(SCHEDULES)}")
     if n_microbatches < 1:
         raise MpsimError(f"--microbatches must be at least 1, got {n_microbatches}")
+    if n_microbatches > MAX_MICROBATCHES:
+        raise MpsimError(f"--microbatches must be at most {MAX_MICROBATCHES} per iteration, got {n_microbatches}")
     if name in ("1f1b", "pipedream") and n_microbatches < n_stages:
         raise MpsimError(
             f"{name} needs at least as many microbatches as stages to fill the pipeline: "

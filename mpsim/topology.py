@@ -21,29 +21,39 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mpsim.datafile import read_data_file, validate
 from mpsim.errors import MpsimError, SchemaError
-from mpsim.units import GiB, MiB, gbps_to_bytes_per_s
+from mpsim.units import MAX_BYTES, GiB, MiB, gbps_to_bytes_per_s
 
 SCHEMA_VERSION = 1
 
 
+# Sane ranges of physical quantities: wide enough for any real or imagined server, narrow
+# enough that every derived byte count and time stays a finite, exact number.
+MAX_MEMORY_MIB = MAX_BYTES // MiB
+MIN_GBPS, MAX_GBPS = 1e-6, 1e6
+"""Bandwidths from 1 kB/s to 1 PB/s."""
+MIN_TFLOPS, MAX_TFLOPS = 1e-6, 1e6
+MAX_LATENCY_US = 1e6
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class GpuSpec(_Strict):
     model: str = Field(description="GPU model name, e.g. V100-SXM2-32GB")
     count: int = Field(gt=0, le=64, description="number of GPUs in the server")
-    memory_mib: float = Field(gt=0, description="device memory as nvidia-smi reports it, MiB")
-    reserved_mib: float = Field(ge=0, default=300, description="CUDA context and allocator slack per GPU, MiB")
+    memory_mib: float = Field(gt=0, le=MAX_MEMORY_MIB, description="device memory as nvidia-smi reports it, MiB")
+    reserved_mib: float = Field(
+        ge=0, le=MAX_MEMORY_MIB, default=300, description="CUDA context and allocator slack per GPU, MiB")
     peak_tflops: dict[Literal["fp16", "bf16", "fp32", "tf32", "fp8"], float] = Field(
-        description="dense peak TFLOP/s per datatype (vendor datasheet)"
+        min_length=1, description="dense peak TFLOP/s per datatype (vendor datasheet)"
     )
-    memory_bandwidth_gbps: float = Field(gt=0, description="device memory bandwidth, GB/s")
+    memory_bandwidth_gbps: float = Field(ge=MIN_GBPS, le=MAX_GBPS, description="device memory bandwidth, GB/s")
     matmul_efficiency: float = Field(
-        gt=0, le=1, default=0.5, description="fraction of peak FLOP/s that a layer's math reaches"
+        ge=1e-3, le=1, default=0.5, description="fraction of peak FLOP/s that a layer's math reaches"
     )
     memory_efficiency: float = Field(
-        gt=0, le=1, default=0.8, description="fraction of memory bandwidth that element-wise work reaches"
+        ge=1e-3, le=1, default=0.8, description="fraction of memory bandwidth that element-wise work reaches"
     )
     peer_copy_engines: int = Field(
         default=2, ge=1, le=16, description="copies to peer GPUs a GPU runs at once (more queue)"
@@ -54,16 +64,17 @@ class GpuSpec(_Strict):
         if self.reserved_mib >= self.memory_mib:
             raise ValueError("reserved_mib must be smaller than memory_mib")
         for dtype, tflops in self.peak_tflops.items():
-            if tflops <= 0:
-                raise ValueError(f"peak_tflops.{dtype} must be positive")
+            if not MIN_TFLOPS <= tflops <= MAX_TFLOPS:
+                raise ValueError(f"peak_tflops.{dtype} must be between {MIN_TFLOPS:g} and {MAX_TFLOPS:g}")
         return self
 
 
 class HostSpec(_Strict):
-    memory_gib: float = Field(gt=0, description="host DRAM, GiB")
+    memory_gib: float = Field(gt=0, le=MAX_BYTES // GiB, description="host DRAM, GiB")
     sockets: int = Field(gt=0, le=8, description="CPU sockets")
     cpu_adam_gparams_per_s: float = Field(
-        gt=0, default=1.0, description="optimizer update rate on the CPU (ZeRO-Offload style), 1e9 params/s (estimate)")
+        ge=1e-6, le=1e6, default=1.0,
+        description="optimizer update rate on the CPU (ZeRO-Offload style), 1e9 params/s (estimate)")
 
 
 class NvlinkPair(_Strict):
@@ -72,34 +83,41 @@ class NvlinkPair(_Strict):
 
 
 class NvlinkSpec(_Strict):
-    link_bandwidth_gbps: float = Field(gt=0, description="effective bandwidth of one link per direction, GB/s")
-    latency_us: float = Field(ge=0, default=10.0, description="per-transfer setup latency, microseconds")
+    link_bandwidth_gbps: float = Field(
+        ge=MIN_GBPS, le=MAX_GBPS, description="effective bandwidth of one link per direction, GB/s")
+    latency_us: float = Field(
+        ge=0, le=MAX_LATENCY_US, default=10.0, description="per-transfer setup latency, microseconds")
     pairs: list[NvlinkPair] = Field(min_length=1, description="point-to-point NVLink bundles")
 
 
 class NvswitchSpec(_Strict):
     gpu_bandwidth_gbps: float = Field(
-        gt=0, description="effective bandwidth of each GPU into the fabric per direction, GB/s")
-    links_per_gpu: int = Field(gt=0, description="NVLinks from each GPU to the switches (shown as NV<n>)")
-    latency_us: float = Field(ge=0, default=10.0, description="per-transfer setup latency, microseconds")
+        ge=MIN_GBPS, le=MAX_GBPS, description="effective bandwidth of each GPU into the fabric per direction, GB/s")
+    links_per_gpu: int = Field(gt=0, le=64, description="NVLinks from each GPU to the switches (shown as NV<n>)")
+    latency_us: float = Field(
+        ge=0, le=MAX_LATENCY_US, default=10.0, description="per-transfer setup latency, microseconds")
 
 
 class PcieSwitch(_Strict):
     name: str
-    socket: int = Field(ge=0, description="CPU socket the switch's uplink goes to")
-    gpus: list[int] = Field(min_length=1, description="GPU indices below this switch")
-    uplink_gbps: float = Field(gt=0, description="effective switch-to-CPU bandwidth per direction, GB/s")
+    socket: int = Field(ge=0, le=7, description="CPU socket the switch's uplink goes to")
+    gpus: list[int] = Field(min_length=1, max_length=64, description="GPU indices below this switch")
+    uplink_gbps: float = Field(
+        ge=MIN_GBPS, le=MAX_GBPS, description="effective switch-to-CPU bandwidth per direction, GB/s")
 
 
 class PcieSpec(_Strict):
-    gpu_link_gbps: float = Field(gt=0, description="effective GPU-to-switch bandwidth per direction, GB/s")
-    latency_us: float = Field(ge=0, default=10.0, description="per-transfer setup latency, microseconds")
+    gpu_link_gbps: float = Field(
+        ge=MIN_GBPS, le=MAX_GBPS, description="effective GPU-to-switch bandwidth per direction, GB/s")
+    latency_us: float = Field(
+        ge=0, le=MAX_LATENCY_US, default=10.0, description="per-transfer setup latency, microseconds")
     switches: list[PcieSwitch] = Field(min_length=1)
 
 
 class SocketLinkSpec(_Strict):
     name: str = Field(default="QPI", description="QPI, UPI, Infinity Fabric ...")
-    bandwidth_gbps: float = Field(gt=0, description="effective socket-to-socket bandwidth per direction, GB/s")
+    bandwidth_gbps: float = Field(
+        ge=MIN_GBPS, le=MAX_GBPS, description="effective socket-to-socket bandwidth per direction, GB/s")
 
 
 class TopologyFile(_Strict):
@@ -115,7 +133,7 @@ class TopologyFile(_Strict):
     pcie: PcieSpec
     socket_link: SocketLinkSpec | None = None
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,13 +24,22 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mpsim.datafile import read_data_file, validate
 from mpsim.errors import MpsimError, SchemaError
+from mpsim.schedule import MAX_MICROBATCH
 from mpsim.topology import GpuSpec
+from mpsim.units import MAX_BYTES
 
 SCHEMA_VERSION = 1
 
 
+MAX_FLOPS = 1e21
+"""Per layer and microbatch (a zettaFLOP): far beyond any layer, so times stay finite."""
+MAX_MS = 1e7
+"""A measured layer time of at most about three hours."""
+MAX_PARAMS = 2**50
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Precision(_Strict):
@@ -40,9 +49,9 @@ class Precision(_Strict):
 
     recipe: Literal["mixed-fp16", "mixed-bf16", "fp32"] = "mixed-fp16"
     compute_dtype: Literal["fp16", "bf16", "fp32"] = "fp16"
-    weight_bytes_per_param: int = Field(default=2, gt=0)
-    grad_bytes_per_param: int = Field(default=2, gt=0)
-    optimizer_bytes_per_param: int = Field(default=12, ge=0, description="master weights + Adam moments")
+    weight_bytes_per_param: int = Field(default=2, gt=0, le=64)
+    grad_bytes_per_param: int = Field(default=2, gt=0, le=64)
+    optimizer_bytes_per_param: int = Field(default=12, ge=0, le=256, description="master weights + Adam moments")
 
 
 RECIPES: dict[str, Precision] = {
@@ -70,24 +79,27 @@ LayerKind = Literal["embedding", "transformer", "head", "other"]
 class LayerRow(_Strict):
     name: str
     kind: LayerKind
-    params: int = Field(ge=0)
-    param_bytes: int = Field(ge=0, description="working-precision weights")
-    grad_bytes: int = Field(ge=0)
-    optimizer_bytes: int = Field(ge=0, description="master weights and optimizer moments")
-    act_bytes: int = Field(ge=0, description="saved for backward, layer input included when saves_input")
+    params: int = Field(ge=0, le=MAX_PARAMS)
+    param_bytes: int = Field(ge=0, le=MAX_BYTES, description="working-precision weights")
+    grad_bytes: int = Field(ge=0, le=MAX_BYTES)
+    optimizer_bytes: int = Field(ge=0, le=MAX_BYTES, description="master weights and optimizer moments")
+    act_bytes: int = Field(ge=0, le=MAX_BYTES, description="saved for backward, layer input included when saves_input")
     saves_input: bool = Field(description="whether the layer's input is among its saved tensors")
-    input_bytes: int = Field(ge=0)
-    output_bytes: int = Field(ge=0, description="what crosses a stage boundary after this layer")
-    workspace_bytes: int = Field(ge=0, description="largest transient tensor of the forward, freed within the layer")
+    input_bytes: int = Field(ge=0, le=MAX_BYTES)
+    output_bytes: int = Field(ge=0, le=MAX_BYTES, description="what crosses a stage boundary after this layer")
+    workspace_bytes: int = Field(
+        ge=0, le=MAX_BYTES, description="largest transient tensor of the forward, freed within the layer")
     bwd_workspace_bytes: int | None = Field(
-        default=None, ge=0, description="transient bytes of the backward beyond the input gradient (measured traces); "
-                                        "absent: taken equal to workspace_bytes")
-    fwd_flops: float = Field(ge=0)
-    bwd_flops: float = Field(ge=0)
-    fwd_mem_bytes: float = Field(ge=0, description="bytes read and written by the forward's non-matmul ops")
-    bwd_mem_bytes: float = Field(ge=0)
-    fwd_ms: float | None = Field(default=None, gt=0, description="measured forward time")
-    bwd_ms: float | None = Field(default=None, gt=0, description="measured backward time")
+        default=None, ge=0, le=MAX_BYTES,
+        description="transient bytes of the backward beyond the input gradient (measured traces); "
+                    "absent: taken equal to workspace_bytes")
+    fwd_flops: float = Field(ge=0, le=MAX_FLOPS)
+    bwd_flops: float = Field(ge=0, le=MAX_FLOPS)
+    fwd_mem_bytes: float = Field(
+        ge=0, le=MAX_BYTES, description="bytes read and written by the forward's non-matmul ops")
+    bwd_mem_bytes: float = Field(ge=0, le=MAX_BYTES)
+    fwd_ms: float | None = Field(default=None, gt=0, le=MAX_MS, description="measured forward time")
+    bwd_ms: float | None = Field(default=None, gt=0, le=MAX_MS, description="measured backward time")
     split_dims: list[Literal["batch", "sequence", "hidden"]] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -101,19 +113,21 @@ class TraceFile(_Strict):
     schema_: int = Field(alias="schema")
     name: str
     model: dict = Field(description="family and shape: family, layers, hidden, heads, seq_len, vocab ...")
-    params: int = Field(gt=0, description="unique model parameters")
-    microbatch: int = Field(gt=0)
+    params: int = Field(gt=0, le=MAX_PARAMS, description="unique model parameters")
+    microbatch: int = Field(gt=0, le=MAX_MICROBATCH)
     precision: Precision = Precision()
     source: Source
     scaling: Scaling = Scaling()
-    layers: list[LayerRow] = Field(min_length=1)
+    layers: list[LayerRow] = Field(min_length=1, max_length=100_000)
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
 
 _SCALED = ("act_bytes", "input_bytes", "output_bytes", "workspace_bytes", "fwd_flops", "bwd_flops",
            "fwd_mem_bytes", "bwd_mem_bytes")
 _SCALED_OPTIONAL = ("fwd_ms", "bwd_ms", "bwd_workspace_bytes")
+_BYTE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "act_bytes", "input_bytes", "output_bytes",
+                "workspace_bytes", "bwd_workspace_bytes")
 
 
 @dataclass(frozen=True)
@@ -130,6 +144,15 @@ class Trace:
     def __init__(self, spec: TraceFile, source: str = "") -> None:
         if spec.schema_ != SCHEMA_VERSION:
             raise SchemaError(source, "schema", f"expected {SCHEMA_VERSION}, got {spec.schema_}")
+        rows = spec.layers
+        if not any(r.fwd_flops or r.bwd_flops or r.fwd_mem_bytes or r.bwd_mem_bytes or r.fwd_ms or r.bwd_ms
+                   for r in rows):
+            raise SchemaError(source, "layers", "every layer has zero FLOPs, no bytes moved and no measured time: "
+                                                "expected some work to simulate")
+        total = sum(getattr(r, k) or 0 for r in rows for k in _BYTE_FIELDS)
+        if total > MAX_BYTES:
+            raise SchemaError(source, "layers", f"the layers' bytes add up to {total:.3g}, expected at most 1 PiB "
+                                                f"({MAX_BYTES}) in all at microbatch {spec.microbatch}")
         self.spec = spec
         self.source = source
 
@@ -169,6 +192,8 @@ class Trace:
         """The same model at another microbatch size, by the linear rule in the module doc."""
         if microbatch <= 0:
             raise MpsimError(f"microbatch must be a positive integer, got {microbatch}")
+        if microbatch > MAX_MICROBATCH:
+            raise MpsimError(f"microbatch must be at most {MAX_MICROBATCH} samples, got {microbatch}")
         if microbatch == self.microbatch:
             return self
         f = microbatch / self.microbatch
@@ -217,6 +242,8 @@ class Trace:
                         else r.fwd_flops / flops_rate + r.fwd_mem_bytes / mem_rate for r in rows])
         bwd = np.array([r.bwd_ms * 1e-3 if r.bwd_ms is not None
                         else r.bwd_flops / flops_rate + r.bwd_mem_bytes / mem_rate for r in rows])
+        if not (np.isfinite(fwd).all() and np.isfinite(bwd).all()):
+            raise MpsimError(f"{self.name}: layer times on a {gpu.model} are not finite numbers")
         return LayerTimes(fwd, bwd)
 
 

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 MiB = 1024**2
 GiB = 1024**3
+PiB = 1024**5
+
+MAX_BYTES = PiB
+"""The largest byte count mpsim accepts anywhere (a size, a field of a trace, a trace's
+total): far beyond any server, and small enough that sums over every microbatch of a
+job stay exact in 64-bit integers."""
 
 
 def gbps_to_bytes_per_s(gbps: float) -> float:
@@ -30,4 +36,6 @@ def parse_bytes(text: str) -> int:
     n = float(m.group(1)) * _BYTE_UNITS.get(unit, 1)
     if n <= 0:
         raise ValueError(f"a size must be positive: {text!r}")
+    if n > MAX_BYTES:
+        raise ValueError(f"a size must be at most 1 PiB ({MAX_BYTES} bytes): {text!r}")
     return int(round(n))

@@ -223,7 +223,100 @@ BAD = [
      "--size: not a size: 'lots'"),
     ("transfer with dst and stripe", lambda t: ["topo", "transfer", "--src", "0", "--dst", "1", "--stripe", "2",
                                                 "--size", "1MB"], "give exactly one of --dst and --stripe"),
+    # non-finite and absurd numbers, refused at load rather than overflowing later
+    ("infinite memory", lambda t: ["topo", "check", _topo_text(t, "memory_mib: .inf")],
+     "server.yaml: gpu.memory_mib: Input should be a finite number"),
+    ("memory beyond a float", lambda t: ["topo", "show", _topo_text(t, "memory_mib: 1e400")],
+     "server.yaml: gpu.memory_mib: Input should be a finite number"),
+    ("memory beyond 1 PiB", lambda t: ["simulate", "--server", _topo(t, _set(["gpu", "memory_mib"], 2.0**31))],
+     "server.yaml: gpu.memory_mib: Input should be less than or equal to 1073741824"),
+    ("a bandwidth of zero", lambda t: ["topo", "check", _topo(t, _set(["pcie", "gpu_link_gbps"], 0))],
+     "server.yaml: pcie.gpu_link_gbps: Input should be greater than or equal to 0.000001"),
+    ("no peak FLOP/s", lambda t: ["topo", "check", _topo(t, _set(["gpu", "peak_tflops"], {}))],
+     "server.yaml: gpu.peak_tflops: Dictionary should have at least 1 item"),
+    ("no NVLink pairs", lambda t: ["topo", "check", _topo(t, _set(["nvlink", "pairs"], []))],
+     "server.yaml: nvlink.pairs: List should have at least 1 item"),
+    ("infinite FLOPs", lambda t: ["simulate", "--model", _trace(t, _set(["layers", 1, "fwd_flops"], float("inf")))],
+     "model.json: layers.1.fwd_flops: Input should be a finite number"),
+    ("NaN FLOPs", lambda t: ["simulate", "--model", _trace(t, _set(["layers", 1, "bwd_flops"], float("nan")))],
+     "model.json: layers.1.bwd_flops: Input should be a finite number"),
+    ("a 30-digit byte count", lambda t: ["simulate", "--model", _trace(t, _set(["layers", 2, "act_bytes"], 10**30))],
+     "model.json: layers.2.act_bytes: Input should be less than or equal to 1125899906842624"),
+    ("bytes adding up past 1 PiB", lambda t: ["simulate", "--model", _trace(t, _all_layers("param_bytes", 2**46))],
+     "model.json: layers: the layers' bytes add up to"),
+    ("no work in any layer", lambda t: ["simulate", "--model", _trace(t, _no_work)],
+     "model.json: layers: every layer has zero FLOPs, no bytes moved and no measured time"),
+    ("no layers", lambda t: ["simulate", "--model", _trace(t, _set(["layers"], []))],
+     "model.json: layers: List should have at least 1 item"),
+    ("infinite plan fraction", lambda t: ["simulate", "--plan", _plan(t, lambda d: d["stages"][0]["actions"].append(
+        {"layer": 1, "action": "peer", "peers": [{"gpu": 1, "fraction": float("inf")}]}))],
+     "plan.json: stages.0.actions.0.peers.0.fraction: Input should be a finite number"),
+    ("plan with too many microbatches", lambda t: ["simulate", "--plan", _plan(t, _set(["microbatches"], 10**6))],
+     "plan.json: microbatches: Input should be less than or equal to 4096"),
+    ("plan split absurdly", lambda t: ["simulate", "--plan", _plan(t, lambda d: d["stages"][0]["actions"].append(
+        {"layer": 1, "split": 10**9}))], "plan.json: stages.0.actions.0.split: Input should be less than or equal"),
+    # text that is not UTF-8, and repeated keys
+    ("topology not UTF-8", lambda t: ["topo", "check", _bytes(t, "server.yaml", b"schema: 1\nname: gpu\xff\n")],
+     "server.yaml: not UTF-8 text (byte 19, line 2): expected a topology file in YAML"),
+    ("trace not UTF-8", lambda t: ["simulate", "--model", _bytes(t, "model.json", b'{"name": "\xe9"}')],
+     "model.json: not UTF-8 text (byte 10, line 1): expected a trace file in JSON"),
+    ("plan not UTF-8", lambda t: ["simulate", "--plan", _bytes(t, "plan.json", b"\xfe\xff{}")],
+     "plan.json: not UTF-8 text (byte 0, line 1): expected a plan file in JSON"),
+    ("duplicate YAML key", lambda t: ["topo", "check", _topo_text(t, "memory_mib: 32510\n  memory_mib: 16000")],
+     "server.yaml: not valid YAML at line 11: duplicate key 'memory_mib' (first at line 10)"),
+    ("duplicate JSON key", lambda t: ["simulate", "--model", _bytes(t, "model.json", b'{"schema": 1, "schema": 1}')],
+     "model.json: schema: duplicate key"),
+    # options
+    ("fits with microbatch 0", lambda t: ["fits", "--microbatch", "0"], "microbatch must be a positive integer, got 0"),
+    ("absurd microbatch count", lambda t: ["simulate", "--microbatches", "100000"],
+     "--microbatches must be at most 4096 per iteration, got 100000"),
+    ("absurd microbatch count in plan", lambda t: ["plan", "--microbatches", "5000", "-o", str(t / "p.json")],
+     "--microbatches must be at most 4096 per iteration, got 5000"),
+    ("absurd microbatch count in fits", lambda t: ["fits", "--microbatches", "5000"],
+     "--microbatches must be at most 4096 per iteration, got 5000"),
+    ("absurd microbatch count in sweep", lambda t: ["sweep", "--microbatches", "5000", "--csv", str(t / "s.csv")],
+     "--microbatches must be at most 4096 per iteration, got 5000"),
+    ("absurd microbatch size", lambda t: ["simulate", "--microbatch", str(10**30)],
+     "microbatch must be at most 65536 samples"),
+    ("transfer of an absurd size", lambda t: ["topo", "transfer", "--src", "0", "--dst", "host", "--size", "1e30"],
+     "--size: a size must be at most 1 PiB"),
+    ("empty item in a list", lambda t: ["sweep", "--microbatch", "1,,2", "--csv", str(t / "s.csv")],
+     "--microbatch: expected a comma-separated list without empty items, got '1,,2'"),
+    ("trailing comma", lambda t: ["fits", "--strategy", "none,"],
+     "--strategy: expected a comma-separated list without empty items"),
+    ("empty size item", lambda t: ["topo", "transfer", "--src", "0", "--dst", "host", "--size", "1MB,,2MB"],
+     "--size: expected a comma-separated list without empty items"),
 ]
+
+
+def _topo_text(tmp_path, replacement: str) -> str:
+    """The shipped DGX-1 file with its ``memory_mib`` line replaced as text (YAML spellings)."""
+    import re
+
+    text = re.sub(r"memory_mib: .*", replacement, (ROOT / "topologies" / "dgx1-v100.yaml").read_text(), count=1)
+    p = tmp_path / "server.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def _bytes(tmp_path, name: str, data: bytes) -> str:
+    p = tmp_path / name
+    p.write_bytes(data)
+    return str(p)
+
+
+def _all_layers(key, value):
+    def mutate(d):
+        for row in d["layers"]:
+            row[key] = value
+    return mutate
+
+
+def _no_work(d):
+    for row in d["layers"]:
+        row.update(fwd_flops=0, bwd_flops=0, fwd_mem_bytes=0, bwd_mem_bytes=0)
+        row.pop("fwd_ms", None)
+        row.pop("bwd_ms", None)
 
 
 def _plan(tmp_path, mutate) -> str:
