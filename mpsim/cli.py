@@ -41,6 +41,15 @@ def _write_json(target: str | None, data: dict) -> None:
         Path(target).write_text(text + "\n")
 
 
+def _warn_measured_elsewhere(trace, topo) -> None:
+    """One line on stderr when a measured trace's times come from another kind of device."""
+    from mpsim.trace import measured_elsewhere
+
+    line = measured_elsewhere(trace, topo.spec.gpu.model, topo.name)
+    if line:
+        click.echo(f"mpsim: warning: {line}", err=True)
+
+
 def _progress(what: str):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -118,6 +127,7 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
     if plan is not None:
         trace = trace.rescale(plan.microbatch)
         check_plan(plan, topo, trace, str(plan_path))  # errors name the file
+    _warn_measured_elsewhere(trace, topo)
     result = run(topo, trace, schedule, microbatch, microbatches, n_stages=stages, strategy=strategy,
                  plan_file=plan, record_link_rates=chrome_trace is not None, partition=partition)
     if json_out != "-":
@@ -144,10 +154,13 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
     runs it again, and the file can be edited by hand. Exits 1 when the plan does not fit.
     """
     from mpsim.api import plan as make
+    from mpsim.catalog import load_topology, load_trace
     from mpsim.plan import write_plan_file
     from mpsim.report import plan_text, simulate_text
 
-    planned = make(server or "dgx1-v100", model or "gpt-5.3b", schedule, microbatch, microbatches, n_stages=stages,
+    topo, trace = load_topology(server or "dgx1-v100"), load_trace(model or "gpt-5.3b")
+    _warn_measured_elsewhere(trace, topo)
+    planned = make(topo, trace, schedule, microbatch, microbatches, n_stages=stages,
                    strategy=strategy, partition=partition)
     write_plan_file(planned.plan, output)
     if json_out != "-":

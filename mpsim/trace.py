@@ -247,6 +247,39 @@ class Trace:
         return LayerTimes(fwd, bwd)
 
 
+_GENERIC_WORDS = {"NVIDIA", "TESLA", "GEFORCE", "QUADRO", "SXM", "SXM2", "SXM3", "SXM4", "SXM5", "PCIE", "HBM2",
+                  "HBM2E", "HBM3", "HBM3E", "NVL", "TI"}
+
+
+def _device_kind(name: str) -> frozenset[str]:
+    """What identifies a device name: {"CPU"}, or the GPU model's numbered words (V100,
+    H100, 1080 ...), empty when it names none (TITAN RTX, a hand-written trace)."""
+    import re
+
+    if name.strip().lower().startswith("cpu"):
+        return frozenset({"CPU"})
+    words = {w for w in re.split(r"[^A-Za-z0-9]+", name.upper()) if w} - _GENERIC_WORDS
+    return frozenset(w for w in words if re.search(r"\d", w) and not re.fullmatch(r"\d+GB", w))
+
+
+def measured_elsewhere(trace: Trace, gpu_model: str, server: str) -> str | None:
+    """One line when ``trace`` holds times measured on another kind of device than the
+    server's GPUs (a CPU-measured trace simulated on a GPU server, say); else None. The
+    measured times are used as they are, so the result describes that device, not the GPU."""
+    source = trace.spec.source
+    if source.kind != "measured" or not source.device or not any(r.fwd_ms or r.bwd_ms for r in trace.layers):
+        return None
+    measured, target = _device_kind(source.device), _device_kind(gpu_model)
+    if "CPU" in measured | target:
+        differ = measured != target
+    else:  # two GPUs: different when both are named and share no model number
+        differ = bool(measured and target and not measured & target)
+    if not differ:
+        return None
+    return (f"{trace.name}: times measured on {source.device}, but {server} has {gpu_model} GPUs; "
+            "the measured times are used as they are")
+
+
 def parse_trace(data: object, source: str = "<trace>") -> Trace:
     return Trace(validate(TraceFile, data, source), source)
 

@@ -346,3 +346,41 @@ def test_yaml_syntax_error_names_the_line(capsys, tmp_path):
     p.write_text("schema: 1\ngpu: [unclosed\n")
     code, _, err = run(capsys, "topo", "check", str(p))
     assert code == 2 and "broken.yaml: not valid YAML at line" in err
+
+
+def _measured_trace(tmp_path, device: str) -> str:
+    from helpers import layer, trace_dict
+
+    d = trace_dict([layer(f"l{i}", 1.0, 2.0, act=1000, out=100, inp=100) for i in range(8)])
+    d["source"] = {"kind": "measured", "device": device}
+    p = tmp_path / "measured.json"
+    p.write_text(json.dumps(d))
+    return str(p)
+
+
+def test_a_cpu_measured_trace_on_a_gpu_server_warns_in_one_line(capsys, tmp_path):
+    trace = _measured_trace(tmp_path, "cpu (x86_64, 1 thread)")
+    code, out, err = run(capsys, "simulate", "--model", trace, "--microbatches", "8")
+    assert code == 0 and "iteration" in out
+    assert err.strip().splitlines() == [
+        "mpsim: warning: toy: times measured on cpu (x86_64, 1 thread), but dgx1-v100 has V100-SXM2-32GB GPUs; "
+        "the measured times are used as they are"]
+    code, _, err = run(capsys, "plan", "--model", trace, "--microbatches", "8", "-o", str(tmp_path / "p.json"))
+    assert code == 0 and err.count("mpsim: warning: toy: times measured on cpu") == 1
+
+
+@pytest.mark.parametrize("device,server,warns", [
+    ("NVIDIA H100 80GB HBM3", "dgx1-v100", True),
+    ("NVIDIA H100 80GB HBM3", "h100-x1", False),
+    ("Tesla V100-SXM2-32GB", "dgx1-v100", False),
+    ("hand-written", "dgx1-v100", False),
+])
+def test_measured_trace_warning_compares_device_kinds(capsys, tmp_path, device, server, warns):
+    from mpsim.catalog import load_topology, load_trace
+    from mpsim.trace import measured_elsewhere
+
+    topo = load_topology(server)
+    line = measured_elsewhere(load_trace(_measured_trace(tmp_path, device)), topo.spec.gpu.model, topo.name)
+    assert (line is not None) == warns
+    if warns:
+        assert device in line and topo.spec.gpu.model in line  # type: ignore[operator]
