@@ -538,7 +538,8 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
     (or takes --server), simulates the plan, runs it with the PyTorch executor
     (validate/executor.py, one process per stage under torchrun) and prints per stage the
     predicted and measured peak memory with its breakdown, and the iteration time, with
-    the errors in percent. An out-of-memory during the run is reported as a result.
+    the errors in percent. An out-of-memory during the run is reported as a result
+    (stage, step, phase) under either schedule, and exits 1.
     """
     from mpsim.catalog import load_topology, load_trace
     from mpsim.hardware_check import RunSettings, validate_plan, validation_text
@@ -573,6 +574,8 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
     if json_out != "-":
         click.echo(validation_text(report))
     _write_json(json_out, report)
+    if report["oom"]:
+        sys.exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -217,16 +217,16 @@ def validation_text(report: dict) -> str:
             f"{'weights':>17} {'grads':>17} {'optimizer':>17} {'other':>17}")
     lines += [head, f"{'':>5} {'':>8}  {'predicted  measured':>20} {'':>7}   " + "   pred / meas    " * 4]
     for row in report["stages"]:
-        a, b = row["layers"]
+        a, b = row["layers"]  # half-open, as in the plan
         pb = row["predicted_breakdown"]
         if "measured_peak_bytes" in row:
             mb = row["measured_breakdown"]
             cells = "".join(f" {_mib(pb[k]).strip():>8}/{_mib(mb[k]).strip():<8}" for k in (*STATIC, "activations"))
-            lines.append(f"{row['stage']:>5} {f'{a}-{b - 1}':>8}  {_mib(row['predicted_peak_bytes'])} "
+            lines.append(f"{row['stage']:>5} {f'[{a}, {b})':>8}  {_mib(row['predicted_peak_bytes'])} "
                          f"{_mib(row['measured_peak_bytes'])} {row['peak_error_pct']:+6.1f}%  {cells}")
         else:
-            lines.append(f"{row['stage']:>5} {f'{a}-{b - 1}':>8}  {_mib(row['predicted_peak_bytes'])} {'-':>9}")
-    lines.append("")
+            lines.append(f"{row['stage']:>5} {f'[{a}, {b})':>8}  {_mib(row['predicted_peak_bytes'])} {'-':>9}")
+    lines += ["(memory in MiB = 2^20 bytes; layers [a, b) = a to b - 1, as in the plan)", ""]
     if report["oom"]:
         o = report["oom"]
         pred = "predicted it" if not report["predicted_fits"] else "the simulator predicted it fits"

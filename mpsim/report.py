@@ -27,36 +27,51 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.2f}"
 
 
+def layer_range(layers: tuple[int, int] | list[int] | None) -> str:
+    """A stage's layers as in plan and JSON files, half-open: ``[0, 5)`` is layers 0 to 4."""
+    if not layers:
+        return "-"
+    return f"[{layers[0]}, {layers[1]})"
+
+
+#: The legend under tables with memory and layer columns.
+UNITS_LEGEND = "memory in GiB = 2^30 bytes; layers [a, b) = a to b - 1, as in plan and JSON files"
+
+
 def simulate_text(r: SimResult) -> str:
+    """The verdict first (fits, or where it ran out), then the per-GPU table, the
+    techniques, iteration time and throughput."""
     cats = ["params", "grads", "optimizer", "activations", "stash", "buffers", "workspace"]
     header = ["gpu", "stage", "layers", "peak GiB", "capacity GiB", "fits"] + [c for c in cats]
     rows = []
     for g in r.gpus:
-        layers = f"{g.layers[0]}-{g.layers[1] - 1}" if g.layers else "-"
-        rows.append([str(g.gpu), "-" if g.stage is None else str(g.stage), layers, _gib(g.peak_bytes),
+        rows.append([str(g.gpu), "-" if g.stage is None else str(g.stage), layer_range(g.layers), _gib(g.peak_bytes),
                      _gib(g.capacity_bytes), "yes" if g.fits else "NO"] + [_gib(g.breakdown[c]) for c in cats])
-    head = (f"{r.model} on {r.server}: {r.schedule}, microbatch {r.microbatch} x {r.microbatches}, "
-            f"strategy {r.strategy}")
-    lines = [head, "", _table(header, rows), "(breakdown columns in GiB at each GPU's peak)", ""]
+    job = (f"{r.model} on {r.server}: {r.schedule}, microbatch {r.microbatch} x {r.microbatches}, "
+           f"strategy {r.strategy}")
+    if r.oom:
+        o = r.oom
+        lines = [f"DOES NOT FIT: {job}",
+                 f"  GPU {o['gpu']} ran out at {o['time_s'] * 1e3:.1f} ms during {o['task']}: "
+                 f"needed {_gib(o['need_bytes'])} GiB with {_gib(o['free_bytes'])} GiB free"]
+    else:
+        lines = [f"FITS on every GPU: {job}"]
+    lines += ["", _table(header, rows), f"(breakdown at each GPU's peak; {UNITS_LEGEND})", ""]
     technique = techniques_text(r)
     if technique:
         lines += [technique, ""]
     if r.host_peak_bytes:
         lines.append(f"host memory   {_gib(r.host_peak_bytes)} GiB pinned at the peak of "
                      f"{_gib(r.host_capacity_bytes)} GiB")
+    if r.oom:
+        lines.append("(time and throughput of the whole demand, as if the GPUs had the memory)")
     lines.append(f"iteration     {r.iteration_s * 1e3:.1f} ms")
     lines.append(f"throughput    {r.samples_per_s:.2f} samples/s, {r.model_tflops:.1f} model TFLOP/s")
     utilization = {k: u for k, u in r.link_utilization().items() if r.links[k]["bytes"]}
     if utilization:
         name = max(utilization, key=lambda k: (utilization[k], k))
         lines.append(f"busiest link  {name}: busy {100 * utilization[name]:.1f}% of the run, "
-                     f"{r.links[name]['bytes'] / 1e9:.2f} GB carried")
-    if r.oom:
-        o = r.oom
-        lines.append(f"DOES NOT FIT: GPU {o['gpu']} ran out at {o['time_s'] * 1e3:.1f} ms during {o['task']}: "
-                     f"needed {_gib(o['need_bytes'])} GiB with {_gib(o['free_bytes'])} GiB free")
-    else:
-        lines.append("fits on every GPU")
+                     f"{r.links[name]['bytes'] / 1e9:.2f} GB (10^9 bytes) carried")
     return "\n".join(lines)
 
 
@@ -84,11 +99,12 @@ def plan_text(plan: PlanFile) -> str:
         acts = [x.action for x in st.actions]
         counted = {k: acts.count(k) for k in ("recompute", "host", "peer")}
         keep = (b - a) - sum(counted.values())
-        rows.append([str(s), str(st.gpu), f"{a}-{b - 1}", str(keep), str(counted["recompute"]), str(counted["host"]),
-                     str(counted["peer"]), str(sum(1 for x in st.actions if x.split > 1)), st.optimizer, st.stash])
+        rows.append([str(s), str(st.gpu), layer_range(st.layers), str(keep), str(counted["recompute"]),
+                     str(counted["host"]), str(counted["peer"]), str(sum(1 for x in st.actions if x.split > 1)),
+                     st.optimizer, st.stash])
     head = (f"plan {plan.strategy} for {plan.model} on {plan.server}: {plan.schedule}, "
             f"microbatch {plan.microbatch} x {plan.microbatches}")
-    return head + "\n\n" + _table(header, rows)
+    return head + "\n\n" + _table(header, rows) + "\n(layers [a, b) are a to b - 1, half-open as in the plan file)"
 
 
 def fits_strategies_text(reports: list[FitsReport]) -> str:
@@ -128,6 +144,7 @@ def transfer_text(d: dict) -> str:
                   else " > ".join(c["route"]))
         rows.append([f"{c['bytes'] / 1e6:.4g}", f"{c['seconds'] * 1e3:.3f}", f"{c['effective_gbps']:.2f}", detail])
     lines.append(_table(["MB", "ms", "effective GB/s", "parts" if d["stripe"] else "route"], rows))
+    lines.append("(decimal units: MB = 10^6 bytes, GB/s = 10^9 bytes/s)")
     return "\n".join(lines)
 
 
@@ -143,7 +160,8 @@ def topo_text(t: Topology) -> str:
     names = [f"GPU{i}" for i in range(n)]
     lines.append(_table([""] + names + ["socket"], [[names[a]] + d["connection"][a] + [str(t.socket_of(a))]
                                                     for a in range(n)]))
-    lines += ["", "route bandwidth GB/s (row sends to column; host = pinned memory on the local socket)"]
+    lines += ["", "route bandwidth in GB/s = 10^9 bytes/s (row sends to column; host = pinned memory on the "
+                  "local socket)"]
     rows = []
     for a in range(n):
         cells = ["X" if b == a else f"{t.route(a, b).bandwidth / 1e9:.1f}" for b in range(n)]
@@ -195,42 +213,80 @@ def write_chrome_trace(r: SimResult, path: Path) -> None:
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
-def plot_memory(r: SimResult, path: Path) -> None:
-    """Memory over time per GPU, with each GPU's capacity as a dashed line; below it, the
-    swap-outs and swap-ins of each GPU (host and D2D) as bars on the same time axis."""
+#: Swap lanes of the memory plot: (colour, hatch, label) by target and direction.
+SWAP_STYLES = {("host", "out"): ("tab:red", "", "to host"), ("host", "in"): ("tab:green", "", "from host"),
+               ("peer", "out"): ("tab:purple", "////", "to peer GPU (D2D)"),
+               ("peer", "in"): ("tab:blue", "////", "from peer GPU (D2D)")}
+
+
+def memory_figure(r: SimResult):
+    """The figure of ``plot_memory`` (matplotlib, Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     swaps = [s for s in r.spans if s.lane in ("d2h", "h2d") or s.name.startswith("D2D")]
-    fig, axes = plt.subplots(2 if swaps else 1, 1, figsize=(10, 7 if swaps else 5), sharex=True,
+    fig, axes = plt.subplots(2 if swaps else 1, 1, figsize=(12, 7 if swaps else 5), sharex=True,
                              gridspec_kw={"height_ratios": [3, 1]} if swaps else None, squeeze=False)
     ax = axes[0][0]
     for g in r.gpus:
-        if g.stage is None and not g.breakdown.get("peer_swap"):
+        if g.stage is None and not g.breakdown.get("peer_swap") and not (r.oom and r.oom["gpu"] == g.gpu):
             continue
         t, u = _downsample(g.memory_times_s, g.memory_used_bytes)
         label = f"GPU {g.gpu}" + (f" (stage {g.stage})" if g.stage is not None else "")
         ax.step(t * 1e3, u / GiB, where="post", label=label)
-    cap = r.gpus[0].capacity_bytes / GiB
-    ax.axhline(cap, color="k", linestyle="--", linewidth=1, label=f"capacity {cap:.1f} GiB")
+    caps = sorted({g.capacity_bytes for g in r.gpus})
+    for cap_bytes in caps:
+        cap = cap_bytes / GiB
+        ax.axhline(cap, color="k", linestyle="--", linewidth=1, label=f"capacity {cap:.2f} GiB")
+    if r.oom:
+        o = r.oom
+        g = r.gpus[o["gpu"]]
+        used = (g.capacity_bytes - o["free_bytes"]) / GiB
+        x = o["time_s"] * 1e3
+        ax.plot([x, x], [used, used + o["need_bytes"] / GiB], color="tab:red", linewidth=2)
+        ax.plot([x], [used], marker="X", markersize=11, color="tab:red", linestyle="none",
+                label=f"out of memory: GPU {o['gpu']} at {x:.1f} ms")
+        ax.annotate(f"out of memory on GPU {o['gpu']} at {x:.1f} ms:\nneeded {_gib(o['need_bytes'])} GiB, "
+                    f"{_gib(o['free_bytes'])} GiB free", xy=(x, used), xytext=(14, 14), textcoords="offset points",
+                    fontsize=8, color="tab:red", bbox={"facecolor": "white", "alpha": 0.9, "edgecolor": "tab:red"})
     ax.set_ylabel("allocated (GiB)")
-    ax.set_title(f"{r.model} on {r.server}, {r.schedule}, microbatch {r.microbatch} x {r.microbatches}, "
-                 f"strategy {r.strategy}")
-    ax.legend(fontsize=7, ncol=2, loc="upper right")
+    verdict = "DOES NOT FIT" if r.oom else "fits"
+    ax.set_title(f"{verdict}: {r.model} on {r.server}, {r.schedule}, microbatch {r.microbatch} x "
+                 f"{r.microbatches}, strategy {r.strategy}", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     if swaps:
         lane_ax = axes[1][0]
+        used_styles: dict[tuple[str, str], None] = {}
         for s in swaps:
-            out = s.lane == "d2h" or "swap-out" in s.name
+            target = "peer" if s.name.startswith("D2D") else "host"
+            way = "out" if s.lane == "d2h" or "swap-out" in s.name else "in"
+            colour, hatch, _ = SWAP_STYLES[target, way]
+            used_styles[target, way] = None
             lane_ax.broken_barh([(s.start_s * 1e3, (s.end_s - s.start_s) * 1e3)],
-                                (s.gpu - 0.4 + (0 if out else 0.4), 0.4), color="tab:red" if out else "tab:green")
+                                (s.gpu - 0.4 + (0 if way == "out" else 0.4), 0.4), facecolor=colour, hatch=hatch,
+                                edgecolor="white" if hatch else colour, linewidth=0)
         lane_ax.set_yticks(sorted({s.gpu for s in swaps}))
         lane_ax.set_ylabel("GPU")
-        lane_ax.set_title("swap-outs (red, lower half) and swap-ins (green, upper half)", fontsize=8)
+        lane_ax.legend(handles=[Patch(facecolor=SWAP_STYLES[k][0], hatch=SWAP_STYLES[k][1], edgecolor="white",
+                                      label=SWAP_STYLES[k][2]) for k in SWAP_STYLES if k in used_styles],
+                       fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                       title="swaps (out: lower half\nof a GPU's row, in: upper)", title_fontsize=7)
         lane_ax.set_xlabel("time (ms)")
     else:
         ax.set_xlabel("time (ms)")
     fig.tight_layout()
+    return fig
+
+
+def plot_memory(r: SimResult, path: Path) -> None:
+    """Memory over time per GPU with each capacity as a dashed line and, when the run does
+    not fit, the out-of-memory marked (GPU, time, the demand above what was free); below,
+    the swap-outs and swap-ins of each GPU, to host and to peer GPUs in their own colours."""
+    import matplotlib.pyplot as plt
+
+    fig = memory_figure(r)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -47,7 +47,7 @@ def test_simulate_json_has_the_documented_fields(capsys, tmp_path):
                        "--microbatch", "2", "--microbatches", "16", "--json", str(out_file), "--chrome-trace",
                        str(chrome), "--plot", str(png))
     assert code == 0
-    assert "iteration" in out and "fits on every GPU" in out
+    assert "iteration" in out and out.startswith("FITS on every GPU: gpt-5.3b on dgx1-v100")
     d = json.loads(out_file.read_text())
     assert {"fits", "iteration_s", "samples_per_s", "model_tflops", "gpus", "oom"} <= set(d)
     g = d["gpus"][0]
@@ -384,3 +384,46 @@ def test_measured_trace_warning_compares_device_kinds(capsys, tmp_path, device, 
     assert (line is not None) == warns
     if warns:
         assert device in line and topo.spec.gpu.model in line  # type: ignore[operator]
+
+
+def test_simulate_that_does_not_fit_says_so_first_in_half_open_layers(capsys):
+    code, out, _ = run(capsys, "simulate", "--model", "gpt-10.3b", "--microbatch", "2")
+    lines = out.splitlines()
+    assert code == 1
+    assert lines[0] == "DOES NOT FIT: gpt-10.3b on dgx1-v100: 1f1b, microbatch 2 x 16, strategy none"
+    assert lines[1].startswith("  GPU 0 ran out at ") and "GiB free" in lines[1]
+    assert lines[5].split()[:3] == ["0", "0", "[0,"] and lines[5].split()[3] == "5)"  # layers 0 to 4, as in JSON
+    assert "layers [a, b) = a to b - 1" in out and "memory in GiB = 2^30 bytes" in out
+    assert out.index("DOES NOT FIT") < out.index("throughput")
+    assert "GB (10^9 bytes) carried" in out
+
+
+def test_simulate_plot_of_a_run_that_does_not_fit_leaks_no_warnings(tmp_path):
+    import subprocess
+    import sys
+
+    png = tmp_path / "m.png"
+    proc = subprocess.run([sys.executable, "-m", "mpsim.cli", "simulate", "--model", "gpt-10.3b", "--plot", str(png)],
+                          capture_output=True, text=True, check=False, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "Warning" not in proc.stderr and proc.stderr == ""
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_memory_plot_marks_the_out_of_memory_and_tells_host_from_peer_swaps():
+    from mpsim.api import simulate
+    from mpsim.report import memory_figure
+
+    oom = simulate("dgx1-v100", "gpt-10.3b", schedule="1f1b", microbatch=2, microbatches=16)
+    fig = memory_figure(oom)
+    ax = fig.axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    assert any(t.startswith("out of memory on GPU 0 at ") for t in texts)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "capacity 31.46 GiB" in labels and any(t.startswith("out of memory: GPU 0") for t in labels)
+    assert ax.get_title().startswith("DOES NOT FIT")
+
+    swapped = simulate("dgx1-v100", "gpt-25.5b", schedule="1f1b", microbatch=2, microbatches=16, strategy="mpress")
+    lanes = memory_figure(swapped).axes[1]
+    labels = [t.get_text() for t in lanes.get_legend().get_texts()]
+    assert {"to host", "from host", "to peer GPU (D2D)", "from peer GPU (D2D)"} <= set(labels)

@@ -104,13 +104,48 @@ def test_four_stages_with_split_and_host_optimizer(tiny):
 
 
 @pytest.mark.torchrun
-def test_out_of_memory_is_a_result(tiny, cpu2):
-    plan = _plan(tiny, cpu2, "gpipe", "none")
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_out_of_memory_is_a_result(tiny, cpu2, schedule):
+    # torch's pipelining wraps a stage's out-of-memory in its own RuntimeError (every 1F1B
+    # step, GPipe's backward): the executor still reports it as a result.
+    plan = _plan(tiny, cpu2, schedule, "none")
     settings = RunSettings(device="cpu", threads=1, warmup=0, steps=1, capacity_bytes=100 * 2**20)
     report = validate_plan(plan, cpu2, tiny, settings)
-    assert report["oom"] is not None and report["oom"]["step"] == 1
+    oom = report["oom"]
+    assert oom is not None and oom["step"] == 1 and oom["stage"] == 0
+    assert oom["phase"] == "pipeline forward" and "bytes on a 104857600-byte device" in oom["message"]
     assert report["predicted_fits"] is True  # the probed topology had 2 GiB per device
-    assert "OUT OF MEMORY: stage" in validation_text(report)
+    assert "OUT OF MEMORY: stage 0 (GPU 0) at step 1, pipeline forward" in validation_text(report)
+
+
+@pytest.mark.torchrun
+def test_validate_command_reports_out_of_memory_under_1f1b_and_exits_1(capsys):
+    from mpsim.cli import main
+
+    code = main(["validate", "--strategy", "none", "--schedule", "1f1b", "--memory-mib", "100",
+                 "--steps", "1", "--warmup", "0"])
+    out, err = capsys.readouterr()
+    assert code == 1, out + err
+    assert "OUT OF MEMORY: stage 0 (GPU 0) at step 1, pipeline forward" in out
+    assert "executor failed" not in out + err
+
+
+def test_an_out_of_memory_wrapped_by_the_pipeline_is_found():
+    from mpsim.executor.executor import StageOutOfMemory, out_of_memory_in
+
+    oom = StageOutOfMemory("backward tried to hold 5 bytes on a 4-byte device")
+    try:
+        try:
+            raise oom
+        except StageOutOfMemory as inner:
+            raise RuntimeError("[Stage 0] failed to run backward\nkwargs: {}") from inner
+    except RuntimeError as wrapped:
+        assert out_of_memory_in(wrapped) is oom
+        try:
+            raise ValueError("while handling it") from None
+        except ValueError as unrelated:
+            assert out_of_memory_in(unrelated) is None
+    assert out_of_memory_in(RuntimeError("not memory")) is None
 
 
 def test_bad_plans_and_devices_are_refused_before_running(tiny, cpu2):

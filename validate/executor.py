@@ -19,7 +19,9 @@ Steps, in order:
 
 The stage's capacity is enforced: on CUDA with the allocator's memory fraction, on CPU
 by the tracker, which raises out-of-memory when an allocation would pass it. An
-out-of-memory is written as a result (stage, step, phase), not raised.
+out-of-memory is written as a result (stage, step, phase), not raised, under either
+schedule: torch's pipelining wraps what a stage raises in its own ``RuntimeError``, so it
+is found along the exception's cause chain (``out_of_memory_in``).
 
 Writes ``stage<i>.json`` into ``--out``.
 """
@@ -53,6 +55,27 @@ class StageOutOfMemory(RuntimeError):
     pass
 
 
+def out_of_memory_in(exc: BaseException) -> BaseException | None:
+    """The out-of-memory behind ``exc``, if any.
+
+    ``torch.distributed.pipelining`` wraps what a stage's forward or backward raises in
+    its own ``RuntimeError`` (1F1B's steps, and GPipe's backward), so the stage's
+    out-of-memory is found along the ``__cause__`` / ``__context__`` chain."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (torch.OutOfMemoryError, StageOutOfMemory)):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ if e.__cause__ is not None or e.__suppress_context__ else e.__context__
+    return None
+
+
+def _pass_name() -> str:
+    """``backward`` inside autograd's backward pass, else ``forward``."""
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
 class CappedMemTracker(MemTracker):
     """MemTracker for a whole pipeline step: device totals by category only, capped.
 
@@ -84,7 +107,7 @@ class CappedMemTracker(MemTracker):
             return
         used = self._curr_mem_snap.get(self._cap_device, {}).get("Total", 0)
         if used > self._cap_bytes:
-            raise StageOutOfMemory(f"tried to hold {used} bytes on a {self._cap_bytes}-byte device")
+            raise StageOutOfMemory(f"{_pass_name()} tried to hold {used} bytes on a {self._cap_bytes}-byte device")
 
 
 class Head(nn.Module):
@@ -243,9 +266,15 @@ def run(job: dict, out_dir: Path) -> dict:
                 times.append(time.perf_counter() - t0)
         result["step_times_s"] = times
         result["step_s"] = statistics.median(times)
-    except (torch.OutOfMemoryError, StageOutOfMemory) as exc:
-        result["oom"] = {"stage": rank, "gpu": st.gpu, "step": step_no, "phase": phase["name"],
-                         "message": str(exc).splitlines()[0][:300]}
+    except Exception as exc:
+        oom = out_of_memory_in(exc)
+        if oom is None:
+            raise
+        where = phase["name"]
+        if where == "pipeline" and isinstance(oom, StageOutOfMemory):
+            where = f"pipeline {str(oom).split()[0]}"
+        result["oom"] = {"stage": rank, "gpu": st.gpu, "step": step_no, "phase": where,
+                         "message": str(oom).splitlines()[0][:300]}
     (out_dir / f"stage{rank}.json").write_text(json.dumps(result, indent=1) + "\n")
     if result["oom"] is not None:
         os._exit(3)  # the other stages wait on this one; torchrun stops them
