@@ -251,11 +251,11 @@ def sweep(points: list[Point], csv_path: Path, workers: int = 1,
     return frame[mask].reset_index(drop=True)
 
 
-def _worker_init() -> None:
+def _worker_init(parent: int) -> None:
     """In each worker: Ctrl-C is the parent's to handle (it terminates the workers), and a
-    worker whose parent is gone (``kill -9``) exits instead of running on alone."""
+    worker whose parent (the sweep, pid ``parent``) is gone, by ``kill -9`` even before this
+    worker started, exits instead of running on alone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -300,10 +300,20 @@ def _run(todo: list[Point], workers: int, emit: Callable[[dict], None]) -> None:
             emit(run_point(p))
         return
     pool = ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=_context(),
-                               initializer=_worker_init)
+                               initializer=_worker_init, initargs=(os.getpid(),))
     futures: list[Future] = []
     try:
-        futures = [pool.submit(run_point, p) for p in todo]
+        # the workers start at the first submit: SIGINT blocked meanwhile, so they start with
+        # it blocked (a Ctrl-C to the group cannot hit one still importing), and a Ctrl-C
+        # here reaches the sweep as soon as they have started
+        blocked = hasattr(signal, "pthread_sigmask")
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            futures = [pool.submit(run_point, p) for p in todo]
+        finally:
+            if blocked:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         for fut in as_completed(futures):
             emit(fut.result())
     except BaseException:
