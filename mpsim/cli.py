@@ -273,19 +273,22 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
     strategies, models and servers.
 
     One row per point in the CSV, written as each point finishes, so an interrupted
-    sweep run again with the same --csv resumes without redoing finished points. A point
-    that does not fit is a row with its first out-of-memory point.
+    sweep run again with the same --csv resumes without redoing finished points. Ctrl-C
+    or SIGTERM stops at once (exit 130 or 143), keeping the finished rows; a last line cut
+    short by a kill is dropped on resume. A point that does not fit is a row with its
+    first out-of-memory point.
 
     \b
     Example:
       mpsim sweep --server dgx1-v100 --model bert-1.67b --schedule pipedream \\
         --microbatch 1,2,4,8,12,16 --strategy none,recompute,cpu-swap,mpress,best -j 2 --plot sweep.png
     """
-    from mpsim.sweep import grid, plot_sweep, sweep, sweep_text
+    from mpsim.sweep import SweepInterrupted, grid, plot_sweep, sweep, sweep_text
 
     points = grid(_list(servers, option="--server"), _list(models, option="--model"), schedule,
                   _list(sizes, int, "--microbatch"), _list(counts, int, "--microbatches"),
                   _list(strategies, option="--strategy"), partition)
+    stopped: SweepInterrupted | None = None
     with _progress("sweep") as bar:
         job = bar.add_task("", total=len(points))
 
@@ -293,7 +296,13 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
             what = "already in the CSV" if resumed else ("fits" if str(row["fits"]) == "True" else "OOM")
             bar.update(job, advance=1, description=f"{row['model']} mb {row['microbatch']} {row['strategy']}: {what}")
 
-        frame = sweep(points, csv_path, workers, advance)
+        try:
+            frame = sweep(points, csv_path, workers, advance)
+        except SweepInterrupted as exc:
+            stopped = exc
+    if stopped:  # after the progress bar is gone: one line, and the shell's code for the signal
+        click.echo(f"mpsim: {stopped}", err=True)
+        sys.exit(stopped.exit_code)
     if json_out != "-":
         click.echo(sweep_text(frame))
         click.echo(f"\n{len(frame)} points in {csv_path}")

@@ -1,23 +1,37 @@
 """Sweeps: one simulated point per (server, model, microbatch size, microbatches, strategy).
 
-Points run in worker processes; each finished point is appended to the CSV at once, so
-a sweep that is interrupted resumes where it stopped: points already in the file are not
-run again. A point that does not fit is a row too, with its first out-of-memory point.
+Points run in worker processes; each finished point is appended to the CSV at once, as
+one complete line in a single write, so a sweep that is interrupted (Ctrl-C, SIGTERM, even
+``kill -9``) resumes where it stopped: points already in the file are not run again, and a
+last line cut short by a kill is dropped on resume. On Ctrl-C or SIGTERM the queued points
+are cancelled and the workers terminated at once; only the points in flight are lost. A
+point that does not fit is a row too, with its first out-of-memory point.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import itertools
+import multiprocessing
+import os
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from mpsim.errors import MpsimError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 KEY = ("server", "model", "schedule", "microbatch", "microbatches", "strategy", "partition")
 FIELDS = KEY + ("fits", "samples_per_s", "iteration_s", "model_tflops", "max_peak_gib", "max_peak_gpu",
@@ -90,53 +104,222 @@ def run_point(p: Point) -> dict:
     return row
 
 
-def _done(csv_path: Path) -> set[tuple[str, ...]]:
-    if not csv_path.exists() or csv_path.stat().st_size == 0:
+class SweepInterrupted(Exception):
+    """A sweep stopped by SIGINT or SIGTERM; the rows finished before it are in the CSV."""
+
+    def __init__(self, signum: int, kept: int, new: int, total: int, csv_path: Path):
+        self.signum, self.kept, self.new, self.total, self.csv_path = signum, kept, new, total, csv_path
+        name = signal.Signals(signum).name
+        super().__init__(f"sweep interrupted by {name}: {kept} of {total} points kept in {csv_path} ({new} new); "
+                         "run the same command again to resume")
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number, as a shell reports a process ended by it (130, 143)."""
+        return 128 + self.signum
+
+
+class _Terminated(BaseException):
+    """Raised in the main thread by the SIGTERM handler, like KeyboardInterrupt for SIGINT."""
+
+
+def _line(values: list[str] | tuple[str, ...] | dict) -> bytes:
+    buf = io.StringIO()
+    if isinstance(values, dict):
+        csv.DictWriter(buf, fieldnames=FIELDS).writerow(values)
+    else:
+        csv.writer(buf).writerow(values)
+    return buf.getvalue().encode()
+
+
+def _default_note(msg: str) -> None:
+    print(f"mpsim: note: {msg}", file=sys.stderr)
+
+
+def _repair(csv_path: Path, note: Callable[[str], None]) -> set[tuple[str, ...]]:
+    """The points already in ``csv_path``. A last line cut short (no newline at its end, or
+    not the header's number of columns), as a kill in the middle of a write leaves it, is
+    dropped: the file is truncated to its last complete row and the point runs again."""
+    if not csv_path.exists():
         return set()
-    with csv_path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        if tuple(reader.fieldnames or ()) != FIELDS:
+    data = csv_path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end == 0:  # nothing complete, not even the header
+        if data and not _line(FIELDS).startswith(data):
             raise MpsimError(f"{csv_path}: not a sweep CSV of this version (columns differ); use another --csv")
-        return {tuple(row[k] for k in KEY) for row in reader}
+        if data:
+            note(f"{csv_path}: dropped a header cut short")
+            os.truncate(csv_path, 0)
+        return set()
+    rows = list(csv.reader(io.StringIO(data[:end].decode("utf-8", errors="replace"), newline="")))
+    if tuple(rows[0]) != FIELDS:
+        raise MpsimError(f"{csv_path}: not a sweep CSV of this version (columns differ); use another --csv")
+    torn = end < len(data)
+    if len(rows) > 1 and len(rows[-1]) != len(FIELDS):
+        torn = True
+        rows.pop()
+        end = data.rfind(b"\n", 0, end - 1) + 1
+    if torn:
+        note(f"{csv_path}: dropped a last line cut short (its point runs again)")
+        os.truncate(csv_path, end)
+    bad = [i for i, row in enumerate(rows) if len(row) != len(FIELDS)]
+    if bad:  # a line glued onto a cut one by an older mpsim: keep the good rows, atomically
+        note(f"{csv_path}: dropped {len(bad)} malformed line(s) (their points run again)")
+        rows = [row for row in rows if len(row) == len(FIELDS)]
+        tmp = csv_path.with_name(csv_path.name + ".tmp")
+        tmp.write_bytes(b"".join(_line(row) for row in rows))
+        os.replace(tmp, csv_path)
+    return {tuple(row[:len(KEY)]) for row in rows[1:]}
+
+
+class _Appender:
+    """Appends rows to the CSV, each as one complete line in one write, flushed to disk, so a
+    kill at any moment leaves at most one line cut short (which the next run drops)."""
+
+    def __init__(self, csv_path: Path):
+        self.fd = os.open(csv_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        if os.fstat(self.fd).st_size == 0:
+            self._write(_line(FIELDS))
+
+    def _write(self, line: bytes) -> None:
+        view = memoryview(line)
+        while view:
+            view = view[os.write(self.fd, view):]
+        os.fsync(self.fd)
+
+    def row(self, row: dict) -> None:
+        self._write(_line(row))
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+@contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGTERM raises in the main thread (SIGINT already does, as KeyboardInterrupt), so
+    both stop the sweep the same way; the previous handler comes back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum, frame):
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def sweep(points: list[Point], csv_path: Path, workers: int = 1,
-          on_row: Callable[[dict, bool], None] | None = None) -> pd.DataFrame:
+          on_row: Callable[[dict, bool], None] | None = None,
+          note: Callable[[str], None] = _default_note) -> pd.DataFrame:
     """Run the points not yet in ``csv_path``, appending each row as it finishes; returns
-    every row of the file for these points. ``on_row(row, resumed)`` is called per point."""
+    every row of the file for these points. ``on_row(row, resumed)`` is called per point;
+    ``note(text)`` tells of a cut-short line dropped from the file. SIGINT or SIGTERM stops
+    the sweep at once (queued points cancelled, workers terminated) and raises
+    :class:`SweepInterrupted`."""
     check_points(points)
-    done = _done(csv_path)
+    done = _repair(csv_path, note)
     todo = [p for p in points if p.key() not in done]
+    wanted = {p.key() for p in points}
     if on_row:
         for p in points:
             if p.key() in done:
                 on_row(dict(zip(KEY, p.key())), True)
-    new_file = not csv_path.exists() or csv_path.stat().st_size == 0
-    with csv_path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        if new_file:
-            writer.writeheader()
-            f.flush()
-        for row in _run(todo, workers):
-            writer.writerow(row)
-            f.flush()
-            if on_row:
-                on_row(row, False)
+    out = _Appender(csv_path)
+    new = 0
+
+    def emit(row: dict) -> None:
+        nonlocal new
+        out.row(row)
+        new += 1  # the row is on disk
+        if on_row:
+            on_row(row, False)
+
+    try:
+        with _signals_raise():
+            _run(todo, workers, emit)
+    except (KeyboardInterrupt, _Terminated) as exc:
+        signum = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
+        raise SweepInterrupted(signum, len(wanted & done) + new, new, len(points), csv_path) from None
+    finally:
+        out.close()
     frame = pd.read_csv(csv_path, keep_default_na=False)
-    wanted = {p.key() for p in points}
     mask = [tuple(str(v) for v in row) in wanted for row in frame[list(KEY)].itertuples(index=False)]
     return frame[mask].reset_index(drop=True)
 
 
-def _run(todo: list[Point], workers: int) -> Iterator[dict]:
+def _worker_init(parent: int) -> None:
+    """In each worker: Ctrl-C is the parent's to handle (it terminates the workers), and a
+    worker whose parent (the sweep, pid ``parent``) is gone, by ``kill -9`` even before this
+    worker started, exits instead of running on alone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="mpsim-parent-watch").start()
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    # spawn, not fork: forking a process with threads (the progress bar's, the pool's) is
+    # unsafe and warns from Python 3.12 on; nor forkserver: its workers are not the sweep's
+    # children, so they could not tell when it is killed
+    return multiprocessing.get_context("spawn")
+
+
+def _stop(pool: ProcessPoolExecutor, futures: list[Future]) -> None:
+    """Cancel the queued points and terminate the workers now (the points in flight are lost)."""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} \
+        if threading.current_thread() is threading.main_thread() else {}
+    try:
+        for fut in futures:
+            fut.cancel()
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        for proc in procs:
+            proc.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + 1.0
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _run(todo: list[Point], workers: int, emit: Callable[[dict], None]) -> None:
     if workers <= 1 or len(todo) <= 1:
         for p in todo:
-            yield run_point(p)
+            emit(run_point(p))
         return
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(run_point, p) for p in todo]
+    pool = ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=_context(),
+                               initializer=_worker_init, initargs=(os.getpid(),))
+    futures: list[Future] = []
+    try:
+        # the workers start at the first submit: SIGINT blocked meanwhile, so they start with
+        # it blocked (a Ctrl-C to the group cannot hit one still importing), and a Ctrl-C
+        # here reaches the sweep as soon as they have started
+        blocked = hasattr(signal, "pthread_sigmask")
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            futures = [pool.submit(run_point, p) for p in todo]
+        finally:
+            if blocked:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         for fut in as_completed(futures):
-            yield fut.result()
+            emit(fut.result())
+    except BaseException:
+        _stop(pool, futures)
+        raise
+    pool.shutdown()
 
 
 def sweep_text(frame: pd.DataFrame) -> str:
@@ -164,32 +347,57 @@ def sweep_text(frame: pd.DataFrame) -> str:
     return "\n".join(lines).rstrip()
 
 
-def plot_sweep(frame: pd.DataFrame, path: Path) -> None:
-    """Throughput and highest per-GPU peak against microbatch size, a line per strategy
-    (and server/model when the sweep has several)."""
+def plot_sweep(frame: pd.DataFrame, path: Path) -> Figure:
+    """Throughput and highest per-GPU peak against microbatch size: small multiples, a pair
+    of panels (throughput, peak memory) per server/model/microbatch count, a line per
+    strategy in the same colour in every panel, one legend, shared microbatch axes and a
+    shared memory axis, so a sweep of many models and strategies stays readable. Returns
+    the (closed) figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
-    several = frame[["server", "model", "microbatches"]].drop_duplicates().shape[0] > 1
-    for keys, part in frame.groupby(["server", "model", "microbatches", "strategy"], sort=False):
-        sv, md, m, st = keys
-        label = f"{st} ({md}, {sv}, m={m})" if several else st
-        part = part.assign(mb=part["microbatch"].astype(int)).sort_values("mb")
-        fits = part["fits"].astype(str) == "True"
-        thr = pd.to_numeric(part["samples_per_s"].where(fits), errors="coerce")
-        line, = ax_t.plot(part["mb"], thr, marker="o", label=label)
-        ax_m.plot(part["mb"], part["max_peak_gib"].astype(float), marker="o", color=line.get_color(), label=label)
-        oom = part[~fits]
-        ax_m.scatter(oom["mb"], oom["max_peak_gib"].astype(float), marker="x", color=line.get_color(), s=60)
+    groups = list(frame.groupby(["server", "model", "microbatches"], sort=False))
+    strategies = list(dict.fromkeys(frame["strategy"]))
+    cmap = plt.get_cmap("tab10" if len(strategies) <= 10 else "tab20")
+    colour = {st: cmap(i % cmap.N) for i, st in enumerate(strategies)}
+    servers, counts = frame["server"].nunique(), frame["microbatches"].nunique()
+    per_row = 1 if len(groups) == 1 else 2  # pairs of panels per row
+    n_rows = -(-len(groups) // per_row)
+    fig, axes = plt.subplots(n_rows, 2 * per_row, figsize=(5.5 * 2 * per_row, 3.2 * n_rows + 0.8), squeeze=False,
+                             sharex=True)
     cap = frame["capacity_gib"].astype(float).max()
-    ax_m.axhline(cap, color="grey", linestyle="--", linewidth=1, label=f"capacity {cap:.1f} GiB")
-    ax_t.set(xlabel="microbatch size", ylabel="samples/s (where it fits)", title="throughput")
-    ax_m.set(xlabel="microbatch size", ylabel="highest per-GPU peak (GiB)", title="peak memory (x: does not fit)")
-    ax_t.legend(fontsize=7)
-    ax_m.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    mem_axes = []
+    for i, ((sv, md, m), group) in enumerate(groups):
+        ax_t, ax_m = axes[i // per_row][2 * (i % per_row)], axes[i // per_row][2 * (i % per_row) + 1]
+        mem_axes.append(ax_m)
+        where = ", ".join([str(md)] + ([str(sv)] if servers > 1 else []) + ([f"m={m}"] if counts > 1 else []))
+        for st, part in group.groupby("strategy", sort=False):
+            part = part.assign(mb=part["microbatch"].astype(int)).sort_values("mb")
+            fits = part["fits"].astype(str) == "True"
+            thr = pd.to_numeric(part["samples_per_s"].where(fits), errors="coerce")
+            ax_t.plot(part["mb"], thr, marker="o", markersize=3, color=colour[st], label=st)
+            ax_m.plot(part["mb"], part["max_peak_gib"].astype(float), marker="o", markersize=3, color=colour[st])
+            oom = part[~fits]
+            ax_m.scatter(oom["mb"], oom["max_peak_gib"].astype(float), marker="x", color=colour[st], s=40)
+        ax_m.axhline(float(group["capacity_gib"].astype(float).max()), color="grey", linestyle="--", linewidth=1)
+        ax_t.set_title(f"{where}: samples/s", fontsize=9)
+        ax_m.set_title(f"{where}: peak GiB (x: OOM)", fontsize=9)
+        for ax in (ax_t, ax_m):
+            ax.tick_params(labelsize=8)
+            ax.grid(alpha=0.3)
+    for ax in mem_axes:
+        ax.set_ylim(0, max(cap, float(frame["max_peak_gib"].astype(float).max())) * 1.08)
+    for j in range(len(groups), n_rows * per_row):  # empty slots in the last row
+        axes[j // per_row][2 * (j % per_row)].set_visible(False)
+        axes[j // per_row][2 * (j % per_row) + 1].set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("microbatch size", fontsize=8)
+    handles = [plt.Line2D([], [], color=colour[st], marker="o", label=st) for st in strategies]
+    handles.append(plt.Line2D([], [], color="grey", linestyle="--", label=f"GPU capacity (max {cap:.1f} GiB)"))
+    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 8), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig.get_figheight()))
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+    return fig

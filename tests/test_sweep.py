@@ -56,3 +56,29 @@ def test_sweep_cli_table_and_bad_list(capsys, tmp_path):
     assert code == 2 and "expected a comma-separated list of integers, got '1,two'" in err
     code, _, err = run(capsys, "sweep", "--strategy", "magic", "--csv", str(tmp_path / "t.csv"))
     assert code == 2 and "unknown strategy 'magic'" in err
+
+
+def test_a_sweep_of_70_series_plots_as_small_multiples(tmp_path):
+    """10 models x 7 strategies: a pair of panels per model with a line per strategy, not 70 lines in one."""
+    import itertools
+    import warnings
+
+    import pandas as pd
+
+    from mpsim.sweep import plot_sweep
+
+    models = [f"model-{i}" for i in range(10)]
+    strategies = ["none", "recompute", "cpu-swap", "d2d", "mpress", "tsplit", "best"]
+    rows = []
+    for i, (md, st, mb) in enumerate(itertools.product(models, strategies, [1, 2, 4, 8])):
+        fits = i % 5 != 0
+        rows.append(dict(server="dgx1-v100", model=md, microbatches=16, strategy=st, microbatch=mb, fits=fits,
+                         samples_per_s=float(mb) if fits else "", max_peak_gib=10.0 + mb, capacity_gib=32.0))
+    frame = pd.DataFrame(rows)
+    assert frame.groupby(["model", "strategy"]).ngroups == 70
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = plot_sweep(frame, tmp_path / "s.png")
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(shown) == 20 and max(len(ax.get_lines()) for ax in shown) <= len(strategies) + 1
+    assert (tmp_path / "s.png").stat().st_size > 10_000
