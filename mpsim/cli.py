@@ -51,11 +51,13 @@ def _warn_measured_elsewhere(trace, topo) -> None:
 
 
 def _progress(what: str):
+    """A progress bar on stderr for a terminal; nothing (not even a blank line) in a log."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    console = Console(stderr=True)
     return Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                    TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+                    TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
 
 
 def _json_option(f):

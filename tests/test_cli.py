@@ -427,3 +427,13 @@ def test_memory_plot_marks_the_out_of_memory_and_tells_host_from_peer_swaps():
     lanes = memory_figure(swapped).axes[1]
     labels = [t.get_text() for t in lanes.get_legend().get_texts()]
     assert {"to host", "from host", "to peer GPU (D2D)", "from peer GPU (D2D)"} <= set(labels)
+
+
+@pytest.mark.parametrize("argv", [
+    ["fits", "--server", "dgx9", "--family", "gpt"],
+    ["sweep", "--server", "dgx9", "--model", "gpt-5.3b", "--microbatch", "1", "--csv", "{tmp}/s.csv"],
+])
+def test_errors_of_long_commands_are_one_line_without_a_blank_line_before(capsys, tmp_path, argv):
+    code, _, err = run(capsys, *[a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert code == 2
+    assert err.splitlines() == [err.strip()] and err.startswith("mpsim: error: unknown server 'dgx9'")
