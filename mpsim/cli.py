@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,6 +60,25 @@ def _progress(what: str):
     console = Console(stderr=True)
     return Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                     TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
+
+
+@contextmanager
+def _tasks_progress(what: str) -> Iterator[None]:
+    """Simulated tasks counted on a terminal while a simulate or plan runs (a planner
+    simulates many candidate plans, so there is no total)."""
+    from mpsim.sim.progress import reporting
+
+    with _progress(what) as bar:
+        job = bar.add_task("tasks simulated", total=None)
+        count = [0]
+
+        def on_task() -> None:  # the bar is updated every 256 tasks, so it costs nothing
+            count[0] += 1
+            if count[0] % 256 == 0:
+                bar.advance(job, 256)
+
+        with reporting(on_task):
+            yield
 
 
 def _json_option(f):
@@ -130,8 +151,9 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
         trace = trace.rescale(plan.microbatch)
         check_plan(plan, topo, trace, str(plan_path))  # errors name the file
     _warn_measured_elsewhere(trace, topo)
-    result = run(topo, trace, schedule, microbatch, microbatches, n_stages=stages, strategy=strategy,
-                 plan_file=plan, record_link_rates=chrome_trace is not None, partition=partition)
+    with _tasks_progress("simulate"):
+        result = run(topo, trace, schedule, microbatch, microbatches, n_stages=stages, strategy=strategy,
+                     plan_file=plan, record_link_rates=chrome_trace is not None, partition=partition)
     if json_out != "-":
         click.echo(simulate_text(result))
     _write_json(json_out, result.to_dict())
@@ -162,8 +184,9 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
 
     topo, trace = load_topology(server or "dgx1-v100"), load_trace(model or "gpt-5.3b")
     _warn_measured_elsewhere(trace, topo)
-    planned = make(topo, trace, schedule, microbatch, microbatches, n_stages=stages,
-                   strategy=strategy, partition=partition)
+    with _tasks_progress("plan"):
+        planned = make(topo, trace, schedule, microbatch, microbatches, n_stages=stages,
+                       strategy=strategy, partition=partition)
     write_plan_file(planned.plan, output)
     if json_out != "-":
         click.echo(plan_text(planned.plan))

@@ -162,3 +162,17 @@ def test_peer_copy_engines_bound_concurrent_sends(engines):
     sends = copy_spans(r, 1)
     overlaps = sum(1 for (a0, a1), (b0, b1) in zip(sends, sends[1:]) if b0 < a1 - 1e-12)
     assert (overlaps == 0) if engines == 1 else (overlaps > 0)
+
+
+def test_progress_reporting_counts_every_task_of_every_run():
+    from mpsim.sim.progress import reporting
+
+    topo = tiny_topology(n_gpus=2)
+    trace = tiny_trace([layer("l0", 1.0, 2.0, out=10, kind="embedding"), layer("l1", 1.0, 2.0, inp=10)])
+    seen = []
+    with reporting(lambda: seen.append(1)):
+        simulate_job(Job(topo, trace, "1f1b", microbatches=3))
+        simulate_job(Job(topo, trace, "gpipe", microbatches=2))
+    assert len(seen) == 2 * (3 + 3 + 1) + 2 * (2 + 2 + 1)  # per stage m forwards, m backwards, one update
+    simulate_job(Job(topo, trace, "gpipe", microbatches=2))
+    assert len(seen) == 24  # outside the block nothing is reported

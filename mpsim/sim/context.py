@@ -7,6 +7,7 @@ from collections.abc import Generator
 
 import simpy
 
+from mpsim.sim import progress
 from mpsim.sim.copy_engine import CopyEngines
 from mpsim.sim.layout import Layout
 from mpsim.sim.memory import DeviceMemory, MemoryLog
@@ -72,6 +73,8 @@ class RunContext:
         self.signals = Signals(self.env)
         self.spans: list[Span] = []
         self.costs = CostLedger(self.env, topo.n_gpus)
+        self.on_task = progress.current()
+        """Called after every task when a caller shows progress (``sim.progress``)."""
 
     def events_scheduled(self) -> int:
         """SimPy events scheduled so far (a measure of simulation work): SimPy numbers
