@@ -313,6 +313,10 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
     points = grid(_list(servers, option="--server"), _list(models, option="--model"), schedule,
                   _list(sizes, int, "--microbatch"), _list(counts, int, "--microbatches"),
                   _list(strategies, option="--strategy"), partition)
+    from mpsim.catalog import load_topology, load_trace
+
+    for server_name, model_name in dict.fromkeys((p.server, p.model) for p in points):
+        _warn_measured_elsewhere(load_trace(model_name), load_topology(server_name))
     stopped: SweepInterrupted | None = None
     with _progress("sweep") as bar:
         job = bar.add_task("", total=len(points))

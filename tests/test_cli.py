@@ -437,3 +437,12 @@ def test_errors_of_long_commands_are_one_line_without_a_blank_line_before(capsys
     code, _, err = run(capsys, *[a.replace("{tmp}", str(tmp_path)) for a in argv])
     assert code == 2
     assert err.splitlines() == [err.strip()] and err.startswith("mpsim: error: unknown server 'dgx9'")
+
+
+def test_a_sweep_warns_once_per_server_of_a_trace_measured_elsewhere(capsys, tmp_path):
+    trace = _measured_trace(tmp_path, "cpu (x86_64, 1 thread)")
+    code, _, err = run(capsys, "sweep", "--server", "dgx1-v100,h100-x1", "--model", trace, "--microbatch", "1,2",
+                       "--microbatches", "8", "--csv", str(tmp_path / "s.csv"))
+    assert code == 0
+    warnings = [line for line in err.splitlines() if line.startswith("mpsim: warning: toy: times measured on cpu")]
+    assert len(warnings) == 2 and "dgx1-v100" in warnings[0] and "h100-x1" in warnings[1]
