@@ -229,23 +229,23 @@ def sweep(points: list[Point], csv_path: Path, workers: int = 1,
             if p.key() in done:
                 on_row(dict(zip(KEY, p.key())), True)
     out = _Appender(csv_path)
-    new = 0
 
     def emit(row: dict) -> None:
-        nonlocal new
         out.row(row)
-        new += 1  # the row is on disk
         if on_row:
             on_row(row, False)
 
+    stopped_by: int | None = None
     try:
         with _signals_raise():
             _run(todo, workers, emit)
     except (KeyboardInterrupt, _Terminated) as exc:
-        signum = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
-        raise SweepInterrupted(signum, len(wanted & done) + new, new, len(points), csv_path) from None
+        stopped_by = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
     finally:
         out.close()
+    if stopped_by is not None:  # count what is on disk: a signal may land between a write and a count
+        kept = wanted & _repair(csv_path, note)
+        raise SweepInterrupted(stopped_by, len(kept), len(kept - done), len(points), csv_path)
     frame = pd.read_csv(csv_path, keep_default_na=False)
     mask = [tuple(str(v) for v in row) in wanted for row in frame[list(KEY)].itertuples(index=False)]
     return frame[mask].reset_index(drop=True)
