@@ -118,6 +118,7 @@ def _rerun_completes(tmp_path: Path, csv_path: Path) -> None:
     assert before >= 1
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("how, signum, code", [
     ("sigint-group", signal.SIGINT, 130),  # Ctrl-C in a terminal
     ("sigint-parent", signal.SIGINT, 130),
@@ -137,6 +138,7 @@ def test_an_interrupted_parallel_sweep_stops_at_once_and_resumes(tmp_path, how, 
     _rerun_completes(tmp_path, csv_path)
 
 
+@pytest.mark.processes
 def test_a_killed_sweep_leaves_no_worker_and_loses_only_points_in_flight(tmp_path):
     got, _, _, csv_path = _interrupt(tmp_path, lambda pid: os.kill(pid, signal.SIGKILL))
     assert got == -signal.SIGKILL
@@ -192,6 +194,7 @@ def test_a_header_cut_short_starts_the_file_again(tmp_path):
     assert len(notes) == 1 and len(_check_rows_unique(path)) == 4
 
 
+@pytest.mark.processes
 def test_cli_notes_the_dropped_line_and_a_sweep_warns_nothing(tmp_path):
     path = tmp_path / "s.csv"
     sweep(_points()[:2], path)
