@@ -30,7 +30,3 @@ def cached_plan(strategy: str, ctx: Ctx, planner: Callable[[Ctx], Planned]) -> P
     if len(_CACHE) > CACHE_SIZE:
         _CACHE.popitem(last=False)
     return planned
-
-
-def clear() -> None:
-    _CACHE.clear()

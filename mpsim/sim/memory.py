@@ -159,7 +159,6 @@ class MemoryLog:
         return "?"
 
 
-
 Entry = tuple[int, str, str]
 """One change of a device's memory: (bytes, category, label); negative bytes free."""
 
@@ -254,10 +253,6 @@ class DeviceMemory:
         if template.net_bytes < 0:
             self.frees_under_way -= 1
             self.poke()
-
-    def changed(self) -> simpy.Event:
-        """An event that fires at the next free on this device (or ``poke``)."""
-        return self._changed
 
     def poke(self) -> None:
         """Wake whoever waits on this device (memory freed, or a stream reached a point)."""

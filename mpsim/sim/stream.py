@@ -54,18 +54,16 @@ class ComputeStream:
                 self._prefetch_for(idx)
                 start = self.run.env.now
                 yield from self.updater.update()
-                self.run.spans.append(Span(self.gpu, "compute", f"U{task.microbatch}", start, self.run.env.now))
-                if self.run.on_task is not None:
-                    self.run.on_task()
-                continue
-            climbs = self.program.forward_climbs if task.kind == "F" else self.program.backward_climbs
-            self.memory.set_climb(climbs[0][0])  # what the task will take once its input lands
-            yield from self._wait_for_inputs(task)
-            self._prefetch_for(idx)
-            start = self.run.env.now
-            yield from self._run_pieces(task)
+            else:
+                climbs = self.program.forward_climbs if task.kind == "F" else self.program.backward_climbs
+                self.memory.set_climb(climbs[0][0])  # what the task will take once its input lands
+                yield from self._wait_for_inputs(task)
+                self._prefetch_for(idx)
+                start = self.run.env.now
+                yield from self._run_pieces(task)
             self.run.spans.append(Span(self.gpu, "compute", f"{task.kind}{task.microbatch}", start, self.run.env.now))
-            self._after(task)
+            if task.kind != "U":
+                self._after(task)
             if self.run.on_task is not None:
                 self.run.on_task()
 
