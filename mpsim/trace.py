@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 import pandas as pd
@@ -47,8 +47,9 @@ class Precision(_Strict):
     fp16 weights (2) and gradients (2), an fp32 master copy (4) and two fp32 Adam moments
     (8): 16 bytes per parameter."""
 
-    recipe: Literal["mixed-fp16", "mixed-bf16", "fp32"] = "mixed-fp16"
-    compute_dtype: Literal["fp16", "bf16", "fp32"] = "fp16"
+    recipe: Literal["mixed-fp16", "mixed-bf16", "mixed-fp16-fp32grad", "mixed-bf16-fp32grad", "fp32", "tf32"] = (
+        "mixed-fp16")
+    compute_dtype: Literal["fp16", "bf16", "fp32", "tf32"] = "fp16"
     weight_bytes_per_param: int = Field(default=2, gt=0, le=64)
     grad_bytes_per_param: int = Field(default=2, gt=0, le=64)
     optimizer_bytes_per_param: int = Field(default=12, ge=0, le=256, description="master weights + Adam moments")
@@ -57,9 +58,20 @@ class Precision(_Strict):
 RECIPES: dict[str, Precision] = {
     "mixed-fp16": Precision(),
     "mixed-bf16": Precision(recipe="mixed-bf16", compute_dtype="bf16"),
+    # fp32 gradient accumulation (Megatron-LM's main_grad): the gradient buffer is fp32, 18 bytes a parameter.
+    "mixed-fp16-fp32grad": Precision(recipe="mixed-fp16-fp32grad", grad_bytes_per_param=4),
+    "mixed-bf16-fp32grad": Precision(recipe="mixed-bf16-fp32grad", compute_dtype="bf16", grad_bytes_per_param=4),
     "fp32": Precision(recipe="fp32", compute_dtype="fp32", weight_bytes_per_param=4, grad_bytes_per_param=4,
                       optimizer_bytes_per_param=8),
+    # fp32 storage, matmuls on TF32 tensor cores (Ampere on): the bytes of fp32, the rate of tf32.
+    "tf32": Precision(recipe="tf32", compute_dtype="tf32", weight_bytes_per_param=4, grad_bytes_per_param=4,
+                      optimizer_bytes_per_param=8),
 }
+RECIPE_HELP = ("mixed-fp16 / mixed-bf16: 16-bit weights and gradients, fp32 master weights and Adam moments "
+               "(16 bytes a parameter); -fp32grad: gradients accumulated in fp32 (18); fp32 (16, no master copy); "
+               "tf32: fp32 bytes at tensor-core TF32 rate")
+_RATE_FALLBACK = {"tf32": ("tf32", "fp32"), "bf16": ("bf16", "fp16", "fp32"), "fp16": ("fp16", "fp32"),
+                  "fp32": ("fp32",)}
 
 
 class Source(_Strict):
@@ -101,11 +113,25 @@ class LayerRow(_Strict):
     fwd_ms: float | None = Field(default=None, gt=0, le=MAX_MS, description="measured forward time")
     bwd_ms: float | None = Field(default=None, gt=0, le=MAX_MS, description="measured backward time")
     split_dims: list[Literal["batch", "sequence", "hidden"]] = Field(default_factory=list)
+    fwd_attention_flops: float = Field(
+        default=0.0, ge=0, le=MAX_FLOPS, description="part of fwd_flops run inside a fused attention kernel")
+    bwd_attention_flops: float = Field(default=0.0, ge=0, le=MAX_FLOPS, description="part of bwd_flops likewise")
+    attention_core_bytes: int = Field(
+        default=0, ge=0, le=MAX_BYTES,
+        description="part of act_bytes kept by the attention core beyond q, k, v: what selective recompute drops")
+    attention_core_flops: float = Field(
+        default=0.0, ge=0, le=MAX_FLOPS, description="forward FLOPs of the attention core (selective recompute)")
+    attention_core_mem_bytes: float = Field(
+        default=0.0, ge=0, le=MAX_BYTES, description="bytes the attention core's non-matmul ops move, forward")
 
     @model_validator(mode="after")
     def _saved_input_fits(self) -> LayerRow:
         if self.saves_input and self.act_bytes < self.input_bytes:
             raise ValueError("act_bytes must include input_bytes when saves_input is true")
+        if self.attention_core_bytes > self.act_bytes:
+            raise ValueError("attention_core_bytes is part of act_bytes and cannot exceed it")
+        if self.fwd_attention_flops > self.fwd_flops or self.bwd_attention_flops > self.bwd_flops:
+            raise ValueError("attention FLOPs are part of fwd_flops and bwd_flops and cannot exceed them")
         return self
 
 
@@ -124,7 +150,8 @@ class TraceFile(_Strict):
 
 
 _SCALED = ("act_bytes", "input_bytes", "output_bytes", "workspace_bytes", "fwd_flops", "bwd_flops",
-           "fwd_mem_bytes", "bwd_mem_bytes")
+           "fwd_mem_bytes", "bwd_mem_bytes", "fwd_attention_flops", "bwd_attention_flops", "attention_core_bytes",
+           "attention_core_flops", "attention_core_mem_bytes")
 _SCALED_OPTIONAL = ("fwd_ms", "bwd_ms", "bwd_workspace_bytes")
 _BYTE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "act_bytes", "input_bytes", "output_bytes",
                 "workspace_bytes", "bwd_workspace_bytes")
@@ -232,10 +259,10 @@ class Trace:
         roofline by op class, summed because a layer's ops run one after another:
         t = FLOPs / (peak[dtype] x matmul_efficiency) + bytes / (bandwidth x memory_efficiency),
         backward likewise with the backward FLOPs (about twice the forward) and bytes."""
-        dtype = self.spec.precision.compute_dtype
-        if dtype not in gpu.peak_tflops:
-            dtype = "fp16" if "fp16" in gpu.peak_tflops else "fp32"
-        flops_rate = gpu.peak_tflops[dtype] * 1e12 * gpu.matmul_efficiency
+        wanted = self.spec.precision.compute_dtype
+        dtype = next((d for d in _RATE_FALLBACK[wanted] if d in gpu.peak_tflops), "fp32")
+        rate_dtype = cast(Literal["fp16", "bf16", "fp32", "tf32"], dtype)
+        flops_rate = gpu.peak_tflops[rate_dtype] * 1e12 * gpu.matmul_efficiency
         mem_rate = gpu.memory_bandwidth_gbps * 1e9 * gpu.memory_efficiency
         rows = self.spec.layers
         fwd = np.array([r.fwd_ms * 1e-3 if r.fwd_ms is not None

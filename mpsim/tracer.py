@@ -1,21 +1,27 @@
 """Trace generation: run the real PyTorch layers under FakeTensor mode.
 
-No memory is allocated and no arithmetic is done, so a 25B-parameter model traces on a
+No memory is allocated and no arithmetic is done, so a 70B-parameter model traces on a
 laptop in seconds. Per distinct layer (embedding, one transformer layer, loss head) we
 record, for one forward and backward on a microbatch:
 
 - saved-for-backward bytes, from ``torch.autograd.graph.saved_tensors_hooks`` (each
-  storage counted once, parameters excluded), and whether the layer input is among them;
-- FLOPs, from ``torch.utils.flop_counter.FlopCounterMode``;
+  storage counted once, parameters excluded), and whether the layer input is among them.
+  The layers call ``mpsim.kernels``, so these are the bytes the CUDA kernels keep (1-byte
+  dropout masks, the attention backend's own saved tensors), not what CPU kernels keep;
+- FLOPs, from ``torch.utils.flop_counter.FlopCounterMode``, with those run inside a fused
+  attention kernel also counted on their own (they have their own efficiency);
 - bytes read and written by non-matmul ops (for the roofline in ``Trace.layer_times``);
-- the largest transient tensor that is neither saved nor the output (workspace).
+- the largest transient tensor that is neither saved nor the output (workspace);
+- what the attention core keeps beyond q, k and v, and its forward FLOPs and bytes: what
+  selective recompute (Korthikanti et al. 2022, section 4.2) drops and pays.
 
 The transformer layers of a model are identical, so one is traced and repeated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -23,28 +29,33 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from mpsim import kernels
+from mpsim.kernels import FUSED_ATTENTION_OPS, storage_key
 from mpsim.trace import RECIPES, SCHEMA_VERSION, LayerKind, LayerRow, Source, Trace, TraceFile
 from mpsim.workloads import Embedding, LossHead, ModelConfig, TransformerLayer
 
 _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_product_efficient_attention",
-               "_scaled_dot_product_flash_attention"}
+               "_scaled_dot_product_flash_attention", *FUSED_ATTENTION_OPS}
 _NO_TRAFFIC_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "device", "detach",
                    "alias", "lift_fresh", "_to_copy_meta"}
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
+_DTYPES = DTYPES
+Run = Callable[..., torch.Tensor]
 
 
-def _key(t: torch.Tensor) -> int:
-    """Identity of a tensor's storage (views share it). Only unique while the storage is
-    alive, so callers keep every storage they key alive until they are done."""
-    return t.untyped_storage()._cdata
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class _OpBytes(TorchDispatchMode):
-    """Counts bytes touched by non-matmul ops and remembers every op output's storage."""
+    """Counts bytes touched by non-matmul ops (those inside the attention core apart, too)
+    and remembers every op output's storage."""
 
-    def __init__(self) -> None:
+    def __init__(self, probe: kernels.TraceProbe | None = None) -> None:
         super().__init__()
         self.mem_bytes = 0
+        self.core_mem_bytes = 0
+        self.probe = probe
         self.outputs: dict[int, int] = {}
         self._alive: list[torch.Tensor] = []  # keeps storages alive so their keys are never reused
 
@@ -52,71 +63,109 @@ class _OpBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         for t in outs:
-            self.outputs.setdefault(_key(t), t.untyped_storage().nbytes())
+            self.outputs.setdefault(storage_key(t), t.untyped_storage().nbytes())
             self._alive.append(t)
-        op = func.__name__.split(".")[0]
-        if not outs or getattr(func, "is_view", False) or op in _NO_TRAFFIC_OPS:
-            pass  # metadata, views and uninitialised allocations move no bytes
-        elif op == "embedding":  # a lookup touches the rows it gathers, not the whole table
-            self.mem_bytes += 2 * sum(t.numel() * t.element_size() for t in outs)
-        elif op not in _MATMUL_OPS:
-            ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            self.mem_bytes += sum(t.numel() * t.element_size() for t in ins + outs)
+        moved = self._moved(func, outs, args, kwargs)
+        self.mem_bytes += moved
+        if self.probe is not None and self.probe.in_core:
+            self.core_mem_bytes += moved
         return out
 
+    @staticmethod
+    def _moved(func, outs: list[torch.Tensor], args, kwargs) -> int:
+        op = func.__name__.split(".")[0]
+        if not outs or getattr(func, "is_view", False) or op in _NO_TRAFFIC_OPS or op in _MATMUL_OPS:
+            return 0  # metadata, views, uninitialised allocations and compute-bound kernels
+        if op == "embedding":  # a lookup touches the rows it gathers, not the whole table
+            return 2 * _nbytes(outs)
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        return _nbytes(ins + outs)
 
-def _trace_module(module: torch.nn.Module, inputs: list[torch.Tensor], grad_input: bool,
-                  run: Callable[..., torch.Tensor]) -> dict:
-    """Forward and backward of ``module`` on fake ``inputs``; returns the measured row fields."""
-    param_keys = {_key(p) for p in module.parameters()}
+
+def _fused_attention_flops(counter: FlopCounterMode) -> float:
+    counts = counter.get_flop_counts().get("Global", {})
+    return float(sum(n for op, n in counts.items() if str(op).split(".")[-1] in FUSED_ATTENTION_OPS))
+
+
+def _selective_saving(probe: kernels.TraceProbe, saved: dict[int, int]) -> int:
+    """Bytes selective recompute frees: what the attention core keeps beyond its inputs,
+    less its inputs where nothing else keeps them (they become the checkpoint)."""
+    dropped = sum(n for k, n in probe.core_saved.items() if k in saved)
+    checkpoint = sum(n for k, n in probe.core_inputs.items() if k not in saved)
+    return max(0, dropped - checkpoint)
+
+
+def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run) -> dict[str, Any]:
+    """Forward and backward of ``run(module, *inputs)`` (fake or real tensors); returns the
+    measured fields of a trace row. The first input is the one a pipeline passes between layers."""
+    param_keys = {storage_key(p) for p in module.parameters()}
     saved: dict[int, int] = {}
     keep: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        k = _key(t)
+        k = storage_key(t)
         if k not in param_keys:
             saved.setdefault(k, t.untyped_storage().nbytes())
+            kernels.note_saved(t)
             keep.append(t)
         return t
 
-    counter = _OpBytes()
-    with (FlopCounterMode(display=False) as fwd_flops, counter,
+    probe = kernels.TraceProbe()
+    counter = _OpBytes(probe)
+    with (kernels.probing(probe), FlopCounterMode(display=False) as fwd_flops, counter,
           torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
         out = run(module, *inputs)
-    fwd_mem = counter.mem_bytes
-    out_key = _key(out)
+    out_key = storage_key(out)
     first = inputs[0]
     workspace = max((n for k, n in counter.outputs.items()
                      if k not in saved and k != out_key and k not in param_keys), default=0)
     counter_b = _OpBytes()
     with FlopCounterMode(display=False) as bwd_flops, counter_b:
         out.backward(torch.ones_like(out))
+    core_bytes = _selective_saving(probe, saved)
     return {
         "params": sum(p.numel() for p in module.parameters()),
         "act_bytes": sum(saved.values()),
-        "saves_input": _key(first) in saved,
-        "input_bytes": first.numel() * first.element_size(),
-        "output_bytes": out.numel() * out.element_size(),
+        "saves_input": storage_key(first) in saved,
+        "input_bytes": _nbytes([first]),
+        "output_bytes": _nbytes([out]),
         "workspace_bytes": workspace,
         "fwd_flops": float(fwd_flops.get_total_flops()),
         "bwd_flops": float(bwd_flops.get_total_flops()),
-        "fwd_mem_bytes": float(fwd_mem),
+        "fwd_mem_bytes": float(counter.mem_bytes),
         "bwd_mem_bytes": float(counter_b.mem_bytes),
+        "fwd_attention_flops": _fused_attention_flops(fwd_flops),
+        "bwd_attention_flops": _fused_attention_flops(bwd_flops),
+        "attention_core_bytes": core_bytes,
+        "attention_core_flops": float(probe.core_fwd_flops) if core_bytes else 0.0,
+        "attention_core_mem_bytes": float(counter.core_mem_bytes) if core_bytes else 0.0,
     }
+
+
+def _trace_module(module: torch.nn.Module, inputs: list[torch.Tensor], grad_input: bool, run: Run) -> dict:
+    """``trace_layer`` under its former name (``grad_input`` is implied by the inputs)."""
+    return trace_layer(module, inputs, run)
+
+
+class compute_dtype:
+    """Context in which new parameters are built in a recipe's compute dtype (no casts to trace)."""
+
+    def __init__(self, recipe: str) -> None:
+        self.dtype = DTYPES[RECIPES[recipe].compute_dtype]
+
+    def __enter__(self) -> torch.dtype:
+        self._previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        return self.dtype
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_default_dtype(self._previous)
 
 
 def trace_model(cfg: ModelConfig, microbatch: int, recipe: str = "mixed-fp16", name: str | None = None) -> Trace:
     """Trace ``cfg`` at ``microbatch`` under FakeTensor mode (see the module docstring)."""
-    precision = RECIPES[recipe]
-    dtype = _DTYPES[precision.compute_dtype]
-    b = microbatch
-    previous_default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # build parameters in the compute dtype directly
-    try:
-        fields = _trace_layers(cfg, b, dtype)
-    finally:
-        torch.set_default_dtype(previous_default)
-    emb, layer, head = fields
+    with compute_dtype(recipe) as dtype:
+        emb, layer, head = _trace_layers(cfg, microbatch, dtype)
     return _assemble(cfg, microbatch, recipe, name, emb, layer, head)
 
 
@@ -124,41 +173,50 @@ def _trace_layers(cfg: ModelConfig, b: int, dtype: torch.dtype) -> tuple[dict, d
     s, h = cfg.seq_len, cfg.hidden
     with FakeTensorMode():
         tokens = torch.zeros(b, s, dtype=torch.long)
-        emb = _trace_module(Embedding(cfg), [tokens], False, lambda m, x: m(x))
+        emb = trace_layer(Embedding(cfg), [tokens], lambda m, x: m(x))
         x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
-        layer = _trace_module(TransformerLayer(cfg), [x], True, lambda m, x: m(x))
+        layer = trace_layer(TransformerLayer(cfg), [x], lambda m, x: m(x))
         x2 = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
-        head = _trace_module(LossHead(cfg), [x2, tokens], True, lambda m, x, y: m(x, y))
+        head = trace_layer(LossHead(cfg), [x2, tokens], lambda m, x, y: m(x, y))
     return emb, layer, head
+
+
+NamedFields = tuple[str, LayerKind, dict[str, Any]]
+"""A row to be: its name, kind and the fields ``trace_layer`` measured."""
+
+
+def default_source() -> Source:
+    return Source(kind="derived", tool="mpsim trace (FakeTensorMode, FlopCounterMode, saved_tensors_hooks)",
+                  torch_version=torch.__version__.split("+")[0])
+
+
+def make_trace(name: str, model: dict, params: int, microbatch: int, recipe: str, named: list[NamedFields],
+               source: Source | None = None, split_dims: dict[LayerKind, list] | None = None) -> Trace:
+    """A trace from measured rows: parameter, gradient and optimizer bytes from the recipe.
+    Layers split along the batch; heads also along the sequence unless ``split_dims`` says."""
+    precision = RECIPES[recipe]
+    dims: dict[LayerKind, list] = {"head": ["batch", "sequence"]}
+    dims.update(split_dims or {})
+
+    def row(row_name: str, kind: LayerKind, fields: dict) -> LayerRow:
+        n = fields["params"]
+        return LayerRow(name=row_name, kind=kind, param_bytes=n * precision.weight_bytes_per_param,
+                        grad_bytes=n * precision.grad_bytes_per_param,
+                        optimizer_bytes=n * precision.optimizer_bytes_per_param,
+                        split_dims=dims.get(kind, ["batch"]), **fields)
+
+    spec = TraceFile(schema=SCHEMA_VERSION, name=name, model=model, params=params, microbatch=microbatch,
+                     precision=precision, source=source or default_source(),
+                     layers=[row(*n) for n in named])
+    return Trace(spec, "<traced>")
 
 
 def _assemble(cfg: ModelConfig, microbatch: int, recipe: str, name: str | None, emb: dict, layer: dict,
               head: dict, source: Source | None = None) -> Trace:
     """One trace row per layer from the fields measured on the embedding, one transformer
     layer (repeated) and the loss head."""
-    precision = RECIPES[recipe]
-
-    def row(name: str, kind: LayerKind, fields: dict) -> LayerRow:
-        n = fields["params"]
-        return LayerRow(name=name, kind=kind, param_bytes=n * precision.weight_bytes_per_param,
-                        grad_bytes=n * precision.grad_bytes_per_param,
-                        optimizer_bytes=n * precision.optimizer_bytes_per_param,
-                        split_dims=["batch"] if kind != "head" else ["batch", "sequence"], **fields)
-
-    rows = [row("embedding", "embedding", emb)]
-    rows += [row(f"layer{i}", "transformer", layer) for i in range(cfg.layers)]
-    rows.append(row("head", "head", head))
-    spec = TraceFile(
-        schema=SCHEMA_VERSION,
-        name=name or f"{cfg.family}-{cfg.layers}l-{cfg.hidden}h",
-        model=cfg.to_dict(),
-        params=cfg.param_count(),
-        microbatch=microbatch,
-        precision=precision,
-        source=source or Source(kind="derived",
-                                tool="mpsim trace (FakeTensorMode, FlopCounterMode, saved_tensors_hooks)",
-                                torch_version=torch.__version__.split("+")[0]),
-        layers=rows,
-    )
-    return Trace(spec, "<traced>")
-
+    named: list[NamedFields] = [("embedding", "embedding", emb)]
+    named += [(f"layer{i}", "transformer", layer) for i in range(cfg.layers)]
+    named.append(("head", "head", head))
+    return make_trace(name or f"{cfg.family}-{cfg.layers}l-{cfg.hidden}h", cfg.to_dict(), cfg.param_count(),
+                      microbatch, recipe, named, source)

@@ -1,9 +1,18 @@
-"""The model zoo in PyTorch: GPT and BERT, built layer by layer.
+"""The model zoo in PyTorch: GPT, BERT and Llama-style decoders, built layer by layer.
 
-The same modules are traced (``mpsim.tracer``) and, later, executed for validation, so a
-trace and a real run describe the same network. Attention is written out (scores,
-softmax, dropout, weighted sum) rather than fused, so saved activations match the
-Megatron accounting of Korthikanti et al. (s*b*h*(34 + 5*a*s/h) bytes per layer in fp16).
+The same modules are traced (``mpsim.tracer``) and executed for validation, so a trace
+and a real run describe the same network. They call ``mpsim.kernels`` for dropout,
+normalisation and attention, so what a layer keeps for its backward is what the CUDA
+kernels keep, even when traced on CPU: with ``attention="eager"`` and dropout a GPT layer
+keeps Korthikanti et al.'s s*b*h*(34 + 5*a*s/h) bytes (fp16).
+
+Families:
+
+- ``gpt``: pre-LayerNorm, causal, GELU MLP, learned positions, biases, tied embeddings (GPT-2);
+- ``bert``: post-LayerNorm, bidirectional, token types, masked-LM head (BERT);
+- ``llama``: pre-RMSNorm, causal, SwiGLU MLP, rotary positions (RoPE), grouped-query
+  attention (``kv_heads``), no biases unless ``qkv_bias`` (Qwen2), untied output
+  projection (Llama 2/3, Mistral, Qwen2.5).
 """
 
 from __future__ import annotations
@@ -16,12 +25,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-Family = Literal["gpt", "bert"]
+from mpsim import kernels
+from mpsim.kernels import AttentionBackend
+
+Family = Literal["gpt", "bert", "llama"]
+FAMILIES: tuple[str, ...] = ("gpt", "bert", "llama")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a GPT or BERT model. Parameter count follows from it (``param_count``)."""
+    """Shape of a model of one of ``FAMILIES``. Parameter count follows from it (``param_count``)."""
 
     family: Family
     layers: int
@@ -32,109 +45,188 @@ class ModelConfig:
     ffn_hidden: int = 0
     """MLP inner size; 0 means 4 x hidden."""
     dropout: float = 0.1
+    kv_heads: int = 0
+    """Key/value heads (grouped-query attention); 0 means as many as ``heads``."""
+    qkv_bias: bool | None = None
+    """Biases on the q, k, v projections; None: the family's (GPT, BERT yes; Llama no)."""
+    attention: AttentionBackend = "eager"
+    rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family {self.family!r}: expected one of {', '.join(FAMILIES)}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.heads % self.kv:
+            raise ValueError(f"heads {self.heads} is not divisible by kv_heads {self.kv}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout {self.dropout}: expected a probability in [0, 1)")
+        kernels.check_backend(self.attention)
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden or 4 * self.hidden
 
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def biases(self) -> bool:
+        """Biases on every linear layer but the output projection (GPT, BERT)."""
+        return self.family != "llama"
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.biases if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def tied(self) -> bool:
+        """Output projection tied to the word embedding (GPT-2, BERT), else its own matrix."""
+        return self.family != "llama"
+
     def to_dict(self) -> dict:
         return asdict(self)
 
     def layer_params(self) -> int:
-        """One transformer layer: QKV, projection, two MLP matrices, biases, two LayerNorms."""
-        h, f = self.hidden, self.ffn
-        return (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
+        """One transformer layer: q, k, v and output projections, the MLP, the norms."""
+        h, f, kv_dim = self.hidden, self.ffn, self.kv * self.head_dim
+        qkv = h * (h + 2 * kv_dim) + (h + 2 * kv_dim) * self.has_qkv_bias
+        if self.family == "llama":
+            return qkv + h * h + 3 * h * f + 2 * h
+        return qkv + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
 
     def embedding_params(self) -> int:
+        if self.family == "llama":
+            return self.vocab * self.hidden
         types = 2 * self.hidden if self.family == "bert" else 0
         ln = 2 * self.hidden if self.family == "bert" else 0
         return self.vocab * self.hidden + self.seq_len * self.hidden + types + ln
 
+    def head_params(self) -> int:
+        """Final norm and, untied, the output projection; BERT's masked-LM transform."""
+        h = self.hidden
+        if self.family == "llama":
+            return h + self.vocab * h
+        return 2 * h if self.family == "gpt" else (h * h + 5 * h + self.vocab)
+
     def param_count(self) -> int:
-        """Unique parameters, with the output projection tied to the word embedding (as
-        GPT-2 and BERT do); the pipeline's last stage still holds its own copy."""
-        head = 2 * self.hidden if self.family == "gpt" else (self.hidden * self.hidden + 5 * self.hidden + self.vocab)
-        return self.embedding_params() + self.layers * self.layer_params() + head
+        """Unique parameters; a tied output projection counts once (the pipeline's last
+        stage still holds its own copy)."""
+        return self.embedding_params() + self.layers * self.layer_params() + self.head_params()
 
 
 class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.word = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.position = nn.Embedding(cfg.seq_len, cfg.hidden)
+        learned = cfg.family != "llama"
+        self.position = nn.Embedding(cfg.seq_len, cfg.hidden) if learned else None
         self.token_type = nn.Embedding(2, cfg.hidden) if cfg.family == "bert" else None
         self.norm = nn.LayerNorm(cfg.hidden) if cfg.family == "bert" else None
-        self.drop = nn.Dropout(cfg.dropout)
+        self.p = cfg.dropout
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.word(tokens) + self.position(pos)
+        x = self.word(tokens)
+        if self.position is not None:
+            x = x + self.position(torch.arange(tokens.shape[1], device=tokens.device))
         if self.token_type is not None:
             x = x + self.token_type(torch.zeros_like(tokens))
         if self.norm is not None:
             x = self.norm(x)
-        return self.drop(x)
+        return kernels.dropout(x, self.p, self.training)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+def _norm(cfg: ModelConfig) -> nn.Module:
+    return RMSNorm(cfg.hidden) if cfg.family == "llama" else nn.LayerNorm(cfg.hidden)
+
+
+def _rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021) on (b, heads, s, d), half-split layout."""
+    s, d = x.shape[-2], x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv_freq)
+    cos, sin = (torch.cat((f(angles), f(angles)), dim=-1).to(x.dtype) for f in (torch.cos, torch.sin))
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, causal: bool) -> None:
         super().__init__()
-        self.heads = cfg.heads
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
-        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
-        self.attn_drop = nn.Dropout(cfg.dropout)
+        self.cfg = cfg
+        kv_dim = cfg.kv * cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden, cfg.hidden + 2 * kv_dim, bias=cfg.has_qkv_bias)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.biases)
         self.causal = causal
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
         b, s, h = x.shape
-        q, k, v = self.qkv(x).split(h, dim=2)
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(h // self.heads))
-        if self.causal:
-            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-            scores = scores.masked_fill(mask, float("-inf"))
-        probs = self.attn_drop(F.softmax(scores, dim=-1))
-        out = (probs @ v).transpose(1, 2).reshape(b, s, h)
-        return self.proj(out)
+        d, kv_dim = cfg.head_dim, cfg.kv * cfg.head_dim
+        q, k, v = self.qkv(x).split([h, kv_dim, kv_dim], dim=2)
+        q = q.view(b, s, cfg.heads, d).transpose(1, 2)
+        k, v = (t.view(b, s, cfg.kv, d).transpose(1, 2) for t in (k, v))
+        if cfg.family == "llama":
+            q, k = _rotate(q, cfg.rope_theta), _rotate(k, cfg.rope_theta)
+        out = kernels.attention(q, k, v, causal=self.causal, dropout_p=cfg.dropout, training=self.training,
+                                backend=cfg.attention, scale=1.0 / math.sqrt(d))
+        return self.proj(out.transpose(1, 2).reshape(b, s, h))
 
 
 class TransformerLayer(nn.Module):
-    """GPT: pre-LayerNorm, causal. BERT: post-LayerNorm, bidirectional."""
+    """GPT and Llama: pre-norm, causal. BERT: post-LayerNorm, bidirectional."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.pre_norm = cfg.family == "gpt"
-        self.ln1 = nn.LayerNorm(cfg.hidden)
-        self.attn = SelfAttention(cfg, causal=cfg.family == "gpt")
-        self.drop1 = nn.Dropout(cfg.dropout)
-        self.ln2 = nn.LayerNorm(cfg.hidden)
-        self.fc = nn.Linear(cfg.hidden, cfg.ffn)
-        self.out = nn.Linear(cfg.ffn, cfg.hidden)
-        self.drop2 = nn.Dropout(cfg.dropout)
+        self.cfg = cfg
+        self.pre_norm = cfg.family != "bert"
+        self.ln1 = _norm(cfg)
+        self.attn = SelfAttention(cfg, causal=cfg.family != "bert")
+        self.ln2 = _norm(cfg)
+        swiglu = cfg.family == "llama"
+        self.fc = nn.Linear(cfg.hidden, (2 if swiglu else 1) * cfg.ffn, bias=cfg.biases)
+        self.out = nn.Linear(cfg.ffn, cfg.hidden, bias=cfg.biases)
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.dropout(x, self.cfg.dropout, self.training)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.out(F.gelu(self.fc(x))))
+        if self.cfg.family == "llama":  # SwiGLU (Shazeer 2020): silu(gate) * up
+            gate, up = self.fc(x).chunk(2, dim=-1)
+            return self.out(F.silu(gate) * up)
+        return self._drop(self.out(F.gelu(self.fc(x))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_norm:
-            x = x + self.drop1(self.attn(self.ln1(x)))
+            x = x + self._drop(self.attn(self.ln1(x)))
             return x + self._mlp(self.ln2(x))
-        x = self.ln1(x + self.drop1(self.attn(x)))
+        x = self.ln1(x + self._drop(self.attn(x)))
         return self.ln2(x + self._mlp(x))
 
 
 class LossHead(nn.Module):
-    """GPT: final LayerNorm, vocabulary projection, cross-entropy.
+    """GPT, Llama: final norm, vocabulary projection, cross-entropy.
     BERT: masked-LM transform (dense, GELU, LayerNorm), vocabulary projection, cross-entropy."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.transform = nn.Linear(cfg.hidden, cfg.hidden) if cfg.family == "bert" else None
-        self.norm = nn.LayerNorm(cfg.hidden)
+        self.norm = _norm(cfg)
         self.decoder = nn.Linear(cfg.hidden, cfg.vocab, bias=cfg.family == "bert")
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -171,3 +263,24 @@ ZOO: dict[str, tuple[ModelConfig, int, str]] = {
     # Small enough to train on a laptop CPU: what `mpsim validate` runs in CI.
     "gpt-tiny": (ModelConfig("gpt", 8, 256, 4, 128, 512), 4, "fp32"),
 }
+
+
+def _llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq: int,
+           theta: float = 10000.0, qkv_bias: bool = False) -> ModelConfig:
+    return ModelConfig("llama", layers, hidden, heads, seq, vocab, ffn_hidden=ffn, dropout=0.0, kv_heads=kv_heads,
+                       qkv_bias=qkv_bias, attention="flash", rope_theta=theta)
+
+
+#: Today's public models, shapes from their config.json files (../shared/reference/models.md),
+#: trained in mixed bf16 with FlashAttention-2 at their usual training sequence length.
+#: Mistral's sliding window (4096) is not modelled: its attention FLOPs at 8192 are counted in full.
+PRESETS: dict[str, tuple[ModelConfig, int, str]] = {
+    "llama-2-7b": (_llama(32, 4096, 32, 32, 11008, 32000, 4096), 1, "mixed-bf16"),
+    "llama-2-13b": (_llama(40, 5120, 40, 40, 13824, 32000, 4096), 1, "mixed-bf16"),
+    "llama-3-8b": (_llama(32, 4096, 32, 8, 14336, 128256, 8192, theta=500000.0), 1, "mixed-bf16"),
+    "llama-3-70b": (_llama(80, 8192, 64, 8, 28672, 128256, 8192, theta=500000.0), 1, "mixed-bf16"),
+    "mistral-7b": (_llama(32, 4096, 32, 8, 14336, 32000, 8192), 1, "mixed-bf16"),
+    "qwen2.5-7b": (_llama(28, 3584, 28, 4, 18944, 152064, 4096, theta=1000000.0, qkv_bias=True), 1, "mixed-bf16"),
+    "gpt2-xl": (ModelConfig("gpt", 48, 1600, 25, 1024, GPT_VOCAB, attention="flash"), 4, "mixed-bf16"),
+}
+ZOO.update(PRESETS)
