@@ -99,7 +99,9 @@ def fits_strategies(server: str | Topology, family: str, schedule: str = "1f1b",
 
 
 def family_traces(family: str) -> list[Trace]:
-    traces = [load_trace(name) for name in shipped_traces()]
+    """The shipped size series of ``family``: traces named ``<family>-<size>`` (gpt-5.3b ...,
+    not gpt2-xl), smallest first."""
+    traces = [load_trace(name) for name in shipped_traces() if name.startswith(f"{family}-")]
     chosen = sorted((t for t in traces if t.spec.model.get("family") == family), key=lambda t: t.spec.params)
     if not chosen:
         families = sorted({t.spec.model.get("family", "?") for t in traces})

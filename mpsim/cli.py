@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import click
 
 from mpsim.errors import MpsimError
+from mpsim.trace import RECIPE_HELP
 
 if TYPE_CHECKING:
     from mpsim.workloads import Family
@@ -340,19 +341,39 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
     _write_json(json_out, {"rows": frame.to_dict(orient="records")})
 
 
+_ATTENTION_HELP = ("attention kernel whose saved tensors and FLOPs the trace records: eager (written out), "
+                   "fused-softmax (Megatron), mem-efficient (xFormers/CUTLASS), flash (FlashAttention-2)  "
+                   "[default: the preset's; otherwise what PyTorch picks on --server's GPU: flash from A100 on, "
+                   "mem-efficient before; flash without --server]")
+
+
 @app.command()
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="trace JSON file to write")
-@click.option("--preset", help="start from a shipped configuration (e.g. gpt-5.3b); other options override it")
-@click.option("--family", type=click.Choice(["gpt", "bert"]), help="model family  [default: gpt]")
+@click.option("--preset", help="start from a shipped configuration (gpt-5.3b, llama-3-8b ...; "
+                               "see `mpsim trace --list`); other options override it")
+@click.option("--list", "list_presets", is_flag=True, is_eager=True, expose_value=False,
+              callback=lambda ctx, _p, v: _list_presets(ctx) if v else None, help="list the presets and exit")
+@click.option("--family", type=click.Choice(["gpt", "bert", "llama"]),
+              help="model family: gpt (GPT-2), bert, llama (RMSNorm, SwiGLU, RoPE, GQA: Llama, Mistral, Qwen2)  "
+                   "[default: gpt]")
 @click.option("--layers", type=click.IntRange(min=1), help="transformer layers  [default: 16]")
 @click.option("--hidden", type=click.IntRange(min=1), help="hidden size  [default: 5120]")
 @click.option("--heads", type=click.IntRange(min=1), help="attention heads, dividing hidden  [default: 40]")
+@click.option("--kv-heads", type=click.IntRange(min=1), help="key/value heads (grouped-query attention), "
+                                                            "dividing heads  [default: heads]")
+@click.option("--ffn-hidden", type=click.IntRange(min=1), help="MLP inner size  [default: 4 x hidden]")
 @click.option("--seq-len", type=click.IntRange(min=1), help="sequence length  [default: 1024]")
 @click.option("--vocab", type=click.IntRange(min=1), help="vocabulary size  [default: 50257]")
-@click.option("--microbatch", type=click.IntRange(min=1), help="samples per microbatch  [default: 2]")
-@click.option("--recipe", type=click.Choice(["mixed-fp16", "mixed-bf16", "fp32"]),
-              help="precision; mixed-precision Adam keeps 16 bytes per parameter  [default: mixed-fp16]")
+@click.option("--dropout", type=click.FloatRange(min=0, max=1, max_open=True),
+              help="dropout probability; 0 keeps no masks  [default: the preset's]")
+@click.option("--attention", type=click.Choice(["eager", "fused-softmax", "mem-efficient", "flash"]),
+              help=_ATTENTION_HELP)
+@click.option("--server", "-s", help="with no --attention: pick the kernel PyTorch uses on this server's GPUs")
+@click.option("--microbatch", type=click.IntRange(min=1), help="samples per microbatch  [default: the preset's]")
+@click.option("--recipe", type=click.Choice(["mixed-fp16", "mixed-bf16", "mixed-fp16-fp32grad", "mixed-bf16-fp32grad",
+                                             "fp32", "tf32"]),
+              help="training precision: " + RECIPE_HELP + "  [default: the preset's]")
 @click.option("--name", help="name stored in the trace  [default: the preset's, else from the shape]")
 @click.option("--measure", is_flag=True, help="run the layers for real on --device and record measured times and bytes")
 @click.option("--device", default="cpu", show_default=True, help="with --measure: cpu, cuda or cuda:N")
@@ -361,12 +382,14 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
 @click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True,
               help="with --measure: timed runs per layer (the median is kept)")
 def trace(output: Path, preset: str | None, family: Family | None, layers: int | None, hidden: int | None,
-          heads: int | None, seq_len: int | None, vocab: int | None, microbatch: int | None, recipe: str | None,
-          name: str | None, measure: bool, device: str, threads: int, repeats: int) -> None:
-    """Trace a GPT or BERT configuration.
+          heads: int | None, kv_heads: int | None, ffn_hidden: int | None, seq_len: int | None, vocab: int | None,
+          dropout: float | None, attention: str | None, server: str | None, microbatch: int | None,
+          recipe: str | None, name: str | None, measure: bool, device: str, threads: int, repeats: int) -> None:
+    """Trace a model: a preset or a GPT, BERT or Llama-style shape.
 
     By default under FakeTensor mode (no memory allocated): per layer the saved-for-backward
-    bytes, parameters, FLOPs and bytes moved; times are derived per GPU when simulated.
+    bytes the CUDA kernels keep, parameters, FLOPs and bytes moved; times are derived per
+    GPU when simulated. `--preset llama-3-8b -o llama.json` traces a public model;
     `--preset gpt-5.3b -o traces/gpt-5.3b.json` regenerates a shipped trace.
 
     With --measure the layers run on --device: measured forward and backward times, real
@@ -380,18 +403,19 @@ def trace(output: Path, preset: str | None, family: Family | None, layers: int |
     if preset is not None and preset not in ZOO:
         raise MpsimError(f"unknown --preset {preset!r}: expected one of {', '.join(ZOO)}")
     base, base_mb, base_recipe = ZOO[preset or "gpt-5.3b"]
-    h = base.hidden if hidden is None else hidden
-    a = base.heads if heads is None else heads
-    if h % a:
-        raise MpsimError(f"--heads {a} must divide --hidden {h}")
-    cfg: ModelConfig = replace(base, family=base.family if family is None else family,
-                               layers=base.layers if layers is None else layers, hidden=h, heads=a,
-                               seq_len=base.seq_len if seq_len is None else seq_len,
-                               vocab=base.vocab if vocab is None else vocab)
+    shape = {"family": family, "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
+             "ffn_hidden": ffn_hidden, "seq_len": seq_len, "vocab": vocab, "dropout": dropout}
+    changes = {k: v for k, v in shape.items() if v is not None}
+    if attention is not None or server is not None or preset is None:
+        changes["attention"] = attention or _default_attention(server)
+    try:
+        cfg: ModelConfig = replace(base, **changes)
+    except ValueError as e:
+        raise MpsimError(f"bad model shape: {e}") from None
     from mpsim.tracer import trace_model
 
-    reshaped = any(v is not None for v in (family, layers, hidden, heads, seq_len, vocab))
-    if name is None and preset is not None and not reshaped and microbatch in (None, base_mb):
+    if name is None and preset is not None and set(changes) <= {"attention"} and cfg == base \
+            and microbatch in (None, base_mb):
         name = preset
     if measure:
         from mpsim.profiler import measure_trace
@@ -400,9 +424,35 @@ def trace(output: Path, preset: str | None, family: Family | None, layers: int |
                                name=name)
     else:
         result = trace_model(cfg, microbatch or base_mb, recipe or base_recipe, name)
+    _write_trace(output, result)
+
+
+def _write_trace(output: Path, result) -> None:
     output.write_text(result.to_json() + "\n")
+    attention = result.spec.model.get("attention", "")
     click.echo(f"wrote {output}: {result.name}, {result.spec.params / 1e9:.2f}B parameters, {result.n_layers} layers, "
-               f"microbatch {result.microbatch}, {result.spec.precision.recipe}")
+               f"microbatch {result.microbatch}, {result.spec.precision.recipe}"
+               + (f", {attention} attention" if attention else ""))
+
+
+def _default_attention(server: str | None) -> str:
+    """The kernel PyTorch's scaled_dot_product_attention picks on ``server``'s GPUs."""
+    from mpsim.kernels import default_attention
+
+    if server is None:
+        return default_attention(None)
+    from mpsim.catalog import load_topology
+
+    return default_attention(load_topology(server).spec.gpu.compute_capability)
+
+
+def _list_presets(ctx: click.Context) -> None:
+    from mpsim.workloads import ZOO
+
+    for preset, (cfg, mb, recipe) in ZOO.items():
+        click.echo(f"{preset:12s} {cfg.family:6s} {cfg.param_count() / 1e9:6.2f}B  {cfg.layers:3d} layers, hidden "
+                   f"{cfg.hidden}, seq {cfg.seq_len}, microbatch {mb}, {recipe}, {cfg.attention} attention")
+    ctx.exit(0)
 
 
 @app.group()

@@ -185,8 +185,18 @@ _rms_norm.register_autograd(_rms_grad, setup_context=_rms_setup)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5) -> Tensor:
-    """Fused RMSNorm (Zhang and Sennrich 2019): keeps x and a per-row fp32 reciprocal RMS."""
+    """Fused RMSNorm (Zhang and Sennrich 2019): keeps x and a per-row fp32 reciprocal RMS.
+    On a real CUDA tensor PyTorch's own fused kernel runs."""
+    if _real_cuda(x):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return torch.ops.mpsim.rms_norm(x, weight, eps)[0]
+
+
+def _real_cuda(t: Tensor) -> bool:
+    """A CUDA tensor with storage (not fake, not traced): run the vendor kernels themselves."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.is_cuda and not isinstance(t, FakeTensor) and _PROBE.get() is None
 
 
 # --- attention --------------------------------------------------------------------------------
@@ -335,10 +345,23 @@ def _repeat_kv(t: Tensor, groups: int) -> Tensor:
     return t[:, :, None].expand(b, kv, groups, s, d).reshape(b, kv * groups, s, d)
 
 
+def _cuda_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: float, scale: float,
+                    backend: AttentionBackend) -> Tensor:
+    """PyTorch's own CUDA kernel for ``backend`` (FlashAttention-2 or the memory-efficient one)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernel = SDPBackend.FLASH_ATTENTION if backend == "flash" else SDPBackend.EFFICIENT_ATTENTION
+    with sdpa_kernel([kernel]):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, dropout_p: float, training: bool,
               backend: AttentionBackend, scale: float | None = None) -> Tensor:
     """Attention core on q (b, a, s, d) and k, v (b, kv_heads, s, d); returns (b, a, s, d)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if backend in _LSE_ROWS and _real_cuda(q):
+        return _cuda_attention(q, k, v, causal, dropout_p if training else 0.0, scale, backend)
     with _core(q, k, v):
         if backend in _LSE_ROWS:
             return torch.ops.mpsim.fused_attention(q, k, v, causal, scale, _LSE_ROWS[backend])[0]

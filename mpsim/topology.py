@@ -58,6 +58,9 @@ class GpuSpec(_Strict):
     peer_copy_engines: int = Field(
         default=2, ge=1, le=16, description="copies to peer GPUs a GPU runs at once (more queue)"
     )
+    compute_capability: float | None = Field(
+        default=None, ge=1, le=20, description="CUDA compute capability (7.0 V100, 8.0 A100, 9.0 H100): which "
+                                               "attention kernel PyTorch uses")
 
     @model_validator(mode="after")
     def _reserved_below_memory(self) -> GpuSpec:

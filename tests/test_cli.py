@@ -263,7 +263,7 @@ BAD = [
     ("plan not UTF-8", lambda t: ["simulate", "--plan", _bytes(t, "plan.json", b"\xfe\xff{}")],
      "plan.json: not UTF-8 text (byte 0, line 1): expected a plan file in JSON"),
     ("duplicate YAML key", lambda t: ["topo", "check", _topo_text(t, "memory_mib: 32510\n  memory_mib: 16000")],
-     "server.yaml: not valid YAML at line 11: duplicate key 'memory_mib' (first at line 10)"),
+     "server.yaml: not valid YAML at line 12: duplicate key 'memory_mib' (first at line 11)"),
     ("duplicate JSON key", lambda t: ["simulate", "--model", _bytes(t, "model.json", b'{"schema": 1, "schema": 1}')],
      "model.json: schema: duplicate key"),
     # options
