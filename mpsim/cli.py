@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -403,7 +403,7 @@ def trace(output: Path, preset: str | None, family: Family | None, layers: int |
     if preset is not None and preset not in ZOO:
         raise MpsimError(f"unknown --preset {preset!r}: expected one of {', '.join(ZOO)}")
     base, base_mb, base_recipe = ZOO[preset or "gpt-5.3b"]
-    shape = {"family": family, "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
+    shape: dict[str, Any] = {"family": family, "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
              "ffn_hidden": ffn_hidden, "seq_len": seq_len, "vocab": vocab, "dropout": dropout}
     changes = {k: v for k, v in shape.items() if v is not None}
     if attention is not None or server is not None or preset is None:
