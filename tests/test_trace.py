@@ -54,13 +54,14 @@ def test_tracer_counts_exact_parameters_and_matmul_flops():
 
 
 def test_tracer_saved_activations_near_the_megatron_formula():
-    # Korthikanti et al.: s b h (34 + 5 a s / h) bytes per layer in fp16 without recomputation.
-    # Our layer also keeps the QKV view copies PyTorch's autograd saves, so it lands a little above.
+    # Korthikanti et al.: s b h (34 + 5 a s / h) bytes per layer in fp16 without recomputation,
+    # with CUDA's 1-byte dropout masks; the written-out causal mask (s^2 bytes) and the
+    # LayerNorm statistics come on top.
     cfg = ModelConfig("gpt", 1, 512, 8, 256, 1000)
     b, s, h, a = 2, 256, 512, 8
     saved = trace_model(cfg, b).layers[1].act_bytes
     formula = s * b * h * (34 + 5 * a * s / h)
-    assert formula <= saved <= 1.2 * formula
+    assert formula <= saved <= 1.03 * formula
 
 
 def test_roofline_times_follow_flops_and_bytes():
