@@ -78,7 +78,8 @@ def _prefixed(on_point: Callable[[str], None], prefix: str) -> Callable[[str], N
 def fits_strategies(server: str | Topology, family: str, schedule: str = "1f1b", microbatch: int | None = None,
                     microbatches: int = 16,
                     strategies: tuple[str, ...] = ("none", "recompute", "cpu-swap", "d2d", "mpress", "tsplit", "best"),
-                    on_point: Callable[[str], None] | None = None, partition: str = "compute") -> list[FitsReport]:
+                    on_point: Callable[[str], None] | None = None, partition: str = "compute",
+                    models: tuple[str, ...] = ()) -> list[FitsReport]:
     """``fits`` under each strategy: one report per strategy, in the order given.
 
     ``best`` runs last: it fits whatever a single planner fits (under the same partition),
@@ -94,7 +95,7 @@ def fits_strategies(server: str | Topology, family: str, schedule: str = "1f1b",
                     known[t] = max(known.get(t, 0), rep.largest.layers)
         done[strategy] = fits(server, family, schedule, microbatch, microbatches, strategy, partition,
                               on_point=None if on_point is None else _prefixed(on_point, strategy),
-                              known_fitting=known)
+                              known_fitting=known, models=models)
     return [done[s] for s in strategies]
 
 
@@ -109,19 +110,31 @@ def family_traces(family: str) -> list[Trace]:
     return chosen
 
 
+def model_traces(models: tuple[str, ...]) -> list[Trace]:
+    """Named models (shipped names or trace files), smallest first; each needs transformer
+    layers, the size knob of the largest-that-fits search."""
+    traces = sorted((load_trace(m) for m in models), key=lambda t: t.spec.params)
+    for t in traces:
+        if not _n_transformer(t):
+            raise MpsimError(f"{t.name}: no transformer layers, so no size to search; use `mpsim simulate`")
+    return traces
+
+
 def _n_transformer(trace: Trace) -> int:
     return sum(1 for r in trace.layers if r.kind == "transformer")
 
 
 def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch: int | None = None,
          microbatches: int = 16, strategy: str = "none", partition: str = "compute",
-         on_point: Callable[[str], None] | None = None, known_fitting: dict[str, int] | None = None) -> FitsReport:
-    """Simulate every shipped size of ``family`` and search the largest that fits.
+         on_point: Callable[[str], None] | None = None, known_fitting: dict[str, int] | None = None,
+         models: tuple[str, ...] = ()) -> FitsReport:
+    """Simulate every shipped size of ``family`` (or the named ``models`` instead) and
+    search the largest that fits.
 
     ``known_fitting``: per template trace name, a number of transformer layers already
     known to fit under this strategy; the search starts there."""
     topo = load_topology(server) if isinstance(server, str) else server
-    traces = family_traces(family)
+    traces = model_traces(models) if models else family_traces(family)
     mb = traces[0].microbatch if microbatch is None else microbatch
     if mb < 1:
         raise MpsimError(f"microbatch must be a positive integer, got {mb}")

@@ -201,7 +201,10 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
 
 @app.command()
 @click.option("--server", "-s", default="dgx1-v100", show_default=True, help=_SERVER_HELP)
-@click.option("--family", default="gpt", show_default=True, help="model family of the shipped traces: gpt or bert")
+@click.option("--family", default="gpt", show_default=True,
+              help="size series of shipped traces: gpt (MPress's GPT-5.3B to 25.5B), bert, llama")
+@click.option("--model", "-m", "models",
+              help="instead of a family: comma-separated shipped models or trace files (llama-3-8b,my.json)")
 @click.option("--schedule", default="1f1b", show_default=True, help=_SCHEDULE_HELP)
 @click.option("--microbatch", type=int, help="samples per microbatch  [default: the traces']")
 @click.option("--microbatches", type=int, default=16, show_default=True, help=_MICROBATCHES_HELP)
@@ -209,14 +212,15 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
               help="comma-separated strategies, one column each")
 @click.option("--partition", default="compute", show_default=True, help=_PARTITION_HELP)
 @_json_option
-def fits(server: str, family: str, schedule: str, microbatch: int | None, microbatches: int, strategies: str,
-         partition: str, json_out: str | None) -> None:
-    """Which shipped sizes of a family fit under each strategy, and the largest that does.
+def fits(server: str, family: str, models: str | None, schedule: str, microbatch: int | None, microbatches: int,
+         strategies: str, partition: str, json_out: str | None) -> None:
+    """Which shipped sizes of a family (or which --model) fit under each strategy, and the
+    largest that does.
 
     The size knob is the number of transformer layers at the shape of the largest
-    shipped size that fits; the search doubles, then bisects.
+    size that fits; the search doubles, then bisects.
     """
-    from mpsim.capacity import family_traces, fits_strategies
+    from mpsim.capacity import family_traces, fits_strategies, model_traces
     from mpsim.catalog import load_topology
     from mpsim.planners import STRATEGIES
     from mpsim.report import fits_strategies_text
@@ -230,13 +234,16 @@ def fits(server: str, family: str, schedule: str, microbatch: int | None, microb
             raise MpsimError(f"unknown strategy {name!r}: expected one of {', '.join(STRATEGIES)}")
     if not names:
         raise MpsimError("--strategy needs at least one strategy")
-    n_shipped = len(family_traces(family))
+    chosen = tuple(_list(models, option="--model")) if models else ()
+    traces = model_traces(chosen) if chosen else family_traces(family)
+    if chosen:
+        family = str(traces[-1].spec.model.get("family", family))
     check_schedule(schedule, load_topology(server).n_gpus, microbatches)  # before the progress bar
     with _progress(f"fits {family}") as bar:
-        job = bar.add_task("", total=(n_shipped + 10) * len(names))
+        job = bar.add_task("", total=(len(traces) + 10) * len(names))
         reps = fits_strategies(server, family, schedule, microbatch, microbatches, names,
                                on_point=lambda name: bar.update(job, advance=1, description=name),
-                               partition=partition)
+                               partition=partition, models=chosen)
     if json_out != "-":
         click.echo(fits_strategies_text(reps))
     _write_json(json_out, {"reports": [r.to_dict() for r in reps]})
