@@ -240,7 +240,10 @@ class Trace:
         that ``fits`` searches (hidden size, heads and sequence stay as traced)."""
         rows = self.spec.layers
         blocks = [r for r in rows if r.kind == "transformer"]
-        if not blocks or n_transformer < 1:
+        if not blocks:
+            raise MpsimError(f"{self.name}: has no transformer layers to repeat, so its depth cannot be changed "
+                             "(a --module trace keeps the depth its builder gave)")
+        if n_transformer < 1:
             raise MpsimError(f"{self.name}: cannot set the number of transformer layers to {n_transformer}")
         first = next(i for i, r in enumerate(rows) if r.kind == "transformer")
         last = max(i for i, r in enumerate(rows) if r.kind == "transformer")
