@@ -86,6 +86,10 @@ class Scaling(_Strict):
 
 
 LayerKind = Literal["embedding", "transformer", "head", "other"]
+RECOMPUTABLE: frozenset[str] = frozenset({"transformer", "other"})
+"""Kinds of layer a planner may recompute (checkpoint the input, run the forward again before
+the backward): a transformer layer, or a block of a ``--module`` trace such as a ResNet
+bottleneck (the embedding's input is only token ids; the head runs the loss)."""
 
 
 class LayerRow(_Strict):
