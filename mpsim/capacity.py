@@ -105,7 +105,8 @@ def family_traces(family: str) -> list[Trace]:
     traces = [load_trace(name) for name in shipped_traces() if name.startswith(f"{family}-")]
     chosen = sorted((t for t in traces if t.spec.model.get("family") == family), key=lambda t: t.spec.params)
     if not chosen:
-        families = sorted({t.spec.model.get("family", "?") for t in traces})
+        series = {name.split("-")[0] for name in shipped_traces() if "-" in name}
+        families = sorted({t.spec.model.get("family", "?") for t in map(load_trace, shipped_traces())} & series)
         raise MpsimError(f"unknown model family {family!r}: expected one of {', '.join(families)}")
     return chosen
 

@@ -25,7 +25,8 @@ _SERVER_HELP = "shipped server name (see `mpsim topo list`) or a topology YAML f
 _SCHEDULE_HELP = "gpipe, 1f1b (DAPPLE, PipeDream-Flush) or pipedream (asynchronous, weight stashing)"
 _MICROBATCHES_HELP = ("microbatches per iteration, at most 4096; 1f1b and pipedream need at least one per "
                       "stage")
-_STRATEGY_HELP = ("memory-saving strategy: none; recompute (checkpoint every transformer layer); cpu-swap "
+_STRATEGY_HELP = ("memory-saving strategy: none; recompute (checkpoint every transformer layer or module block); "
+                  "cpu-swap "
                   "(swap to host memory until it fits); d2d (swap to spare memory of NVLink peers); mpress "
                   "(host swap, recompute and D2D with device mapping; ablations mpress-no-mapping, "
                   "mpress-no-striping, mpress-d2d-only); tsplit (swap, recompute and tensor splitting by "
@@ -361,6 +362,9 @@ _ATTENTION_HELP = ("attention kernel whose saved tensors and FLOPs the trace rec
                                "see `mpsim trace --list`); other options override it")
 @click.option("--list", "list_presets", is_flag=True, is_eager=True, expose_value=False,
               callback=lambda ctx, _p, v: _list_presets(ctx) if v else None, help="list the presets and exit")
+@click.option("--module", "module_spec", metavar="SPEC",
+              help="trace your own model: package.module:build or file.py:build returning (blocks, example input); "
+                   "shipped CNNs: mpsim.cnn:resnet50, vgg16, inception_v3 ... (README); --recipe defaults to fp32")
 @click.option("--family", type=click.Choice(["gpt", "bert", "llama"]),
               help="model family: gpt (GPT-2), bert, llama (RMSNorm, SwiGLU, RoPE, GQA: Llama, Mistral, Qwen2)  "
                    "[default: gpt]")
@@ -391,7 +395,8 @@ _ATTENTION_HELP = ("attention kernel whose saved tensors and FLOPs the trace rec
 def trace(output: Path, preset: str | None, family: Family | None, layers: int | None, hidden: int | None,
           heads: int | None, kv_heads: int | None, ffn_hidden: int | None, seq_len: int | None, vocab: int | None,
           dropout: float | None, attention: str | None, server: str | None, microbatch: int | None,
-          recipe: str | None, name: str | None, measure: bool, device: str, threads: int, repeats: int) -> None:
+          recipe: str | None, name: str | None, measure: bool, device: str, threads: int, repeats: int,
+          module_spec: str | None = None) -> None:
     """Trace a model: a preset or a GPT, BERT or Llama-style shape.
 
     By default under FakeTensor mode (no memory allocated): per layer the saved-for-backward
@@ -402,7 +407,12 @@ def trace(output: Path, preset: str | None, family: Family | None, layers: int |
     With --measure the layers run on --device: measured forward and backward times, real
     saved bytes and the backward's transient memory go into the trace, with the device
     named (`--preset gpt-tiny --measure --device cpu -o tiny.json`).
+
+    With --module any PyTorch model cut into pipeline layers is traced, one row per layer
+    (`--module mpsim.cnn:resnet50 -o resnet50.json`).
     """
+    if module_spec is not None:
+        return _trace_module(output, module_spec, microbatch, recipe, name, measure)
     from dataclasses import replace
 
     from mpsim.workloads import ZOO, ModelConfig
@@ -432,6 +442,16 @@ def trace(output: Path, preset: str | None, family: Family | None, layers: int |
     else:
         result = trace_model(cfg, microbatch or base_mb, recipe or base_recipe, name)
     _write_trace(output, result)
+
+
+def _trace_module(output: Path, spec: str, microbatch: int | None, recipe: str | None, name: str | None,
+                  measure: bool) -> None:
+    """``trace --module``: a model from a builder function, fp32 unless --recipe says (TSPLIT, mCAP)."""
+    from mpsim.modules import trace_builder
+
+    if measure:
+        raise MpsimError("--module traces under FakeTensor mode; --measure is for the GPT, BERT and Llama shapes")
+    _write_trace(output, trace_builder(spec, microbatch, recipe or "fp32", name))
 
 
 def _write_trace(output: Path, result) -> None:

@@ -37,7 +37,7 @@ from mpsim.profiler import check_device
 from mpsim.sim import Job, SimResult, simulate_job
 from mpsim.topology import Topology
 from mpsim.trace import Trace
-from mpsim.workloads import ModelConfig
+from mpsim.workloads import FAMILIES, ModelConfig
 
 #: Categories of the comparison; the simulator's others (activations, buffers, workspace,
 #: stash, peer swap space) are "activations" in the executor's tracker too.
@@ -109,10 +109,15 @@ def check_runnable(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSe
 
 
 def model_config(trace: Trace) -> ModelConfig:
-    """The model a trace describes (its ``model`` block)."""
+    """The model a trace describes (its ``model`` block); one line for a trace of another
+    model (``mpsim trace --module``: the executor builds GPT, BERT and Llama shapes only)."""
+    family = trace.spec.model.get("family")
+    if family not in FAMILIES:
+        raise MpsimError(f"{trace.name}: model family {family!r} is not one the executor builds "
+                         f"({', '.join(FAMILIES)}); validate runs those only")
     try:
         return ModelConfig(**trace.spec.model)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise MpsimError(f"{trace.name}: its model block does not describe a GPT or BERT ({exc})") from None
 
 

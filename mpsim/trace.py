@@ -86,6 +86,10 @@ class Scaling(_Strict):
 
 
 LayerKind = Literal["embedding", "transformer", "head", "other"]
+RECOMPUTABLE: frozenset[str] = frozenset({"transformer", "other"})
+"""Kinds of layer a planner may recompute (checkpoint the input, run the forward again before
+the backward): a transformer layer, or a block of a ``--module`` trace such as a ResNet
+bottleneck (the embedding's input is only token ids; the head runs the loss)."""
 
 
 class LayerRow(_Strict):
@@ -240,7 +244,10 @@ class Trace:
         that ``fits`` searches (hidden size, heads and sequence stay as traced)."""
         rows = self.spec.layers
         blocks = [r for r in rows if r.kind == "transformer"]
-        if not blocks or n_transformer < 1:
+        if not blocks:
+            raise MpsimError(f"{self.name}: has no transformer layers to repeat, so its depth cannot be changed "
+                             "(a --module trace keeps the depth its builder gave)")
+        if n_transformer < 1:
             raise MpsimError(f"{self.name}: cannot set the number of transformer layers to {n_transformer}")
         first = next(i for i, r in enumerate(rows) if r.kind == "transformer")
         last = max(i for i, r in enumerate(rows) if r.kind == "transformer")

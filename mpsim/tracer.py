@@ -97,8 +97,9 @@ def _selective_saving(probe: kernels.TraceProbe, saved: dict[int, int]) -> int:
 
 def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run) -> dict[str, Any]:
     """Forward and backward of ``run(module, *inputs)`` (fake or real tensors); returns the
-    measured fields of a trace row. The first input is the one a pipeline passes between layers."""
-    param_keys = {storage_key(p) for p in module.parameters()}
+    measured fields of a trace row. The first input is the one a pipeline passes between layers.
+    Parameters and buffers (batch norm's running statistics) are model state, not saved activations."""
+    param_keys = {storage_key(p) for p in (*module.parameters(), *module.buffers())}
     saved: dict[int, int] = {}
     keep: list[torch.Tensor] = []
 

@@ -1,8 +1,8 @@
 """Baseline strategies: none, recompute, cpu-swap, d2d (DESIGN "Planners").
 
 - ``none``: every tensor kept, compute-balanced partition, stage i on GPU i.
-- ``recompute``: every transformer layer checkpointed (its input kept, the rest re-run
-  before the backward), as GPipe and DAPPLE do.
+- ``recompute``: every transformer layer (every block of a ``--module`` trace) checkpointed
+  (its input kept, the rest re-run before the backward), as GPipe and DAPPLE do.
 - ``cpu-swap``: GPU-CPU swap of what must go, longest live interval first (the stage's
   optimizer states and PipeDream's stashed weights outlive every activation, so they go
   first, streamed around the update), until each GPU fits.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from mpsim.plan import LayerAction, fit_stripes
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
+from mpsim.trace import RECOMPUTABLE
 
 
 def _none(ctx: Ctx) -> Planned:
@@ -29,7 +30,7 @@ def _none(ctx: Ctx) -> Planned:
 
 def _recompute(ctx: Ctx) -> Planned:
     actions = {s: [LayerAction(layer=j, action="recompute") for j in range(a, b)
-                   if ctx.trace.layers[j].kind == "transformer"]
+                   if ctx.trace.layers[j].kind in RECOMPUTABLE]
                for s, (a, b) in enumerate(ctx.stages)}
     plan = ctx.plan("recompute", actions)
     return Planned(plan, ctx.simulate(plan))

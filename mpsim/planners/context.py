@@ -58,7 +58,7 @@ def make_context(topo: Topology, trace: Trace, schedule: str, microbatches: int,
                  record_link_rates: bool = False, partition: str = "compute", recompute: bool = False) -> Ctx:
     """The job with its partition: ``compute`` balances per-stage compute time (PipeDream,
     DAPPLE), ``memory`` the predicted per-GPU peak (mCAP; ``recompute`` predicts it with
-    every transformer layer checkpointed). Stage i on GPU i."""
+    every recomputable layer checkpointed: ``trace.RECOMPUTABLE``). Stage i on GPU i."""
     p = topo.n_gpus if n_stages is None else n_stages
     if p < 1:
         raise MpsimError(f"the number of stages must be at least 1, got {p}")

@@ -25,7 +25,7 @@ import numpy as np
 
 from mpsim.partition import Stages, min_max_partition, stage_peak_table
 from mpsim.schedule import weight_versions
-from mpsim.trace import Trace
+from mpsim.trace import RECOMPUTABLE, Trace
 
 
 def held_microbatches(schedule: str, stage: int, n_stages: int, microbatches: int) -> int:
@@ -43,7 +43,7 @@ def peak_tables(trace: Trace, schedule: str, n_stages: int, microbatches: int,
     out = np.array([r.output_bytes for r in rows], dtype=float)
     ws = np.array([r.workspace_bytes for r in rows], dtype=float)
     act = np.array([r.act_bytes for r in rows], dtype=float)
-    checkpointed = np.array([recompute and r.kind == "transformer" for r in rows])
+    checkpointed = np.array([recompute and r.kind in RECOMPUTABLE for r in rows])
     saved = np.where(checkpointed, inp, act)
     own = act - np.array([r.input_bytes if r.saves_input else 0 for r in rows], dtype=float)
     transient = inp + out + ws + np.where(checkpointed, own, 0.0)

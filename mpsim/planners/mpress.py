@@ -29,6 +29,7 @@ from mpsim.plan import LayerAction, Stripe, fit_stripes
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
 from mpsim.planners.mapping import Mapping, search_mapping
 from mpsim.sim import SimResult
+from mpsim.trace import RECOMPUTABLE
 
 MIN_GAIN = 0.001
 """A tuning round must make the iteration this much faster (relative) to be kept."""
@@ -159,7 +160,7 @@ class _Planner:
             for j in range(a, b):
                 if rows[j].act_bytes:
                     n_bytes, rec_s, host_s, _ = self.layer_costs(s, j, intervals[j])
-                    pool.append((j, n_bytes * held, rec_s if rows[j].kind == "transformer" else float("inf"), host_s))
+                    pool.append((j, n_bytes * held, rec_s if rows[j].kind in RECOMPUTABLE else float("inf"), host_s))
             q: list[_Candidate] = []
             while pool:
                 best: tuple[float, float, int, _Candidate, float] | None = None

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from mpsim.plan import LayerAction
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
+from mpsim.trace import RECOMPUTABLE
 
 SPLIT_COUNTS = (2, 4, 8)
 
@@ -90,7 +91,7 @@ class _Stage:
             t = swap_cost_s(r.act_bytes, self.bw, fwd_window, bwd_window, occ)
             out.append(_Choice(j, "host", r.act_bytes * self.held, t * self.m))
             own = r.act_bytes - (r.input_bytes if r.saves_input else 0)
-            if r.kind == "transformer" and own > 0:
+            if r.kind in RECOMPUTABLE and own > 0:
                 out.append(_Choice(j, "recompute", own * self.held, float(self.fwd[j]) * self.m))
         # step 2: split the operator at the bottleneck, the largest transient not yet split
         open_ = [j for j in self.layers if rows[j].split_dims and self.actions.get(j, LayerAction(layer=j)).split == 1]
