@@ -168,3 +168,27 @@ def test_selective_strategy_is_listed_and_considered_by_best():
     plan = plan_job("selective", load_topology("dgx1-v100"), load_trace("gpt-5.3b"), "1f1b", 16).plan
     acts = [a for st in plan.stages for a in st.actions]
     assert {a.action for a in acts} == {"selective"} and len(acts) == 16
+
+
+def test_executor_checkpoints_the_attention_core_only():
+    """The executor's ``selective`` (``SelfAttention.checkpoint_core``): the layer then keeps
+    exactly the trace's act_bytes - attention_core_bytes, with the same gradients."""
+    torch = pytest.importorskip("torch")
+    from mpsim.executor.stage_actions import selective
+    from mpsim.tracer import trace_layer
+    from mpsim.workloads import ModelConfig, TransformerLayer
+
+    cfg = ModelConfig("gpt", 1, 64, 4, 32, 100, dropout=0.1)
+    traced, grads = [], []
+    for core_only in (False, True):
+        torch.manual_seed(0)
+        layer = TransformerLayer(cfg)
+        if core_only:
+            layer = selective(layer)
+        x = torch.randn(2, 32, 64, requires_grad=True)
+        traced.append(trace_layer(layer, [x], lambda m, t: m(t)))
+        grads.append(x.grad)
+    keep, sel = traced
+    assert keep["attention_core_bytes"] > 0
+    assert sel["act_bytes"] == keep["act_bytes"] - keep["attention_core_bytes"]
+    assert torch.allclose(grads[0], grads[1])
