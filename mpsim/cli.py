@@ -26,7 +26,8 @@ _SCHEDULE_HELP = "gpipe, 1f1b (DAPPLE, PipeDream-Flush) or pipedream (asynchrono
 _MICROBATCHES_HELP = ("microbatches per iteration, at most 4096; 1f1b and pipedream need at least one per "
                       "stage")
 _STRATEGY_HELP = ("memory-saving strategy: none; recompute (checkpoint every transformer layer or module block); "
-                  "cpu-swap "
+                  "selective (recompute only the attention core of every transformer layer, Korthikanti et al. "
+                  "2022); cpu-swap "
                   "(swap to host memory until it fits); d2d (swap to spare memory of NVLink peers); mpress "
                   "(host swap, recompute and D2D with device mapping; ablations mpress-no-mapping, "
                   "mpress-no-striping, mpress-d2d-only); tsplit (swap, recompute and tensor splitting by "

@@ -10,12 +10,20 @@ included when it saves it):
 - ``keep``: resident from the layer's forward to its backward;
 - ``recompute``: dropped after the forward, the layer input kept as the checkpoint, the
   forward re-run on the compute stream just before the backward;
+- ``selective``: selective activation recomputation (Korthikanti et al. 2022, section
+  4.2): only what the attention core keeps beyond its inputs (the trace's
+  ``attention_core_bytes``: softmax probabilities, dropout mask, scores) is dropped after
+  the forward; the core's forward (``attention_core_flops`` and
+  ``attention_core_mem_bytes``) re-runs on the compute stream just before the layer's
+  backward. Only for layers whose core keeps something (eager attention; a flash
+  kernel keeps almost nothing);
 - ``host``: copied to pinned host memory after the forward, back before the backward;
 - ``peer``: the same over NVLink to other GPUs' spare memory, striped over ``peers``
   (MPress III-C, "data striping"): each peer takes its ``fraction`` of the bytes.
 
 ``split`` (p >= 1) runs the layer's forward and backward as p micro-ops over one of the
-layer's splittable dimensions (TSPLIT III-A), combined with any action above.
+layer's splittable dimensions (TSPLIT III-A), combined with any action above (with
+``selective``, the core's recompute runs as p micro-ops too).
 
 Per stage, ``optimizer`` is ``gpu`` (default), ``host-update`` (ZeRO-Offload style: the
 optimizer states live on the host and the update runs on the CPU) or ``host-stream``
@@ -62,7 +70,7 @@ class Stripe(_Strict):
 
 class LayerAction(_Strict):
     layer: int = Field(description="layer index in the trace (0-based)")
-    action: Literal["keep", "recompute", "host", "peer"] = "keep"
+    action: Literal["keep", "recompute", "selective", "host", "peer"] = "keep"
     peers: list[Stripe] = Field(default_factory=list, description="stripes of a peer swap; fractions sum to 1")
     split: int = Field(
         default=1, le=MAX_SPLIT, description="micro-ops the layer runs as (TSPLIT p_num); 1 = not split")
@@ -153,6 +161,9 @@ def check_plan(plan: PlanFile, topo: Topology, trace: Trace, source: str = "") -
                               f"layer {act.layer} ({row.name}) cannot be split (no splittable dimension)")
                 if act.split_dim is not None and act.split_dim not in row.split_dims:
                     raise bad(f"{at}.split_dim", f"layer {act.layer} splits along {', '.join(row.split_dims)} only")
+            if act.action == "selective" and row.attention_core_bytes == 0:
+                raise bad(f"{at}.action",
+                          f"layer {act.layer} keeps nothing in its attention core; use recompute or keep")
             if act.action == "peer":
                 if not act.peers:
                     raise bad(f"{at}.peers", "a peer swap needs at least one stripe")

@@ -92,16 +92,15 @@ def techniques_text(r: SimResult) -> str:
 
 def plan_text(plan: PlanFile) -> str:
     """One line per stage: GPU, layers, how many layers take each action, optimizer, stash."""
-    header = ["stage", "gpu", "layers", "keep", "recompute", "host", "peer", "split", "optimizer", "stash"]
+    header = ["stage", "gpu", "layers", "keep", "recompute", "selective", "host", "peer", "split", "optimizer", "stash"]
     rows = []
     for s, st in enumerate(plan.stages):
         a, b = st.layers
         acts = [x.action for x in st.actions]
-        counted = {k: acts.count(k) for k in ("recompute", "host", "peer")}
+        counted = {k: acts.count(k) for k in ("recompute", "selective", "host", "peer")}
         keep = (b - a) - sum(counted.values())
-        rows.append([str(s), str(st.gpu), layer_range(st.layers), str(keep), str(counted["recompute"]),
-                     str(counted["host"]), str(counted["peer"]), str(sum(1 for x in st.actions if x.split > 1)),
-                     st.optimizer, st.stash])
+        rows.append([str(s), str(st.gpu), layer_range(st.layers), str(keep), *map(str, counted.values()),
+                     str(sum(1 for x in st.actions if x.split > 1)), st.optimizer, st.stash])
     head = (f"plan {plan.strategy} for {plan.model} on {plan.server}: {plan.schedule}, "
             f"microbatch {plan.microbatch} x {plan.microbatches}")
     return head + "\n\n" + _table(header, rows) + "\n(layers [a, b) are a to b - 1, half-open as in the plan file)"

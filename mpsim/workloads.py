@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from mpsim import kernels
 from mpsim.kernels import AttentionBackend
@@ -173,6 +174,9 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden, cfg.hidden + 2 * kv_dim, bias=cfg.has_qkv_bias)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.biases)
         self.causal = causal
+        self.checkpoint_core = False
+        """Selective recompute (Korthikanti et al. 2022, section 4.2): the attention core
+        keeps only q, k, v and re-runs in the backward (``torch.utils.checkpoint``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -183,9 +187,13 @@ class SelfAttention(nn.Module):
         k, v = (t.view(b, s, cfg.kv, d).transpose(1, 2) for t in (k, v))
         if cfg.family == "llama":
             q, k = _rotate(q, cfg.rope_theta), _rotate(k, cfg.rope_theta)
-        out = kernels.attention(q, k, v, causal=self.causal, dropout_p=cfg.dropout, training=self.training,
-                                backend=cfg.attention, scale=1.0 / math.sqrt(d))
+        out = checkpoint(self._core, q, k, v, use_reentrant=False) if self.checkpoint_core else self._core(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(b, s, h))
+
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return kernels.attention(q, k, v, causal=self.causal, dropout_p=self.cfg.dropout, training=self.training,
+                                 backend=self.cfg.attention, scale=1.0 / math.sqrt(q.shape[-1]))
 
 
 class TransformerLayer(nn.Module):

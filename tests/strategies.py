@@ -92,12 +92,18 @@ class Layer(_Short):
     workspace: int = 0
     kind: str = "transformer"
     splittable: bool = False
+    core: int = 0
+    """Attention core's kept bytes (part of ``act``); selective recompute re-runs the core
+    for ``core_share`` of the layer's forward."""
+    core_share: float = 0.0
 
     def row(self, i: int) -> dict:
         d = layer(f"l{i}", self.fwd_ms, self.bwd_ms, act=self.act, out=self.out, inp=self.inp,
                   saves_input=self.saves_input, params=self.params, workspace=self.workspace, kind=self.kind)
         if self.splittable:
             d["split_dims"] = ["batch"]
+        if self.core:
+            d.update(attention_core_bytes=self.core, attention_core_flops=self.core_share * d["fwd_flops"])
         return d
 
 
@@ -183,11 +189,13 @@ def layer_lists(draw: st.DrawFn, min_layers: int = 2, max_layers: int = 8) -> tu
         saves = draw(st.booleans())
         own = draw(nbytes)
         o = draw(nbytes)
+        kind = "embedding" if i == 0 and draw(st.booleans()) else "transformer"
+        core = draw(st.one_of(st.just(0), st.integers(0, own))) if kind == "transformer" else 0
         out.append(Layer(
             fwd_ms=draw(ms), bwd_ms=draw(ms), act=own + (inp if saves else 0), out=o, inp=inp, saves_input=saves,
             params=draw(small_params), workspace=draw(st.sampled_from([0, 0, 1000, 100_000, 500_000])),
-            kind="embedding" if i == 0 and draw(st.booleans()) else "transformer",
-            splittable=draw(st.booleans()),
+            kind=kind, splittable=draw(st.booleans()), core=core,
+            core_share=draw(st.sampled_from([0.0, 0.05, 0.3])) if core else 0.0,
         ))
         inp = o
     return tuple(out)
@@ -219,6 +227,8 @@ def layer_action(draw: st.DrawFn, j: int, lay: Layer, server: Server, g: int, ch
                  splits: bool) -> LayerAction | None:
     action = draw(st.sampled_from(choices))
     split = draw(st.sampled_from([1, 2, 4])) if splits and lay.splittable else 1
+    if action == "selective" and not lay.core:
+        action = "recompute"  # the plan refuses selective on a layer whose core keeps nothing
     if action == "keep" and split == 1:
         return None
     if action == "peer":
@@ -233,7 +243,8 @@ def layer_action(draw: st.DrawFn, j: int, lay: Layer, server: Server, g: int, ch
 
 
 @st.composite
-def plan_actions(draw: st.DrawFn, case: Case, choices: tuple[str, ...] = ("keep", "recompute", "host", "peer"),
+def plan_actions(draw: st.DrawFn, case: Case,
+                 choices: tuple[str, ...] = ("keep", "recompute", "selective", "host", "peer"),
                  splits: bool = True) -> tuple[tuple[LayerAction, ...], ...]:
     per_stage = []
     for (a, b), g in zip(case.stages, case.gpus):
@@ -262,7 +273,7 @@ def pipelines(draw: st.DrawFn, schedules: tuple[str, ...] = SCHEDULES, max_gpus:
 
 @st.composite
 def cases(draw: st.DrawFn, schedules: tuple[str, ...] = SCHEDULES, capacity: str = "around-peak",
-          choices: tuple[str, ...] = ("keep", "recompute", "host", "peer"), splits: bool = True,
+          choices: tuple[str, ...] = ("keep", "recompute", "selective", "host", "peer"), splits: bool = True,
           offload: bool = True, max_stages: int = 4, percent: tuple[int, int] = (50, 130),
           copy_bound: bool = False) -> Case:
     """A whole job. ``capacity``: ``around-peak`` draws the GPU capacity between

@@ -114,7 +114,8 @@ def test_d2d_swap_reserves_memory_on_the_peer_until_the_swap_in_lands():
     assert steps(r, gpu=1) == [(0.01, GB), (0.81, 0)]  # held from swap-out start to swap-in landing
     assert r.gpus[1].breakdown["peer_swap"] == GB
     assert steps(r)[:2] == [(0.0, GB), (0.11, 0)]
-    assert r.gpus[0].saved_at_peak == {"recompute": 0, "host": 0, "peer": 0, "split": 0, "optimizer": 0, "stash": 0}
+    assert r.gpus[0].saved_at_peak == {"recompute": 0, "selective": 0, "host": 0, "peer": 0, "split": 0,
+                                       "optimizer": 0, "stash": 0}
     assert r.gpus[0].costs_s["peer_wait_s"] == 0.0
     assert spans(r, "copy") == [("D2D swap-out L0 mb0", 0.01, 0.11), ("D2D swap-in L0 mb0", 0.71, 0.81)]
 

@@ -3,7 +3,7 @@ invariants as properties), and the shrunk counterexamples they found, as plain t
 
 Jobs come from ``tests/strategies.py``: 1-4 GPUs in an NVLink chain behind one PCIe
 switch, 2-8 layers, GPipe / 1F1B / PipeDream, random partitions and mappings, and per
-layer keep, recompute, host or peer swap, split, with optimizer states and stashed
+layer keep, recompute, selective (attention core) recompute, host or peer swap, split, with optimizer states and stashed
 weights on the GPU or the host. The examples are fixed (``derandomize``), so CI sees the
 same ones every run.
 

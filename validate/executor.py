@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from mpsim.executor.stage_actions import Recompute, Split, Swap, SwapSpace, untracked
+from mpsim.executor.stage_actions import Recompute, Split, Swap, SwapSpace, selective, untracked
 from mpsim.plan import PlanFile
 from mpsim.profiler import sync_device
 from mpsim.workloads import Embedding, LossHead, ModelConfig, TransformerLayer
@@ -146,6 +146,8 @@ def build_stage(cfg: ModelConfig, plan: PlanFile, stage: int, device: torch.devi
             layer = Split(layer, act.split)
         if act is not None and act.action == "recompute":
             layer = Recompute(layer)
+        elif act is not None and act.action == "selective":
+            layer = selective(layer)
         elif act is not None and act.action in ("host", "peer"):
             stripes = [(peers[x.gpu], x.fraction) for x in act.peers]
             swap = Swap(layer, SwapSpace(device, act.action, stripes))

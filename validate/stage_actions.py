@@ -2,6 +2,8 @@
 
 - ``recompute``: ``torch.utils.checkpoint`` (non-reentrant): the layer keeps only its
   input and re-runs its forward inside the backward.
+- ``selective``: the same around the attention core alone (Korthikanti et al. 2022,
+  section 4.2): it keeps q, k, v and re-runs inside the backward (``selective``).
 - ``host`` / ``peer``: ``torch.autograd.graph.saved_tensors_hooks``. The pack hook copies
   each saved storage once (views share it) to host memory (pinned on CUDA) or, striped
   by the plan's fractions, to peer GPUs, on a side stream; the unpack hook brings it back.
@@ -25,6 +27,8 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
+from mpsim.workloads import SelfAttention
+
 
 def untracked() -> AbstractContextManager[object]:
     """Allocations made here are invisible to the stage's memory tracker (host memory on CPU)."""
@@ -38,6 +42,14 @@ class Recompute(nn.Module):
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         return checkpoint(self.inner, *args, use_reentrant=False)
+
+
+def selective(layer: nn.Module) -> nn.Module:
+    """``layer`` with every attention core in it checkpointed (``SelfAttention.checkpoint_core``)."""
+    for m in layer.modules():
+        if isinstance(m, SelfAttention):
+            m.checkpoint_core = True
+    return layer
 
 
 class Split(nn.Module):

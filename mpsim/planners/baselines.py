@@ -1,8 +1,11 @@
-"""Baseline strategies: none, recompute, cpu-swap, d2d (DESIGN "Planners").
+"""Baseline strategies: none, recompute, selective, cpu-swap, d2d (DESIGN "Planners").
 
 - ``none``: every tensor kept, compute-balanced partition, stage i on GPU i.
 - ``recompute``: every transformer layer (every block of a ``--module`` trace) checkpointed
   (its input kept, the rest re-run before the backward), as GPipe and DAPPLE do.
+- ``selective``: every transformer layer whose attention core keeps something recomputes
+  that core only (Korthikanti et al. 2022, section 4.2: most of the memory of eager
+  attention for a few percent of the FLOPs); with a flash kernel it saves little.
 - ``cpu-swap``: GPU-CPU swap of what must go, longest live interval first (the stage's
   optimizer states and PipeDream's stashed weights outlive every activation, so they go
   first, streamed around the update), until each GPU fits.
@@ -18,6 +21,8 @@ again, until every GPU fits or nothing is left to swap.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from mpsim.plan import LayerAction, fit_stripes
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
 from mpsim.trace import RECOMPUTABLE
@@ -28,12 +33,23 @@ def _none(ctx: Ctx) -> Planned:
     return Planned(plan, ctx.simulate(plan))
 
 
-def _recompute(ctx: Ctx) -> Planned:
-    actions = {s: [LayerAction(layer=j, action="recompute") for j in range(a, b)
-                   if ctx.trace.layers[j].kind in RECOMPUTABLE]
+def _every_transformer_layer(ctx: Ctx, action: Literal["recompute", "selective"]) -> Planned:
+    """``action`` on every transformer layer that allows it (``selective``: those whose
+    attention core keeps something)."""
+    rows = ctx.trace.layers
+    actions = {s: [LayerAction(layer=j, action=action) for j in range(a, b)
+                   if rows[j].kind in RECOMPUTABLE and (action != "selective" or rows[j].attention_core_bytes)]
                for s, (a, b) in enumerate(ctx.stages)}
-    plan = ctx.plan("recompute", actions)
+    plan = ctx.plan(action, actions)
     return Planned(plan, ctx.simulate(plan))
+
+
+def _recompute(ctx: Ctx) -> Planned:
+    return _every_transformer_layer(ctx, "recompute")
+
+
+def _selective(ctx: Ctx) -> Planned:
+    return _every_transformer_layer(ctx, "selective")
 
 
 def _cpu_swap(ctx: Ctx) -> Planned:
@@ -123,6 +139,7 @@ def _d2d(ctx: Ctx) -> Planned:
 BASELINES = {
     "none": _none,
     "recompute": _recompute,
+    "selective": _selective,
     "cpu-swap": _cpu_swap,
     "d2d": _d2d,
 }

@@ -20,7 +20,7 @@ from mpsim.planners.context import PARTITIONS, Ctx, Planned, make_context
 from mpsim.planners.mpress import MPRESS_STRATEGIES
 from mpsim.planners.tsplit import plan_tsplit
 
-SINGLE = ("none", "recompute", "cpu-swap", "d2d", "mpress", "tsplit")
+SINGLE = ("none", "recompute", "selective", "cpu-swap", "d2d", "mpress", "tsplit")
 SINGLE_PLANNERS: dict[str, Callable[[Ctx], Planned]] = {**BASELINES, **MPRESS_STRATEGIES, "tsplit": plan_tsplit}
 
 
@@ -30,7 +30,7 @@ def plan_best(ctx: Ctx) -> Planned:
     for partition in PARTITIONS:
         for name in SINGLE:
             sub = make_context(ctx.topo, ctx.trace, ctx.schedule, ctx.microbatches, n_stages, ctx.record_link_rates,
-                               partition, recompute=name == "recompute")
+                               partition, recompute=name == "recompute", selective=name == "selective")
             tried.append((name, partition, cached_plan(name, sub, SINGLE_PLANNERS[name])))
             if name == "none" and tried[-1][2].result.fits:
                 break  # nothing to save: keeping everything is fastest

@@ -55,10 +55,12 @@ class Ctx:
 
 
 def make_context(topo: Topology, trace: Trace, schedule: str, microbatches: int, n_stages: int | None,
-                 record_link_rates: bool = False, partition: str = "compute", recompute: bool = False) -> Ctx:
+                 record_link_rates: bool = False, partition: str = "compute", recompute: bool = False,
+                 selective: bool = False) -> Ctx:
     """The job with its partition: ``compute`` balances per-stage compute time (PipeDream,
     DAPPLE), ``memory`` the predicted per-GPU peak (mCAP; ``recompute`` predicts it with
-    every recomputable layer checkpointed: ``trace.RECOMPUTABLE``). Stage i on GPU i."""
+    every recomputable layer checkpointed: ``trace.RECOMPUTABLE``; ``selective`` with every
+    attention core recomputed). Stage i on GPU i."""
     p = topo.n_gpus if n_stages is None else n_stages
     if p < 1:
         raise MpsimError(f"the number of stages must be at least 1, got {p}")
@@ -69,7 +71,7 @@ def make_context(topo: Topology, trace: Trace, schedule: str, microbatches: int,
         times = trace.layer_times(topo.spec.gpu)
         stages = compute_balanced(times.fwd_s + times.bwd_s, p)
     elif partition == "memory":
-        stages = mcap_partition(trace, schedule, p, microbatches, recompute)
+        stages = mcap_partition(trace, schedule, p, microbatches, recompute, selective)
     else:
         raise MpsimError(f"unknown partition {partition!r}: expected one of {', '.join(PARTITIONS)}")
     return Ctx(topo, trace, schedule, microbatches, list(stages), list(range(p)), record_link_rates, partition)

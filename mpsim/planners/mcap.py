@@ -9,10 +9,11 @@ schedule instead of profiling runs:
   activations times the microbatches stage k holds at once (all m under GPipe,
   min(p - k, m) under 1F1B and PipeDream), plus p - k - 1 stashed weight versions under
   PipeDream; with recomputation only the layer's checkpointed input is held per
-  microbatch (mCAP 3.2);
+  microbatch (mCAP 3.2); with selective recompute (Korthikanti et al. 2022, section 4.2)
+  its saved activations less its attention core's kept bytes;
 - mem_isolated(l) adds what l holds only while it runs: input, output, workspace and,
-  recomputed, its own activations re-materialised before its backward; and the receive
-  and send buffers at the stage's boundaries.
+  recomputed, its own activations re-materialised before its backward (selective: the
+  core's bytes); and the receive and send buffers at the stage's boundaries.
 
 Because a stage's predicted peak depends only on its layer range and its position, the
 best partition is found exactly by a min-max dynamic programme (``min_max_partition``),
@@ -34,7 +35,7 @@ def held_microbatches(schedule: str, stage: int, n_stages: int, microbatches: in
 
 
 def peak_tables(trace: Trace, schedule: str, n_stages: int, microbatches: int,
-                recompute: bool = False) -> list[np.ndarray]:
+                recompute: bool = False, selective: bool = False) -> list[np.ndarray]:
     """Per stage, the predicted peak of every layer range (``stage_peak_table``)."""
     rows = trace.layers
     fixed = np.array([r.param_bytes + r.grad_bytes + r.optimizer_bytes for r in rows], dtype=float)
@@ -44,9 +45,11 @@ def peak_tables(trace: Trace, schedule: str, n_stages: int, microbatches: int,
     ws = np.array([r.workspace_bytes for r in rows], dtype=float)
     act = np.array([r.act_bytes for r in rows], dtype=float)
     checkpointed = np.array([recompute and r.kind in RECOMPUTABLE for r in rows])
-    saved = np.where(checkpointed, inp, act)
     own = act - np.array([r.input_bytes if r.saves_input else 0 for r in rows], dtype=float)
-    transient = inp + out + ws + np.where(checkpointed, own, 0.0)
+    core = np.array([min(r.attention_core_bytes, o) if selective and r.kind == "transformer" else 0.0
+                     for r, o in zip(rows, own)])
+    saved = np.where(checkpointed, inp, act - core)
+    transient = inp + out + ws + np.where(checkpointed, own, core)
     boundary_in = np.concatenate((inp, [0.0]))
     boundary_out = np.concatenate(([0.0], out))
     boundary_out[-1] = 0.0  # the last stage sends nothing forward
@@ -58,6 +61,7 @@ def peak_tables(trace: Trace, schedule: str, n_stages: int, microbatches: int,
     return tables
 
 
-def mcap_partition(trace: Trace, schedule: str, n_stages: int, microbatches: int, recompute: bool = False) -> Stages:
+def mcap_partition(trace: Trace, schedule: str, n_stages: int, microbatches: int, recompute: bool = False,
+                   selective: bool = False) -> Stages:
     """The memory-balanced partition (exact for the prediction)."""
-    return min_max_partition(peak_tables(trace, schedule, n_stages, microbatches, recompute))
+    return min_max_partition(peak_tables(trace, schedule, n_stages, microbatches, recompute, selective))

@@ -23,7 +23,15 @@ from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
 from mpsim.sim.layout import Job, Layout, resolve
 from mpsim.sim.memory import CATEGORIES, GpuMemory
-from mpsim.sim.program import StageProgram, SwapIn, build_program, received_bytes, static_bytes, update_seconds
+from mpsim.sim.program import (
+    StageProgram,
+    SwapIn,
+    attention_core_seconds,
+    build_program,
+    received_bytes,
+    static_bytes,
+    update_seconds,
+)
 from mpsim.sim.result import GpuResult, SimResult
 from mpsim.sim.stream import ComputeStream
 from mpsim.sim.swapper import STASH, Swapper
@@ -76,14 +84,16 @@ def _build_stage(run: RunContext, s: int, channels: PeerChannels, times: LayerTi
     a, b = layout.stages[s]
     rows = layout.trace.layers[a:b]
     first, last = s == 0, s == layout.n_stages - 1
+    gpu = run.topo.spec.gpu
+    memory_rate = gpu.memory_bandwidth_gbps * 1e9 * gpu.memory_efficiency
+    core_s = attention_core_seconds(rows, times.fwd_s[a:b], memory_rate)
     program = build_program(rows, times.fwd_s[a:b], times.bwd_s[a:b], a, first, last, layout.actions[s],
-                            run.torch_pipelining)
+                            run.torch_pipelining, core_s)
     received = layout.microbatches * received_bytes(rows, first, last) if run.torch_pipelining else 0
     versions = weight_versions(layout.schedule, s, layout.n_stages)
     static = static_bytes(rows, versions, received)
     _allocate_static(run, s, static)
-    gpu = run.topo.spec.gpu
-    update_s = update_seconds(rows, gpu.memory_bandwidth_gbps * 1e9 * gpu.memory_efficiency)
+    update_s = update_seconds(rows, memory_rate)
     swapper = Swapper(run, s, {j: act.split for j, act in program.actions.items()},
                       {j: tuple((x.gpu, x.fraction) for x in act.peers) for j, act in program.actions.items()})
     updater = Updater(run, s, swapper, update_s, static["params"])

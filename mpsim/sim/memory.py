@@ -36,7 +36,7 @@ import simpy
 CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "stash", "buffers", "workspace",
                                "peer_swap")
 """What memory in use is made of; ``peer_swap`` is space a GPU holds for other GPUs' D2D swaps."""
-TECHNIQUES: tuple[str, ...] = ("recompute", "host", "peer", "split", "optimizer", "stash")
+TECHNIQUES: tuple[str, ...] = ("recompute", "selective", "host", "peer", "split", "optimizer", "stash")
 """Ledger categories, logged as ``saved:<technique>``."""
 CAT = {name: i for i, name in enumerate(CATEGORIES)}
 CAT.update({f"saved:{name}": len(CATEGORIES) + i for i, name in enumerate(TECHNIQUES)})

@@ -18,15 +18,21 @@ Actions (``mpsim.plan``):
 - recompute: own is freed at the end of the forward; before the backward the forward is
   re-run on the compute stream (+ own, + out, + workspace at its start; - workspace,
   - out at its end), so the cost is exactly the forward time;
+- selective (Korthikanti et al. 2022, section 4.2): only the attention core's kept bytes
+  (``attention_core_bytes``, at most own) are freed at the end of the forward; before the
+  backward the core's forward re-runs on the compute stream (+ those bytes at its start,
+  for ``attention_core_seconds``), and the backward frees them with the rest of own. The
+  core's transient tensors while it re-runs are not modelled (they are its kept ones);
 - host / peer swap: after the forward a swap-out of own (+ in when saved) starts; it frees
   them when it lands (``mpsim.sim.engine``). The backward's piece for the layer starts
   only once the swap-in has landed;
 - split into p micro-ops (TSPLIT III-A): each micro-op allocates 1/p of own, out and
   workspace at its start and releases 1/p of what the layer lets go (workspace, an input
-  it does not hold, own when recomputed) at its end, and each swapped micro-tensor leaves
-  as soon as its micro-op is done. The transient peak of a layer that releases its input
-  falls from in + out to max(in, out) + min(in, out) / p, by (p - 1) / p x min(in, out)
-  (TSPLIT equation 5). The layer's times are multiplied by the split slowdown.
+  it does not hold, own when recomputed, the core's bytes under selective) at its end,
+  and each swapped micro-tensor leaves as soon as its micro-op is done. The transient
+  peak of a layer that releases its input falls from in + out to max(in, out) +
+  min(in, out) / p, by (p - 1) / p x min(in, out) (TSPLIT equation 5). The layer's
+  times are multiplied by the split slowdown.
 
 A forward is cut after every micro-op that swaps, a backward before every layer whose
 swap-in it must wait for; each piece is one simulation event with a memory template.
@@ -45,6 +51,8 @@ from mpsim.sim.memory import Template, make_template
 from mpsim.trace import LayerRow
 
 _KEEP = LayerAction(layer=-1)
+_REMAT = ("recompute", "selective")
+"""Actions that drop saved bytes after the forward and re-run (part of) it before the backward."""
 Event = tuple[float, int, str, str]
 
 
@@ -103,6 +111,8 @@ class StageProgram:
     backward_s: float
     recompute_s: float
     """Recompute time per backward task."""
+    selective_s: float
+    """Selective (attention core) recompute time per backward task."""
     split_forward_s: float
     """Extra time of split micro-ops per forward task."""
     split_backward_s: float
@@ -159,6 +169,18 @@ class _Layer:
     input_cat: str
     own: int
     """Saved activations other than its input."""
+    dropped: int
+    """Bytes dropped after the forward and re-made before the backward: own under
+    recompute, the attention core's kept bytes (at most own) under selective, else 0."""
+
+    @property
+    def remat(self) -> bool:
+        return self.act.action in _REMAT
+
+    @property
+    def ledger(self) -> str:
+        """The ledger category of what it drops."""
+        return f"saved:{self.act.action}"
 
     def chunks(self, n_bytes: int, c: int) -> int:
         return chunk(n_bytes, c, self.p)
@@ -168,8 +190,9 @@ def _layer(rows: list[LayerRow], k: int, first: int, actions: dict[int, LayerAct
     r = rows[k]
     act = actions.get(first + k, _KEEP)
     own = r.act_bytes - (r.input_bytes if r.saves_input else 0)
+    dropped = {"recompute": own, "selective": min(own, r.attention_core_bytes)}.get(act.action, 0)
     return _Layer(r, k, first + k, act, act.split, act.slowdown(), f"layer {first + k} ({r.name})",
-                  "buffers" if k == 0 else "activations", own)
+                  "buffers" if k == 0 else "activations", own, dropped)
 
 
 def received_bytes(rows: list[LayerRow], is_first_stage: bool, is_last_stage: bool) -> int:
@@ -198,17 +221,21 @@ class _Stage:
 
 
 def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, first: int, is_first_stage: bool,
-                  is_last_stage: bool, actions: dict[int, LayerAction], keep_received: bool = False) -> StageProgram:
+                  is_last_stage: bool, actions: dict[int, LayerAction], keep_received: bool = False,
+                  core_s: np.ndarray | None = None) -> StageProgram:
     """``rows`` are the stage's layers, ``first`` the index of rows[0] in the model,
     ``actions`` keyed by model layer index (missing: keep). With ``keep_received`` the
     received activation (input of the first layer) and gradient (of the last layer's
-    output) live in receive buffers allocated once per microbatch, so they are never freed."""
+    output) live in receive buffers allocated once per microbatch, so they are never freed.
+    ``core_s``: per layer, the attention core's forward seconds (``attention_core_seconds``;
+    needed only by selective recompute, else zeros)."""
     st = _Stage(rows, first, is_first_stage, is_last_stage, actions, keep_received and not is_first_stage,
                 keep_received and not is_last_stage)
     forward, forward_s, split_forward_s = _forward(st, fwd_s)
-    backward, swap_ins, backward_s, recompute_s, split_backward_s = _backward(st, fwd_s, bwd_s)
-    return StageProgram(forward, backward, swap_ins, forward_s, backward_s, recompute_s, split_forward_s,
-                        split_backward_s, dict(actions))
+    redo_s = {"recompute": fwd_s, "selective": np.zeros(len(rows)) if core_s is None else core_s}
+    backward, swap_ins, backward_s, remat_s, split_backward_s = _backward(st, redo_s, bwd_s)
+    return StageProgram(forward, backward, swap_ins, forward_s, backward_s, remat_s["recompute"],
+                        remat_s["selective"], split_forward_s, split_backward_s, dict(actions))
 
 
 # ---- forward ---------------------------------------------------------------------------
@@ -245,8 +272,7 @@ def _forward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event
     releases_input = not r.saves_input and act.action != "recompute"
     if p > 1:  # what the unsplit op would hold, minus what the split one holds
         ev.append((t, lay.own + r.output_bytes + r.workspace_bytes, "saved:split", f"{name} split"))
-        rel = (r.workspace_bytes + (r.input_bytes if releases_input else 0)
-               + (lay.own if act.action == "recompute" else 0))
+        rel = r.workspace_bytes + (r.input_bytes if releases_input else 0) + lay.dropped
         ev.append((t + dur, -rel, "saved:split", f"{name} split"))
     dt = dur / p
     for c in range(p):
@@ -264,11 +290,12 @@ def _forward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event
             ev.append((c1, -inp_c, lay.input_cat, f"{name} input freed{part}"))
             if p > 1:
                 ev.append((c1, inp_c, "saved:split", f"{name} split"))
-        if act.action == "recompute":
-            ev += [(c1, -o, "activations", f"{name} saved activations dropped{part}"),
-                   (c1, o, "saved:recompute", f"{name} dropped")]
+        if lay.remat:
+            d = lay.chunks(lay.dropped, c)
+            ev += [(c1, -d, "activations", f"{name} saved activations dropped ({act.action}){part}"),
+                   (c1, d, lay.ledger, f"{name} dropped")]
             if p > 1:
-                ev.append((c1, o, "saved:split", f"{name} split"))
+                ev.append((c1, d, "saved:split", f"{name} split"))
         if act.action in ("host", "peer"):
             cuts.append((len(ev), c1, SwapOut(lay.j, o, inp_c if r.saves_input else 0, lay.input_cat, act.action)))
     if act.action == "recompute" and not r.saves_input:  # the checkpoint outlives the layer
@@ -276,24 +303,27 @@ def _forward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event
 
 
 # ---- backward --------------------------------------------------------------------------
-def _backward(st: _Stage, fwd_s: np.ndarray,
-              bwd_s: np.ndarray) -> tuple[list[Piece], list[SwapIn], float, float, float]:
+def _backward(st: _Stage, redo_s: dict[str, np.ndarray],
+              bwd_s: np.ndarray) -> tuple[list[Piece], list[SwapIn], float, dict[str, float], float]:
     """The backward's pieces (cut before every layer whose swap-in it waits for), its
-    swap-ins, length, recompute time and extra time of split micro-ops."""
+    swap-ins, length, re-run time per action in ``redo_s`` (the seconds each re-runs per
+    layer) and extra time of split micro-ops."""
     ev: list[Event] = []
     waits: list[tuple[int, float, int]] = []
     swap_ins: list[SwapIn] = []
-    t = recompute_s = split_s = 0.0
+    remat_s = dict.fromkeys(_REMAT, 0.0)
+    t = split_s = 0.0
     for k in range(st.last, -1, -1):
         lay = st.layer(k)
         if lay.act.action in ("host", "peer"):
             waits.append((len(ev), t, lay.j))
             swap_ins.append(SwapIn(lay.j, lay.own, lay.row.input_bytes if lay.row.saves_input else 0, lay.input_cat,
                                    lay.act.action, tuple((x.gpu, x.fraction) for x in lay.act.peers), lay.p, t))
-        if lay.act.action == "recompute":
-            dur = float(fwd_s[k]) * lay.slowdown
-            recompute_s += dur
-            split_s += dur - float(fwd_s[k])
+        if lay.remat:
+            base = float(redo_s[lay.act.action][k])
+            dur = base * lay.slowdown
+            remat_s[lay.act.action] += dur
+            split_s += dur - base
             _recompute_layer(lay, t, dur, ev)
             t += dur
         dur = float(bwd_s[k]) * lay.slowdown
@@ -307,20 +337,25 @@ def _backward(st: _Stage, fwd_s: np.ndarray,
             backward.append(Piece(_template(ev[i0:i1], start), w_t - start, wait_for=wait_for))
         i0, start, wait_for = i1, w_t, w_layer
     backward.append(Piece(_template(ev[i0:], start), t - start, wait_for=wait_for))
-    return backward, swap_ins, t, recompute_s, split_s
+    return backward, swap_ins, t, remat_s, split_s
 
 
 def _recompute_layer(lay: _Layer, t: float, dur: float, ev: list[Event]) -> None:
-    """The forward re-run before the backward: the cost is exactly the forward time."""
+    """The re-run before the backward, for ``dur``: the whole forward (recompute: its
+    dropped activations, output and workspace) or the attention core alone (selective:
+    its dropped bytes; Korthikanti et al. 2022, section 4.2)."""
     r, name, dt = lay.row, lay.name, dur / lay.p
+    full = lay.act.action == "recompute"
+    what = "recomputed activations" if full else "recomputed attention core"
     for c in range(lay.p):
         c0, c1 = t + c * dt, t + (c + 1) * dt
-        o, out_c, ws = lay.chunks(lay.own, c), lay.chunks(r.output_bytes, c), lay.chunks(r.workspace_bytes, c)
-        ev += [(c0, o, "activations", f"{name} recomputed activations"),
-               (c0, -o, "saved:recompute", f"{name} recomputed"),
-               (c0, out_c, "workspace", f"{name} recomputed output"),
-               (c0, ws, "workspace", f"{name} recompute workspace"),
-               (c1, -ws - out_c, "workspace", f"{name} recompute workspace freed")]
+        o = lay.chunks(lay.dropped, c)
+        ev += [(c0, o, "activations", f"{name} {what}"), (c0, -o, lay.ledger, f"{name} recomputed")]
+        if full:
+            out_c, ws = lay.chunks(r.output_bytes, c), lay.chunks(r.workspace_bytes, c)
+            ev += [(c0, out_c, "workspace", f"{name} recomputed output"),
+                   (c0, ws, "workspace", f"{name} recompute workspace"),
+                   (c1, -ws - out_c, "workspace", f"{name} recompute workspace freed")]
 
 
 def _backward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event]) -> None:
@@ -369,6 +404,31 @@ def static_bytes(rows: list[LayerRow], weight_versions: int, receive_buffers: in
         "stash": (weight_versions - 1) * params,
         "buffers": receive_buffers,
     }
+
+
+def attention_core_seconds(rows: list[LayerRow], fwd_s: np.ndarray, memory_rate: float) -> np.ndarray:
+    """Per layer, seconds the attention core's forward takes when selective recompute
+    re-runs it (Korthikanti et al. 2022, section 4.2), as a share of the layer's own
+    forward time ``fwd_s`` so that it follows however that time was made (roofline or
+    measured). The layer's time splits into a memory part, its non-matmul bytes at
+    ``memory_rate`` (the rate ``Trace.layer_times`` uses; at most the whole time), and a
+    compute part, the rest; the core takes its bytes' share of the first and its FLOPs'
+    share of the second. On a roofline time this is exactly
+    attention_core_flops / flop rate + attention_core_mem_bytes / memory_rate; with
+    per-op-class efficiencies the core's FLOPs run at the layer's blended rate."""
+    out = np.zeros(len(rows))
+    for k, r in enumerate(rows):
+        if not r.attention_core_bytes:
+            continue
+        t = float(fwd_s[k])
+        mem_s = min(t, r.fwd_mem_bytes / memory_rate)
+        out[k] = (_share(r.attention_core_mem_bytes, r.fwd_mem_bytes) * mem_s
+                  + _share(r.attention_core_flops, r.fwd_flops) * (t - mem_s))
+    return out
+
+
+def _share(part: float, whole: float) -> float:
+    return min(1.0, part / whole) if whole > 0 else 0.0
 
 
 def update_seconds(rows: list[LayerRow], memory_rate: float) -> float:

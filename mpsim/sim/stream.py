@@ -138,6 +138,7 @@ class ComputeStream:
                 self.channels.send("activation", self.stage, self.stage + 1, mb, self.output_bytes)
             return
         run.costs.add(self.gpu, "recompute_s", prog.recompute_s)
+        run.costs.add(self.gpu, "selective_s", prog.selective_s)
         run.costs.add(self.gpu, "split_s", prog.split_backward_s)
         if self.stash_in is not None:
             label = f"weight version of microbatch {mb} released"
