@@ -694,6 +694,31 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
         sys.exit(1)
 
 
+
+@app.command("calibrate")
+@click.option("--trace", "trace_path", required=True, help="measured trace JSON (`mpsim trace --measure`)")
+@click.option("--server", "-s", required=True, help=_SERVER_HELP)
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
+              help="write the topology YAML with the fitted efficiency block to this file")
+@click.option("--force", is_flag=True, help="fit even when the trace was measured on another kind of device")
+@_json_option
+def calibrate_cmd(trace_path: str, server: str, output: Path | None, force: bool, json_out: str | None) -> None:
+    """Fit the server GPU's matmul, attention-kernel and memory efficiencies for the trace's
+    precision to the measured layer times (non-negative least squares), print them with
+    each row's residual, and optionally write the topology with them."""
+    from mpsim.calibrate import calibrate, calibrated_yaml, calibration_text
+    from mpsim.catalog import load_topology, load_trace
+
+    topo = load_topology(server)
+    cal = calibrate(load_trace(trace_path), topo, force)
+    if output:
+        output.write_text(calibrated_yaml(topo, cal))
+    if json_out != "-":
+        click.echo(calibration_text(cal))
+        if output:
+            click.echo(f"wrote {output}")
+    _write_json(json_out, cal.to_dict())
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: runs the app and turns every expected error into one line and exit 2."""
     try:

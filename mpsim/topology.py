@@ -39,22 +39,50 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+Dtype = Literal["fp16", "bf16", "fp32", "tf32", "fp8"]
+
+
+class OpEfficiency(_Strict):
+    """Fractions of peak that one operation class reaches at one precision, and where the
+    figures come from. A layer's time is the sum over classes (``Trace.layer_times``):
+    matmul FLOPs at ``matmul`` x peak, FLOPs inside a fused attention kernel (flash,
+    memory-efficient) at ``attention`` x peak, bytes moved by non-matmul ops at
+    ``memory`` x memory bandwidth."""
+
+    matmul: float = Field(gt=0, le=1, description="fraction of the dtype's peak that GEMMs reach")
+    attention: float = Field(gt=0, le=1, description="fraction of the dtype's peak a fused attention kernel reaches")
+    memory: float = Field(gt=0, le=1, description="fraction of memory bandwidth that element-wise work reaches")
+    source: str = Field(min_length=1, description="where the three figures come from (paper, benchmark, calibration)")
+
+    @model_validator(mode="after")
+    def _source_not_blank(self) -> OpEfficiency:
+        if not self.source.strip():
+            raise ValueError("source must name where the efficiencies come from")
+        return self
+
+
 class GpuSpec(_Strict):
     model: str = Field(description="GPU model name, e.g. V100-SXM2-32GB")
     count: int = Field(gt=0, le=64, description="number of GPUs in the server")
     memory_mib: float = Field(gt=0, le=MAX_MEMORY_MIB, description="device memory as nvidia-smi reports it, MiB")
     reserved_mib: float = Field(
         ge=0, le=MAX_MEMORY_MIB, default=300, description="CUDA context and allocator slack per GPU, MiB")
-    peak_tflops: dict[Literal["fp16", "bf16", "fp32", "tf32", "fp8"], float] = Field(
+    peak_tflops: dict[Dtype, float] = Field(
         min_length=1, description="dense peak TFLOP/s per datatype (vendor datasheet)"
     )
     memory_bandwidth_gbps: float = Field(ge=MIN_GBPS, le=MAX_GBPS, description="device memory bandwidth, GB/s")
     matmul_efficiency: float = Field(
-        ge=1e-3, le=1, default=0.5, description="fraction of peak FLOP/s that a layer's math reaches"
+        ge=1e-3, le=1, default=0.5,
+        description="fraction of peak FLOP/s that a layer's math reaches, for a precision `efficiency` lacks"
     )
     memory_efficiency: float = Field(
-        ge=1e-3, le=1, default=0.8, description="fraction of memory bandwidth that element-wise work reaches"
+        ge=1e-3, le=1, default=0.8,
+        description="fraction of memory bandwidth that element-wise work reaches, for a precision `efficiency` "
+                    "lacks (and the optimizer update)"
     )
+    efficiency: dict[Dtype, OpEfficiency] | None = Field(
+        default=None, description="per precision: matmul, attention-kernel and memory-bound efficiencies with "
+                                  "their source")
     peer_copy_engines: int = Field(
         default=2, ge=1, le=16, description="copies to peer GPUs a GPU runs at once (more queue)"
     )
@@ -69,7 +97,19 @@ class GpuSpec(_Strict):
         for dtype, tflops in self.peak_tflops.items():
             if not MIN_TFLOPS <= tflops <= MAX_TFLOPS:
                 raise ValueError(f"peak_tflops.{dtype} must be between {MIN_TFLOPS:g} and {MAX_TFLOPS:g}")
+        for dtype in self.efficiency or {}:
+            if dtype not in self.peak_tflops:
+                raise ValueError(f"efficiency.{dtype}: no peak_tflops.{dtype} to take a fraction of")
         return self
+
+    def op_efficiency(self, dtype: Dtype) -> OpEfficiency:
+        """The efficiencies at ``dtype``: its ``efficiency`` block, else the GPU-wide
+        ``matmul_efficiency`` (for fused attention too) and ``memory_efficiency``."""
+        block = (self.efficiency or {}).get(dtype)
+        if block is not None:
+            return block
+        return OpEfficiency(matmul=self.matmul_efficiency, attention=self.matmul_efficiency,
+                            memory=self.memory_efficiency, source="matmul_efficiency and memory_efficiency")
 
 
 class HostSpec(_Strict):

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from mpsim.datafile import read_data_file, validate
 from mpsim.errors import MpsimError, SchemaError
 from mpsim.schedule import MAX_MICROBATCH
-from mpsim.topology import GpuSpec
+from mpsim.topology import Dtype, GpuSpec
 from mpsim.units import MAX_BYTES
 
 SCHEMA_VERSION = 1
@@ -261,21 +261,34 @@ class Trace:
                                             "name": name})
         return Trace(spec, self.source)
 
+    def rate_dtype(self, gpu: GpuSpec) -> Dtype:
+        """The datatype whose peak and efficiencies time this trace on ``gpu``: the compute
+        dtype, else the next one down ``_RATE_FALLBACK`` that the GPU lists (bf16 on a V100
+        runs at its fp16 rate)."""
+        wanted = self.spec.precision.compute_dtype
+        return cast(Dtype, next((d for d in _RATE_FALLBACK[wanted] if d in gpu.peak_tflops), "fp32"))
+
     def layer_times(self, gpu: GpuSpec) -> LayerTimes:
         """Seconds per layer on ``gpu``: measured times where the trace has them, else a
         roofline by op class, summed because a layer's ops run one after another:
-        t = FLOPs / (peak[dtype] x matmul_efficiency) + bytes / (bandwidth x memory_efficiency),
-        backward likewise with the backward FLOPs (about twice the forward) and bytes."""
-        wanted = self.spec.precision.compute_dtype
-        dtype = next((d for d in _RATE_FALLBACK[wanted] if d in gpu.peak_tflops), "fp32")
-        rate_dtype = cast(Literal["fp16", "bf16", "fp32", "tf32"], dtype)
-        flops_rate = gpu.peak_tflops[rate_dtype] * 1e12 * gpu.matmul_efficiency
-        mem_rate = gpu.memory_bandwidth_gbps * 1e9 * gpu.memory_efficiency
+        t = (FLOPs - attention FLOPs) / (peak x e_matmul) + attention FLOPs / (peak x e_attention)
+        + bytes / (bandwidth x e_memory), with peak the datatype's (``rate_dtype``) and the
+        efficiencies the GPU's for that datatype (``GpuSpec.op_efficiency``); backward
+        likewise with the backward FLOPs (about twice the forward) and bytes."""
+        dtype = self.rate_dtype(gpu)
+        eff = gpu.op_efficiency(dtype)
+        peak_flops_per_s = gpu.peak_tflops[dtype] * 1e12
+        matmul_rate, attention_rate = peak_flops_per_s * eff.matmul, peak_flops_per_s * eff.attention
+        mem_rate = gpu.memory_bandwidth_gbps * 1e9 * eff.memory
+
+        def derived_s(flops: float, attention_flops: float, mem_bytes: float) -> float:
+            return (flops - attention_flops) / matmul_rate + attention_flops / attention_rate + mem_bytes / mem_rate
+
         rows = self.spec.layers
         fwd = np.array([r.fwd_ms * 1e-3 if r.fwd_ms is not None
-                        else r.fwd_flops / flops_rate + r.fwd_mem_bytes / mem_rate for r in rows])
+                        else derived_s(r.fwd_flops, r.fwd_attention_flops, r.fwd_mem_bytes) for r in rows])
         bwd = np.array([r.bwd_ms * 1e-3 if r.bwd_ms is not None
-                        else r.bwd_flops / flops_rate + r.bwd_mem_bytes / mem_rate for r in rows])
+                        else derived_s(r.bwd_flops, r.bwd_attention_flops, r.bwd_mem_bytes) for r in rows])
         if not (np.isfinite(fwd).all() and np.isfinite(bwd).all()):
             raise MpsimError(f"{self.name}: layer times on a {gpu.model} are not finite numbers")
         return LayerTimes(fwd, bwd)

@@ -71,8 +71,9 @@ def test_roofline_times_follow_flops_and_bytes():
                                                                               "fwd_mem_bytes": 7.2e8})]})
     from mpsim.trace import Trace
     times = Trace(spec).layer_times(gpu)
-    rate = 125e12 * gpu.matmul_efficiency
-    assert times.fwd_s[0] == pytest.approx(1e12 / rate + 7.2e8 / (900e9 * gpu.memory_efficiency))
+    eff = gpu.op_efficiency("fp16")
+    rate = 125e12 * eff.matmul
+    assert times.fwd_s[0] == pytest.approx(1e12 / rate + 7.2e8 / (900e9 * eff.memory))
     assert times.bwd_s[0] == pytest.approx(2e12 / rate)
 
 
