@@ -61,26 +61,28 @@ def test_every_family_traces_with_rows_and_its_source(tmp_path, model_type):
     assert block.fwd_attention_flops == pytest.approx(expected)
 
 
-def test_llama_block_matches_our_own_llama_layer_up_to_the_eager_norms():
-    """The same Llama-2-7B block, transformers' modules against mpsim's own (flash, bf16).
-    The saved bytes differ by exactly 4*s*b*h - 4*s*d:
+@pytest.mark.parametrize("preset", ["llama-2-7b", "llama-3-8b"])
+def test_llama_block_matches_our_own_llama_layer_up_to_the_eager_norms(preset):
+    """The same Llama block, transformers' modules against mpsim's own (flash, bf16, two
+    layers). The saved bytes differ by exactly 8*s*b*h - 2*s*b*(h + kv*d) - 4*s*d:
 
-    - +4*s*b*h per block: each of HF's two eager RMSNorms keeps an fp32 copy of its
-      input (4 B/element) and the bf16 normalised tensor (2 B) where a fused kernel keeps
-      the bf16 input (2 B): +4 B/element per norm, +8 per block;
-    - -4*s*b*h: mpsim's fused qkv projection hands v to the attention as a view of the
-      whole q|k|v output (6 B/element) where HF's separate v_proj output is 2 B;
+    - +8*s*b*h: each of HF's two eager RMSNorms keeps an fp32 copy of its input
+      (4 B/element) and the bf16 normalised tensor (2 B) where a fused kernel keeps the
+      bf16 input (2 B): +4 B/element per norm;
+    - -2*s*b*(h + kv*d): mpsim's fused qkv projection hands v to the attention as a view
+      of the whole q|k|v output, 2*(h + 2*kv*d) bytes a row, where HF's own v_proj output
+      is 2*kv*d (with kv = heads, as Llama-2-7B, that is -4*s*b*h);
     - -4*s*d: mpsim's rotary embedding keeps cos and sin for q and k apart (four s x d
       bf16 tensors), HF shares one cos and one sin between q and k.
 
-    The head's final norm adds the same +4*s*b*h. Parameters and FLOPs agree exactly."""
-    s, b, h, d = 1024, 1, 4096, 128
-    cfg, mb, recipe = PRESETS["llama-2-7b"]
+    The head's final norm adds +4*s*b*h the same way. Parameters and FLOPs agree exactly."""
+    cfg, mb, recipe = PRESETS[preset]
+    s, b, h, d, kv = 1024, mb, cfg.hidden, cfg.head_dim, cfg.kv
     ours = trace_model(replace(cfg, layers=2, seq_len=s), mb, recipe).spec.layers
-    theirs = hf.trace_hf("llama-2-7b", overrides={"layers": 2, "seq_len": s}).spec.layers
+    theirs = hf.trace_hf(preset, overrides={"layers": 2, "seq_len": s}).spec.layers
     assert [r.params for r in theirs] == [r.params for r in ours]
     assert [r.fwd_flops for r in theirs] == [r.fwd_flops for r in ours]
-    assert theirs[1].act_bytes - ours[1].act_bytes == 4 * s * b * h - 4 * s * d
+    assert theirs[1].act_bytes - ours[1].act_bytes == 8 * s * b * h - 2 * s * b * (h + kv * d) - 4 * s * d
     assert theirs[-1].act_bytes - ours[-1].act_bytes == 4 * s * b * h
     assert theirs[0].act_bytes == ours[0].act_bytes
 
