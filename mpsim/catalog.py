@@ -13,7 +13,8 @@ from mpsim.trace import Trace, read_trace_file
 
 #: The packages the shipped files are installed as (the top-level ``topologies/`` and
 #: ``traces/`` folders, mapped into the package at build time, see pyproject.toml).
-DATA_PACKAGES = {"topologies": "mpsim.data.topologies", "traces": "mpsim.data.traces"}
+DATA_PACKAGES = {"topologies": "mpsim.data.topologies", "traces": "mpsim.data.traces",
+                 "hf_configs": "mpsim.data.hf_configs"}
 
 
 def data_dir(kind: str) -> Path:

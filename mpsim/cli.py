@@ -393,11 +393,15 @@ _ATTENTION_HELP = ("attention kernel whose saved tensors and FLOPs the trace rec
               help="with --measure on CPU: intra-op threads (as each pipeline process will have)")
 @click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True,
               help="with --measure: timed runs per layer (the median is kept)")
+@click.option("--hf", "hf_source", metavar="SOURCE",
+              help="trace a Hugging Face model with its own modules: a folder with config.json, a config.json or "
+                   "a shipped one (llama-2-7b, llama-3-70b, mistral-7b, qwen2.5-7b, gpt2-xl ...); takes --layers, "
+                   "--hidden, --heads, --seq-len, --microbatch, --recipe, --attention, --server, --name")
 def trace(output: Path, preset: str | None, family: Family | None, layers: int | None, hidden: int | None,
           heads: int | None, kv_heads: int | None, ffn_hidden: int | None, seq_len: int | None, vocab: int | None,
           dropout: float | None, attention: str | None, server: str | None, microbatch: int | None,
           recipe: str | None, name: str | None, measure: bool, device: str, threads: int, repeats: int,
-          module_spec: str | None = None) -> None:
+          module_spec: str | None = None, hf_source: str | None = None) -> None:
     """Trace a model: a preset or a GPT, BERT or Llama-style shape.
 
     By default under FakeTensor mode (no memory allocated): per layer the saved-for-backward
@@ -411,9 +415,21 @@ def trace(output: Path, preset: str | None, family: Family | None, layers: int |
 
     With --module any PyTorch model cut into pipeline layers is traced, one row per layer
     (`--module mpsim.cnn:resnet50 -o resnet50.json`).
+
+    With --hf a Hugging Face model is traced with its own modules from its config.json
+    (`--hf llama-3-70b -o llama.json`; no weights, no network).
     """
+    if module_spec is not None and hf_source is not None:
+        raise MpsimError("--module and --hf each name a whole model: give one of them")
     if module_spec is not None:
         return _trace_module(output, module_spec, microbatch, recipe, name, measure)
+    if hf_source is not None:
+        others = {"--preset": preset, "--family": family, "--kv-heads": kv_heads, "--ffn-hidden": ffn_hidden,
+                  "--vocab": vocab, "--dropout": dropout, "--measure": measure or None}
+        _trace_hf(output, hf_source, {"layers": layers, "hidden": hidden, "heads": heads, "seq_len": seq_len},
+                  [k for k, v in others.items() if v is not None], attention or _default_attention(server),
+                  microbatch, recipe, name)
+        return
     from dataclasses import replace
 
     from mpsim.workloads import ZOO, ModelConfig
@@ -453,6 +469,17 @@ def _trace_module(output: Path, spec: str, microbatch: int | None, recipe: str |
     if measure:
         raise MpsimError("--module traces under FakeTensor mode; --measure is for the GPT, BERT and Llama shapes")
     _write_trace(output, trace_builder(spec, microbatch, recipe or "fp32", name))
+
+
+def _trace_hf(output: Path, source: str, shape: dict[str, int | None], unsupported: list[str], attention: str,
+              microbatch: int | None, recipe: str | None, name: str | None) -> None:
+    """``trace --hf``: the Hugging Face model's own modules (``mpsim.hf``)."""
+    if unsupported:
+        raise MpsimError(f"--hf does not take {', '.join(unsupported)}: set them in the config.json")
+    from mpsim.hf import trace_hf
+
+    overrides = {k: v for k, v in shape.items() if v is not None}
+    _write_trace(output, trace_hf(source, microbatch, recipe, attention, overrides, name))
 
 
 def _write_trace(output: Path, result) -> None:

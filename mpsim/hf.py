@@ -1,0 +1,353 @@
+"""Trace a Hugging Face model from its config.json: no weights, no hub access.
+
+The model's own ``transformers`` modules run under FakeTensor mode, built with one
+transformer block in the recipe's compute dtype. The embedding, that block (repeated for
+every layer) and the head (final norm, vocabulary projection, cross-entropy) are traced
+as their own layers by ``mpsim.tracer.trace_layer``.
+
+GPU kernel semantics, as ``mpsim.kernels`` gives them to mpsim's own layers:
+
+- attention goes through a function registered with transformers' ``AttentionInterface``
+  that calls ``kernels.attention`` with the chosen backend (eager, fused-softmax,
+  mem-efficient, flash), so the saved tensors are what that CUDA kernel keeps;
+- ``torch.nn.functional.dropout`` is redirected to ``kernels.dropout`` (CUDA's fused
+  dropout, a 1-byte mask) by a ``TorchFunctionMode``.
+
+Everything else runs as the model writes it, one eager kernel per op, as it would on a
+GPU without a compiler: Llama's RMSNorm upcasts to fp32 and keeps fp32 copies, GPT-2's
+tanh GELU keeps its intermediate tensors.
+
+Ops whose output shape depends on the data (``nonzero``, ``.item()``) cannot run on fake
+tensors; they end the trace with an ``MpsimError`` naming the op and the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from mpsim import kernels
+from mpsim.errors import MpsimError
+from mpsim.trace import RECIPES, Trace
+
+#: Overrides ``trace_hf`` accepts, mapped to the config's canonical key (each config's
+#: ``attribute_map`` turns that into its own, e.g. GPT-2's ``n_layer``).
+OVERRIDE_KEYS = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads"}
+ATTN_IMPLEMENTATION = "mpsim"
+"""The name ``_mpsim_attention`` is registered under (transformers treats any name with
+"flash" in it as a hub kernel, so the backend is not part of it)."""
+_BACKEND: ContextVar[kernels.AttentionBackend] = ContextVar("mpsim_hf_backend", default="flash")
+_DEFAULT_SEQ_LEN = 4096
+"""Sequence length of a model that is no preset: its maximum positions, at most this."""
+
+
+@dataclass(frozen=True)
+class FamilyLayout:
+    """Where a family keeps its layers and how they are called.
+
+    ``base``: the attribute holding the backbone; ``blocks``: the block list inside it;
+    ``rotary``: the backbone's rotary-embedding module whose (cos, sin) each block is given,
+    or None; ``embed`` and ``head``: tokens -> hidden states and hidden states -> logits,
+    with the names (relative to the full model) of the modules they use."""
+
+    family: str
+    masked_lm: bool
+    base: str
+    blocks: str
+    rotary: str | None
+    embed_modules: tuple[str, ...]
+    head_modules: tuple[str, ...]
+    embed: Callable[[Any, torch.Tensor], torch.Tensor]
+    head: Callable[[Any, torch.Tensor], torch.Tensor]
+    required: tuple[str, ...] = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def _positions(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.arange(tokens.shape[1], device=tokens.device)
+
+
+_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+
+
+def _decoder() -> FamilyLayout:
+    """Llama's layout, shared by Mistral and Qwen2."""
+    return FamilyLayout(family="llama", masked_lm=False, base="model", blocks="layers", rotary="rotary_emb",
+                        embed_modules=("model.embed_tokens",), head_modules=("model.norm", "lm_head"),
+                        embed=lambda m, t: m.model.embed_tokens(t), head=lambda m, x: m.lm_head(m.model.norm(x)),
+                        required=_SHAPE_KEYS)
+
+
+#: model_type -> layout.
+LAYOUTS: dict[str, FamilyLayout] = {
+    "llama": _decoder(),
+    "mistral": _decoder(),
+    "qwen2": _decoder(),
+    "gpt2": FamilyLayout(
+        family="gpt", masked_lm=False, base="transformer", blocks="h", rotary=None,
+        embed_modules=("transformer.wte", "transformer.wpe", "transformer.drop"),
+        head_modules=("transformer.ln_f", "lm_head"),
+        embed=lambda m, t: m.transformer.drop(m.transformer.wte(t) + m.transformer.wpe(_positions(t))),
+        head=lambda m, x: m.lm_head(m.transformer.ln_f(x))),
+    "gpt_neox": FamilyLayout(
+        family="gpt", masked_lm=False, base="gpt_neox", blocks="layers", rotary="rotary_emb",
+        embed_modules=("gpt_neox.embed_in", "gpt_neox.emb_dropout"),
+        head_modules=("gpt_neox.final_layer_norm", "lm_head"),
+        embed=lambda m, t: m.gpt_neox.emb_dropout(m.gpt_neox.embed_in(t)),
+        head=lambda m, x: m.lm_head(m.gpt_neox.final_layer_norm(x)),
+        required=_SHAPE_KEYS),
+    "bert": FamilyLayout(
+        family="bert", masked_lm=True, base="bert", blocks="encoder.layer", rotary=None,
+        embed_modules=("bert.embeddings",), head_modules=("cls",),
+        embed=lambda m, t: m.bert.embeddings(input_ids=t), head=lambda m, x: m.cls(x),
+        required=_SHAPE_KEYS),
+}
+
+
+# --- configs -------------------------------------------------------------------------------------
+
+
+def _transformers() -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        raise MpsimError("--hf needs Hugging Face transformers: pip install 'mpsim[hf]'") from None
+    return transformers
+
+
+def shipped_configs() -> dict[str, Path]:
+    """The shipped config.json files of public models, by preset name."""
+    from mpsim.catalog import data_dir
+
+    return {p.stem: p for p in sorted(data_dir("hf_configs").glob("*.json"))}
+
+
+def _config_path(source: str) -> Path:
+    """SOURCE as a config.json file: a preset name, a model folder or the file itself."""
+    shipped = shipped_configs()
+    if source in shipped:
+        return shipped[source]
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise MpsimError(f"--hf {source}: no such config.json, model folder or preset "
+                         f"(presets: {', '.join(shipped)})")
+    return path
+
+
+def load_config(source: str) -> Any:
+    """The ``PretrainedConfig`` of SOURCE, built locally from its JSON (never the network)."""
+    transformers = _transformers()
+    path = _config_path(source)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise MpsimError(f"{path}: not a JSON config ({e})") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise MpsimError(f"{path}: no model_type in the config")
+    model_type = raw["model_type"]
+    if model_type not in LAYOUTS:
+        raise MpsimError(f"{path}: model_type {model_type!r} is not supported; expected one of {', '.join(LAYOUTS)}")
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    aliases = getattr(config_class, "attribute_map", {})
+    missing = [k for k in LAYOUTS[model_type].required if k not in raw and aliases.get(k) not in raw]
+    if missing:
+        raise MpsimError(f"{path}: {model_type} config lacks {', '.join(missing)}")
+    try:
+        return config_class.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise MpsimError(f"{path}: bad {model_type} config: {e}") from None
+
+
+def _apply_overrides(config: Any, overrides: dict[str, int], seq_len: int) -> None:
+    unknown = set(overrides) - set(OVERRIDE_KEYS)
+    if unknown:
+        raise MpsimError(f"unknown --hf override(s) {', '.join(sorted(unknown))}: expected {', '.join(OVERRIDE_KEYS)}")
+    for key, value in overrides.items():
+        setattr(config, OVERRIDE_KEYS[key], value)
+    if "hidden" in overrides or "heads" in overrides:
+        if config.hidden_size % config.num_attention_heads:
+            raise MpsimError(f"bad model shape: hidden {config.hidden_size} is not divisible by heads "
+                             f"{config.num_attention_heads}")
+        if hasattr(config, "head_dim"):
+            config.head_dim = config.hidden_size // config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None)
+    if kv and config.num_attention_heads % kv:
+        raise MpsimError(f"bad model shape: heads {config.num_attention_heads} is not divisible by kv heads {kv}")
+    if config.max_position_embeddings < seq_len:  # learned positions need a row per position
+        config.max_position_embeddings = seq_len
+
+
+# --- GPU kernel semantics ------------------------------------------------------------------------
+
+
+def _mpsim_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """An ``AttentionInterface`` function: q (b, a, s, d), k and v (b, kv_heads, s, d) to
+    (b, s, a, d), as transformers' own functions return it. Blocks are called without a
+    mask (training without padding): causal as the module says. Sliding windows
+    (Mistral) are not modelled, as in ``mpsim.workloads``."""
+    if attention_mask is not None:
+        raise MpsimError("mpsim attention takes no explicit attention mask (causal or bidirectional only)")
+    causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    out = kernels.attention(query, key, value, causal=causal, dropout_p=dropout, training=module.training,
+                            backend=_BACKEND.get(), scale=scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextmanager
+def _attention_backend(transformers: Any, backend: str) -> Iterator[None]:
+    """``_mpsim_attention`` registered, running ``backend``."""
+    transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, _mpsim_attention)
+    token = _BACKEND.set(kernels.check_backend(backend))
+    try:
+        yield
+    finally:
+        _BACKEND.reset(token)
+
+
+class _CudaDropout(torch.overrides.TorchFunctionMode):
+    """Sends ``F.dropout`` to ``kernels.dropout``: CUDA's fused dropout with a 1-byte mask."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            bound = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
+            return kernels.dropout(bound["input"], bound.get("p", 0.5), bound.get("training", True))
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def _fake_errors(model_type: str) -> Iterator[None]:
+    """Data-dependent ops, which FakeTensor cannot run, as one line naming op and model."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        op = getattr(e, "func", None) or str(e)
+        raise MpsimError(f"{model_type}: {op} depends on the data, which FakeTensor mode cannot trace; "
+                         f"the model cannot be traced with --hf") from None
+
+
+# --- tracing -------------------------------------------------------------------------------------
+
+
+def _submodule(model: nn.Module, path: str) -> Any:
+    return functools.reduce(getattr, path.split("."), model)
+
+
+def _group(model: nn.Module, paths: tuple[str, ...]) -> nn.Module:
+    return nn.ModuleList([_submodule(model, p) for p in paths])
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def _build(transformers: Any, config: Any, layout: FamilyLayout, dtype: torch.dtype) -> nn.Module:
+    auto = transformers.AutoModelForMaskedLM if layout.masked_lm else transformers.AutoModelForCausalLM
+    model = auto.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
+    return model.train()
+
+
+def _trace_rows(model: Any, layout: FamilyLayout, b: int, s: int,
+                dtype: torch.dtype) -> tuple[dict, dict, dict]:
+    from mpsim.tracer import trace_layer
+
+    base = _submodule(model, layout.base)
+    block = _submodule(base, layout.blocks)[0]
+    rotary = _submodule(base, layout.rotary) if layout.rotary else None
+    h = model.config.hidden_size
+    tokens = torch.zeros(b, s, dtype=torch.long)
+    emb = trace_layer(_group(model, layout.embed_modules), [tokens], lambda _m, t: layout.embed(model, t))
+
+    def run_block(_m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        extra: dict[str, Any] = {}
+        if rotary is not None:
+            positions = _positions(x).unsqueeze(0)
+            extra = {"position_ids": positions, "position_embeddings": rotary(x, position_ids=positions)}
+        return _first(block(x, attention_mask=None, **extra))
+
+    x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+    layer = trace_layer(nn.ModuleList([block]), [x], run_block)
+
+    def run_head(_m: nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = layout.head(model, x)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+
+    x2 = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+    head = trace_layer(_group(model, layout.head_modules), [x2, tokens], run_head)
+    return emb, layer, head
+
+
+def _full_params(model: nn.Module, layout: FamilyLayout, layers: int) -> int:
+    """Unique parameters of the full model: the one-block model's, plus the other blocks."""
+    block = _submodule(_submodule(model, layout.base), layout.blocks)[0]
+    return sum(p.numel() for p in model.parameters()) + (layers - 1) * sum(p.numel() for p in block.parameters())
+
+
+def _defaults(source: str) -> tuple[int | None, int, str]:
+    """(seq_len, microbatch, recipe) of a preset as ``mpsim.workloads.PRESETS`` trains it."""
+    from mpsim.workloads import PRESETS
+
+    if source in PRESETS:
+        cfg, mb, recipe = PRESETS[source]
+        return cfg.seq_len, mb, recipe
+    return None, 1, "mixed-bf16"
+
+
+def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = None, attention: str | None = None,
+             overrides: dict[str, int] | None = None, name: str | None = None) -> Trace:
+    """Trace the Hugging Face model of SOURCE (a preset name, a model folder or a
+    config.json). ``overrides``: layers, hidden, heads, seq_len (see the module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mpsim.tracer import DTYPES, compute_dtype, make_trace
+
+    transformers = _transformers()
+    overrides = dict(overrides or {})
+    config = load_config(source)
+    layout = LAYOUTS[config.model_type]
+    preset_seq, preset_mb, preset_recipe = _defaults(source)
+    seq_len = overrides.pop("seq_len", None) or preset_seq or min(config.max_position_embeddings, _DEFAULT_SEQ_LEN)
+    _apply_overrides(config, overrides, seq_len)
+    recipe = recipe or preset_recipe
+    if recipe not in RECIPES:
+        raise MpsimError(f"unknown recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+    backend = attention or kernels.default_attention(None)
+    layers = config.num_hidden_layers
+    config.num_hidden_layers = 1
+    b = microbatch or preset_mb
+    with (_fake_errors(config.model_type), _attention_backend(transformers, backend), compute_dtype(recipe),
+          FakeTensorMode(), _CudaDropout()):
+        dtype = DTYPES[RECIPES[recipe].compute_dtype]
+        model = _build(transformers, config, layout, dtype)
+        emb, layer, head = _trace_rows(model, layout, b, seq_len, dtype)
+        params = _full_params(model, layout, layers)
+    model_info = {"family": layout.family, "model_type": config.model_type, "layers": layers,
+                  "hidden": config.hidden_size, "heads": config.num_attention_heads,
+                  "kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                  "seq_len": seq_len, "vocab": config.vocab_size, "attention": backend,
+                  "source": f"hf:{config.model_type}"}
+    named = [("embedding", "embedding", emb), *[(f"layer{i}", "transformer", layer) for i in range(layers)],
+             ("head", "head", head)]
+    plain = not overrides and microbatch in (None, preset_mb) and preset_seq == seq_len
+    default_name = source if plain else f"hf-{config.model_type}-{layers}l-{config.hidden_size}h"
+    return make_trace(name or default_name, model_info, params, b, recipe, named)  # type: ignore[arg-type]
