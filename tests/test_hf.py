@@ -164,3 +164,26 @@ def test_cli_trace_hf_rejects_what_it_cannot_honour(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == "mpsim: error: --hf does not take --vocab: set them in the config.json"
     assert main(["trace", "--hf", "no-such-model", "-o", str(tmp_path / "x.json")]) == 2
     assert "no such config.json, model folder or preset" in capsys.readouterr().err
+
+
+GPT2_SMALL = {"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 4, "vocab_size": 1000, "n_positions": 512,
+              "activation_function": "gelu", "eos_token_id": 0, "bos_token_id": 0}
+BERT_SMALL = {"model_type": "bert", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "intermediate_size": 1024, "vocab_size": 1000, "max_position_embeddings": 512}
+
+
+@pytest.mark.parametrize("attention", ["eager", "flash"])
+@pytest.mark.parametrize(("fields", "family", "recipe"),
+                         [(GPT2_SMALL, "gpt", "mixed-fp16"), (BERT_SMALL, "bert", "fp32")])
+def test_our_gpt_and_bert_layers_keep_what_hf_gpt2block_and_bertlayer_keep(tmp_path, fields, family, recipe, attention):
+    """The known result behind the 1-byte masks: with CUDA's dropout, Hugging Face's own
+    GPT2Block (exact GELU; its default tanh GELU written in Python keeps its intermediates,
+    about half as much again) and BertLayer keep exactly the bytes of mpsim's layers, and
+    do the same FLOPs."""
+    from mpsim.workloads import ModelConfig
+
+    theirs = hf.trace_hf(str(_config(tmp_path / family, **fields)), microbatch=2, recipe=recipe, attention=attention,
+                         overrides={"seq_len": 128}).spec.layers[1]
+    ours = trace_model(ModelConfig(family, 2, 256, 4, 128, 1000, attention=attention), 2, recipe).spec.layers[1]
+    assert theirs.act_bytes == ours.act_bytes
+    assert (theirs.fwd_flops, theirs.bwd_flops) == (ours.fwd_flops, ours.bwd_flops)
