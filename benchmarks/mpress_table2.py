@@ -20,18 +20,19 @@ TABLE_II = {
 
 
 NOTES = """
-Reading the gaps:
+Reading the gaps (the traces keep CUDA's 1-byte dropout masks, see traces/README.md):
 
-- GPT with DAPPLE (1F1B, fp16 mixed precision): the largest stage is within 1% for
-  GPT-5.3B and 6-11% low for the larger sizes. The paper's configurations are not
-  published; ours keep hidden 5120 and add layers, so the largest stage's share of
-  embedding/head memory shrinks with size. Our traces count no memory-allocator
-  fragmentation, which real runs add on top.
-- BERT with PipeDream (fp32, weight stashing): within 3-19% up to 4B; BERT-6.2B is 33% low,
-  which suggests the paper's 6.2B model is much wider than our h=3072 (activations grow
-  with hidden size and heads; parameters alone do not explain 280 GB on one stage).
+- GPT with DAPPLE (1F1B, fp16 mixed precision): the largest stage is 5% low for GPT-5.3B
+  and 12-16% low for the larger sizes. The paper's configurations are not published;
+  ours keep hidden 5120 and add layers, so the largest stage's share of embedding/head
+  memory shrinks with size. Our traces count no memory-allocator fragmentation, which
+  real runs add on top.
+- BERT with PipeDream (fp32, weight stashing): within 1-13% up to 4B; BERT-6.2B is 43% low,
+  which suggests the paper's 6.2B model is much wider or deeper than our 54 x 3072
+  (parameters alone do not explain 280 GB on one stage). Re-fitting the shapes to the
+  table's memory is open work.
 - Both orderings the paper reports hold: GPT-5.3B fits on 32 GB V100s and 10.3B does not;
-  BERT-0.35B fits under PipeDream and 0.64B does not (its first stage needs ~56 GB, the
+  BERT-0.35B fits under PipeDream and 0.64B does not (its first stage needs 47 GB, the
   paper says 51 GB).
 """
 
