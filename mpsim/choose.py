@@ -431,10 +431,10 @@ def choose_figure(report: ChooseReport) -> Figure:
     points = [(r.server, r.price.usd_per_hour, r.samples_per_s * (report.seq_len or 1), r.pareto)
               for r in report.rows if r.fits and r.price.usd_per_hour is not None]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for server, usd, rate, pareto in points:
+    for i, (server, usd, rate, pareto) in enumerate(sorted(points, key=lambda p: p[1])):
         ax.scatter([usd], [rate], s=60 if pareto else 30, zorder=3, color="tab:red" if pareto else "tab:gray",
                    marker="D" if pareto else "o")
-        ax.annotate(server, (usd, rate), xytext=(6, 4), textcoords="offset points", fontsize=8)
+        ax.annotate(server, (usd, rate), xytext=(6, 4 if i % 2 else -12), textcoords="offset points", fontsize=8)
     front = sorted((usd, rate) for _, usd, rate, pareto in points if pareto)
     if front:
         ax.plot([p[0] for p in front], [p[1] for p in front], color="tab:red", linestyle="--", linewidth=1,
