@@ -28,3 +28,7 @@ mpsim sweep --server dgx1-v100 --model bert-1.67b --schedule pipedream --microba
   --strategy none,recompute,cpu-swap,mpress,best -j 2 --csv reports/sweep_bert-1.67b_dgx1.csv \
   --plot reports/sweep_bert-1.67b_dgx1.png > reports/sweep_bert-1.67b_dgx1.txt
 mpsim reproduce --out reports
+for model in gpt-10.3b llama-3-8b; do
+  mpsim choose --model "$model" --servers dgx1-v100,a100-40gb-nvswitch,dgx-a100-80gb,dgx-h100 \
+    --plot "reports/choose_${model}.png" --html "reports/choose_${model}.html" > "reports/choose_${model}.txt"
+done

@@ -89,6 +89,12 @@ def _json_option(f):
                         help="write the result as JSON to FILE ('-' for stdout)")(f)
 
 
+def _html_option(f):
+    return click.option("--html", "html_out", type=click.Path(dir_okay=False, path_type=Path),
+                        help="write the same views as one self-contained HTML file (inline CSS and SVG charts, "
+                             "nothing fetched)")(f)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="mpsim")
 def app() -> None:
@@ -132,9 +138,10 @@ def _job_options(f):
               help="write a timeline for Perfetto / chrome://tracing to this file (copy-engine lanes, link rates)")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="plot memory over time per GPU, with swap-outs and swap-ins, to this PNG")
+@_html_option
 def simulate(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
              stages: int | None, strategy: str, partition: str, plan_path: Path | None, json_out: str | None,
-             chrome_trace: Path | None, plot: Path | None) -> None:
+             chrome_trace: Path | None, plot: Path | None, html_out: Path | None) -> None:
     """Simulate one training iteration: per-GPU peak memory, iteration time, throughput,
     and what each memory-saving technique saved and cost.
 
@@ -164,6 +171,14 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
         write_chrome_trace(result, chrome_trace)
     if plot:
         plot_memory(result, plot)
+    if html_out:
+        from mpsim.api import plan as make
+        from mpsim.htmlreport import simulate_page
+
+        if plan is None:  # the planner's answer is cached: this does not plan again
+            plan = make(topo, trace, schedule, microbatch, microbatches, n_stages=stages, strategy=strategy,
+                        partition=partition).plan
+        html_out.write_text(simulate_page(result, plan), encoding="utf-8")
     if not result.fits:
         sys.exit(1)
 
@@ -255,7 +270,8 @@ def fits(server: str, family: str, models: str | None, schedule: str, microbatch
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"), show_default=True,
               help="folder for the markdown reports and plots")
 @click.option("--only", default="mpress,mcap,tsplit", show_default=True, help="comma-separated papers")
-def reproduce_cmd(out: Path, only: str) -> None:
+@_html_option
+def reproduce_cmd(out: Path, only: str, html_out: Path | None) -> None:
     """Simulate the papers' comparisons from the shipped data and write a markdown report
     with plots per paper (mpress.md, mcap.md, tsplit.md), our numbers beside theirs."""
     from mpsim.reproduce import REPORTS
@@ -265,11 +281,18 @@ def reproduce_cmd(out: Path, only: str) -> None:
         if name not in REPORTS:
             raise MpsimError(f"unknown paper {name!r}: expected one of {', '.join(REPORTS)}")
     out.mkdir(parents=True, exist_ok=True)
+    texts = []
     with _progress("reproduce") as bar:
         job = bar.add_task("", total=None)
         for name in names:
-            REPORTS[name](out, lambda what: bar.update(job, description=what))
+            texts.append(REPORTS[name](out, lambda what: bar.update(job, description=what)))
             click.echo(f"wrote {out / (name + '.md')}")
+    if html_out:
+        from mpsim.htmlreport import markdown_html, page
+
+        html_out.write_text(page("mpsim reproduce: " + ", ".join(names), [markdown_html(t, out) for t in texts]),
+                            encoding="utf-8")
+        click.echo(f"wrote {html_out}")
 
 
 def _list(text: str, cast=str, option: str = "") -> list:
@@ -302,8 +325,9 @@ def _list(text: str, cast=str, option: str = "") -> list:
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="PNG of throughput and peak memory against microbatch size")
 @_json_option
+@_html_option
 def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str, strategies: str, partition: str,
-              workers: int, csv_path: Path, plot: Path | None, json_out: str | None) -> None:
+              workers: int, csv_path: Path, plot: Path | None, json_out: str | None, html_out: Path | None) -> None:
     """Throughput and peak memory over a grid of microbatch sizes, microbatch counts,
     strategies, models and servers.
 
@@ -347,7 +371,27 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
         click.echo(f"\n{len(frame)} points in {csv_path}")
     if plot:
         plot_sweep(frame, plot)
+    if html_out:
+        _write_sweep_html(frame, sweep_text(frame), html_out)
     _write_json(json_out, {"rows": frame.to_dict(orient="records")})
+
+
+def _write_sweep_html(frame, text: str, path: Path) -> None:
+    """``sweep --html``: the table as printed, the plot as inline SVG, every row."""
+    import tempfile
+
+    from mpsim.htmlreport import inline_svg, page, pre_html, section, table_html
+    from mpsim.sweep import plot_sweep
+
+    with tempfile.TemporaryDirectory() as tmp:
+        svg_path = Path(tmp) / "sweep.svg"
+        plot_sweep(frame, svg_path)
+        svg = inline_svg(svg_path.read_text(encoding="utf-8"))
+    rows = frame.to_dict(orient="records")
+    parts = [section("Throughput or OOM per microbatch size", pre_html(text)),
+             section("Throughput and peak memory against microbatch size", svg),
+             section("Every point", table_html(list(frame.columns), [[r[c] for c in frame.columns] for r in rows]))]
+    path.write_text(page("mpsim sweep", parts), encoding="utf-8")
 
 
 _ATTENTION_HELP = ("attention kernel whose saved tensors and FLOPs the trace records: eager (written out), "
@@ -745,6 +789,61 @@ def calibrate_cmd(trace_path: str, server: str, output: Path | None, force: bool
         if output:
             click.echo(f"wrote {output}")
     _write_json(json_out, cal.to_dict())
+
+@app.command("choose")
+@click.option("--model", "-m", required=True, help="shipped model name (see traces/) or a trace JSON file")
+@click.option("--servers", "-s", default="all", show_default=True,
+              help="comma-separated shipped servers or topology files; all: every shipped server with at least "
+                   "two GPUs that the schedule can fill with one stage each")
+@click.option("--schedule", default="1f1b", show_default=True, help=_SCHEDULE_HELP)
+@click.option("--microbatch", "sizes", help="comma-separated microbatch sizes to try  [default: the trace's]")
+@click.option("--microbatches", type=int, default=16, show_default=True, help=_MICROBATCHES_HELP)
+@click.option("--strategy", "strategies", default="best", show_default=True,
+              help="comma-separated strategies allowed (each single one under both partitions; best: all of them)")
+@click.option("--price", "price_overrides", multiple=True, metavar="SERVER=USD/h",
+              help="on-demand USD per hour of a server, instead of its file's price; repeat for several")
+@click.option("--rank-by", type=click.Choice(["cost", "throughput"]), default="cost", show_default=True,
+              help="cost: USD per million samples, cheapest first; throughput: fastest first")
+@_json_option
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
+              help="PNG of throughput against USD per hour, the Pareto front marked")
+@_html_option
+def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, microbatches: int, strategies: str,
+               price_overrides: tuple[str, ...], rank_by: str, json_out: str | None, plot: Path | None,
+               html_out: Path | None) -> None:
+    """Which server to buy or rent for a model: per server the fastest plan that fits, its
+    samples/s (tokens/s for language models), peak memory, and USD per hour and per
+    million samples (tokens), ranked, with a one-line recommendation.
+
+    Prices come from each topology file's `price` block; --price overrides them. Where
+    nothing fits, the row says by how much it falls short and which technique came
+    closest. Exits 1 when the model fits on none of the servers.
+
+    \b
+    Example:
+      mpsim choose --model llama-3-8b --servers dgx1-v100,dgx-a100-80gb,dgx-h100 --price dgx-h100=55
+    """
+    from mpsim.choose import choose, choose_text, parse_price, parse_servers, plot_choose
+
+    prices = dict(parse_price(p) for p in price_overrides)
+    names = parse_servers(servers, schedule, microbatches)
+    mb_sizes = _list(sizes, int, "--microbatch") if sizes else None
+    with _progress("choose") as bar:
+        job = bar.add_task("", total=None)
+        report = choose(model, names, schedule, mb_sizes, tuple(_list(strategies, option="--strategy")),
+                        microbatches, prices, rank_by, on_point=lambda what: bar.update(job, description=what))
+    if json_out != "-":
+        click.echo(choose_text(report))
+    _write_json(json_out, report.to_dict())
+    if plot:
+        plot_choose(report, plot)
+    if html_out:
+        from mpsim.htmlreport import choose_page
+
+        html_out.write_text(choose_page(report), encoding="utf-8")
+    if not any(r.fits for r in report.rows):
+        sys.exit(1)
+
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: runs the app and turns every expected error into one line and exit 2."""

@@ -11,13 +11,15 @@ while two GPUs behind one PCIe switch swapping out at once share its uplink.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mpsim.datafile import read_data_file, validate
 from mpsim.errors import MpsimError, SchemaError
@@ -163,6 +165,57 @@ class SocketLinkSpec(_Strict):
         ge=MIN_GBPS, le=MAX_GBPS, description="effective socket-to-socket bandwidth per direction, GB/s")
 
 
+PRICE_DATE_PATTERN = r"^[0-9]{4}(-[0-9]{2}(-[0-9]{2})?)?$"
+MAX_USD = 1e9
+"""The most any one price may be: a server bought for a billion dollars is a typo."""
+
+
+class _PriceBase(_Strict):
+    source: str = Field(min_length=1, description="where the figure comes from (provider, list, region)")
+    date: str = Field(description="when it was listed: YYYY, YYYY-MM or YYYY-MM-DD")
+
+    @field_validator("date", mode="before")
+    @classmethod
+    def _date_as_text(cls, value: object) -> object:
+        """YAML reads an unquoted 2024-05-01 as a date; keep it as the text it was."""
+        return value.isoformat() if isinstance(value, datetime.date) else value
+
+    @field_validator("date")
+    @classmethod
+    def _date_form(cls, value: str) -> str:
+        if not re.fullmatch(PRICE_DATE_PATTERN, value):
+            raise ValueError(f"expected a date as YYYY, YYYY-MM or YYYY-MM-DD, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _source_not_blank(self) -> _PriceBase:
+        if not self.source.strip():
+            raise ValueError("source must name where the price comes from")
+        return self
+
+
+class HourlyPrice(_PriceBase):
+    usd_per_hour: float = Field(gt=0, le=MAX_USD, description="on-demand rent of the whole server, USD per hour")
+
+
+class PurchasePrice(_PriceBase):
+    usd: float = Field(gt=0, le=MAX_USD, description="purchase price of the whole server, USD")
+
+
+class PriceSpec(_Strict):
+    """What the server costs: an on-demand hourly rent and/or a purchase price, each with
+    its source and date (prices change; `mpsim choose --price` overrides)."""
+
+    on_demand: HourlyPrice | None = None
+    purchase: PurchasePrice | None = None
+
+    @model_validator(mode="after")
+    def _some_price(self) -> PriceSpec:
+        if self.on_demand is None and self.purchase is None:
+            raise ValueError("give on_demand (usd_per_hour) and/or purchase (usd), each with source and date")
+        return self
+
+
 class TopologyFile(_Strict):
     """The on-disk schema of a topology file."""
 
@@ -175,6 +228,7 @@ class TopologyFile(_Strict):
     nvswitch: NvswitchSpec | None = None
     pcie: PcieSpec
     socket_link: SocketLinkSpec | None = None
+    price: PriceSpec | None = Field(default=None, description="list prices with source and date (`mpsim choose`)")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 

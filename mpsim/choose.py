@@ -1,0 +1,466 @@
+"""Which server to buy or rent: one model on several servers, each with its fastest plan
+that fits, ranked by cost per sample (or by throughput).
+
+For every server the allowed strategies (``best`` by default: every planner under both
+partitions) are tried at every allowed microbatch size, one pipeline stage per GPU; the
+fastest plan that fits stands for the server. Where nothing fits, the plan with the
+smallest shortfall (highest per-GPU peak above capacity) does, and names the technique
+that came closest. Cost per million samples is the hourly price over the samples an hour
+trains; per million tokens for language models (``seq_len`` in the trace's ``model``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mpsim.catalog import load_topology, load_trace, shipped_topologies
+from mpsim.errors import MpsimError
+from mpsim.planners import STRATEGIES, plan_job
+from mpsim.planners.context import PARTITIONS
+from mpsim.report import _table
+from mpsim.schedule import SCHEDULES, check_schedule
+from mpsim.sim import SimResult
+from mpsim.topology import MAX_USD, Topology
+from mpsim.trace import Trace
+from mpsim.units import GiB
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+RANK_BY: tuple[str, ...] = ("cost", "throughput")
+"""``cost``: USD per million samples, cheapest first (servers without a price after those
+with one, by throughput); ``throughput``: samples per second, fastest first. Servers where
+nothing fits come last either way, the smallest shortfall first."""
+SECONDS_PER_HOUR = 3600.0
+
+
+@dataclass(frozen=True)
+class Price:
+    """An hourly price and where it comes from (``override``: given with ``--price``)."""
+
+    usd_per_hour: float | None
+    source: str = ""
+    date: str = ""
+    purchase_usd: float | None = None
+    override: bool = False
+
+    def to_dict(self) -> dict:
+        return {"usd_per_hour": self.usd_per_hour, "source": self.source, "date": self.date,
+                "purchase_usd": self.purchase_usd, "override": self.override}
+
+
+@dataclass(frozen=True)
+class Tried:
+    """One plan tried on a server: microbatch size, strategy as the planner labels it."""
+
+    microbatch: int
+    strategy: str
+    partition: str
+    fits: bool
+    samples_per_s: float
+    max_peak_bytes: int
+    shortfall_bytes: int
+    """Highest per-GPU peak above capacity (0 when it fits)."""
+
+    def to_dict(self) -> dict:
+        return {"microbatch": self.microbatch, "strategy": self.strategy, "partition": self.partition,
+                "fits": self.fits, "samples_per_s": self.samples_per_s, "max_peak_bytes": self.max_peak_bytes,
+                "shortfall_bytes": self.shortfall_bytes}
+
+
+@dataclass
+class ChooseRow:
+    """One server's answer: the plan that stands for it, its throughput, memory and cost."""
+
+    server: str
+    source: str
+    n_gpus: int
+    gpu_model: str
+    capacity_bytes: int
+    result: SimResult
+    """The fastest plan that fits, else the one with the smallest shortfall."""
+    tried: list[Tried]
+    price: Price
+    seq_len: int | None
+    pareto: bool = False
+    rank: int = 0
+
+    @property
+    def fits(self) -> bool:
+        return self.result.fits
+
+    @property
+    def microbatch(self) -> int:
+        return self.result.microbatch
+
+    @property
+    def strategy(self) -> str:
+        return self.result.strategy
+
+    @property
+    def technique(self) -> str:
+        """The planner behind the plan: ``mpress`` for ``best (mpress, compute partition)``."""
+        label = self.result.strategy
+        return label[len("best ("):].split(",")[0] if label.startswith("best (") else label
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.result.samples_per_s
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return None if self.seq_len is None else self.samples_per_s * self.seq_len
+
+    @property
+    def max_peak_bytes(self) -> int:
+        return self.result.max_peak_bytes
+
+    @property
+    def shortfall_bytes(self) -> int:
+        return max(0, max(g.peak_bytes - g.capacity_bytes for g in self.result.gpus))
+
+    @property
+    def usd_per_million_samples(self) -> float | None:
+        if self.price.usd_per_hour is None or not self.fits or self.samples_per_s <= 0:
+            return None
+        return self.price.usd_per_hour / (self.samples_per_s * SECONDS_PER_HOUR) * 1e6
+
+    @property
+    def usd_per_million_tokens(self) -> float | None:
+        per_sample = self.usd_per_million_samples
+        return None if per_sample is None or self.seq_len is None else per_sample / self.seq_len
+
+    def to_dict(self) -> dict:
+        return {
+            "rank": self.rank, "server": self.server, "source": self.source, "n_gpus": self.n_gpus,
+            "gpu_model": self.gpu_model, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
+            "microbatch": self.microbatch, "microbatches": self.result.microbatches, "strategy": self.strategy,
+            "technique": self.technique, "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
+            "iteration_s": self.result.iteration_s, "max_peak_bytes": self.max_peak_bytes,
+            "peak_bytes": [g.peak_bytes for g in self.result.gpus], "shortfall_bytes": self.shortfall_bytes,
+            "price": self.price.to_dict(), "usd_per_million_samples": self.usd_per_million_samples,
+            "usd_per_million_tokens": self.usd_per_million_tokens, "pareto": self.pareto,
+            "tried": [t.to_dict() for t in self.tried],
+        }
+
+
+@dataclass
+class ChooseReport:
+    model: str
+    schedule: str
+    n_microbatches: int
+    microbatches: tuple[int, ...]
+    strategies: tuple[str, ...]
+    rank_by: str
+    seq_len: int | None
+    rows: list[ChooseRow] = field(default_factory=list)
+    """Ranked: best first."""
+
+    @property
+    def recommendation(self) -> str:
+        return recommendation(self)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "schedule": self.schedule, "n_microbatches": self.n_microbatches,
+                "microbatches": list(self.microbatches), "strategies": list(self.strategies),
+                "rank_by": self.rank_by, "seq_len": self.seq_len, "recommendation": self.recommendation,
+                "rows": [r.to_dict() for r in self.rows]}
+
+
+# -- inputs ---------------------------------------------------------------------------------
+
+def all_servers(schedule: str, n_microbatches: int) -> list[str]:
+    """``--servers all``: every shipped server with at least two GPUs (a pipeline) whose
+    GPUs the schedule can fill with one stage each."""
+    names = []
+    for name in shipped_topologies():
+        n = load_topology(name).n_gpus
+        if n >= 2 and (schedule == "gpipe" or n_microbatches >= n):
+            names.append(name)
+    return names
+
+
+def parse_servers(text: str, schedule: str = "1f1b", n_microbatches: int = 16) -> list[str]:
+    """``all`` or a comma-separated list of shipped names and topology files."""
+    if text.strip() == "all":
+        return all_servers(schedule, n_microbatches)
+    items = [x.strip() for x in text.split(",")]
+    if not all(items):
+        raise MpsimError(f"--servers: expected 'all' or a comma-separated list without empty items, got {text!r}")
+    return list(dict.fromkeys(items))
+
+
+def parse_price(text: str) -> tuple[str, float]:
+    """``SERVER=USD`` or ``SERVER=USD/h`` (on-demand USD per hour of the whole server)."""
+    server, sep, value = text.partition("=")
+    number = value.strip().removesuffix("/h").strip()
+    try:
+        usd = float(number)
+    except ValueError:
+        usd = math.nan
+    if not sep or not server.strip() or not math.isfinite(usd):
+        raise MpsimError(f"--price: expected SERVER=USD/h (e.g. dgx-h100=55.04), got {text!r}")
+    if not 0 < usd <= MAX_USD:
+        raise MpsimError(f"--price {server.strip()}: USD per hour must be above 0 and at most {MAX_USD:g}, got {usd:g}")
+    return server.strip(), usd
+
+
+def _price_of(topo: Topology, key: str, overrides: Mapping[str, float]) -> Price:
+    spec = topo.spec.price
+    purchase = spec.purchase.usd if spec and spec.purchase else None
+    for name in (key, topo.name):
+        if name in overrides:
+            return Price(overrides[name], "--price", "", purchase, override=True)
+    if spec is None or spec.on_demand is None:
+        return Price(None, "", "", purchase)
+    return Price(spec.on_demand.usd_per_hour, spec.on_demand.source, spec.on_demand.date, purchase)
+
+
+def _check_inputs(servers: Sequence[str | Topology], strategies: Sequence[str], microbatches: Sequence[int],
+                  schedule: str, prices: Mapping[str, float]) -> None:
+    if not servers:
+        raise MpsimError("--servers: no server to choose from")
+    if not strategies:
+        raise MpsimError("--strategy needs at least one strategy")
+    for name in strategies:
+        if name not in STRATEGIES:
+            raise MpsimError(f"unknown strategy {name!r}: expected one of {', '.join(STRATEGIES)}")
+    if schedule not in SCHEDULES:
+        raise MpsimError(f"unknown schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    for mb in microbatches:
+        if mb < 1:
+            raise MpsimError(f"--microbatch: sizes must be positive integers, got {mb}")
+    for key, usd in prices.items():
+        if not (math.isfinite(usd) and 0 < usd <= MAX_USD):
+            raise MpsimError(f"--price {key}: USD per hour must be above 0 and at most {MAX_USD:g}, got {usd:g}")
+
+
+def _seq_len(trace: Trace) -> int | None:
+    value = trace.spec.model.get("seq_len")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+# -- the search ------------------------------------------------------------------------------
+
+def _shortfall(r: SimResult) -> int:
+    return max(0, max(g.peak_bytes - g.capacity_bytes for g in r.gpus))
+
+
+def _server_plans(topo: Topology, trace: Trace, schedule: str, microbatches: Sequence[int],
+                  strategies: Sequence[str], n_microbatches: int,
+                  on_point: Callable[[str], None] | None) -> list[tuple[Tried, SimResult]]:
+    out = []
+    for mb in microbatches:
+        scaled = trace.rescale(mb)
+        for strategy in strategies:
+            for partition in ("compute",) if strategy == "best" else PARTITIONS:
+                r = plan_job(strategy, topo, scaled, schedule, n_microbatches, partition=partition).result
+                out.append((Tried(mb, r.strategy, partition, r.fits, r.samples_per_s, r.max_peak_bytes,
+                                  _shortfall(r)), r))
+                if on_point:
+                    on_point(f"{topo.name} mb {mb} {r.strategy}: {'fits' if r.fits else 'OOM'}")
+    return out
+
+
+def _standing(tried: list[tuple[Tried, SimResult]]) -> SimResult:
+    """The fastest that fits, else the smallest shortfall."""
+    def key(pair: tuple[Tried, SimResult]) -> tuple:
+        t = pair[0]
+        return (0, -t.samples_per_s, t.max_peak_bytes) if t.fits else (1, t.shortfall_bytes, -t.samples_per_s)
+
+    return min(tried, key=key)[1]
+
+
+def _rank_key(rank_by: str) -> Callable[[ChooseRow], tuple]:
+    def key(row: ChooseRow) -> tuple:
+        if not row.fits:
+            return (2, row.shortfall_bytes, row.server)
+        cost = row.usd_per_million_samples
+        if rank_by == "cost":
+            return (0, 0, cost, row.server) if cost is not None else (0, 1, -row.samples_per_s, row.server)
+        return (0, 0, -row.samples_per_s, row.server)
+    return key
+
+
+def _mark_pareto(rows: list[ChooseRow]) -> None:
+    """On the front: fits, has a price, and no other such server is at least as fast for at
+    most the price per hour with one of the two strictly better."""
+    priced = [r for r in rows if r.fits and r.price.usd_per_hour is not None]
+    for r in priced:
+        p, s = r.price.usd_per_hour, r.samples_per_s
+        r.pareto = not any(o is not r and o.price.usd_per_hour <= p and o.samples_per_s >= s  # type: ignore[operator]
+                           and (o.price.usd_per_hour < p or o.samples_per_s > s) for o in priced)  # type: ignore[operator]
+
+
+def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", schedule: str = "1f1b",
+           microbatches: Sequence[int] | None = None, strategies: Sequence[str] = ("best",), n_microbatches: int = 16,
+           prices: Mapping[str, float] | None = None, rank_by: str = "cost",
+           on_point: Callable[[str], None] | None = None) -> ChooseReport:
+    """Rank ``servers`` for training ``model``: per server the fastest plan that fits over
+    ``strategies`` (each single planner under both partitions; ``best`` tries them all) and
+    ``microbatches`` (sizes; None: the trace's own), one stage per GPU, ``n_microbatches``
+    per iteration. ``prices`` maps a server (as given, or its name) to USD per hour and
+    overrides its file's ``price``. ``on_point`` hears a line after each plan."""
+    if rank_by not in RANK_BY:
+        raise MpsimError(f"--rank-by: expected one of {', '.join(RANK_BY)}, got {rank_by!r}")
+    trace = load_trace(model) if isinstance(model, str) else model
+    server_list = parse_servers(servers, schedule, n_microbatches) if isinstance(servers, str) else list(servers)
+    sizes = tuple(microbatches) if microbatches else (trace.microbatch,)
+    overrides = dict(prices or {})
+    _check_inputs(server_list, strategies, sizes, schedule, overrides)
+    topos = [(s, load_topology(s)) if isinstance(s, str) else (s.name, s) for s in server_list]
+    unknown = set(overrides) - {k for k, _ in topos} - {t.name for _, t in topos}
+    if unknown:
+        raise MpsimError(f"--price: no server {sorted(unknown)[0]!r} among {', '.join(k for k, _ in topos)}")
+    for _, topo in topos:
+        check_schedule(schedule, topo.n_gpus, n_microbatches)
+    seq_len = _seq_len(trace)
+    rows = []
+    for key, topo in topos:
+        tried = _server_plans(topo, trace, schedule, sizes, strategies, n_microbatches, on_point)
+        rows.append(ChooseRow(topo.name, topo.source or key, topo.n_gpus, topo.spec.gpu.model, topo.capacity_bytes,
+                              _standing(tried), [t for t, _ in tried], _price_of(topo, key, overrides), seq_len))
+    rows.sort(key=_rank_key(rank_by))
+    for i, row in enumerate(rows, 1):
+        row.rank = i
+    _mark_pareto(rows)
+    return ChooseReport(trace.name, schedule, n_microbatches, sizes, tuple(strategies), rank_by, seq_len, rows)
+
+
+# -- the answer in words -----------------------------------------------------------------------
+
+def _money(usd: float | None) -> str:
+    return "-" if usd is None else (f"{usd:,.2f}" if usd >= 10 else f"{usd:.3f}")
+
+
+def _unit(report: ChooseReport) -> str:
+    return "million tokens" if report.seq_len else "million samples"
+
+
+def _cost(report: ChooseReport, row: ChooseRow) -> float | None:
+    return row.usd_per_million_tokens if report.seq_len else row.usd_per_million_samples
+
+
+def _closest(rows: list[ChooseRow]) -> str:
+    r = min(rows, key=lambda x: x.shortfall_bytes)
+    return (f"{r.server} comes closest, {r.shortfall_bytes / GiB:.2f} GiB per GPU short with {r.technique} "
+            f"at microbatch {r.microbatch}")
+
+
+def recommendation(report: ChooseReport) -> str:
+    """One line: which server, and why (fastest, cheapest per unit of work, or both)."""
+    fitting = [r for r in report.rows if r.fits]
+    if not fitting:
+        return f"nothing fits {report.model} on any server tried: {_closest(report.rows)}"
+    top, fastest = report.rows[0], max(fitting, key=lambda r: r.samples_per_s)
+    priced = [r for r in fitting if _cost(report, r) is not None]
+    cheapest = min(priced, key=lambda r: _cost(report, r)) if priced else None  # type: ignore[arg-type,return-value]
+    unit = _unit(report)
+    reasons = []
+    if top is fastest:
+        reasons.append("fastest")
+    if top is cheapest:
+        reasons.append(f"cheapest per {unit}")
+    line = f"{top.server}: {' and '.join(reasons) or 'ranked first'}"
+    line += f" ({top.samples_per_s:.2f} samples/s, plan {top.technique}, microbatch {top.microbatch}"
+    line += f", USD {_money(_cost(report, top))} per {unit})" if _cost(report, top) is not None else ")"
+    if top is not fastest:
+        line += (f"; {fastest.server} is {fastest.samples_per_s / top.samples_per_s:.2f}x faster"
+                 + (f" at USD {_money(_cost(report, fastest))} per {unit}" if _cost(report, fastest) else ""))
+    if cheapest is not None and top is not cheapest:
+        line += f"; {cheapest.server} is cheapest at USD {_money(_cost(report, cheapest))} per {unit}"
+    misses = [r for r in report.rows if not r.fits]
+    if misses:
+        line += f"; does not fit on {', '.join(r.server for r in misses)}"
+    return line
+
+
+def choose_text(report: ChooseReport) -> str:
+    """The ranked table, its legend, the prices' sources and the recommendation."""
+    lm = report.seq_len is not None
+    rows = [table_row(report, r) for r in report.rows]
+    strategies = ",".join(report.strategies)
+    lines = [f"{report.model} on {len(report.rows)} server(s): {report.schedule}, {report.n_microbatches} "
+             f"microbatches of {'/'.join(map(str, report.microbatches))}, strategies {strategies}, one stage per GPU; "
+             f"ranked by {report.rank_by}", "", _table(table_header(lm), rows),
+             "(plan: the technique of the fastest plan that fits, else the one that came closest; OOM +x: the "
+             "smallest highest per-GPU peak above capacity, GiB; front: on the Pareto front of throughput against "
+             "USD per hour; M = 10^6; memory in GiB = 2^30 bytes)"]
+    sources = [f"  {r.server}: USD {_money(r.price.usd_per_hour)}/h, "
+               + ("given with --price" if r.price.override else f"{r.price.source} ({r.price.date})")
+               for r in report.rows if r.price.usd_per_hour is not None]
+    if sources:
+        lines += ["", "prices:"] + sources
+    return "\n".join(lines + ["", f"recommendation: {report.recommendation}"])
+
+
+def table_header(lm: bool) -> list[str]:
+    """Columns of the ranked table; ``lm``: with tokens (a language model)."""
+    return ["server", "GPUs", "fits", "plan", "mb", "samples/s"] + (["tokens/s"] if lm else []) + [
+        "max peak GiB", "capacity GiB", "USD/h", "USD/M samples"] + (["USD/M tokens"] if lm else []) + ["front"]
+
+
+def table_row(report: ChooseReport, r: ChooseRow) -> list[str]:
+    """One server's cells under ``table_header``."""
+    lm = report.seq_len is not None
+    fits = "yes" if r.fits else f"OOM +{r.shortfall_bytes / GiB:.2f}"
+    rate = [f"{r.samples_per_s:.2f}" if r.fits else "-"]
+    if lm:
+        rate.append(f"{r.tokens_per_s:,.0f}" if r.fits else "-")
+    cost = [_money(r.usd_per_million_samples)] + ([_money(r.usd_per_million_tokens)] if lm else [])
+    return ([f"{r.rank}. {r.server}", f"{r.n_gpus}", fits, r.technique, str(r.microbatch)] + rate
+            + [f"{r.max_peak_bytes / GiB:.2f}", f"{r.capacity_bytes / GiB:.2f}", _money(r.price.usd_per_hour)]
+            + cost + ["*" if r.pareto else ""])
+
+
+# -- the chart -------------------------------------------------------------------------------------
+
+def choose_figure(report: ChooseReport) -> Figure:
+    """Throughput (tokens/s for language models, else samples/s) against USD per hour, a
+    point per priced server that fits, the Pareto front joined and marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lm = report.seq_len is not None
+    points = [(r.server, r.price.usd_per_hour, r.samples_per_s * (report.seq_len or 1), r.pareto)
+              for r in report.rows if r.fits and r.price.usd_per_hour is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (server, usd, rate, pareto) in enumerate(sorted(points, key=lambda p: p[1])):
+        ax.scatter([usd], [rate], s=60 if pareto else 30, zorder=3, color="tab:red" if pareto else "tab:gray",
+                   marker="D" if pareto else "o")
+        ax.annotate(server, (usd, rate), xytext=(6, 4 if i % 2 else -12), textcoords="offset points", fontsize=8)
+    front = sorted((usd, rate) for _, usd, rate, pareto in points if pareto)
+    if front:
+        ax.plot([p[0] for p in front], [p[1] for p in front], color="tab:red", linestyle="--", linewidth=1,
+                label="Pareto front (faster or cheaper than the rest)")
+        ax.legend(fontsize=8, loc="upper left")
+    shown = {p[0] for p in points}
+    left_out = [r.server for r in report.rows if r.server not in shown]
+    ax.set_xlabel("USD per hour (on-demand)")
+    ax.set_ylabel("tokens/s" if lm else "samples/s")
+    top_usd = max((p[1] for p in points), default=1.0)
+    top_rate = max((p[2] for p in points), default=1.0)
+    ax.set_xlim(0, top_usd * 1.3)
+    ax.set_ylim(0, top_rate * 1.15)
+    title = f"{report.model}, {report.schedule}: throughput against price"
+    if left_out:
+        title += f"\n(not shown, no fit or no price: {', '.join(left_out)})"
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_choose(report: ChooseReport, path: Path) -> None:
+    """``choose_figure`` to a file (PNG, or SVG by the suffix)."""
+    import matplotlib.pyplot as plt
+
+    fig = choose_figure(report)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
