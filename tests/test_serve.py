@@ -162,6 +162,19 @@ def test_an_uploaded_server_and_trace_run_and_cannot_be_bookmarked(server):
     assert job["result"]["iteration_s"] == shipped["result"]["iteration_s"]
 
 
+def test_an_uploaded_hugging_face_config_is_traced_as_trace_hf_does(server):
+    pytest.importorskip("transformers", reason="the hf extra")
+    from mpsim.hf import shipped_configs, trace_hf
+
+    path = shipped_configs()["gpt2-xl"]
+    _, up = call_json(server, "POST", "/api/upload?kind=hf&name=config.json", path.read_bytes())
+    job = run_job(server, server="dgx1-v100", model_upload=up["upload"], microbatch=2)
+    assert job["state"] == "done", job["error"]
+    assert job["result"]["model"] == trace_hf(str(path), microbatch=2).name
+    status, answer = call_json(server, "POST", "/api/upload?kind=hf&name=config.json", b'{"model_type": "bogus"}')
+    assert status == 400 and answer["error"].startswith("config.json: model_type 'bogus' is not supported")
+
+
 @pytest.mark.parametrize("query", ["server=../../etc/passwd", "model=/etc/passwd", "model=../traces/gpt-5.3b.json",
                                    "server_upload=../../x", "model_upload=0123", "servers=dgx1-v100,/etc"])
 def test_paths_in_inputs_are_refused(server, query):
