@@ -1,0 +1,219 @@
+"""What the page asks for: one job's inputs as a URL query, shipped names checked against
+the catalog, and uploaded files kept in a temporary folder the server owns.
+
+No input names a path: a server or model is a shipped name (looked up in the catalog) or
+the id of an upload (looked up in ``UploadStore``); an upload's own file name is reduced to
+a plain base name and only ever used inside the store's folder.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+from mpsim.catalog import shipped_topologies, shipped_traces
+from mpsim.errors import MpsimError
+from mpsim.topology import Topology, read_topology_file
+from mpsim.trace import Trace, read_trace_file
+
+MAX_UPLOAD_BYTES = 4 * 2**20
+"""Largest upload accepted (the biggest shipped trace is about 64 kB)."""
+MAX_UPLOADS = 64
+"""Uploads kept at once; the oldest is dropped beyond this."""
+
+#: Upload kinds: what the file must be called and what it is read as.
+UPLOAD_KINDS = {"server": ((".yaml", ".yml"), "a topology file in YAML (.yaml or .yml)"),
+                "trace": ((".json",), "a trace file in JSON (.json)"),
+                "hf": ((".json",), "a Hugging Face config.json (.json)")}
+
+VIEWS = ("job", "choose")
+_INT_KEYS = ("microbatch", "microbatches")
+_KEYS = ("view", "server", "model", "servers", "schedule", "microbatch", "microbatches", "strategy", "partition",
+         "server_upload", "model_upload", "run")
+_UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass(frozen=True)
+class JobInputs:
+    """One run as the page asks for it; ``query()`` and ``from_query`` round-trip."""
+
+    view: str = "job"
+    server: str = "dgx1-v100"
+    model: str = "gpt-5.3b"
+    servers: tuple[str, ...] = ()
+    """The servers a ``choose`` view compares (empty: every shipped one)."""
+    schedule: str = "1f1b"
+    microbatch: int | None = None
+    microbatches: int = 16
+    strategy: str = "none"
+    partition: str = "compute"
+    server_upload: str | None = None
+    model_upload: str | None = None
+
+    @property
+    def bookmarkable(self) -> bool:
+        """Uploads live only as long as the server: a URL cannot bring them back."""
+        return self.server_upload is None and self.model_upload is None
+
+    def query(self) -> str:
+        """The URL query of these inputs (uploads left out: they cannot be bookmarked)."""
+        pairs: list[tuple[str, str]] = [("view", self.view)]
+        if self.view == "choose":
+            pairs.append(("servers", ",".join(self.servers)))
+        elif self.server_upload is None:
+            pairs.append(("server", self.server))
+        if self.model_upload is None:
+            pairs.append(("model", self.model))
+        pairs += [("schedule", self.schedule), ("microbatches", str(self.microbatches)),
+                  ("strategy", self.strategy), ("partition", self.partition)]
+        if self.microbatch is not None:
+            pairs.append(("microbatch", str(self.microbatch)))
+        return urlencode(pairs)
+
+    def to_dict(self) -> dict:
+        return {"view": self.view, "server": self.server, "model": self.model, "servers": list(self.servers),
+                "schedule": self.schedule, "microbatch": self.microbatch, "microbatches": self.microbatches,
+                "strategy": self.strategy, "partition": self.partition, "server_upload": self.server_upload,
+                "model_upload": self.model_upload}
+
+
+def _whole_number(key: str, text: str) -> int:
+    if not re.fullmatch(r"[0-9]{1,9}", text.strip()):
+        raise MpsimError(f"{key}: expected a whole number, got {text!r}")
+    return int(text)
+
+
+def _one_value(query: Mapping[str, list[str]], key: str) -> str | None:
+    values = query.get(key)
+    if not values:
+        return None
+    if len(values) > 1:
+        raise MpsimError(f"{key}: given {len(values)} times; give it once")
+    return values[0]
+
+
+def from_query(query: Mapping[str, list[str]]) -> JobInputs:
+    """Inputs from a parsed query (``urllib.parse.parse_qs``), checked: known keys, a view,
+    whole numbers, shipped names in the catalog and upload ids of the right form. The rest
+    (schedule, strategy, ranges) is checked by the API, with the CLI's messages."""
+    unknown = sorted(set(query) - set(_KEYS))
+    if unknown:
+        raise MpsimError(f"unknown parameter {unknown[0]!r}: expected some of {', '.join(_KEYS)}")
+    given = {k: v for k in _KEYS if (v := _one_value(query, k)) is not None}
+    given.pop("run", None)
+    inputs = JobInputs()
+    if "view" in given and given["view"] not in VIEWS:
+        raise MpsimError(f"view: expected one of {', '.join(VIEWS)}, got {given['view']!r}")
+    ints = {k: _whole_number(k, given.pop(k)) for k in _INT_KEYS if k in given}
+    servers = tuple(s for s in given.pop("servers", "").split(",") if s)
+    for key in ("server_upload", "model_upload"):
+        if key in given and not _UPLOAD_ID.fullmatch(given[key]):
+            raise MpsimError(f"{key}: not an upload id")
+    fields: dict[str, Any] = {**given, **ints, "servers": servers}
+    inputs = replace(inputs, **fields)
+    check_shipped(inputs)
+    return inputs
+
+
+def check_shipped(inputs: JobInputs) -> None:
+    """Shipped names must be in the catalog (the server never reads a path from a request)."""
+    topologies, traces = shipped_topologies(), shipped_traces()
+    named = [inputs.server] if inputs.view == "job" and inputs.server_upload is None else []
+    for name in [*named, *inputs.servers]:
+        if name not in topologies:
+            raise MpsimError(f"unknown server {name!r}: expected one of {', '.join(topologies)}")
+    if inputs.model_upload is None and inputs.model not in traces:
+        raise MpsimError(f"unknown model {inputs.model!r}: expected one of {', '.join(traces)}")
+
+
+def safe_file_name(name: str) -> str:
+    """The base name of an uploaded file, with nothing but letters, digits, ``.``, ``-``, ``_``."""
+    base = re.split(r"[\\/]", name)[-1]
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", base).lstrip(".")[:100]
+    return cleaned or "upload"
+
+
+@dataclass
+class Upload:
+    id: str
+    kind: str
+    name: str
+    path: Path
+    value: Topology | Trace | Path = field(repr=False)
+    """The parsed server or trace; for a Hugging Face config, its checked file."""
+
+
+class UploadStore:
+    """Uploaded files in a temporary folder, read with the CLI's own readers; their
+    messages name the file as the user called it."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="mpsim-serve-"))
+        self._uploads: OrderedDict[str, Upload] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, kind: str, file_name: str, body: bytes) -> Upload:
+        """Store and read one upload; a wrong kind, size or content raises MpsimError."""
+        name = safe_file_name(file_name)
+        if kind not in UPLOAD_KINDS:
+            raise MpsimError(f"upload kind: expected one of {', '.join(UPLOAD_KINDS)}, got {kind!r}")
+        suffixes, what = UPLOAD_KINDS[kind]
+        if not name.lower().endswith(suffixes):
+            raise MpsimError(f"{name}: expected {what}")
+        check_size(name, len(body))
+        upload_id = uuid.uuid4().hex
+        folder = self.root / upload_id
+        folder.mkdir()
+        path = folder / name
+        path.write_bytes(body)
+        try:
+            value = _read_upload(kind, path)
+        except MpsimError as exc:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise MpsimError(str(exc).replace(f"{folder}/", "")) from None
+        upload = Upload(upload_id, kind, name, path, value)
+        self._keep(upload)
+        return upload
+
+    def _keep(self, upload: Upload) -> None:
+        with self._lock:
+            self._uploads[upload.id] = upload
+            while len(self._uploads) > MAX_UPLOADS:
+                _, old = self._uploads.popitem(last=False)
+                shutil.rmtree(old.path.parent, ignore_errors=True)
+
+    def get(self, upload_id: str, kinds: tuple[str, ...]) -> Upload:
+        with self._lock:
+            upload = self._uploads.get(upload_id)
+        if upload is None or upload.kind not in kinds:
+            raise MpsimError("the uploaded file is gone (the server was restarted or it was replaced): upload it again")
+        return upload
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def check_size(name: str, n_bytes: int) -> None:
+    if n_bytes > MAX_UPLOAD_BYTES:
+        raise MpsimError(f"{name}: {n_bytes / 2**20:.1f} MiB is over the upload limit of "
+                         f"{MAX_UPLOAD_BYTES / 2**20:.0f} MiB")
+
+
+def _read_upload(kind: str, path: Path) -> Topology | Trace | Path:
+    if kind == "server":
+        return read_topology_file(path)
+    if kind == "trace":
+        return read_trace_file(path)
+    from mpsim.hf import load_config
+
+    load_config(str(path))  # the checks of `mpsim trace --hf`; tracing is the job's work
+    return path

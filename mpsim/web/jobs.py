@@ -1,0 +1,108 @@
+"""Runs in a background thread, one at a time, with progress and cancelling.
+
+Progress is the count of simulated tasks (``mpsim.sim.progress.reporting``, as the CLI's
+bar); cancelling sets a flag that the same callback checks after every task, raising
+``Cancelled`` out of the simulation, so a run stops within one task of the request.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpsim.errors import MpsimError
+from mpsim.sim.progress import reporting
+
+MAX_JOBS = 32
+"""Finished runs kept for their downloads; the oldest is dropped beyond this."""
+MAX_WAITING = 4
+"""Runs that may wait for the one in progress before new ones are refused."""
+
+
+class Cancelled(Exception):
+    """Raised from the progress callback when the run was asked to stop."""
+
+
+class Busy(Exception):
+    """Too many runs waiting."""
+
+
+@dataclass
+class Job:
+    id: str
+    inputs: Any
+    state: str = "waiting"
+    """waiting, running, done, failed or cancelled."""
+    tasks: int = 0
+    """Simulated tasks so far."""
+    error: str | None = None
+    outcome: Any = None
+    """What the work returned (for a job view, the plan with its result)."""
+    cancel: threading.Event = field(default_factory=threading.Event)
+    cache: dict[str, Any] = field(default_factory=dict)
+    """Rendered charts and downloads, made once on first request."""
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("done", "failed", "cancelled")
+
+    def status(self) -> dict:
+        return {"id": self.id, "state": self.state, "tasks": self.tasks, "error": self.error}
+
+    def on_task(self) -> None:
+        self.tasks += 1
+        if self.cancel.is_set():
+            raise Cancelled
+
+
+class JobRunner:
+    """Starts each run in its own thread; a lock lets one compute at a time (the planners'
+    caches and matplotlib are shared by the process)."""
+
+    def __init__(self) -> None:
+        self._jobs: OrderedDict[str, Job] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compute_lock = threading.Lock()
+
+    def start(self, inputs: Any, work: Callable[[Job], Any]) -> Job:
+        with self._lock:
+            waiting = sum(1 for j in self._jobs.values() if not j.finished)
+            if waiting > MAX_WAITING:
+                raise Busy(f"{waiting} runs are waiting or running; cancel one or wait")
+            job = Job(uuid.uuid4().hex, inputs)
+            self._jobs[job.id] = job
+            self._drop_old()
+        threading.Thread(target=self._run, args=(job, work), name=f"mpsim-job-{job.id[:8]}", daemon=True).start()
+        return job
+
+    def _drop_old(self) -> None:
+        finished = [k for k, j in self._jobs.items() if j.finished]
+        for key in finished[: max(0, len(self._jobs) - MAX_JOBS)]:
+            del self._jobs[key]
+
+    def get(self, job_id: str) -> Job | None:
+        with self._lock:
+            return self._jobs.get(job_id)
+
+    def _run(self, job: Job, work: Callable[[Job], Any]) -> None:
+        with self.compute_lock:
+            if job.cancel.is_set():
+                job.state = "cancelled"
+                return
+            job.state = "running"
+            try:
+                with reporting(job.on_task):
+                    job.outcome = work(job)
+                job.state = "done"
+            except Cancelled:
+                job.state = "cancelled"
+            except MpsimError as exc:
+                job.error, job.state = str(exc), "failed"
+            except Exception as exc:  # never let a run take the server down
+                traceback.print_exc()
+                job.error, job.state = f"internal error: {type(exc).__name__}: {exc}", "failed"

@@ -1,0 +1,234 @@
+// mpsim serve: the page's logic. Everything is computed by the server (the same Python
+// API as the command line); this script only fills the form from the URL, sends uploads
+// and runs, polls progress, and shows what came back.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const UPLOADED = "__upload__";
+const FIELDS = ["server", "model", "schedule", "microbatch", "microbatches", "strategy", "partition"];
+const state = { view: "job", job: null, timer: null, maxUploadBytes: 0, uploads: { server: null, model: null } };
+
+async function api(method, url, body) {
+  let response;
+  try {
+    response = await fetch(url, { method, body });
+  } catch (err) {
+    throw new Error("no answer from the mpsim server (is it still running?)");
+  }
+  let data;
+  try { data = await response.json(); } catch (err) { data = { error: `HTTP ${response.status}` }; }
+  if (!response.ok) throw new Error(data.error || `HTTP ${response.status}`);
+  return data;
+}
+
+function showError(message) {
+  $("error").textContent = message ? `error: ${message}` : "";
+  $("error").hidden = !message;
+}
+
+function fillSelect(select, names) {
+  select.replaceChildren(...names.map((n) => new Option(n, n)));
+}
+
+function setView(view) {
+  state.view = view;
+  for (const tab of document.querySelectorAll(".tab")) tab.classList.toggle("active", tab.dataset.view === view);
+  $("server-field").hidden = view !== "job";
+  $("servers-field").hidden = view !== "choose";
+  $("strategy-label").hidden = view !== "job";
+  $("partition-label").hidden = view !== "job";
+}
+
+function fromQuery(params) {
+  setView(params.get("view") === "choose" ? "choose" : "job");
+  for (const key of FIELDS) {
+    if (params.has(key)) $(key).value = params.get(key);
+  }
+  const servers = (params.get("servers") || "").split(",");
+  for (const option of $("servers").options) option.selected = servers.includes(option.value);
+}
+
+// The query of the current form: shipped names only, unless withUploads (for the API).
+function toQuery(withUploads) {
+  const q = new URLSearchParams({ view: state.view });
+  if (state.view === "choose") {
+    q.set("servers", [...$("servers").selectedOptions].map((o) => o.value).join(","));
+  } else if ($("server").value === UPLOADED) {
+    if (withUploads) q.set("server_upload", state.uploads.server.upload);
+  } else {
+    q.set("server", $("server").value);
+  }
+  if ($("model").value === UPLOADED) {
+    if (withUploads) q.set("model_upload", state.uploads.model.upload);
+  } else {
+    q.set("model", $("model").value);
+  }
+  for (const key of ["schedule", "microbatches", "microbatch"]) {
+    if ($(key).value !== "") q.set(key, $(key).value);
+  }
+  if (state.view === "job") {
+    q.set("strategy", $("strategy").value);
+    q.set("partition", $("partition").value);
+  }
+  return q;
+}
+
+async function upload(kind, input, slot) {
+  const file = input.files[0];
+  if (!file) return;
+  showError("");
+  const select = $(slot);
+  try {
+    const url = `/api/upload?kind=${kind}&name=${encodeURIComponent(file.name)}`;
+    if (file.size > 16 * state.maxUploadBytes) {
+      throw new Error(`${file.name}: ${(file.size / 2 ** 20).toFixed(1)} MiB is over the upload limit of ` +
+                      `${state.maxUploadBytes / 2 ** 20} MiB`);
+    }
+    const up = await api("POST", url, file);
+    state.uploads[slot] = up;
+    select.querySelector(`option[value="${UPLOADED}"]`)?.remove();
+    const option = new Option(`uploaded: ${up.name}`, UPLOADED);
+    select.prepend(option);
+    select.value = UPLOADED;
+  } catch (err) {
+    showError(err.message);
+  } finally {
+    input.value = "";
+  }
+}
+
+async function run() {
+  showError("");
+  stopPolling();
+  $("result").hidden = true;
+  $("choose-result").hidden = true;
+  try {
+    const job = await api("POST", `/api/jobs?${toQuery(true)}`);
+    state.job = job.id;
+    const bookmark = `${location.pathname}?${job.bookmark}&run=1`;
+    history.replaceState(null, "", bookmark);
+    $("bookmark-note").textContent = job.bookmarkable ? "This page's address reruns this view: bookmark it."
+      : "Uploads cannot be bookmarked: the address keeps the shipped choices and settings only.";
+    $("cancel").hidden = false;
+    $("run").disabled = true;
+    showProgress(job);
+    state.timer = setInterval(poll, 250);
+  } catch (err) {
+    showError(err.message);
+  }
+}
+
+function stopPolling() {
+  if (state.timer !== null) clearInterval(state.timer);
+  state.timer = null;
+  $("cancel").hidden = true;
+  $("run").disabled = false;
+}
+
+function showProgress(job) {
+  const words = { waiting: "waiting for the run before it", running: "running", cancelled: "cancelled",
+                  done: "done", failed: "failed" };
+  $("progress").hidden = false;
+  $("progress").textContent = `${words[job.state]}: ${job.tasks} simulated tasks`;
+}
+
+async function poll() {
+  const id = state.job;
+  let job;
+  try {
+    job = await api("GET", `/api/jobs/${id}`);
+  } catch (err) {
+    stopPolling();
+    showError(err.message);
+    return;
+  }
+  if (id !== state.job) return;
+  showProgress(job);
+  if (["done", "failed", "cancelled"].includes(job.state)) {
+    stopPolling();
+    if (job.state === "failed") showError(job.error);
+    if (job.state === "done") (job.view === "choose" ? showChoose : showResult)(job);
+  }
+}
+
+async function cancel() {
+  if (!state.job) return;
+  try {
+    showProgress(await api("POST", `/api/jobs/${state.job}/cancel`));
+  } catch (err) {
+    showError(err.message);
+  }
+}
+
+function showResult(job) {
+  const base = `/api/jobs/${job.id}`;
+  const r = job.result;
+  $("verdict").textContent = job.verdict;
+  $("verdict").className = job.fits ? "fits" : "oom";
+  $("oom").textContent = job.oom || "";
+  $("warning").textContent = job.warning ? `warning: ${job.warning}` : "";
+  $("summary").textContent = `iteration ${(r.iteration_s * 1e3).toFixed(1)} ms, ` +
+    `${r.samples_per_s.toFixed(2)} samples/s, ${r.model_tflops.toFixed(1)} model TFLOP/s` +
+    (job.fits ? "" : " (as if the GPUs had the memory)");
+  $("dl-result").href = `${base}/result.json`;
+  $("dl-plan").href = `${base}/plan.json`;
+  for (const chart of ["bars", "memory", "timeline"]) {
+    $(`chart-${chart}`).src = `${base}/chart/${chart}.svg`;
+    $(`dl-${chart}`).href = `${base}/chart/${chart}.png`;
+  }
+  showPlan(job.plan);
+  $("text").textContent = `${job.plan_text}\n\n${job.text}`;
+  $("result").hidden = false;
+}
+
+// One row per layer: its stage, GPU and action (keep unless the plan names one).
+function showPlan(plan) {
+  const head = ["layer", "stage", "gpu", "action", "peers", "split", "optimizer", "stash"];
+  const rows = [head.map((h) => `<th>${h}</th>`).join("")];
+  plan.stages.forEach((stage, s) => {
+    const actions = new Map(stage.actions.map((a) => [a.layer, a]));
+    for (let layer = stage.layers[0]; layer < stage.layers[1]; layer++) {
+      const a = actions.get(layer) || { action: "keep", peers: [], split: 1 };
+      const peers = a.peers.map((p) => `gpu${p.gpu} ${Math.round(p.fraction * 100)}%`).join(", ") || "-";
+      const cells = [layer, s, stage.gpu, a.action, peers, a.split, stage.optimizer, stage.stash];
+      rows.push(cells.map((c, i) => `<td${i === 3 ? ` class="${a.action}"` : ""}>${c}</td>`).join(""));
+    }
+  });
+  $("plan-table").innerHTML = rows.map((r) => `<tr>${r}</tr>`).join("");
+}
+
+function showChoose(job) {
+  $("dl-choose").href = `/api/jobs/${job.id}/result.json`;
+  $("choose-out").innerHTML = job.choose.html;  // escaped on the server (mpsim.htmlreport)
+  $("choose-result").hidden = false;
+}
+
+async function init() {
+  try {
+    const catalog = await api("GET", "/api/catalog");
+    state.maxUploadBytes = catalog.max_upload_bytes;
+    fillSelect($("server"), catalog.servers);
+    fillSelect($("servers"), catalog.servers);
+    fillSelect($("model"), catalog.models);
+    fillSelect($("schedule"), catalog.schedules);
+    fillSelect($("strategy"), catalog.strategies);
+    fillSelect($("partition"), catalog.partitions);
+    $("server").value = "dgx1-v100";
+    $("model").value = "gpt-5.3b";
+  } catch (err) {
+    showError(err.message);
+    return;
+  }
+  const params = new URLSearchParams(location.search);
+  fromQuery(params);
+  for (const tab of document.querySelectorAll(".tab")) tab.addEventListener("click", () => setView(tab.dataset.view));
+  $("server-file").addEventListener("change", () => upload("server", $("server-file"), "server"));
+  $("trace-file").addEventListener("change", () => upload("trace", $("trace-file"), "model"));
+  $("hf-file").addEventListener("change", () => upload("hf", $("hf-file"), "model"));
+  $("form").addEventListener("submit", (event) => { event.preventDefault(); run(); });
+  $("cancel").addEventListener("click", cancel);
+  document.body.dataset.ready = "1";
+  if (params.get("run") === "1") run();
+}
+
+init();

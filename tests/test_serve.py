@@ -1,0 +1,385 @@
+"""``mpsim serve``: the HTTP API (fast, no browser) and the page driven in a real headless
+Chromium (marker ``browser``; Debian's /usr/bin/chromium through Playwright).
+
+Set ``MPSIM_SCREENSHOTS=DIR`` to save the browser tests' screenshots as DIR/serve_*.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import parse_qs, urlencode
+
+import pytest
+
+from mpsim.catalog import load_trace
+from mpsim.cli import main
+from mpsim.web.app import MpsimServer, make_server, serve_in_thread
+from mpsim.web.inputs import MAX_UPLOAD_BYTES, JobInputs, from_query
+
+SCREENSHOTS = Path(os.environ["MPSIM_SCREENSHOTS"]).resolve() if os.environ.get("MPSIM_SCREENSHOTS") else None
+CHROMIUM = os.environ.get("MPSIM_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+TOPOLOGY_WITH_SCHEMA_ERROR = "name: my-box\ngpu: {count: 2}\n"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[MpsimServer]:
+    srv = make_server("127.0.0.1", 0)
+    serve_in_thread(srv)
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def call(srv: MpsimServer, method: str, path: str, body: bytes | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(srv.url.rstrip("/") + path, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def call_json(srv: MpsimServer, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
+    status, raw = call(srv, method, path, body)
+    return status, json.loads(raw)
+
+
+def wait_finished(srv: MpsimServer, job_id: str) -> dict:
+    for _ in range(2400):  # a bound so a broken run fails the test instead of hanging it
+        status, job = call_json(srv, "GET", f"/api/jobs/{job_id}")
+        assert status == 200
+        if job["state"] in ("done", "failed", "cancelled"):
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"run {job_id} did not finish")
+
+
+def run_job(srv: MpsimServer, **params: object) -> dict:
+    status, job = call_json(srv, "POST", "/api/jobs?" + urlencode(params))
+    assert status == 200, job
+    return wait_finished(srv, job["id"])
+
+
+def cli_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+              args: list[str]) -> str:
+    """The one line the CLI prints for ``args``, run in ``tmp_path``, without its prefix."""
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("mpsim: error: ") and "\n" not in line
+    return line.removeprefix("mpsim: error: ")
+
+
+# --- the HTTP API ------------------------------------------------------------------------
+
+def test_catalog_names_the_shipped_servers_models_and_strategies(server):
+    status, catalog = call_json(server, "GET", "/api/catalog")
+    assert status == 200
+    assert "dgx1-v100" in catalog["servers"] and "gpt-5.3b" in catalog["models"]
+    assert {"none", "mpress", "best"} <= set(catalog["strategies"])
+
+
+def test_page_and_script_come_from_the_package(server):
+    status, page = call(server, "GET", "/")
+    assert status == 200 and b'src="/static/app.js"' in page and b"http" not in page.split(b"<body>")[1]
+    status, script = call(server, "GET", "/static/app.js")
+    assert status == 200 and b"/api/jobs" in script
+
+
+def test_json_downloads_equal_the_cli_json(server, tmp_path, capsys):
+    job = run_job(server, server="dgx1-v100", model="gpt-10.3b", microbatch=2, strategy="cpu-swap")
+    assert job["state"] == "done" and job["verdict"].startswith("FITS")
+    _, result = call_json(server, "GET", f"/api/jobs/{job['id']}/result.json")
+    _, plan = call_json(server, "GET", f"/api/jobs/{job['id']}/plan.json")
+    args = ["--server", "dgx1-v100", "--model", "gpt-10.3b", "--microbatch", "2", "--strategy", "cpu-swap"]
+    assert main(["simulate", *args, "--json", str(tmp_path / "sim.json")]) == 0
+    assert main(["plan", *args, "-o", str(tmp_path / "plan.json")]) == 0
+    capsys.readouterr()
+    assert result == json.loads((tmp_path / "sim.json").read_text())
+    assert plan == json.loads((tmp_path / "plan.json").read_text())
+
+
+def test_a_run_that_does_not_fit_names_where_it_ran_out(server):
+    job = run_job(server, server="dgx1-v100", model="gpt-10.3b", microbatch=2, strategy="none")
+    assert job["state"] == "done" and not job["fits"]
+    assert job["verdict"].startswith("DOES NOT FIT") and job["oom"].startswith("GPU ")
+    for chart in ("bars", "memory", "timeline"):
+        status, svg = call(server, "GET", f"/api/jobs/{job['id']}/chart/{chart}.svg")
+        assert status == 200 and svg.lstrip().startswith(b"<?xml") and b"<svg" in svg
+        status, png = call(server, "GET", f"/api/jobs/{job['id']}/chart/{chart}.png")
+        assert status == 200 and png.startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(("kind", "name", "text", "cli"), [
+    ("server", "bad.yaml", "gpu: [1, 2\n", ["topo", "check", "bad.yaml"]),
+    ("server", "bad.yaml", TOPOLOGY_WITH_SCHEMA_ERROR, ["topo", "check", "bad.yaml"]),
+    ("server", "bad.yaml", "a: 1\na: 2\n", ["topo", "check", "bad.yaml"]),
+    ("trace", "bad.json", '{"name": "x",', ["simulate", "--model", "bad.json"]),
+    ("trace", "bad.json", '{"name": "x"}', ["simulate", "--model", "bad.json"]),
+    ("trace", "bad.json", "[1, 2]", ["simulate", "--model", "bad.json"]),
+])
+def test_bad_uploads_get_the_cli_message(server, tmp_path, monkeypatch, capsys, kind, name, text, cli):
+    (tmp_path / name).write_text(text)
+    expected = cli_error(tmp_path, monkeypatch, capsys, cli)
+    status, answer = call_json(server, "POST", f"/api/upload?kind={kind}&name={name}", text.encode())
+    assert status == 400
+    assert answer == {"error": expected}
+
+
+def test_wrong_file_types_and_huge_files_are_refused_in_one_line(server):
+    status, answer = call_json(server, "POST", "/api/upload?kind=server&name=notes.txt", b"hello")
+    assert status == 400 and answer["error"] == "notes.txt: expected a topology file in YAML (.yaml or .yml)"
+    status, answer = call_json(server, "POST", "/api/upload?kind=trace&name=big.json", b" " * (MAX_UPLOAD_BYTES + 1))
+    assert status == 413 and answer["error"] == "big.json: 4.0 MiB is over the upload limit of 4 MiB"
+    status, answer = call_json(server, "POST", "/api/upload?kind=model&name=x.json", b"{}")
+    assert status == 400 and answer["error"].startswith("upload kind: expected one of server, trace, hf")
+    assert call_json(server, "GET", "/api/catalog")[0] == 200  # still serving
+
+
+def test_an_uploaded_server_and_trace_run_and_cannot_be_bookmarked(server):
+    from mpsim.catalog import data_dir
+
+    yaml_text = (data_dir("topologies") / "dgx1-v100.yaml").read_bytes()
+    trace_text = (data_dir("traces") / "gpt-5.3b.json").read_bytes()
+    _, topo = call_json(server, "POST", "/api/upload?kind=server&name=mine.yaml", yaml_text)
+    _, trace = call_json(server, "POST", "/api/upload?kind=trace&name=mine.json", trace_text)
+    job = run_job(server, server_upload=topo["upload"], model_upload=trace["upload"], microbatch=2)
+    shipped = run_job(server, server="dgx1-v100", model="gpt-5.3b", microbatch=2)
+    assert job["state"] == "done" and not job["bookmarkable"]
+    assert "upload" not in job["bookmark"] and "server=" not in job["bookmark"]
+    assert job["result"]["iteration_s"] == shipped["result"]["iteration_s"]
+
+
+def test_an_uploaded_hugging_face_config_is_traced_as_trace_hf_does(server):
+    pytest.importorskip("transformers", reason="the hf extra")
+    from mpsim.hf import shipped_configs, trace_hf
+
+    path = shipped_configs()["gpt2-xl"]
+    _, up = call_json(server, "POST", "/api/upload?kind=hf&name=config.json", path.read_bytes())
+    job = run_job(server, server="dgx1-v100", model_upload=up["upload"], microbatch=2)
+    assert job["state"] == "done", job["error"]
+    assert job["result"]["model"] == trace_hf(str(path), microbatch=2).name
+    status, answer = call_json(server, "POST", "/api/upload?kind=hf&name=config.json", b'{"model_type": "bogus"}')
+    assert status == 400 and answer["error"].startswith("config.json: model_type 'bogus' is not supported")
+
+
+@pytest.mark.parametrize("query", ["server=../../etc/passwd", "model=/etc/passwd", "model=../traces/gpt-5.3b.json",
+                                   "server_upload=../../x", "model_upload=0123", "servers=dgx1-v100,/etc"])
+def test_paths_in_inputs_are_refused(server, query):
+    status, answer = call_json(server, "POST", "/api/jobs?view=job&" + query)
+    assert status == 400 and "\n" not in answer["error"]
+
+
+@pytest.mark.parametrize("path", ["/static/../pyproject.toml", "/static/%2e%2e/app.py", "/api/jobs/../../etc/passwd",
+                                  "/static/index.html/..", "//etc/passwd"])
+def test_no_file_outside_the_page_is_served(server, path):
+    status, _ = call(server, "GET", path)
+    assert status == 404
+
+
+def test_an_upload_name_cannot_leave_the_upload_folder(server, tmp_path):
+    text = (Path(__file__).parent.parent / "topologies" / "h100-x1.yaml").read_bytes()
+    status, answer = call_json(server, "POST", "/api/upload?kind=server&name=../../../evil.yaml", text)
+    assert status == 200 and answer["name"] == "evil.yaml"
+    stored = server.app.uploads.get(answer["upload"], ("server",)).path
+    assert stored.parent.parent == server.app.uploads.root
+
+
+def test_requests_for_another_host_are_refused(server):
+    status, raw = call(server, "GET", "/api/catalog", headers={"Host": "evil.example:80"})
+    assert status == 403 and b"127.0.0.1 only" in raw
+
+
+@pytest.mark.parametrize("inputs", [
+    JobInputs(),
+    JobInputs(server="dgx-h100", model="llama-3-8b", schedule="gpipe", microbatch=4, microbatches=32,
+              strategy="mpress", partition="memory"),
+    JobInputs(view="choose", model="gpt-10.3b", servers=("dgx1-v100", "dgx-h100"), microbatch=2),
+])
+def test_the_bookmark_query_round_trips(server, inputs):
+    assert from_query(parse_qs(inputs.query())) == inputs
+    status, job = call_json(server, "POST", "/api/jobs?" + inputs.query())
+    assert status == 200 and job["bookmarkable"]
+    assert from_query(parse_qs(job["bookmark"])) == inputs
+    call(server, "POST", f"/api/jobs/{job['id']}/cancel")
+    wait_finished(server, job["id"])
+
+
+def test_bad_parameters_are_one_line_errors(server):
+    for query, message in [("microbatch=two", "microbatch: expected a whole number, got 'two'"),
+                           ("colour=red", "unknown parameter 'colour'"), ("view=all", "view: expected one of"),
+                           ("strategy=magic", None)]:
+        status, answer = call_json(server, "POST", "/api/jobs?" + query)
+        if message is None:  # checked by the API, in the run, as the CLI does
+            job = wait_finished(server, answer["id"])
+            assert job["state"] == "failed" and job["error"].startswith("unknown strategy 'magic'")
+        else:
+            assert status == 400 and answer["error"].startswith(message)
+
+
+def test_cancel_stops_a_long_run(server):
+    status, job = call_json(server, "POST", "/api/jobs?" + urlencode(
+        {"model": "gpt-25.5b", "microbatch": 2, "microbatches": 64, "strategy": "best"}))
+    for _ in range(2400):
+        if call_json(server, "GET", f"/api/jobs/{job['id']}")[1]["tasks"] > 0:
+            break
+        time.sleep(0.05)
+    status, _ = call_json(server, "POST", f"/api/jobs/{job['id']}/cancel")
+    finished = wait_finished(server, job["id"])
+    assert finished["state"] == "cancelled"
+    assert call_json(server, "GET", f"/api/jobs/{job['id']}")[1]["tasks"] == finished["tasks"]
+    status, answer = call_json(server, "GET", f"/api/jobs/{job['id']}/result.json")
+    assert status == 404 and "cancelled" in answer["error"]
+
+
+def test_choose_view_ranks_the_servers_as_mpsim_choose_does(server):
+    """The page's choose view is ``mpsim.choose.choose``: the same ranking as the command."""
+    from mpsim.choose import choose
+
+    job = run_job(server, view="choose", model="gpt-5.3b", servers="dgx1-v100,dgx-a100-80gb", microbatch=2)
+    assert job["state"] == "done", job
+    status, answer = call_json(server, "GET", f"/api/jobs/{job['id']}/result.json")
+    direct = choose("gpt-5.3b", ["dgx1-v100", "dgx-a100-80gb"], microbatches=[2]).to_dict()
+    assert status == 200
+    assert [r["server"] for r in answer["report"]["rows"]] == [r["server"] for r in direct["rows"]]
+    assert "<svg" in answer["html"] and "dgx-a100-80gb" in answer["html"]
+
+
+def test_mpsim_serve_prints_its_address_and_answers(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", "from mpsim.cli import run; run()", "serve", "--port", "0"],
+                            stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("mpsim serve: http://127.0.0.1:")
+        url = line.split()[2]
+        with urllib.request.urlopen(url + "api/catalog", timeout=30) as resp:
+            assert "dgx1-v100" in json.loads(resp.read())["servers"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# --- the page in a real browser ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).is_file():
+        pytest.skip(f"no chromium binary at {CHROMIUM} (apt-get install chromium; .ci/run installs it)")
+    playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extra")
+    with playwright_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    pg = context.new_page()
+    pg.set_default_timeout(120_000)
+    pg.goto(server.url)
+    pg.wait_for_selector("body[data-ready='1']")
+    yield pg
+    context.close()
+
+
+def screenshot(page, name: str) -> None:
+    if SCREENSHOTS:
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SCREENSHOTS / f"serve_{name}.png"), full_page=True)
+
+
+def fill_job(page, model: str, microbatch: int, strategy: str, microbatches: int = 16) -> None:
+    page.select_option("#server", "dgx1-v100")
+    page.select_option("#model", model)
+    page.fill("#microbatch", str(microbatch))
+    page.fill("#microbatches", str(microbatches))
+    page.select_option("#strategy", strategy)
+
+
+def charts_loaded(page) -> bool:
+    return page.evaluate("[...document.querySelectorAll('img.chart')].every(i => i.complete && i.naturalWidth > 0)")
+
+
+@pytest.mark.browser
+def test_browser_runs_a_job_and_shows_verdict_charts_and_plan(page, server):
+    fill_job(page, "gpt-10.3b", 2, "mpress")
+    page.click("#run")
+    page.wait_for_selector("#result:not([hidden])")
+    assert page.inner_text("#verdict").startswith("FITS on every GPU: gpt-10.3b on dgx1-v100")
+    page.wait_for_function("[...document.querySelectorAll('img.chart')].every(i => i.complete && i.naturalWidth > 0)")
+    assert charts_loaded(page)
+    actions = page.eval_on_selector_all("#plan-table td:nth-child(4)", "cells => cells.map(c => c.textContent)")
+    assert len(actions) == len(load_trace("gpt-10.3b").spec.layers) and {"host", "recompute"} <= set(actions)
+    peers = page.eval_on_selector_all("#plan-table td:nth-child(5)", "cells => cells.map(c => c.textContent)")
+    assert any(p.startswith("gpu") and p.endswith("%") for p in peers)  # mpress swaps some layers to peers
+    assert "server=dgx1-v100" in page.url and "strategy=mpress" in page.url and "run=1" in page.url
+    screenshot(page, "result")
+    bookmarked = page.context.new_page()  # the address alone brings the same view back
+    bookmarked.goto(page.url)
+    bookmarked.wait_for_selector("#result:not([hidden])")
+    assert bookmarked.inner_text("#verdict") == page.inner_text("#verdict")
+    assert bookmarked.input_value("#strategy") == "mpress"
+
+
+@pytest.mark.browser
+def test_browser_shows_where_a_job_runs_out_of_memory(page):
+    fill_job(page, "gpt-10.3b", 2, "none")
+    page.click("#run")
+    page.wait_for_selector("#result:not([hidden])")
+    assert page.inner_text("#verdict").startswith("DOES NOT FIT")
+    assert "ran out at" in page.inner_text("#oom")
+    page.wait_for_function("[...document.querySelectorAll('img.chart')].every(i => i.complete && i.naturalWidth > 0)")
+    screenshot(page, "oom")
+
+
+@pytest.mark.browser
+def test_browser_shows_the_one_line_message_of_a_bad_upload(page, tmp_path, monkeypatch, capsys):
+    (tmp_path / "bad.yaml").write_text(TOPOLOGY_WITH_SCHEMA_ERROR)
+    expected = cli_error(tmp_path, monkeypatch, capsys, ["topo", "check", "bad.yaml"])
+    page.set_input_files("#server-file", files=[{"name": "bad.yaml", "mimeType": "application/yaml",
+                                                 "buffer": TOPOLOGY_WITH_SCHEMA_ERROR.encode()}])
+    page.wait_for_selector("#error:not([hidden])")
+    assert page.inner_text("#error") == f"error: {expected}"
+    screenshot(page, "bad_upload")
+    page.set_input_files("#trace-file", files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": b"hi"}])
+    page.wait_for_function("document.getElementById('error').textContent.includes('notes.txt')")
+    assert page.inner_text("#error") == "error: notes.txt: expected a trace file in JSON (.json)"
+
+
+@pytest.mark.browser
+def test_browser_uploads_a_server_and_says_it_cannot_be_bookmarked(page):
+    text = (Path(__file__).parent.parent / "topologies" / "dgx1-v100.yaml").read_bytes()
+    page.set_input_files("#server-file", files=[{"name": "my-box.yaml", "mimeType": "application/yaml",
+                                                 "buffer": text}])
+    page.wait_for_function("document.getElementById('server').value === '__upload__'")
+    fill_job(page, "gpt-5.3b", 2, "none")
+    page.select_option("#server", "__upload__")
+    page.click("#run")
+    page.wait_for_selector("#result:not([hidden])")
+    assert page.inner_text("#verdict").startswith("FITS")
+    assert "cannot be bookmarked" in page.inner_text("#bookmark-note")
+
+
+@pytest.mark.browser
+def test_browser_cancels_a_long_run(page):
+    fill_job(page, "gpt-25.5b", 2, "best", microbatches=64)
+    page.click("#run")
+    page.wait_for_function("/running: [1-9]/.test(document.getElementById('progress').textContent)")
+    screenshot(page, "running")
+    page.click("#cancel")
+    page.wait_for_function("document.getElementById('progress').textContent.startsWith('cancelled')")
+    assert page.is_hidden("#cancel") and page.is_hidden("#result")
