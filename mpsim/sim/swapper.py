@@ -12,6 +12,7 @@ from mpsim.sim.context import RunContext
 from mpsim.sim.memory import Entry
 from mpsim.sim.program import SwapIn, SwapOut, chunk
 from mpsim.sim.result import Span
+from mpsim.sim.spawn import spawn
 from mpsim.topology import HOST
 
 STASH = -1
@@ -65,7 +66,7 @@ class Swapper:
     def start_swap_out(self, mb: int, so: SwapOut) -> None:
         """Launch a swap-out; it counts as a free under way before the next piece asks."""
         self.memory.begin_free()
-        self.run.env.process(self._swap_out(mb, so))
+        spawn(self.run.env, self._swap_out(mb, so))
 
     def _swap_out(self, mb: int, so: SwapOut) -> Generator[simpy.Event, object, None]:
         run, g = self.run, self.gpu
@@ -178,7 +179,7 @@ class Swapper:
     def start_optimizer_out(self, layer: int, n_bytes: int) -> None:
         """Stream a layer's optimizer states back to the host after its update."""
         self.memory.begin_free()
-        self.run.env.process(self._optimizer_out(layer, n_bytes))
+        spawn(self.run.env, self._optimizer_out(layer, n_bytes))
 
     def _optimizer_out(self, layer: int, n_bytes: int) -> Generator[simpy.Event, object, None]:
         yield from self.run.host_copy(self.gpu, n_bytes, True, f"optimizer states out L{layer}")
