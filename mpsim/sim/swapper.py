@@ -61,6 +61,7 @@ class Swapper:
         self._chunks = chunks
         self._peers = peers
         self._chunks_left: dict[tuple[int, int], int] = {}
+        self._alone_s: dict[int, float] = {}
 
     # ---- activations --------------------------------------------------------------------
     def start_swap_out(self, mb: int, so: SwapOut) -> None:
@@ -117,10 +118,16 @@ class Swapper:
         run.signals("in", self.stage, mb, si.layer).succeed()
 
     def _time_alone_s(self, si: SwapIn) -> float:
-        topo = self.run.topo
-        if si.target == "host":
-            return topo.route(HOST, self.gpu).time_alone_s(si.n_bytes)
-        return max(topo.route(peer, self.gpu).time_alone_s(part) for peer, part in returned_parts(si))
+        """How long the swap-in takes alone on idle routes (worked out once per layer)."""
+        alone = self._alone_s.get(si.layer)
+        if alone is None:
+            topo = self.run.topo
+            if si.target == "host":
+                alone = topo.route(HOST, self.gpu).time_alone_s(si.n_bytes)
+            else:
+                alone = max(topo.route(peer, self.gpu).time_alone_s(part) for peer, part in returned_parts(si))
+            self._alone_s[si.layer] = alone
+        return alone
 
     def _until_start(self, mb: int, si: SwapIn, need_at_s: float) -> Generator[simpy.Event, object, None]:
         """Wait until the copy, alone on its route, would land when it is needed; under
