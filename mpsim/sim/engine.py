@@ -20,6 +20,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from heapq import heappop
+
+import simpy
 
 from mpsim.schedule import PIPEDREAM_MEASURED, weight_versions
 from mpsim.sim.channels import PeerChannels
@@ -67,7 +70,7 @@ def simulate_layout(layout: Layout) -> SimResult:
     times = cache(lambda: layout.trace.layer_times(run.topo.spec.gpu))
     stages = [_build_stage(run, s, channels, times) for s in range(layout.n_stages)]
     processes = [run.env.process(st.stream.process()) for st in stages]
-    run.env.run()
+    _run_to_end(run.env)
     stuck = [s for s, proc in enumerate(processes) if proc.is_alive]
     if stuck:  # an engine bug, never a result: say so instead of returning a silent stall
         raise RuntimeError(f"simulation stalled at {run.env.now:.6f} s with stages {stuck} unfinished")
@@ -75,6 +78,23 @@ def simulate_layout(layout: Layout) -> SimResult:
         start_s, end_s = _measured_window(stages[0].updater, layout.microbatches)
         return _result(run, stages, end_s - start_s)
     return _result(run, stages, run.env.now)
+
+
+def _run_to_end(env: simpy.Environment) -> None:
+    """``env.run()`` without a deadline, inlined: the same events in the same order (by
+    time, priority, then scheduling order), each one's callbacks called in turn, and a
+    failed event that nobody defused raised, as ``simpy.Environment.step`` does; without
+    a method call and a ``try`` per event."""
+    queue, pop = env._queue, heappop
+    while queue:
+        env._now, _, _, event = pop(queue)
+        callbacks, event.callbacks = event.callbacks, None  # type: ignore[assignment]
+        for callback in callbacks:
+            callback(event)
+        if not event._ok and not hasattr(event, "_defused"):
+            exc = type(event._value)(*event._value.args)
+            exc.__cause__ = event._value
+            raise exc
 
 
 def _measured_window(updater: Updater, microbatches: int) -> tuple[float, float]:
