@@ -3,7 +3,8 @@ the first step of the swap planners (simulate keeping everything, read live inte
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, replace
 
 from mpsim.errors import MpsimError
 from mpsim.partition import Stages, compute_balanced
@@ -18,6 +19,11 @@ from mpsim.trace import Trace
 
 MAX_ROUNDS = 64
 PARTITIONS = ("compute", "memory")
+SIMULATIONS = 64
+"""Simulated plans remembered per process (``Ctx.simulate``): ``best`` runs every planner
+under both partitions, and they simulate many of the same plans (keep everything first,
+the same swaps); a run is deterministic, so a plan's result is reused, not recomputed."""
+_SIMULATED: OrderedDict[tuple[object, ...], SimResult] = OrderedDict()
 
 
 @dataclass
@@ -45,9 +51,20 @@ class Ctx:
 
     def simulate(self, plan: PlanFile) -> SimResult:
         """Simulate a plan this context made (``make_plan`` output is valid by construction,
-        so it is not checked again)."""
-        return simulate_layout(layout_of_plan(plan, self.topo, self.trace, checked=True,
-                                              record_link_rates=self.record_link_rates))
+        so it is not checked again). A plan simulated before in this process, by any
+        planner, is not simulated again (``SIMULATIONS``)."""
+        key = (self.topo.content_hash, self.trace.content_hash, self.record_link_rates,
+               plan.model_dump_json(exclude={"strategy"}))
+        result = _SIMULATED.get(key)
+        if result is None:
+            result = simulate_layout(layout_of_plan(plan, self.topo, self.trace, checked=True,
+                                                    record_link_rates=self.record_link_rates))
+            _SIMULATED[key] = result
+            if len(_SIMULATED) > SIMULATIONS:
+                _SIMULATED.popitem(last=False)
+        else:
+            _SIMULATED.move_to_end(key)
+        return result if result.strategy == plan.strategy else replace(result, strategy=plan.strategy)
 
     def held_microbatches(self, s: int) -> int:
         """Microbatches whose activations stage s holds at once (the schedule's bound)."""

@@ -8,6 +8,7 @@ import simpy
 
 from mpsim.sim.context import RunContext
 from mpsim.sim.result import Span
+from mpsim.sim.spawn import spawn
 
 
 class PeerChannels:
@@ -28,7 +29,7 @@ class PeerChannels:
         """Start sending microbatch ``mb``'s ``kind`` (activation or gradient)."""
         gpu_of = self.run.layout.gpu_of
         self.run.memory[gpu_of[src_stage]].begin_free()
-        self.run.env.process(self._send(kind, src_stage, dst_stage, mb, n_bytes))
+        spawn(self.run.env, self._send(kind, src_stage, dst_stage, mb, n_bytes))
 
     def _send(self, kind: str, src_stage: int, dst_stage: int, mb: int,
               n_bytes: int) -> Generator[simpy.Event, object, None]:

@@ -16,7 +16,13 @@ resolves a ``Job`` first.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
+from heapq import heappop
+
+import simpy
 
 from mpsim.schedule import PIPEDREAM_MEASURED, weight_versions
 from mpsim.sim.channels import PeerChannels
@@ -40,6 +46,10 @@ from mpsim.trace import LayerTimes
 
 __all__ = ["Job", "Layout", "simulate_job", "simulate_layout"]
 
+PROGRAMS = 256
+"""Stage programs remembered per process (``_stage_program``)."""
+_PROGRAMS: OrderedDict[tuple[object, ...], StageProgram] = OrderedDict()
+
 
 @dataclass
 class _Stage:
@@ -57,10 +67,10 @@ def simulate_layout(layout: Layout) -> SimResult:
     """Simulate one checked layout and return its result."""
     run = RunContext(layout)
     channels = PeerChannels(run)
-    times = layout.trace.layer_times(run.topo.spec.gpu)
+    times = cache(lambda: layout.trace.layer_times(run.topo.spec.gpu))
     stages = [_build_stage(run, s, channels, times) for s in range(layout.n_stages)]
     processes = [run.env.process(st.stream.process()) for st in stages]
-    run.env.run()
+    _run_to_end(run.env)
     stuck = [s for s, proc in enumerate(processes) if proc.is_alive]
     if stuck:  # an engine bug, never a result: say so instead of returning a silent stall
         raise RuntimeError(f"simulation stalled at {run.env.now:.6f} s with stages {stuck} unfinished")
@@ -70,6 +80,23 @@ def simulate_layout(layout: Layout) -> SimResult:
     return _result(run, stages, run.env.now)
 
 
+def _run_to_end(env: simpy.Environment) -> None:
+    """``env.run()`` without a deadline, inlined: the same events in the same order (by
+    time, priority, then scheduling order), each one's callbacks called in turn, and a
+    failed event that nobody defused raised, as ``simpy.Environment.step`` does; without
+    a method call and a ``try`` per event."""
+    queue, pop = env._queue, heappop
+    while queue:
+        env._now, _, _, event = pop(queue)
+        callbacks, event.callbacks = event.callbacks, None  # type: ignore[assignment]
+        for callback in callbacks:
+            callback(event)
+        if not event._ok and not hasattr(event, "_defused"):
+            exc = type(event._value)(*event._value.args)
+            exc.__cause__ = event._value
+            raise exc
+
+
 def _measured_window(updater: Updater, microbatches: int) -> tuple[float, float]:
     """PipeDream's measured iteration on a stage: from the end of its last update of the
     iteration before (``PIPEDREAM_MEASURED``) to the end of the measured one's last."""
@@ -77,7 +104,34 @@ def _measured_window(updater: Updater, microbatches: int) -> tuple[float, float]
     return ends[PIPEDREAM_MEASURED - 1], ends[PIPEDREAM_MEASURED]
 
 
-def _build_stage(run: RunContext, s: int, channels: PeerChannels, times: LayerTimes) -> _Stage:
+def _stage_program(run: RunContext, s: int, times: Callable[[], LayerTimes]) -> StageProgram:
+    """Stage ``s``'s program (``build_program``), or the one built before in this process
+    for the same trace, server, layers, place in the pipeline, runtime and actions: a
+    program depends on nothing else, and planners simulate many plans that change the
+    actions of a few stages only (``PROGRAMS``)."""
+    layout = run.layout
+    a, b = layout.stages[s]
+    first, last = s == 0, s == layout.n_stages - 1
+    actions = layout.actions[s]
+    key = (layout.trace.content_hash, run.topo.content_hash, a, b, first, last, run.torch_pipelining,
+           tuple((j, actions[j].model_dump_json()) for j in sorted(actions)))
+    program = _PROGRAMS.get(key)
+    if program is not None:
+        _PROGRAMS.move_to_end(key)
+        return program
+    rows = layout.trace.layers[a:b]
+    gpu = run.topo.spec.gpu
+    memory_rate = gpu.memory_bandwidth_gbps * 1e9 * gpu.memory_efficiency
+    fwd_s, bwd_s = times().fwd_s[a:b], times().bwd_s[a:b]
+    core_s = attention_core_seconds(rows, fwd_s, memory_rate)
+    program = _PROGRAMS[key] = build_program(rows, fwd_s, bwd_s, a, first, last, actions, run.torch_pipelining,
+                                             core_s)
+    if len(_PROGRAMS) > PROGRAMS:
+        _PROGRAMS.popitem(last=False)
+    return program
+
+
+def _build_stage(run: RunContext, s: int, channels: PeerChannels, times: Callable[[], LayerTimes]) -> _Stage:
     """A stage's program, its static memory (allocated before the first task) and its
     components."""
     layout = run.layout
@@ -86,9 +140,7 @@ def _build_stage(run: RunContext, s: int, channels: PeerChannels, times: LayerTi
     first, last = s == 0, s == layout.n_stages - 1
     gpu = run.topo.spec.gpu
     memory_rate = gpu.memory_bandwidth_gbps * 1e9 * gpu.memory_efficiency
-    core_s = attention_core_seconds(rows, times.fwd_s[a:b], memory_rate)
-    program = build_program(rows, times.fwd_s[a:b], times.bwd_s[a:b], a, first, last, layout.actions[s],
-                            run.torch_pipelining, core_s)
+    program = _stage_program(run, s, times)
     received = layout.microbatches * received_bytes(rows, first, last) if run.torch_pipelining else 0
     versions = weight_versions(layout.schedule, s, layout.n_stages)
     static = static_bytes(rows, versions, received)

@@ -200,10 +200,27 @@ class DeviceMemory:
         ``hold_while()`` is true, until they fit beside what the running task will still
         climb; then make the change in the same instant. Returns seconds waited."""
         n_bytes, start = real_bytes(entries), self.env.now
-        while self._must_wait(n_bytes, hold_while):
-            yield self._changed
+        if self._must_wait(n_bytes, hold_while):
+            yield self._until(lambda: self._must_wait(n_bytes, hold_while))
         self.change(entries)
         return self.env.now - start
+
+    def _until(self, must_wait: Callable[[], bool]) -> simpy.Event:
+        """An event that fires once ``must_wait()`` turns false, checked at every change
+        (``poke``) in the waiter's turn, as a process re-checking in a loop would be. A
+        waiter that must go on waiting costs one call, not a process resume; the event
+        never enters SimPy's queue: it fires in place (``_fire_in_place``), so the waiter
+        goes on in the same instant and turn as it did when it woke itself."""
+        gate = self.env.event()
+
+        def check(_event: simpy.Event) -> None:
+            if must_wait():
+                self._changed.callbacks.append(check)
+            else:
+                _fire_in_place(gate)
+
+        self._changed.callbacks.append(check)
+        return gate
 
     def _must_wait(self, n_bytes: int, hold_while: Callable[[], bool] | None) -> bool:
         if hold_while is not None and hold_while():
@@ -238,8 +255,8 @@ class DeviceMemory:
     def acquire_task(self, template: Template, label: str) -> Generator[simpy.Event, object, float]:
         """``start_task`` once the piece's highest point fits or no free is under way."""
         start = self.env.now
-        while self.task_must_wait(template):
-            yield self._changed
+        if self.task_must_wait(template):
+            yield self._until(lambda: self.task_must_wait(template))
         self.start_task(template, label)
         return self.env.now - start
 
@@ -264,3 +281,13 @@ class DeviceMemory:
         self.used += n_bytes
         if n_bytes < 0:
             self.poke()
+
+
+def _fire_in_place(event: simpy.Event) -> None:
+    """Succeed ``event`` and run its callbacks now, as SimPy would when processing it,
+    without scheduling it (its waiters resume inside the current callback)."""
+    event._ok = True
+    event._value = None
+    callbacks, event.callbacks = event.callbacks, None  # type: ignore[assignment]
+    for callback in callbacks or ():
+        callback(event)

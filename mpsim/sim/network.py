@@ -14,16 +14,33 @@ from collections import defaultdict
 
 import simpy
 
-from mpsim.topology import Link, Route
+from mpsim.topology import Route
 
 _EPS = 1e-12
 
 
-class _Flow:
-    __slots__ = ("links", "remaining", "rate", "done", "seq")
+class _Path:
+    """What the fluid model needs of a route, worked out once per run: its links' names
+    and bandwidths, and the narrowest of those (a flow's rate when it shares no link)."""
 
-    def __init__(self, links: tuple[Link, ...], n_bytes: float, done: simpy.Event, seq: int) -> None:
-        self.links = links
+    __slots__ = ("route", "links", "names", "narrowest", "latency_s")
+
+    def __init__(self, route: Route) -> None:
+        self.route = route
+        """Held so that the route outlives the ``id`` that keys this path."""
+        self.links = route.links
+        self.names = tuple(link.name for link in route.links)
+        self.narrowest = min(link.bandwidth for link in route.links)
+        self.latency_s = route.latency_s
+
+
+class _Flow:
+    __slots__ = ("links", "names", "narrowest", "remaining", "rate", "done", "seq")
+
+    def __init__(self, path: _Path, n_bytes: float, done: simpy.Event, seq: int) -> None:
+        self.links = path.links
+        self.names = path.names
+        self.narrowest = path.narrowest
         self.remaining = float(n_bytes)
         self.rate = 0.0
         self.done = done
@@ -44,20 +61,24 @@ class Network:
         self._seq = 0
         self.bytes_by_link: dict[str, float] = defaultdict(float)
         self.busy_s_by_link: dict[str, float] = defaultdict(float)
+        self._paths: dict[int, _Path] = {}
 
     def transfer(self, route: Route, n_bytes: int) -> simpy.Event:
         done = self.env.event()
-        for link in route.links:
-            self.bytes_by_link[link.name] += n_bytes
+        path = self._paths.get(id(route))
+        if path is None:
+            path = self._paths[id(route)] = _Path(route)
+        for name in path.names:
+            self.bytes_by_link[name] += n_bytes
         if n_bytes <= 0:
 
             def land(_e: simpy.Event) -> None:
                 done.succeed()
 
-            self.env.timeout(route.latency_s).callbacks.append(land)
+            self.env.timeout(path.latency_s).callbacks.append(land)
             return done
-        start = self.env.timeout(route.latency_s)
-        start.callbacks.append(lambda _e: self._start(route.links, n_bytes, done))
+        start = self.env.timeout(path.latency_s)
+        start.callbacks.append(lambda _e: self._start(path, n_bytes, done))
         return done
 
     # -- fluid model -----------------------------------------------------------------------
@@ -68,48 +89,41 @@ class Network:
             busy: set[str] = set()
             for f in self._flows:
                 f.remaining -= f.rate * dt
-                busy.update(link.name for link in f.links)
+                busy.update(f.names)
+            busy_s = self.busy_s_by_link
             for name in busy:
-                self.busy_s_by_link[name] += dt
+                busy_s[name] += dt
         self._last = now
 
-    def _start(self, links: tuple[Link, ...], n_bytes: int, done: simpy.Event) -> None:
+    def _start(self, path: _Path, n_bytes: int, done: simpy.Event) -> None:
         self._advance()
         self._seq += 1
-        self._flows.append(_Flow(links, n_bytes, done, self._seq))
+        self._flows.append(_Flow(path, n_bytes, done, self._seq))
         self._reschedule()
 
     def _rates(self) -> None:
         """Max-min fair rates by progressive filling; per link, the capacity left and the
         number of flows not yet frozen are kept up to date, so each round is one pass."""
-        capacity: dict[str, float] = {}
-        members: dict[str, list[_Flow]] = defaultdict(list)
+        members: dict[str, list[_Flow]] = {}
         slots = 0
         for f in self._flows:
-            f.rate = -1.0
-            slots += len(f.links)
-            for link in f.links:
-                capacity[link.name] = link.bandwidth
-                members[link.name].append(f)
+            slots += len(f.names)
+            for name in f.names:
+                shared = members.get(name)
+                if shared is None:
+                    members[name] = [f]
+                else:
+                    shared.append(f)
         if slots == len(members):  # no link shared: each flow runs at its narrowest link
             for f in self._flows:
-                f.rate = min(link.bandwidth for link in f.links)
+                f.rate = f.narrowest
             return
-        unfrozen = {name: len(flows) for name, flows in members.items()}
-        while unfrozen:
-            best_name = min(unfrozen, key=lambda name: capacity[name] / unfrozen[name])
-            share = capacity[best_name] / unfrozen[best_name]
-            for f in members[best_name]:
-                if f.rate < 0:
-                    f.rate = share
-                    for link in f.links:
-                        name = link.name
-                        capacity[name] -= share
-                        left = unfrozen[name] - 1
-                        if left:
-                            unfrozen[name] = left
-                        else:
-                            del unfrozen[name]
+        capacity: dict[str, float] = {}
+        for f in self._flows:
+            f.rate = -1.0
+            for link in f.links:
+                capacity[link.name] = link.bandwidth
+        _fill(members, capacity)
 
     def _reschedule(self) -> None:
         self._version += 1
@@ -140,3 +154,23 @@ class Network:
         self._reschedule()
         for f in sorted(finished, key=lambda f: f.seq):
             f.done.succeed()
+
+
+def _fill(members: dict[str, list[_Flow]], capacity: dict[str, float]) -> None:
+    """Progressive filling of flows whose rate is -1: freeze the flows of the link with
+    the smallest fair share at that share, take it from their other links, repeat (ties
+    go to the link met first, in flow order)."""
+    unfrozen = {name: len(flows) for name, flows in members.items()}
+    while unfrozen:
+        best_name = min(unfrozen, key=lambda name: capacity[name] / unfrozen[name])
+        share = capacity[best_name] / unfrozen[best_name]
+        for f in members[best_name]:
+            if f.rate < 0:
+                f.rate = share
+                for name in f.names:
+                    capacity[name] -= share
+                    left = unfrozen[name] - 1
+                    if left:
+                        unfrozen[name] = left
+                    else:
+                        del unfrozen[name]

@@ -11,6 +11,7 @@ from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
 from mpsim.sim.program import Piece, StageProgram, SwapIn
 from mpsim.sim.result import Span
+from mpsim.sim.spawn import spawn
 from mpsim.sim.swapper import STASH, Swapper
 from mpsim.sim.update import Updater
 
@@ -75,9 +76,9 @@ class ComputeStream:
         env = self.run.env
         need_base_s = env.now + self._estimate_s[self.tasks[idx].kind]
         for si in self.program.swap_ins:
-            env.process(self.swapper.swap_in(nxt.microbatch, si, need_base_s + si.need_offset_s))
+            spawn(env, self.swapper.swap_in(nxt.microbatch, si, need_base_s + si.need_offset_s))
         if self.stash_in is not None:
-            env.process(self.swapper.swap_in(nxt.microbatch, self.stash_in, need_base_s))
+            spawn(env, self.swapper.swap_in(nxt.microbatch, self.stash_in, need_base_s))
 
     def _wait_for_inputs(self, task: Task) -> Generator[simpy.Event, object, None]:
         signals = self.run.signals
@@ -133,7 +134,7 @@ class ComputeStream:
         if task.kind == "F":
             run.costs.add(self.gpu, "split_s", prog.split_forward_s)
             if self.stash_in is not None:
-                run.env.process(self.swapper.stash_out(mb, self.stash_in.n_bytes))
+                spawn(run.env, self.swapper.stash_out(mb, self.stash_in.n_bytes))
             if not self.last:
                 self.channels.send("activation", self.stage, self.stage + 1, mb, self.output_bytes)
             return

@@ -12,6 +12,7 @@ from mpsim.sim.context import RunContext
 from mpsim.sim.memory import Entry
 from mpsim.sim.program import SwapIn, SwapOut, chunk
 from mpsim.sim.result import Span
+from mpsim.sim.spawn import spawn
 from mpsim.topology import HOST
 
 STASH = -1
@@ -60,12 +61,13 @@ class Swapper:
         self._chunks = chunks
         self._peers = peers
         self._chunks_left: dict[tuple[int, int], int] = {}
+        self._alone_s: dict[int, float] = {}
 
     # ---- activations --------------------------------------------------------------------
     def start_swap_out(self, mb: int, so: SwapOut) -> None:
         """Launch a swap-out; it counts as a free under way before the next piece asks."""
         self.memory.begin_free()
-        self.run.env.process(self._swap_out(mb, so))
+        spawn(self.run.env, self._swap_out(mb, so))
 
     def _swap_out(self, mb: int, so: SwapOut) -> Generator[simpy.Event, object, None]:
         run, g = self.run, self.gpu
@@ -116,10 +118,16 @@ class Swapper:
         run.signals("in", self.stage, mb, si.layer).succeed()
 
     def _time_alone_s(self, si: SwapIn) -> float:
-        topo = self.run.topo
-        if si.target == "host":
-            return topo.route(HOST, self.gpu).time_alone_s(si.n_bytes)
-        return max(topo.route(peer, self.gpu).time_alone_s(part) for peer, part in returned_parts(si))
+        """How long the swap-in takes alone on idle routes (worked out once per layer)."""
+        alone = self._alone_s.get(si.layer)
+        if alone is None:
+            topo = self.run.topo
+            if si.target == "host":
+                alone = topo.route(HOST, self.gpu).time_alone_s(si.n_bytes)
+            else:
+                alone = max(topo.route(peer, self.gpu).time_alone_s(part) for peer, part in returned_parts(si))
+            self._alone_s[si.layer] = alone
+        return alone
 
     def _until_start(self, mb: int, si: SwapIn, need_at_s: float) -> Generator[simpy.Event, object, None]:
         """Wait until the copy, alone on its route, would land when it is needed; under
@@ -178,7 +186,7 @@ class Swapper:
     def start_optimizer_out(self, layer: int, n_bytes: int) -> None:
         """Stream a layer's optimizer states back to the host after its update."""
         self.memory.begin_free()
-        self.run.env.process(self._optimizer_out(layer, n_bytes))
+        spawn(self.run.env, self._optimizer_out(layer, n_bytes))
 
     def _optimizer_out(self, layer: int, n_bytes: int) -> Generator[simpy.Event, object, None]:
         yield from self.run.host_copy(self.gpu, n_bytes, True, f"optimizer states out L{layer}")
