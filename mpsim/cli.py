@@ -65,6 +65,63 @@ def _progress(what: str):
                     TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
 
 
+class _PointsBar:
+    """Points done, failed and left, with the time left, for a run of many points on any
+    backend; drawn on a terminal only. Points found already done (a resumed sweep) are
+    counted apart, so they do not make the estimate of the time left look fast."""
+
+    def __init__(self, bar: Any, total: int):
+        self.bar, self.total = bar, total
+        self.done = self.failed = self.resumed = 0
+        self.job = bar.add_task("", total=total, done=0, failed=0, left=total, resumed="")
+
+    def _show(self, description: str) -> None:
+        finished = self.done + self.failed
+        self.bar.update(self.job, total=self.total - self.resumed, completed=finished, description=description,
+                        done=self.done, failed=self.failed, left=self.total - self.resumed - finished,
+                        resumed=f" ({self.resumed} already done)" if self.resumed else "")
+
+    def point_done(self, description: str = "", resumed: bool = False) -> None:
+        if resumed:
+            self.resumed += 1
+        else:
+            self.done += 1
+        self._show(description)
+
+    def point_failed(self, description: str = "") -> None:
+        self.failed += 1
+        self._show(description)
+
+
+@contextmanager
+def _points_progress(what: str, total: int) -> Iterator[_PointsBar]:
+    """A progress bar over points: done, failed, left, elapsed and estimated time left."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    console = Console(stderr=True)
+    columns = (TextColumn(what), BarColumn(),
+               TextColumn("done {task.fields[done]}, failed {task.fields[failed]}, left {task.fields[left]}"
+                          "{task.fields[resumed]}"),
+               TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(), TextColumn("{task.description}"))
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+        yield _PointsBar(bar, total)
+
+
+def _backend_options(f):
+    """--backend, --address, --batch: where the points run (:mod:`mpsim.backends`)."""
+    for opt in reversed([
+        click.option("--backend", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+                     help="local worker processes, or tasks on a Ray cluster (pip install 'mpsim[ray]')"),
+        click.option("--address", help="Ray cluster: auto (the one `ray start` joined this machine to) or "
+                                       "HOST:PORT of its head  [default: a Ray instance started here, -j CPUs]"),
+        click.option("--batch", type=click.IntRange(min=1),
+                     help="points per task  [default: about four tasks per worker, at most 8 points each]"),
+    ]):
+        f = opt(f)
+    return f
+
+
 @contextmanager
 def _tasks_progress(what: str) -> Iterator[None]:
     """Simulated tasks counted on a terminal while a simulate or plan runs (a planner
@@ -301,9 +358,11 @@ def _list(text: str, cast=str, option: str = "") -> list:
               show_default=True, help="rows are appended here as points finish; points already in it are skipped")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="PNG of throughput and peak memory against microbatch size")
+@_backend_options
 @_json_option
 def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str, strategies: str, partition: str,
-              workers: int, csv_path: Path, plot: Path | None, json_out: str | None) -> None:
+              workers: int, csv_path: Path, plot: Path | None, backend: str, address: str | None,
+              batch: int | None, json_out: str | None) -> None:
     """Throughput and peak memory over a grid of microbatch sizes, microbatch counts,
     strategies, models and servers.
 
@@ -311,13 +370,16 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
     sweep run again with the same --csv resumes without redoing finished points. Ctrl-C
     or SIGTERM stops at once (exit 130 or 143), keeping the finished rows; a last line cut
     short by a kill is dropped on resume. A point that does not fit is a row with its
-    first out-of-memory point.
+    first out-of-memory point. With --backend ray the points run as tasks on a Ray
+    cluster (every node needs mpsim installed); Ctrl-C cancels the outstanding tasks.
 
     \b
     Example:
       mpsim sweep --server dgx1-v100 --model bert-1.67b --schedule pipedream \\
         --microbatch 1,2,4,8,12,16 --strategy none,recompute,cpu-swap,mpress,best -j 2 --plot sweep.png
+      mpsim sweep --model gpt-5.3b,gpt-10.3b --microbatch 1,2,4,8 --backend ray --address auto
     """
+    from mpsim.backends import make_backend
     from mpsim.sweep import SweepInterrupted, grid, plot_sweep, sweep, sweep_text
 
     points = grid(_list(servers, option="--server"), _list(models, option="--model"), schedule,
@@ -327,16 +389,18 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
 
     for server_name, model_name in dict.fromkeys((p.server, p.model) for p in points):
         _warn_measured_elsewhere(load_trace(model_name), load_topology(server_name))
+    runner = make_backend(backend, workers, address)
     stopped: SweepInterrupted | None = None
-    with _progress("sweep") as bar:
-        job = bar.add_task("", total=len(points))
+    with _points_progress("sweep", len(points)) as bar:
 
         def advance(row: dict, resumed: bool) -> None:
             what = "already in the CSV" if resumed else ("fits" if str(row["fits"]) == "True" else "OOM")
-            bar.update(job, advance=1, description=f"{row['model']} mb {row['microbatch']} {row['strategy']}: {what}")
+            bar.point_done(f"{row['model']} mb {row['microbatch']} {row['strategy']}: {what}", resumed)
 
         try:
-            frame = sweep(points, csv_path, workers, advance)
+            frame = sweep(points, csv_path, workers, advance, backend=runner, batch=batch,
+                          on_failed=lambda p, error: bar.point_failed(f"{p.model} mb {p.microbatch} {p.strategy}: "
+                                                                      "failed"))
         except SweepInterrupted as exc:
             stopped = exc
     if stopped:  # after the progress bar is gone: one line, and the shell's code for the signal

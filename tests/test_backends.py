@@ -1,0 +1,164 @@
+"""Backends: every point once, errors as outcomes, a dead worker's batch run again, the
+same rows on the local pool and on Ray (a Ray instance on this machine, 2 CPUs)."""
+
+import csv
+import os
+import signal
+import sys
+import time
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from mpsim.backends import LocalBackend, Outcome, RayBackend, auto_batch, run_points
+from mpsim.sweep import FIELDS, KEY, grid, sweep
+
+TESTS = Path(__file__).parent
+
+
+def square_or_fail(point: int) -> int:
+    if point == 3:
+        raise ValueError("three is refused")
+    return point * point
+
+
+def die_once(point: tuple[int, str]) -> int:
+    """The first call for point 2 kills its own worker (SIGKILL): the batch must run again."""
+    value, marker_dir = point
+    if value == 2:
+        try:
+            fd = os.open(Path(marker_dir) / "died", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            pass
+        else:
+            os.close(fd)
+            os.kill(os.getpid(), signal.SIGKILL)
+    return value * 10
+
+
+def _check_once(outcomes: list[Outcome], n: int) -> None:
+    values = sorted(o.point[0] if isinstance(o.point, tuple) else o.point for o in outcomes)
+    assert values == list(range(n)), "every point exactly once"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_every_point_once_and_errors_are_outcomes(workers):
+    seen: list[Outcome] = []
+    got = list(run_points(range(7), square_or_fail, LocalBackend(workers), on_result=seen.append, batch=2))
+    assert got == seen
+    _check_once(got, 7)
+    by_point = {o.point: o for o in got}
+    assert by_point[3].error == "ValueError: three is refused" and not by_point[3].ok
+    assert all(by_point[i].value == i * i for i in range(7) if i != 3)
+
+
+def test_auto_batch_keeps_tasks_per_worker_and_a_cap():
+    assert auto_batch(1000, 2) == 8 and auto_batch(10, 2) == 2 and auto_batch(1, 8) == 1
+
+
+@pytest.mark.processes
+def test_a_local_worker_that_dies_has_its_batch_run_again(tmp_path):
+    points = [(i, str(tmp_path)) for i in range(6)]
+    got = list(run_points(points, die_once, LocalBackend(2), batch=2))
+    assert (tmp_path / "died").exists()
+    _check_once(got, 6)
+    assert all(o.ok and o.value == o.point[0] * 10 for o in got)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A Ray instance on the loopback interface with 2 CPUs, for this module; its workers
+    import this test module (for die_once) from tests/."""
+    ray = pytest.importorskip("ray")
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS)] + ([previous] if previous else []))
+    try:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False, logging_level="WARNING")
+    finally:
+        if previous is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = previous
+    yield ray
+    ray.shutdown()
+
+
+def _sweep_points():
+    return grid(["dgx1-v100"], ["gpt-5.3b"], "1f1b", [1, 2, 4], [16], ["none", "recompute"])
+
+
+def _rows_without_timing(path: Path) -> list[list[str]]:
+    """The CSV's lines as written, sorted by point, without plan_s (a wall-clock time)."""
+    with path.open(newline="") as f:
+        rows = list(csv.reader(f))
+    assert tuple(rows[0]) == FIELDS
+    keep = [i for i, name in enumerate(FIELDS) if name != "plan_s"]
+    return sorted([row[i] for i in keep] for row in rows[1:])
+
+
+@pytest.mark.ray
+def test_ray_gives_the_local_pools_rows_bit_for_bit(tmp_path, ray_local):
+    sweep(_sweep_points(), tmp_path / "local.csv", workers=2)
+    sweep(_sweep_points(), tmp_path / "ray.csv", backend=RayBackend(), batch=2)
+    local, on_ray = _rows_without_timing(tmp_path / "local.csv"), _rows_without_timing(tmp_path / "ray.csv")
+    assert len(local) == 6 and local == on_ray
+
+
+@pytest.mark.ray
+def test_ray_errors_are_outcomes_and_a_dead_worker_loses_nothing(tmp_path, ray_local):
+    got = list(run_points(range(5), square_or_fail, RayBackend(), batch=2))
+    _check_once(got, 5)
+    assert [o.error for o in got if not o.ok] == ["ValueError: three is refused"]
+    dying = [(i, str(tmp_path)) for i in range(8)]
+    died = list(run_points(dying, die_once, RayBackend(), batch=2))
+    assert (tmp_path / "died").exists()
+    _check_once(died, 8)
+    assert all(o.ok and o.value == o.point[0] * 10 for o in died)
+
+
+def _busy_ray_workers() -> list[int]:
+    """Ray worker processes running one of our batches (Ray titles them by the task)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmd.startswith(b"ray::run_batch"):
+                pids.append(int(d.name))
+    return pids
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds Ray's workers in /proc")
+def test_a_ray_worker_killed_mid_sweep_loses_no_point_and_writes_none_twice(tmp_path, ray_local):
+    killed: list[int] = []
+
+    def kill_a_busy_worker(row: dict, resumed: bool) -> None:
+        if not killed:
+            for pid in _busy_ray_workers():
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                break
+
+    points = grid(["dgx1-v100"], ["gpt-5.3b"], "1f1b", [1, 2, 4, 8], [16], ["none", "recompute"])
+    frame = sweep(points, tmp_path / "s.csv", backend=RayBackend(), batch=1, on_row=kill_a_busy_worker)
+    assert killed, "no busy Ray worker found to kill"
+    assert len(frame) == len(points) and not frame.duplicated(list(KEY)).any()
+    with (tmp_path / "s.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == len(points)
+
+
+@pytest.mark.ray
+def test_closing_a_ray_run_early_cancels_its_outstanding_tasks(ray_local):
+    outcomes = run_points([0.0] + [30.0] * 6, time.sleep, RayBackend(), batch=1)
+    with closing(outcomes):
+        first = next(outcomes)
+    assert first.ok
+    deadline = time.monotonic() + 60
+    while ray_local.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray_local.available_resources().get("CPU", 0) == 2, "the cancelled tasks still hold the CPUs"
