@@ -7,6 +7,7 @@ output) on request, and ends bad input with one line on standard error and exit 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -109,14 +110,12 @@ def _points_progress(what: str, total: int) -> Iterator[_PointsBar]:
 
 
 def _backend_options(f):
-    """--backend, --address, --batch: where the points run (:mod:`mpsim.backends`)."""
+    """--backend, --address: where the points run (:mod:`mpsim.backends`)."""
     for opt in reversed([
         click.option("--backend", type=click.Choice(["local", "ray"]), default="local", show_default=True,
                      help="local worker processes, or tasks on a Ray cluster (pip install 'mpsim[ray]')"),
         click.option("--address", help="Ray cluster: auto (the one `ray start` joined this machine to) or "
                                        "HOST:PORT of its head  [default: a Ray instance started here, -j CPUs]"),
-        click.option("--batch", type=click.IntRange(min=1),
-                     help="points per task  [default: about four tasks per worker, at most 8 points each]"),
     ]):
         f = opt(f)
     return f
@@ -270,15 +269,21 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
 @click.option("--strategy", "strategies", default="none,recompute,cpu-swap,d2d,mpress,tsplit,best", show_default=True,
               help="comma-separated strategies, one column each")
 @click.option("--partition", default="compute", show_default=True, help=_PARTITION_HELP)
+@click.option("--workers", "-j", type=click.IntRange(min=1),
+              help="worker processes (sizes and strategies in parallel; 1: all in this process)  "
+                   "[default: one per core]")
+@_backend_options
 @_json_option
 def fits(server: str, family: str, models: str | None, schedule: str, microbatch: int | None, microbatches: int,
-         strategies: str, partition: str, json_out: str | None) -> None:
+         strategies: str, partition: str, workers: int | None, backend: str, address: str | None,
+         json_out: str | None) -> None:
     """Which shipped sizes of a family (or which --model) fit under each strategy, and the
     largest that does.
 
     The size knob is the number of transformer layers at the shape of the largest
     size that fits; the search doubles, then bisects.
     """
+    from mpsim.backends import make_backend
     from mpsim.capacity import family_traces, fits_strategies, model_traces
     from mpsim.catalog import load_topology
     from mpsim.planners import STRATEGIES
@@ -298,11 +303,14 @@ def fits(server: str, family: str, models: str | None, schedule: str, microbatch
     if chosen:
         family = str(traces[-1].spec.model.get("family", family))
     check_schedule(schedule, load_topology(server).n_gpus, microbatches)  # before the progress bar
-    with _progress(f"fits {family}") as bar:
-        job = bar.add_task("", total=(len(traces) + 10) * len(names))
+    workers = workers or os.cpu_count() or 1
+    runner = None if backend == "local" and workers == 1 else make_backend(backend, workers, address)
+    # in one process a point is a simulated size (the searches' count estimated); in
+    # parallel, a shipped size under a strategy, or one strategy's search
+    total = (len(traces) + (10 if runner is None else 1)) * len(names)
+    with _points_progress(f"fits {family}", total) as bar:
         reps = fits_strategies(server, family, schedule, microbatch, microbatches, names,
-                               on_point=lambda name: bar.update(job, advance=1, description=name),
-                               partition=partition, models=chosen)
+                               on_point=bar.point_done, partition=partition, models=chosen, backend=runner)
     if json_out != "-":
         click.echo(fits_strategies_text(reps))
     _write_json(json_out, {"reports": [r.to_dict() for r in reps]})
@@ -359,6 +367,8 @@ def _list(text: str, cast=str, option: str = "") -> list:
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="PNG of throughput and peak memory against microbatch size")
 @_backend_options
+@click.option("--batch", type=click.IntRange(min=1),
+              help="points per task  [default: about four tasks per worker, at most 8 points each]")
 @_json_option
 def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str, strategies: str, partition: str,
               workers: int, csv_path: Path, plot: Path | None, backend: str, address: str | None,

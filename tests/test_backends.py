@@ -162,3 +162,14 @@ def test_closing_a_ray_run_early_cancels_its_outstanding_tasks(ray_local):
     while ray_local.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray_local.available_resources().get("CPU", 0) == 2, "the cancelled tasks still hold the CPUs"
+
+
+def test_fits_in_parallel_gives_the_same_reports_as_in_one_process():
+    from mpsim.capacity import fits_strategies
+
+    args = ("dgx1-v100", "gpt", "1f1b", 2, 16, ("recompute", "none"))
+    one = [r.to_dict() for r in fits_strategies(*args)]
+    seen: list[str] = []
+    two = [r.to_dict() for r in fits_strategies(*args, backend=LocalBackend(2), on_point=seen.append)]
+    assert one == two
+    assert len(seen) == 2 * 5 + 2 and "recompute: search" in seen
