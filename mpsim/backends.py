@@ -237,7 +237,11 @@ class RayBackend:
         kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
         if self.address is None:  # "local": a new instance even where `ray start` left one running
             kwargs.update(num_cpus=self.num_cpus)
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.getsignal(signal.SIGTERM) if main else None
         ray.init(address=self.address or "local", **kwargs)
+        if main:  # ray.init installs its own SIGTERM handler: the caller's stays in charge
+            signal.signal(signal.SIGTERM, previous)
         return True
 
     def slots(self) -> int:
