@@ -118,8 +118,25 @@ def test_ray_errors_are_outcomes_and_a_dead_worker_loses_nothing(tmp_path, ray_l
     assert all(o.ok and o.value == o.point[0] * 10 for o in died)
 
 
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def _descends_from_this_process(pid: int) -> bool:
+    while pid > 1:
+        try:
+            pid = _parent(pid)
+        except (OSError, ValueError):
+            return False
+        if pid == os.getpid():
+            return True
+    return False
+
+
 def _busy_ray_workers() -> list[int]:
-    """Ray worker processes running one of our batches (Ray titles them by the task)."""
+    """Workers of this test's Ray instance (its raylet is our child) running one of our
+    batches (Ray titles them by the task); other users' Ray workers are left alone."""
     pids = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -127,7 +144,7 @@ def _busy_ray_workers() -> list[int]:
                 cmd = (d / "cmdline").read_bytes()
             except OSError:
                 continue
-            if cmd.startswith(b"ray::run_batch"):
+            if cmd.startswith(b"ray::run_batch") and _descends_from_this_process(int(d.name)):
                 pids.append(int(d.name))
     return pids
 
