@@ -361,7 +361,8 @@ def _list(text: str, cast=str, option: str = "") -> list:
               help="comma-separated strategies")
 @click.option("--partition", default="compute", show_default=True, help=_PARTITION_HELP)
 @click.option("--workers", "-j", type=click.IntRange(min=1), default=1, show_default=True,
-              help="points run in parallel worker processes")
+              help="points run in parallel worker processes (--backend ray without --address: the CPUs of "
+                   "the Ray instance started here)")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path), default=Path("sweep.csv"),
               show_default=True, help="rows are appended here as points finish; points already in it are skipped")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),

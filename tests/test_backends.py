@@ -190,3 +190,10 @@ def test_fits_in_parallel_gives_the_same_reports_as_in_one_process():
     two = [r.to_dict() for r in fits_strategies(*args, backend=LocalBackend(2), on_point=seen.append)]
     assert one == two
     assert len(seen) == 2 * 5 + 2 and "recompute: search" in seen
+
+
+def test_cli_refuses_an_address_without_ray(capsys, tmp_path):
+    from test_cli import run
+
+    code, _, err = run(capsys, "sweep", "--address", "auto", "--csv", str(tmp_path / "s.csv"))
+    assert code == 2 and "--address is for --backend ray" in err and not (tmp_path / "s.csv").exists()
