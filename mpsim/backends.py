@@ -18,9 +18,10 @@ result picklable. Both backends guarantee:
 
 Interruption (KeyboardInterrupt, or any exception raised while the caller handles an
 outcome) stops everything at once: on the local pool the queued batches are cancelled
-and the workers terminated; on Ray the outstanding tasks are cancelled (force, which
-kills the workers running them) and a Ray instance the backend started itself is shut
-down. Only the batches in flight are lost; the exception propagates to the caller.
+and the workers terminated; on a Ray cluster the outstanding tasks are cancelled (force,
+which kills the workers running them), and a Ray instance the backend started itself is
+shut down with its tasks. Only the batches in flight are lost; the exception propagates
+to the caller.
 """
 
 from __future__ import annotations
@@ -264,8 +265,9 @@ class RayBackend:
                     batch = pending.pop(ref)
                     yield self._collect(ray, ref, batch)
         except BaseException:
-            for ref in pending:
-                ray.cancel(ref, force=True)
+            if not owned:  # an instance of our own goes down whole below, its tasks with it
+                for ref in pending:
+                    ray.cancel(ref, force=True)
             raise
         finally:
             if owned:

@@ -197,3 +197,39 @@ def test_cli_refuses_an_address_without_ray(capsys, tmp_path):
 
     code, _, err = run(capsys, "sweep", "--address", "auto", "--csv", str(tmp_path / "s.csv"))
     assert code == 2 and "--address is for --backend ray" in err and not (tmp_path / "s.csv").exists()
+
+
+@pytest.mark.ray
+@pytest.mark.processes
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and process groups")
+def test_ctrl_c_on_a_ray_sweep_keeps_the_rows_and_a_rerun_completes(tmp_path):
+    """``mpsim sweep --backend ray`` (its own Ray instance) interrupted once a row is in:
+    exit 130 with the finished rows kept; the same sweep on the local pool then adds the
+    rest, each point once."""
+    import subprocess
+
+    pytest.importorskip("ray")
+    from test_sweep_interrupt import _check_rows_unique, _rows
+
+    csv_path = tmp_path / "s.csv"
+    args = [sys.executable, "-m", "mpsim.cli", "sweep", "--model", "gpt-5.3b,gpt-10.3b", "--microbatch", "1,2,4,8",
+            "--strategy", "none,recompute", "--csv", str(csv_path), "--batch", "1"]
+    proc = subprocess.Popen(args + ["--backend", "ray", "-j", "2"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while _rows(csv_path) < 1 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert 1 <= _rows(csv_path) < 16, "no row to interrupt after, or the sweep ended first"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "mpsim: sweep interrupted by SIGINT" in err.strip().splitlines()[-1]
+    kept = len(_check_rows_unique(csv_path))
+    done = subprocess.run(args + ["-j", "2"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert len(_check_rows_unique(csv_path)) == 16 >= kept >= 1
