@@ -152,17 +152,31 @@ def _busy_ray_workers() -> list[int]:
 @pytest.mark.ray
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds Ray's workers in /proc")
 def test_a_ray_worker_killed_mid_sweep_loses_no_point_and_writes_none_twice(tmp_path, ray_local):
-    killed: list[int] = []
+    """Once the first row is in, a watcher thread kills the first worker it sees running a batch."""
+    import threading
 
-    def kill_a_busy_worker(row: dict, resumed: bool) -> None:
-        if not killed:
-            for pid in _busy_ray_workers():
+    killed: list[int] = []
+    first_row, finished = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        first_row.wait()
+        while not killed and not finished.is_set():
+            for pid in _busy_ray_workers()[:1]:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
-                break
+            time.sleep(0.005)
 
-    points = grid(["dgx1-v100"], ["gpt-5.3b"], "1f1b", [1, 2, 4, 8], [16], ["none", "recompute"])
-    frame = sweep(points, tmp_path / "s.csv", backend=RayBackend(), batch=1, on_row=kill_a_busy_worker)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    # 64 microbatches: points of a few tenths of a second, so a batch is running when the watcher looks
+    points = grid(["dgx1-v100"], ["gpt-5.3b"], "1f1b", [1, 2, 4, 8], [64], ["none", "recompute"])
+    try:
+        frame = sweep(points, tmp_path / "s.csv", backend=RayBackend(), batch=1,
+                      on_row=lambda row, resumed: first_row.set())
+    finally:
+        finished.set()
+        first_row.set()
+        watcher.join()
     assert killed, "no busy Ray worker found to kill"
     assert len(frame) == len(points) and not frame.duplicated(list(KEY)).any()
     with (tmp_path / "s.csv").open() as f:
