@@ -9,10 +9,11 @@ then bisects, so it costs O(log n) simulations.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 
 from mpsim.api import simulate
+from mpsim.backends import Backend, run_points
 from mpsim.catalog import load_topology, load_trace, shipped_traces
 from mpsim.errors import MpsimError
 from mpsim.schedule import check_schedule
@@ -79,24 +80,114 @@ def fits_strategies(server: str | Topology, family: str, schedule: str = "1f1b",
                     microbatches: int = 16,
                     strategies: tuple[str, ...] = ("none", "recompute", "cpu-swap", "d2d", "mpress", "tsplit", "best"),
                     on_point: Callable[[str], None] | None = None, partition: str = "compute",
-                    models: tuple[str, ...] = ()) -> list[FitsReport]:
+                    models: tuple[str, ...] = (), backend: Backend | None = None) -> list[FitsReport]:
     """``fits`` under each strategy: one report per strategy, in the order given.
 
     ``best`` runs last: it fits whatever a single planner fits (under the same partition),
-    so its search starts from the largest size they reached."""
-    order = sorted(strategies, key=lambda s: s == "best")
-    done: dict[str, FitsReport] = {}
-    for strategy in order:
-        known: dict[str, int] = {}
-        if strategy == "best":
-            for rep in done.values():
-                if rep.largest is not None and rep.partition == partition:
-                    t = rep.largest_template
-                    known[t] = max(known.get(t, 0), rep.largest.layers)
-        done[strategy] = fits(server, family, schedule, microbatch, microbatches, strategy, partition,
-                              on_point=None if on_point is None else _prefixed(on_point, strategy),
-                              known_fitting=known, models=models)
+    so its search starts from the largest size they reached. With a ``backend``
+    (:mod:`mpsim.backends`) the work runs in parallel in three rounds, each as many
+    points as it has: every shipped size under every strategy, then the searches of the
+    single strategies, then ``best``'s; the simulations, and so the reports, are the
+    same as in one process. ``on_point(name)`` is called per simulated size in one
+    process, per finished round point with a backend."""
+    if backend is None:
+        order = sorted(strategies, key=lambda s: s == "best")
+        done: dict[str, FitsReport] = {}
+        for strategy in order:
+            done[strategy] = fits(server, family, schedule, microbatch, microbatches, strategy, partition,
+                                  on_point=None if on_point is None else _prefixed(on_point, strategy),
+                                  known_fitting=_known(done.values(), partition) if strategy == "best" else None,
+                                  models=models)
+        return [done[s] for s in strategies]
+    base = _FitsUnit(server, family, schedule, microbatch, microbatches, "", partition, models)
+    return _fits_parallel(base, strategies, backend, on_point)
+
+
+def _known(reports: Iterable[FitsReport], partition: str) -> dict[str, int]:
+    """Per template, the most transformer layers a report under ``partition`` found to fit."""
+    known: dict[str, int] = {}
+    for rep in reports:
+        if rep.largest is not None and rep.partition == partition:
+            t = rep.largest_template
+            known[t] = max(known.get(t, 0), rep.largest.layers)
+    return known
+
+
+@dataclass(frozen=True)
+class _FitsUnit:
+    """One point of a parallel ``fits``: a shipped size (``size``: its index) under a
+    strategy, or, with ``rows``, the strategy's search for the largest size."""
+
+    server: str | Topology
+    family: str
+    schedule: str
+    microbatch: int | None
+    microbatches: int
+    strategy: str
+    partition: str
+    models: tuple[str, ...]
+    size: int | None = None
+    rows: tuple[FitRow, ...] | None = None
+    known: tuple[tuple[str, int], ...] = ()
+
+
+def _fits_unit(unit: _FitsUnit) -> FitRow | FitsReport:
+    """In a worker: simulate one shipped size, or run one strategy's search."""
+    if unit.size is not None:
+        traces = model_traces(unit.models) if unit.models else family_traces(unit.family)
+        topo = load_topology(unit.server) if isinstance(unit.server, str) else unit.server
+        t = traces[unit.size]
+        mb = traces[0].microbatch if unit.microbatch is None else unit.microbatch
+        result = simulate(topo, t, unit.schedule, mb, unit.microbatches, strategy=unit.strategy,
+                          partition=unit.partition)
+        return FitRow(t.name, t.spec.params, _n_transformer(t), result)
+    return fits(unit.server, unit.family, unit.schedule, unit.microbatch, unit.microbatches, unit.strategy,
+                unit.partition, known_fitting=dict(unit.known), models=unit.models,
+                rows=list(unit.rows or ()))
+
+
+def _fits_parallel(base: _FitsUnit, strategies: tuple[str, ...], backend: Backend,
+                   on_point: Callable[[str], None] | None) -> list[FitsReport]:
+    n_sizes = len(model_traces(base.models) if base.models else family_traces(base.family))
+    # the checks fits makes, here, so that a bad argument fails before any worker starts
+    topo = load_topology(base.server) if isinstance(base.server, str) else base.server
+    check_schedule(base.schedule, topo.n_gpus, base.microbatches)
+    if base.microbatch is not None and base.microbatch < 1:
+        raise MpsimError(f"microbatch must be a positive integer, got {base.microbatch}")
+
+    def run(units: list[_FitsUnit]) -> list[FitRow | FitsReport]:
+        """The units' values, in the units' order (they finish in any)."""
+        where = {id(u): k for k, u in enumerate(units)}
+        out: list[FitRow | FitsReport | None] = [None] * len(units)
+        for outcome in run_points(units, _fits_unit, backend, batch=1):
+            unit = outcome.point
+            if outcome.error is not None:
+                raise MpsimError(f"fits under {unit.strategy}: {outcome.error}")
+            out[where[id(unit)]] = outcome.value
+            if on_point:
+                on_point(f"{unit.strategy}: {'search' if unit.size is None else f'size {unit.size + 1}'}")
+        return [v for v in out if v is not None]
+
+    names = list(dict.fromkeys(strategies))
+    sized = run([replace(base, strategy=st, size=i) for st in names for i in range(n_sizes)])
+    rows = {st: tuple(_as_row(v) for v in sized[k * n_sizes:(k + 1) * n_sizes]) for k, st in enumerate(names)}
+    singles = [st for st in names if st != "best"]
+    done = {st: _as_report(v) for st, v in zip(singles, run([replace(base, strategy=st, rows=rows[st])
+                                                              for st in singles]))}
+    if "best" in names:
+        known = tuple(sorted(_known(done.values(), base.partition).items()))
+        done["best"] = _as_report(run([replace(base, strategy="best", rows=rows["best"], known=known)])[0])
     return [done[s] for s in strategies]
+
+
+def _as_row(value: FitRow | FitsReport) -> FitRow:
+    assert isinstance(value, FitRow)
+    return value
+
+
+def _as_report(value: FitRow | FitsReport) -> FitsReport:
+    assert isinstance(value, FitsReport)
+    return value
 
 
 def family_traces(family: str) -> list[Trace]:
@@ -128,12 +219,13 @@ def _n_transformer(trace: Trace) -> int:
 def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch: int | None = None,
          microbatches: int = 16, strategy: str = "none", partition: str = "compute",
          on_point: Callable[[str], None] | None = None, known_fitting: dict[str, int] | None = None,
-         models: tuple[str, ...] = ()) -> FitsReport:
+         models: tuple[str, ...] = (), rows: list[FitRow] | None = None) -> FitsReport:
     """Simulate every shipped size of ``family`` (or the named ``models`` instead) and
     search the largest that fits.
 
     ``known_fitting``: per template trace name, a number of transformer layers already
-    known to fit under this strategy; the search starts there."""
+    known to fit under this strategy; the search starts there. ``rows``: the shipped
+    sizes already simulated under this strategy (one per trace, smallest first)."""
     topo = load_topology(server) if isinstance(server, str) else server
     traces = model_traces(models) if models else family_traces(family)
     mb = traces[0].microbatch if microbatch is None else microbatch
@@ -147,7 +239,8 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
             on_point(trace.name)
         return result
 
-    rows = [FitRow(t.name, t.spec.params, _n_transformer(t), run(t)) for t in traces]
+    if not rows:
+        rows = [FitRow(t.name, t.spec.params, _n_transformer(t), run(t)) for t in traces]
     fitting = [(t, row) for t, row in zip(traces, rows) if row.result.fits]
     template = fitting[-1][0] if fitting else traces[0]
     n0 = _n_transformer(template)

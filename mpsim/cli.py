@@ -7,6 +7,7 @@ output) on request, and ends bad input with one line on standard error and exit 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -63,6 +64,61 @@ def _progress(what: str):
     console = Console(stderr=True)
     return Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                     TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
+
+
+class _PointsBar:
+    """Points done, failed and left, with the time left, for a run of many points on any
+    backend; drawn on a terminal only. Points found already done (a resumed sweep) are
+    counted apart, so they do not make the estimate of the time left look fast."""
+
+    def __init__(self, bar: Any, total: int):
+        self.bar, self.total = bar, total
+        self.done = self.failed = self.resumed = 0
+        self.job = bar.add_task("", total=total, done=0, failed=0, left=total, resumed="")
+
+    def _show(self, description: str) -> None:
+        finished = self.done + self.failed
+        self.bar.update(self.job, total=self.total - self.resumed, completed=finished, description=description,
+                        done=self.done, failed=self.failed, left=self.total - self.resumed - finished,
+                        resumed=f" ({self.resumed} already done)" if self.resumed else "")
+
+    def point_done(self, description: str = "", resumed: bool = False) -> None:
+        if resumed:
+            self.resumed += 1
+        else:
+            self.done += 1
+        self._show(description)
+
+    def point_failed(self, description: str = "") -> None:
+        self.failed += 1
+        self._show(description)
+
+
+@contextmanager
+def _points_progress(what: str, total: int) -> Iterator[_PointsBar]:
+    """A progress bar over points: done, failed, left, elapsed and estimated time left."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    console = Console(stderr=True)
+    columns = (TextColumn(what), BarColumn(),
+               TextColumn("done {task.fields[done]}, failed {task.fields[failed]}, left {task.fields[left]}"
+                          "{task.fields[resumed]}"),
+               TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(), TextColumn("{task.description}"))
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+        yield _PointsBar(bar, total)
+
+
+def _backend_options(f):
+    """--backend, --address: where the points run (:mod:`mpsim.backends`)."""
+    for opt in reversed([
+        click.option("--backend", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+                     help="local worker processes, or tasks on a Ray cluster (pip install 'mpsim[ray]')"),
+        click.option("--address", help="Ray cluster: auto (the one `ray start` joined this machine to) or "
+                                       "HOST:PORT of its head  [default: a Ray instance started here, -j CPUs]"),
+    ]):
+        f = opt(f)
+    return f
 
 
 @contextmanager
@@ -228,15 +284,21 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
 @click.option("--strategy", "strategies", default="none,recompute,cpu-swap,d2d,mpress,tsplit,best", show_default=True,
               help="comma-separated strategies, one column each")
 @click.option("--partition", default="compute", show_default=True, help=_PARTITION_HELP)
+@click.option("--workers", "-j", type=click.IntRange(min=1),
+              help="worker processes (sizes and strategies in parallel; 1: all in this process)  "
+                   "[default: one per core]")
+@_backend_options
 @_json_option
 def fits(server: str, family: str, models: str | None, schedule: str, microbatch: int | None, microbatches: int,
-         strategies: str, partition: str, json_out: str | None) -> None:
+         strategies: str, partition: str, workers: int | None, backend: str, address: str | None,
+         json_out: str | None) -> None:
     """Which shipped sizes of a family (or which --model) fit under each strategy, and the
     largest that does.
 
     The size knob is the number of transformer layers at the shape of the largest
     size that fits; the search doubles, then bisects.
     """
+    from mpsim.backends import make_backend
     from mpsim.capacity import family_traces, fits_strategies, model_traces
     from mpsim.catalog import load_topology
     from mpsim.planners import STRATEGIES
@@ -256,11 +318,14 @@ def fits(server: str, family: str, models: str | None, schedule: str, microbatch
     if chosen:
         family = str(traces[-1].spec.model.get("family", family))
     check_schedule(schedule, load_topology(server).n_gpus, microbatches)  # before the progress bar
-    with _progress(f"fits {family}") as bar:
-        job = bar.add_task("", total=(len(traces) + 10) * len(names))
+    workers = workers or os.cpu_count() or 1
+    runner = None if backend == "local" and workers == 1 else make_backend(backend, workers, address)
+    # in one process a point is a simulated size (the searches' count estimated); in
+    # parallel, a shipped size under a strategy, or one strategy's search
+    total = (len(traces) + (10 if runner is None else 1)) * len(names)
+    with _points_progress(f"fits {family}", total) as bar:
         reps = fits_strategies(server, family, schedule, microbatch, microbatches, names,
-                               on_point=lambda name: bar.update(job, advance=1, description=name),
-                               partition=partition, models=chosen)
+                               on_point=bar.point_done, partition=partition, models=chosen, backend=runner)
     if json_out != "-":
         click.echo(fits_strategies_text(reps))
     _write_json(json_out, {"reports": [r.to_dict() for r in reps]})
@@ -319,15 +384,20 @@ def _list(text: str, cast=str, option: str = "") -> list:
               help="comma-separated strategies")
 @click.option("--partition", default="compute", show_default=True, help=_PARTITION_HELP)
 @click.option("--workers", "-j", type=click.IntRange(min=1), default=1, show_default=True,
-              help="points run in parallel worker processes")
+              help="points run in parallel worker processes (--backend ray without --address: the CPUs of "
+                   "the Ray instance started here)")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path), default=Path("sweep.csv"),
               show_default=True, help="rows are appended here as points finish; points already in it are skipped")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="PNG of throughput and peak memory against microbatch size")
+@_backend_options
+@click.option("--batch", type=click.IntRange(min=1),
+              help="points per task  [default: about four tasks per worker, at most 8 points each]")
 @_json_option
 @_html_option
 def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str, strategies: str, partition: str,
-              workers: int, csv_path: Path, plot: Path | None, json_out: str | None, html_out: Path | None) -> None:
+              workers: int, csv_path: Path, plot: Path | None, backend: str, address: str | None,
+              batch: int | None, json_out: str | None, html_out: Path | None) -> None:
     """Throughput and peak memory over a grid of microbatch sizes, microbatch counts,
     strategies, models and servers.
 
@@ -335,13 +405,16 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
     sweep run again with the same --csv resumes without redoing finished points. Ctrl-C
     or SIGTERM stops at once (exit 130 or 143), keeping the finished rows; a last line cut
     short by a kill is dropped on resume. A point that does not fit is a row with its
-    first out-of-memory point.
+    first out-of-memory point. With --backend ray the points run as tasks on a Ray
+    cluster (every node needs mpsim installed); Ctrl-C cancels the outstanding tasks.
 
     \b
     Example:
       mpsim sweep --server dgx1-v100 --model bert-1.67b --schedule pipedream \\
         --microbatch 1,2,4,8,12,16 --strategy none,recompute,cpu-swap,mpress,best -j 2 --plot sweep.png
+      mpsim sweep --model gpt-5.3b,gpt-10.3b --microbatch 1,2,4,8 --backend ray --address auto
     """
+    from mpsim.backends import make_backend
     from mpsim.sweep import SweepInterrupted, grid, plot_sweep, sweep, sweep_text
 
     points = grid(_list(servers, option="--server"), _list(models, option="--model"), schedule,
@@ -351,16 +424,18 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
 
     for server_name, model_name in dict.fromkeys((p.server, p.model) for p in points):
         _warn_measured_elsewhere(load_trace(model_name), load_topology(server_name))
+    runner = make_backend(backend, workers, address)
     stopped: SweepInterrupted | None = None
-    with _progress("sweep") as bar:
-        job = bar.add_task("", total=len(points))
+    with _points_progress("sweep", len(points)) as bar:
 
         def advance(row: dict, resumed: bool) -> None:
             what = "already in the CSV" if resumed else ("fits" if str(row["fits"]) == "True" else "OOM")
-            bar.update(job, advance=1, description=f"{row['model']} mb {row['microbatch']} {row['strategy']}: {what}")
+            bar.point_done(f"{row['model']} mb {row['microbatch']} {row['strategy']}: {what}", resumed)
 
         try:
-            frame = sweep(points, csv_path, workers, advance)
+            frame = sweep(points, csv_path, workers, advance, backend=runner, batch=batch,
+                          on_failed=lambda p, error: bar.point_failed(f"{p.model} mb {p.microbatch} {p.strategy}: "
+                                                                      "failed"))
         except SweepInterrupted as exc:
             stopped = exc
     if stopped:  # after the progress bar is gone: one line, and the shell's code for the signal

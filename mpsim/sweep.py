@@ -1,11 +1,12 @@
 """Sweeps: one simulated point per (server, model, microbatch size, microbatches, strategy).
 
-Points run in worker processes; each finished point is appended to the CSV at once, as
-one complete line in a single write, so a sweep that is interrupted (Ctrl-C, SIGTERM, even
-``kill -9``) resumes where it stopped: points already in the file are not run again, and a
-last line cut short by a kill is dropped on resume. On Ctrl-C or SIGTERM the queued points
-are cancelled and the workers terminated at once; only the points in flight are lost. A
-point that does not fit is a row too, with its first out-of-memory point.
+Points run on a backend (:mod:`mpsim.backends`: local worker processes, or Ray); each
+finished point is appended to the CSV at once, as one complete line in a single write, so
+a sweep that is interrupted (Ctrl-C, SIGTERM, even ``kill -9``) resumes where it stopped:
+points already in the file are not run again, and a last line cut short by a kill is
+dropped on resume. On Ctrl-C or SIGTERM the queued points are cancelled and the workers
+terminated (on Ray: the outstanding tasks cancelled) at once; only the points in flight
+are lost. A point that does not fit is a row too, with its first out-of-memory point.
 """
 
 from __future__ import annotations
@@ -13,21 +14,20 @@ from __future__ import annotations
 import csv
 import io
 import itertools
-import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor, as_completed
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from mpsim.backends import Backend, LocalBackend, run_points
 from mpsim.errors import MpsimError
 
 if TYPE_CHECKING:
@@ -117,6 +117,16 @@ class SweepInterrupted(Exception):
     def exit_code(self) -> int:
         """128 + the signal number, as a shell reports a process ended by it (130, 143)."""
         return 128 + self.signum
+
+
+class SweepFailed(MpsimError):
+    """Points whose simulation raised: the other rows are in the CSV; a rerun tries these again."""
+
+    def __init__(self, failed: list[tuple[Point, str]], csv_path: Path):
+        self.failed = failed
+        point, error = failed[0]
+        super().__init__(f"{len(failed)} point(s) failed, the other rows are in {csv_path}; first: "
+                         f"{point.model} mb {point.microbatch} {point.strategy}: {error}")
 
 
 class _Terminated(BaseException):
@@ -214,11 +224,16 @@ def _signals_raise() -> Iterator[None]:
 
 def sweep(points: list[Point], csv_path: Path, workers: int = 1,
           on_row: Callable[[dict, bool], None] | None = None,
-          note: Callable[[str], None] = _default_note) -> pd.DataFrame:
+          note: Callable[[str], None] = _default_note, backend: Backend | None = None,
+          batch: int | None = None, on_failed: Callable[[Point, str], None] | None = None) -> pd.DataFrame:
     """Run the points not yet in ``csv_path``, appending each row as it finishes; returns
-    every row of the file for these points. ``on_row(row, resumed)`` is called per point;
-    ``note(text)`` tells of a cut-short line dropped from the file. SIGINT or SIGTERM stops
-    the sweep at once (queued points cancelled, workers terminated) and raises
+    every row of the file for these points. ``backend`` runs them (default: ``workers``
+    local processes), ``batch`` points per task (default: see :func:`mpsim.backends.auto_batch`).
+    ``on_row(row, resumed)`` is called per point written or already there; ``on_failed(point,
+    error)`` per point whose simulation raised (no row is written for it, so a rerun tries
+    it again; after the others finish, :class:`SweepFailed` names them). ``note(text)``
+    tells of a cut-short line dropped from the file. SIGINT or SIGTERM stops the sweep at
+    once (queued points cancelled, workers terminated or Ray tasks cancelled) and raises
     :class:`SweepInterrupted`."""
     check_points(points)
     done = _repair(csv_path, note)
@@ -235,10 +250,17 @@ def sweep(points: list[Point], csv_path: Path, workers: int = 1,
         if on_row:
             on_row(row, False)
 
+    failed: list[tuple[Point, str]] = []
+
+    def fail(point: Point, error: str) -> None:
+        failed.append((point, error))
+        if on_failed:
+            on_failed(point, error)
+
     stopped_by: int | None = None
     try:
         with _signals_raise():
-            _run(todo, workers, emit)
+            _run(todo, backend or LocalBackend(workers), emit, fail, batch)
     except (KeyboardInterrupt, _Terminated) as exc:
         stopped_by = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
     finally:
@@ -246,80 +268,22 @@ def sweep(points: list[Point], csv_path: Path, workers: int = 1,
     if stopped_by is not None:  # count what is on disk: a signal may land between a write and a count
         kept = wanted & _repair(csv_path, note)
         raise SweepInterrupted(stopped_by, len(kept), len(kept - done), len(points), csv_path)
+    if failed:
+        raise SweepFailed(failed, csv_path)
     frame = pd.read_csv(csv_path, keep_default_na=False)
     mask = [tuple(str(v) for v in row) in wanted for row in frame[list(KEY)].itertuples(index=False)]
     return frame[mask].reset_index(drop=True)
 
 
-def _worker_init(parent: int) -> None:
-    """In each worker: Ctrl-C is the parent's to handle (it terminates the workers), and a
-    worker whose parent (the sweep, pid ``parent``) is gone, by ``kill -9`` even before this
-    worker started, exits instead of running on alone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.2)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="mpsim-parent-watch").start()
-
-
-def _context() -> multiprocessing.context.BaseContext:
-    # spawn, not fork: forking a process with threads (the progress bar's, the pool's) is
-    # unsafe and warns from Python 3.12 on; nor forkserver: its workers are not the sweep's
-    # children, so they could not tell when it is killed
-    return multiprocessing.get_context("spawn")
-
-
-def _stop(pool: ProcessPoolExecutor, futures: list[Future]) -> None:
-    """Cancel the queued points and terminate the workers now (the points in flight are lost)."""
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} \
-        if threading.current_thread() is threading.main_thread() else {}
-    try:
-        for fut in futures:
-            fut.cancel()
-        procs = list((getattr(pool, "_processes", None) or {}).values())
-        for proc in procs:
-            proc.terminate()
-        pool.shutdown(wait=False, cancel_futures=True)
-        deadline = time.monotonic() + 1.0
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(1.0)
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
-def _run(todo: list[Point], workers: int, emit: Callable[[dict], None]) -> None:
-    if workers <= 1 or len(todo) <= 1:
-        for p in todo:
-            emit(run_point(p))
-        return
-    pool = ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=_context(),
-                               initializer=_worker_init, initargs=(os.getpid(),))
-    futures: list[Future] = []
-    try:
-        # the workers start at the first submit: SIGINT blocked meanwhile, so they start with
-        # it blocked (a Ctrl-C to the group cannot hit one still importing), and a Ctrl-C
-        # here reaches the sweep as soon as they have started
-        blocked = hasattr(signal, "pthread_sigmask")
-        if blocked:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            futures = [pool.submit(run_point, p) for p in todo]
-        finally:
-            if blocked:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        for fut in as_completed(futures):
-            emit(fut.result())
-    except BaseException:
-        _stop(pool, futures)
-        raise
-    pool.shutdown()
+def _run(todo: list[Point], backend: Backend, emit: Callable[[dict], None],
+         on_failed: Callable[[Point, str], None], batch: int | None) -> None:
+    with closing(run_points(todo, run_point, backend, batch=batch)) as outcomes:
+        for outcome in outcomes:
+            if outcome.error is not None:
+                on_failed(outcome.point, outcome.error)
+            else:
+                assert outcome.value is not None  # run_point returns a row
+                emit(outcome.value)
 
 
 def sweep_text(frame: pd.DataFrame) -> str:

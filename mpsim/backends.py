@@ -1,0 +1,322 @@
+"""Where many independent points run: a local process pool or a Ray cluster.
+
+``run_points(points, fn, backend=..., on_result=..., batch=...)`` calls ``fn(point)`` for
+every point and yields an :class:`Outcome` per point as its batch finishes, in the order
+they finish. ``fn`` must be a module-level function (it is pickled by reference), and its
+result picklable. Both backends guarantee:
+
+- every point is yielded exactly once: with its value, or with the error ``fn`` raised
+  (one failing point does not stop the others, nor the rest of its batch);
+- points are sent in batches (``batch`` points per task), so scheduling costs per task,
+  not per point; a batch's outcomes come back together;
+- a worker that dies in the middle of a batch (killed, out of host memory) loses
+  nothing: the whole batch runs again elsewhere, and since outcomes are only taken from
+  batches that completed, none is yielded twice. After ``RETRIES`` deaths of the same
+  batch its points are yielded as failed;
+- the same ``fn`` on the same point gives the same value on either backend (mpsim's
+  simulations have no randomness and no wall clock in their results).
+
+Interruption (KeyboardInterrupt, or any exception raised while the caller handles an
+outcome) stops everything at once: on the local pool the queued batches are cancelled
+and the workers terminated; on a Ray cluster the outstanding tasks are cancelled (force,
+which kills the workers running them), and a Ray instance the backend started itself is
+shut down with its tasks. Only the batches in flight are lost; the exception propagates
+to the caller.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Generator, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import closing
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from mpsim.errors import MpsimError
+
+P = TypeVar("P")
+R = TypeVar("R")
+
+RETRIES = 3  # deaths of one batch's worker before its points are reported failed
+MAX_AUTO_BATCH = 8  # points per task when the caller does not choose
+
+
+@dataclass(frozen=True)
+class Outcome(Generic[P, R]):
+    """One point's result: ``value`` when ``fn`` returned, ``error`` ("Type: message") when it raised."""
+
+    point: P
+    value: R | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def run_batch(fn: Callable[[Any], Any], batch: list[Any]) -> list[tuple[Any, str | None]]:
+    """In a worker: ``fn`` on each point of a batch, an exception becoming that point's error."""
+    out: list[tuple[Any, str | None]] = []
+    for point in batch:
+        try:
+            out.append((fn(point), None))
+        except Exception as exc:  # noqa: BLE001 - a failing point is an outcome, not a crash
+            out.append((None, f"{type(exc).__name__}: {exc}"))
+    return out
+
+
+def _outcomes(batch: list[Any], results: list[tuple[Any, str | None]]) -> list[Outcome]:
+    return [Outcome(p, value, error) for p, (value, error) in zip(batch, results)]
+
+
+def _failed(batch: list[Any], why: str) -> list[Outcome]:
+    return [Outcome(p, None, why) for p in batch]
+
+
+class Backend(Protocol):
+    """Runs batches of points; yields each batch's outcomes as the batch finishes."""
+
+    name: str
+
+    def slots(self) -> int:
+        """How many batches can run at once (to size the batches)."""
+        ...
+
+    def run_batches(self, batches: list[list[Any]], fn: Callable[[Any], Any]) -> Generator[list[Outcome], None, None]:
+        ...
+
+
+def _worker_init(parent: int) -> None:
+    """In each local worker: Ctrl-C is the parent's to handle (it terminates the workers),
+    and a worker whose parent (pid ``parent``) is gone, by ``kill -9`` even before this
+    worker started, exits instead of running on alone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="mpsim-parent-watch").start()
+
+
+def _spawn() -> multiprocessing.context.BaseContext:
+    # spawn, not fork: forking a process with threads (the progress bar's, the pool's) is
+    # unsafe and warns from Python 3.12 on; nor forkserver: its workers are not the
+    # caller's children, so they could not tell when it is killed
+    return multiprocessing.get_context("spawn")
+
+
+def _stop_pool(pool: ProcessPoolExecutor, futures: Iterable[Future]) -> None:
+    """Cancel the queued batches and terminate the workers now (the batches in flight are lost)."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        for fut in futures:
+            fut.cancel()
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        for proc in procs:
+            proc.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + 1.0
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+class LocalBackend:
+    """Worker processes on this machine (spawned, one per ``workers``); ``workers=1`` runs
+    the points in this process, one after the other. A worker that dies breaks the pool:
+    a fresh pool runs the unfinished batches again. No dependency beyond the standard library."""
+
+    name = "local"
+
+    def __init__(self, workers: int = 1):
+        if workers < 1:
+            raise MpsimError(f"workers must be a positive integer, got {workers}")
+        self.workers = workers
+
+    def slots(self) -> int:
+        return self.workers
+
+    def run_batches(self, batches: list[list[Any]], fn: Callable[[Any], Any]) -> Generator[list[Outcome], None, None]:
+        if self.workers == 1 or len(batches) <= 1:
+            for batch in batches:
+                yield _outcomes(batch, run_batch(fn, batch))
+            return
+        todo = list(batches)
+        deaths = [0] * len(batches)
+        index = {id(b): i for i, b in enumerate(batches)}
+        while todo:
+            broken: list[list[Any]] = []
+            yield from self._one_pool(todo, fn, broken)
+            todo = []
+            for batch in broken:
+                i = index[id(batch)]
+                deaths[i] += 1
+                if deaths[i] >= RETRIES:
+                    yield _failed(batch, f"worker died {RETRIES} times running this batch")
+                else:
+                    todo.append(batch)
+
+    def _one_pool(self, batches: list[list[Any]], fn: Callable[[Any], Any],
+                  broken: list[list[Any]]) -> Generator[list[Outcome], None, None]:
+        """Run ``batches`` on one pool; those lost when a worker died go to ``broken``."""
+        pool = ProcessPoolExecutor(max_workers=min(self.workers, len(batches)), mp_context=_spawn(),
+                                   initializer=_worker_init, initargs=(os.getpid(),))
+        pending: dict[Future, list[Any]] = {}
+        try:
+            pending = self._submit(pool, batches, fn)
+            while pending:
+                finished, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    batch = pending.pop(fut)
+                    try:
+                        results = fut.result()
+                    except BrokenProcessPool:
+                        broken.append(batch)
+                        continue
+                    yield _outcomes(batch, results)
+        except BaseException:
+            _stop_pool(pool, pending)
+            raise
+        pool.shutdown()
+
+    @staticmethod
+    def _submit(pool: ProcessPoolExecutor, batches: list[list[Any]],
+                fn: Callable[[Any], Any]) -> dict[Future, list[Any]]:
+        # the workers start at the first submit: SIGINT blocked meanwhile, so they start with
+        # it blocked (a Ctrl-C to the group cannot hit one still importing), and a Ctrl-C
+        # here reaches the caller as soon as they have started
+        blocked = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            return {pool.submit(run_batch, fn, batch): batch for batch in batches}
+        finally:
+            if blocked:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise MpsimError("the ray backend needs Ray: pip install 'mpsim[ray]'") from None
+    return ray
+
+
+class RayBackend:
+    """Tasks on a Ray cluster: ``address`` "auto" (the cluster this machine belongs to,
+    as ``ray start`` made it), "HOST:PORT" (a head node's GCS address), or None (an
+    instance already initialised in this process, else a new one on this machine with
+    ``num_cpus`` CPUs, shut down at the end). Every worker needs mpsim installed. A task
+    whose worker dies is retried by Ray (``RETRIES`` times); each batch's outcomes are
+    taken once, from the one run that completed."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, num_cpus: int | None = None):
+        self.address, self.num_cpus = address, num_cpus
+
+    def _start(self, ray: Any) -> bool:
+        """Connect (or start a local instance); whether this backend started it."""
+        if ray.is_initialized():
+            return False
+        kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+        if self.address is None:  # "local": a new instance even where `ray start` left one running
+            kwargs.update(num_cpus=self.num_cpus)
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.getsignal(signal.SIGTERM) if main else None
+        ray.init(address=self.address or "local", **kwargs)
+        if main:  # ray.init installs its own SIGTERM handler: the caller's stays in charge
+            signal.signal(signal.SIGTERM, previous)
+        return True
+
+    def slots(self) -> int:
+        ray = _ray()
+        if ray.is_initialized():
+            return max(1, int(ray.cluster_resources().get("CPU", 1)))
+        return self.num_cpus or os.cpu_count() or 1
+
+    def run_batches(self, batches: list[list[Any]], fn: Callable[[Any], Any]) -> Generator[list[Outcome], None, None]:
+        ray = _ray()
+        owned = self._start(ray)
+        remote = ray.remote(max_retries=RETRIES, retry_exceptions=False)(run_batch)
+        pending: dict[Any, list[Any]] = {}
+        try:
+            fn_ref = ray.put(fn)
+            pending = {remote.remote(fn_ref, batch): batch for batch in batches}
+            while pending:
+                finished, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
+                for ref in finished:
+                    batch = pending.pop(ref)
+                    yield self._collect(ray, ref, batch)
+        except BaseException:
+            if not owned:  # an instance of our own goes down whole below, its tasks with it
+                for ref in pending:
+                    ray.cancel(ref, force=True)
+            raise
+        finally:
+            if owned:
+                ray.shutdown()
+
+    @staticmethod
+    def _collect(ray: Any, ref: Any, batch: list[Any]) -> list[Outcome]:
+        try:
+            return _outcomes(batch, ray.get(ref))
+        except ray.exceptions.RayError as exc:  # the retries spent: worker deaths, a lost node
+            return _failed(batch, f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+
+
+def make_backend(name: str = "local", workers: int = 1, address: str | None = None) -> Backend:
+    """A backend by its CLI name: ``local`` with ``workers`` processes, or ``ray`` at ``address``
+    (``workers`` is then the CPUs of a Ray instance started here, when ``address`` is None)."""
+    if name == "local":
+        if address is not None:
+            raise MpsimError("--address is for --backend ray")
+        return LocalBackend(workers)
+    if name == "ray":
+        _ray()
+        return RayBackend(address, num_cpus=workers if workers > 1 else None)
+    raise MpsimError(f"unknown backend {name!r}: expected local or ray")
+
+
+def auto_batch(n_points: int, slots: int) -> int:
+    """Points per task: about four tasks per slot (so a slow batch does not leave the others
+    idle at the end), at most ``MAX_AUTO_BATCH``."""
+    return max(1, min(MAX_AUTO_BATCH, math.ceil(n_points / (4 * max(1, slots)))))
+
+
+def run_points(points: Iterable[P], fn: Callable[[P], R], backend: Backend | None = None,
+               on_result: Callable[[Outcome[P, R]], None] | None = None,
+               batch: int | None = None) -> Generator[Outcome[P, R], None, None]:
+    """``fn`` on every point, on ``backend`` (default: this process); yields each point's
+    :class:`Outcome` as its batch finishes, after ``on_result(outcome)``. Use it as a
+    context (``contextlib.closing``) or drain it: closing it early stops the backend's work."""
+    todo = list(points)
+    backend = backend or LocalBackend(1)
+    size = batch or auto_batch(len(todo), backend.slots())
+    if size < 1:
+        raise MpsimError(f"batch must be a positive integer, got {size}")
+    batches = [todo[i:i + size] for i in range(0, len(todo), size)]
+    if not batches:
+        return
+    with closing(backend.run_batches(batches, fn)) as finished:
+        for outcomes in finished:
+            for outcome in outcomes:
+                if on_result:
+                    on_result(outcome)
+                yield outcome

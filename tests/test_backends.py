@@ -1,0 +1,249 @@
+"""Backends: every point once, errors as outcomes, a dead worker's batch run again, the
+same rows on the local pool and on Ray (a Ray instance on this machine, 2 CPUs)."""
+
+import csv
+import os
+import signal
+import sys
+import time
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from mpsim.backends import LocalBackend, Outcome, RayBackend, auto_batch, run_points
+from mpsim.sweep import FIELDS, KEY, grid, sweep
+
+TESTS = Path(__file__).parent
+
+
+def square_or_fail(point: int) -> int:
+    if point == 3:
+        raise ValueError("three is refused")
+    return point * point
+
+
+def die_once(point: tuple[int, str]) -> int:
+    """The first call for point 2 kills its own worker (SIGKILL): the batch must run again."""
+    value, marker_dir = point
+    if value == 2:
+        try:
+            fd = os.open(Path(marker_dir) / "died", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            pass
+        else:
+            os.close(fd)
+            os.kill(os.getpid(), signal.SIGKILL)
+    return value * 10
+
+
+def _check_once(outcomes: list[Outcome], n: int) -> None:
+    values = sorted(o.point[0] if isinstance(o.point, tuple) else o.point for o in outcomes)
+    assert values == list(range(n)), "every point exactly once"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_every_point_once_and_errors_are_outcomes(workers):
+    seen: list[Outcome] = []
+    got = list(run_points(range(7), square_or_fail, LocalBackend(workers), on_result=seen.append, batch=2))
+    assert got == seen
+    _check_once(got, 7)
+    by_point = {o.point: o for o in got}
+    assert by_point[3].error == "ValueError: three is refused" and not by_point[3].ok
+    assert all(by_point[i].value == i * i for i in range(7) if i != 3)
+
+
+def test_auto_batch_keeps_tasks_per_worker_and_a_cap():
+    assert auto_batch(1000, 2) == 8 and auto_batch(10, 2) == 2 and auto_batch(1, 8) == 1
+
+
+@pytest.mark.processes
+def test_a_local_worker_that_dies_has_its_batch_run_again(tmp_path):
+    points = [(i, str(tmp_path)) for i in range(6)]
+    got = list(run_points(points, die_once, LocalBackend(2), batch=2))
+    assert (tmp_path / "died").exists()
+    _check_once(got, 6)
+    assert all(o.ok and o.value == o.point[0] * 10 for o in got)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A Ray instance on the loopback interface with 2 CPUs, for this module; its workers
+    import this test module (for die_once) from tests/."""
+    ray = pytest.importorskip("ray")
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS)] + ([previous] if previous else []))
+    try:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False, logging_level="WARNING")
+    finally:
+        if previous is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = previous
+    yield ray
+    ray.shutdown()
+
+
+def _sweep_points():
+    return grid(["dgx1-v100"], ["gpt-5.3b"], "1f1b", [1, 2, 4], [16], ["none", "recompute"])
+
+
+def _rows_without_timing(path: Path) -> list[list[str]]:
+    """The CSV's lines as written, sorted by point, without plan_s (a wall-clock time)."""
+    with path.open(newline="") as f:
+        rows = list(csv.reader(f))
+    assert tuple(rows[0]) == FIELDS
+    keep = [i for i, name in enumerate(FIELDS) if name != "plan_s"]
+    return sorted([row[i] for i in keep] for row in rows[1:])
+
+
+@pytest.mark.ray
+def test_ray_gives_the_local_pools_rows_bit_for_bit(tmp_path, ray_local):
+    sweep(_sweep_points(), tmp_path / "local.csv", workers=2)
+    sweep(_sweep_points(), tmp_path / "ray.csv", backend=RayBackend(), batch=2)
+    local, on_ray = _rows_without_timing(tmp_path / "local.csv"), _rows_without_timing(tmp_path / "ray.csv")
+    assert len(local) == 6 and local == on_ray
+
+
+@pytest.mark.ray
+def test_ray_errors_are_outcomes_and_a_dead_worker_loses_nothing(tmp_path, ray_local):
+    got = list(run_points(range(5), square_or_fail, RayBackend(), batch=2))
+    _check_once(got, 5)
+    assert [o.error for o in got if not o.ok] == ["ValueError: three is refused"]
+    dying = [(i, str(tmp_path)) for i in range(8)]
+    died = list(run_points(dying, die_once, RayBackend(), batch=2))
+    assert (tmp_path / "died").exists()
+    _check_once(died, 8)
+    assert all(o.ok and o.value == o.point[0] * 10 for o in died)
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def _descends_from_this_process(pid: int) -> bool:
+    while pid > 1:
+        try:
+            pid = _parent(pid)
+        except (OSError, ValueError):
+            return False
+        if pid == os.getpid():
+            return True
+    return False
+
+
+def _busy_ray_workers() -> list[int]:
+    """Workers of this test's Ray instance (its raylet is our child) running one of our
+    batches (Ray titles them by the task); other users' Ray workers are left alone."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmd.startswith(b"ray::run_batch") and _descends_from_this_process(int(d.name)):
+                pids.append(int(d.name))
+    return pids
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds Ray's workers in /proc")
+def test_a_ray_worker_killed_mid_sweep_loses_no_point_and_writes_none_twice(tmp_path, ray_local):
+    """Once the first row is in, a watcher thread kills the first worker it sees running a batch."""
+    import threading
+
+    killed: list[int] = []
+    first_row, finished = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        first_row.wait()
+        while not killed and not finished.is_set():
+            for pid in _busy_ray_workers()[:1]:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    # 64 microbatches: points of a few tenths of a second, so a batch is running when the watcher looks
+    points = grid(["dgx1-v100"], ["gpt-5.3b"], "1f1b", [1, 2, 4, 8], [64], ["none", "recompute"])
+    try:
+        frame = sweep(points, tmp_path / "s.csv", backend=RayBackend(), batch=1,
+                      on_row=lambda row, resumed: first_row.set())
+    finally:
+        finished.set()
+        first_row.set()
+        watcher.join()
+    assert killed, "no busy Ray worker found to kill"
+    assert len(frame) == len(points) and not frame.duplicated(list(KEY)).any()
+    with (tmp_path / "s.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == len(points)
+
+
+@pytest.mark.ray
+def test_closing_a_ray_run_early_cancels_its_outstanding_tasks(ray_local):
+    outcomes = run_points([0.0] + [30.0] * 6, time.sleep, RayBackend(), batch=1)
+    with closing(outcomes):
+        first = next(outcomes)
+    assert first.ok
+    deadline = time.monotonic() + 60
+    while ray_local.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray_local.available_resources().get("CPU", 0) == 2, "the cancelled tasks still hold the CPUs"
+
+
+def test_fits_in_parallel_gives_the_same_reports_as_in_one_process():
+    from mpsim.capacity import fits_strategies
+
+    args = ("dgx1-v100", "gpt", "1f1b", 2, 16, ("recompute", "none"))
+    one = [r.to_dict() for r in fits_strategies(*args)]
+    seen: list[str] = []
+    two = [r.to_dict() for r in fits_strategies(*args, backend=LocalBackend(2), on_point=seen.append)]
+    assert one == two
+    assert len(seen) == 2 * 5 + 2 and "recompute: search" in seen
+
+
+def test_cli_refuses_an_address_without_ray(capsys, tmp_path):
+    from test_cli import run
+
+    code, _, err = run(capsys, "sweep", "--address", "auto", "--csv", str(tmp_path / "s.csv"))
+    assert code == 2 and "--address is for --backend ray" in err and not (tmp_path / "s.csv").exists()
+
+
+@pytest.mark.ray
+@pytest.mark.processes
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and process groups")
+def test_ctrl_c_on_a_ray_sweep_keeps_the_rows_and_a_rerun_completes(tmp_path):
+    """``mpsim sweep --backend ray`` (its own Ray instance) interrupted once a row is in:
+    exit 130 with the finished rows kept; the same sweep on the local pool then adds the
+    rest, each point once."""
+    import subprocess
+
+    pytest.importorskip("ray")
+    from test_sweep_interrupt import _check_rows_unique, _rows
+
+    csv_path = tmp_path / "s.csv"
+    args = [sys.executable, "-m", "mpsim.cli", "sweep", "--model", "gpt-5.3b,gpt-10.3b", "--microbatch", "1,2,4,8",
+            "--strategy", "none,recompute", "--csv", str(csv_path), "--batch", "1"]
+    proc = subprocess.Popen(args + ["--backend", "ray", "-j", "2"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while _rows(csv_path) < 1 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert 1 <= _rows(csv_path) < 16, "no row to interrupt after, or the sweep ended first"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "mpsim: sweep interrupted by SIGINT" in err.strip().splitlines()[-1]
+    kept = len(_check_rows_unique(csv_path))
+    done = subprocess.run(args + ["-j", "2"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert len(_check_rows_unique(csv_path)) == 16 >= kept >= 1
