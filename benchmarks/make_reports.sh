@@ -24,9 +24,11 @@ taskset -c 0,1 python benchmarks/bench_simulate.py --model bert-1.67b --schedule
   > reports/bench_simulate_pipedream.txt
 mpsim simulate --model gpt-15.4b --microbatch 2 --strategy cpu-swap --plot reports/memory_gpt-15.4b_dgx1_cpu-swap.png > reports/simulate_gpt-15.4b_dgx1_cpu-swap.txt || true
 taskset -c 0,1 python benchmarks/bench_planners.py > reports/bench_planners.txt
+rm -f reports/sweep_bert-1.67b_dgx1.csv  # a sweep resumes from the rows it finds: start afresh
 mpsim sweep --server dgx1-v100 --model bert-1.67b --schedule pipedream --microbatch 1,2,4,8,12,16 \
   --strategy none,recompute,cpu-swap,mpress,best -j 2 --csv reports/sweep_bert-1.67b_dgx1.csv \
   --plot reports/sweep_bert-1.67b_dgx1.png > reports/sweep_bert-1.67b_dgx1.txt
+python benchmarks/presets_table.py --server dgx-a100-80gb,dgx-h100 --strategy none,selective,recompute,best > reports/presets_8gpu.md
 mpsim reproduce --out reports
 for model in gpt-10.3b llama-3-8b; do
   mpsim choose --model "$model" --servers dgx1-v100,a100-40gb-nvswitch,dgx-a100-80gb,dgx-h100 \
