@@ -20,14 +20,16 @@ from mpsim.sweep import FIELDS, KEY, grid, sweep
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and process groups")
 
-MODELS, SIZES, STRATEGIES = "gpt-5.3b,gpt-10.3b", "1,2,4,8", "none,recompute,cpu-swap,mpress"
+# big enough models that the sweep takes seconds, and one point per task so the first row
+# comes early: on a busy machine the signal must still find the sweep running
+MODELS, SIZES, STRATEGIES = "gpt-10.3b,gpt-15.4b", "1,2,4,8", "none,recompute,cpu-swap,mpress"
 N_POINTS = 2 * 4 * 4
 STOP_BOUND_S = 15.0
 
 
 def _cmd(csv_path: Path, *python_flags: str) -> list[str]:
     return [sys.executable, *python_flags, "-m", "mpsim.cli", "sweep", "--model", MODELS, "--microbatch", SIZES,
-            "--strategy", STRATEGIES, "-j", "2", "--csv", str(csv_path)]
+            "--strategy", STRATEGIES, "-j", "2", "--batch", "1", "--csv", str(csv_path)]
 
 
 def _rows(csv_path: Path) -> int:
