@@ -189,10 +189,10 @@ class LocalBackend:
                         broken.append(batch)
                         continue
                     yield _outcomes(batch, results)
+            pool.shutdown()  # inside: a signal while the workers wind down still stops them
         except BaseException:
             _stop_pool(pool, pending)
             raise
-        pool.shutdown()
 
     @staticmethod
     def _submit(pool: ProcessPoolExecutor, batches: list[list[Any]],
