@@ -164,6 +164,9 @@ def app() -> None:
     Examples:
       mpsim fits --server dgx1-v100 --family gpt --schedule 1f1b --microbatch 2
       mpsim simulate --server dgx1-v100 --model gpt-5.3b --microbatches 16 --json out.json
+      mpsim simulate --server dgx-a100-80gb --model llama-2-7b
+      mpsim choose --model llama-3-8b --servers dgx-a100-80gb,dgx-h100
+      mpsim trace --hf llama-3-70b -o llama.json
       mpsim topo show dgx1-v100
     """
 
