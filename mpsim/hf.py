@@ -222,17 +222,6 @@ def _attention_backend(transformers: Any, backend: str) -> Iterator[None]:
         _BACKEND.reset(token)
 
 
-class _CudaDropout(torch.overrides.TorchFunctionMode):
-    """Sends ``F.dropout`` to ``kernels.dropout``: CUDA's fused dropout with a 1-byte mask."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.dropout:
-            bound = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
-            return kernels.dropout(bound["input"], bound.get("p", 0.5), bound.get("training", True))
-        return func(*args, **kwargs)
-
-
 @contextmanager
 def _fake_errors(model_type: str) -> Iterator[None]:
     """Data-dependent ops, which FakeTensor cannot run, as one line naming op and model."""
@@ -336,7 +325,7 @@ def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = No
     config.num_hidden_layers = 1
     b = microbatch or preset_mb
     with (_fake_errors(config.model_type), _attention_backend(transformers, backend), compute_dtype(recipe),
-          FakeTensorMode(), _CudaDropout()):
+          FakeTensorMode()):
         dtype = DTYPES[RECIPES[recipe].compute_dtype]
         model = _build(transformers, config, layout, dtype)
         emb, layer, head = _trace_rows(model, layout, b, seq_len, dtype)

@@ -145,6 +145,19 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     return torch.native_dropout(x, p, True)[0]
 
 
+class CudaDropout(torch.overrides.TorchFunctionMode):
+    """Sends every ``F.dropout`` (so any model's ``nn.Dropout``: Hugging Face's, a user's
+    module) to ``dropout``, CUDA's fused dropout with its 1-byte mask. The tracer runs
+    each layer under it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            bound = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
+            return dropout(bound["input"], bound.get("p", 0.5), bound.get("training", True))
+        return func(*args, **kwargs)
+
+
 @torch.library.custom_op("mpsim::rms_norm", mutates_args=())
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     rstd = torch.rsqrt(_wide(x).pow(2).mean(-1, keepdim=True) + eps)

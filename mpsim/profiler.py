@@ -27,7 +27,7 @@ import torch
 
 from mpsim.errors import MpsimError
 from mpsim.trace import RECIPES, Source, Trace
-from mpsim.tracer import _DTYPES, _assemble, _trace_module
+from mpsim.tracer import DTYPES, _assemble, trace_layer
 from mpsim.workloads import Embedding, LossHead, ModelConfig, TransformerLayer
 
 
@@ -93,7 +93,7 @@ def measure_trace(cfg: ModelConfig, microbatch: int, recipe: str = "fp32", devic
     if microbatch < 1 or warmup < 0 or repeats < 1 or threads < 1:
         raise MpsimError("microbatch, repeats and threads must be positive and warmup not negative")
     dev = check_device(device)
-    dtype = _DTYPES[RECIPES[recipe].compute_dtype]
+    dtype = DTYPES[RECIPES[recipe].compute_dtype]
     if dev.type == "cpu" and dtype != torch.float32:
         raise MpsimError(f"recipe {recipe} computes in {RECIPES[recipe].compute_dtype}; "
                          "measure on CPU with --recipe fp32")
@@ -151,7 +151,7 @@ def backward_workspace_bytes(module: torch.nn.Module, inputs: list[torch.Tensor]
 
 def _measure(module: torch.nn.Module, inputs: list[torch.Tensor], run: Callable[..., torch.Tensor],
              dev: torch.device, warmup: int, repeats: int) -> dict:
-    fields = _trace_module(module, inputs, False, run)
+    fields = trace_layer(module, inputs, run)
     for t in inputs:
         t.grad = None
     bwd_ws = backward_workspace_bytes(module, inputs, run)

@@ -39,7 +39,6 @@ _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot
 _NO_TRAFFIC_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "device", "detach",
                    "alias", "lift_fresh", "_to_copy_meta"}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
-_DTYPES = DTYPES
 Run = Callable[..., torch.Tensor]
 
 
@@ -113,7 +112,7 @@ def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run) -
 
     probe = kernels.TraceProbe()
     counter = _OpBytes(probe)
-    with (kernels.probing(probe), FlopCounterMode(display=False) as fwd_flops, counter,
+    with (kernels.CudaDropout(), kernels.probing(probe), FlopCounterMode(display=False) as fwd_flops, counter,
           torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
         out = run(module, *inputs)
     out_key = storage_key(out)
@@ -141,11 +140,6 @@ def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run) -
         "attention_core_flops": float(probe.core_fwd_flops) if core_bytes else 0.0,
         "attention_core_mem_bytes": float(counter.core_mem_bytes) if core_bytes else 0.0,
     }
-
-
-def _trace_module(module: torch.nn.Module, inputs: list[torch.Tensor], grad_input: bool, run: Run) -> dict:
-    """``trace_layer`` under its former name (``grad_input`` is implied by the inputs)."""
-    return trace_layer(module, inputs, run)
 
 
 class compute_dtype:

@@ -141,3 +141,19 @@ def test_preset_has_the_public_models_parameter_count(preset: str) -> None:
     traced = trace_model(small, 1, recipe)
     assert sum(r.params for r in traced.layers) == small.param_count() + (
         small.vocab * small.hidden if small.tied else 0)  # a tied head holds its own copy
+
+
+def test_any_models_nn_dropout_keeps_a_one_byte_mask_when_traced() -> None:
+    """The tracer runs every layer with ``F.dropout`` sent to CUDA's fused dropout, so a
+    user's (or Hugging Face's) ``nn.Dropout`` keeps 1 byte per element, not 4 (fp32)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mpsim.tracer import trace_layer
+
+    with FakeTensorMode():
+        block = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.1), torch.nn.Linear(64, 64))
+        x = torch.randn(32, 64, requires_grad=True)
+        fields = trace_layer(block, [x], lambda m, inp: m(inp))
+    elements = 32 * 64
+    # the first linear keeps its input (fp32), the mask is 1 byte, the second linear keeps the dropped output
+    assert fields["act_bytes"] == 4 * elements + elements + 4 * elements
