@@ -223,14 +223,15 @@ def test_ctrl_c_on_a_ray_sweep_keeps_the_rows_and_a_rerun_completes(tmp_path):
     import subprocess
 
     pytest.importorskip("ray")
-    from test_sweep_interrupt import _check_rows_unique, _rows
+    from test_sweep_interrupt import _check_rows_unique, _rows, ctrl_c_default
 
     csv_path = tmp_path / "s.csv"
     # points that take seconds in all, so that on a busy machine the signal finds the sweep running
     args = [sys.executable, "-m", "mpsim.cli", "sweep", "--model", "gpt-10.3b,gpt-15.4b", "--microbatch", "1,2,4,8",
             "--strategy", "none,recompute,cpu-swap,mpress", "--csv", str(csv_path), "--batch", "1"]
     proc = subprocess.Popen(args + ["--backend", "ray", "-j", "2"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True,
+                            preexec_fn=ctrl_c_default)
     try:
         deadline = time.monotonic() + 240
         while _rows(csv_path) < 1 and proc.poll() is None and time.monotonic() < deadline:

@@ -35,6 +35,13 @@ def _cmd(csv_path: Path, *python_flags: str) -> list[str]:
             "--strategy", STRATEGIES, "-j", str(WORKERS), "--batch", "1", "--csv", str(csv_path)]
 
 
+def ctrl_c_default() -> None:
+    """In the sweep's process before it starts: SIGINT at its default, as in a terminal.
+    A test runner started in the background by a non-interactive shell ignores SIGINT, and
+    a child would inherit that (Python then installs no KeyboardInterrupt handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _rows(csv_path: Path) -> int:
     try:
         return max(0, csv_path.read_bytes().count(b"\n") - 1)
@@ -80,7 +87,7 @@ def _interrupt(tmp_path: Path, send) -> tuple[int, int, str, Path]:
     err_path = tmp_path / "err.txt"
     with err_path.open("w") as err:
         proc = subprocess.Popen(_cmd(csv_path), stdout=subprocess.DEVNULL, stderr=err, cwd=tmp_path,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=ctrl_c_default)
     try:
         deadline = time.monotonic() + 120
         while _rows(csv_path) < 1:
