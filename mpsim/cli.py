@@ -549,7 +549,7 @@ def trace(output: Path, preset: str | None, family: Family | None, layers: int |
         others = {"--preset": preset, "--family": family, "--kv-heads": kv_heads, "--ffn-hidden": ffn_hidden,
                   "--vocab": vocab, "--dropout": dropout, "--measure": measure or None}
         _trace_hf(output, hf_source, {"layers": layers, "hidden": hidden, "heads": heads, "seq_len": seq_len},
-                  [k for k, v in others.items() if v is not None], attention or _default_attention(server),
+                  [k for k, v in others.items() if v is not None], attention or _default_attention(server, recipe),
                   microbatch, recipe, name)
         return
     from dataclasses import replace
@@ -563,7 +563,7 @@ def trace(output: Path, preset: str | None, family: Family | None, layers: int |
              "ffn_hidden": ffn_hidden, "seq_len": seq_len, "vocab": vocab, "dropout": dropout}
     changes = {k: v for k, v in shape.items() if v is not None}
     if attention is not None or server is not None or preset is None:
-        changes["attention"] = attention or _default_attention(server)
+        changes["attention"] = attention or _default_attention(server, recipe or base_recipe)
     try:
         cfg: ModelConfig = replace(base, **changes)
     except ValueError as e:
@@ -612,15 +612,18 @@ def _write_trace(output: Path, result) -> None:
                + (f", {attention} attention" if attention else ""))
 
 
-def _default_attention(server: str | None) -> str:
-    """The kernel PyTorch's scaled_dot_product_attention picks on ``server``'s GPUs."""
+def _default_attention(server: str | None, recipe: str | None) -> str:
+    """The kernel PyTorch's scaled_dot_product_attention picks on ``server``'s GPUs for the
+    recipe's compute dtype (mixed-fp16 when none is given)."""
     from mpsim.kernels import default_attention
+    from mpsim.trace import RECIPES
 
+    dtype = RECIPES[recipe].compute_dtype if recipe in RECIPES else "fp16"
     if server is None:
-        return default_attention(None)
+        return default_attention(None, dtype)
     from mpsim.catalog import load_topology
 
-    return default_attention(load_topology(server).spec.gpu.compute_capability)
+    return default_attention(load_topology(server).spec.gpu.compute_capability, dtype)
 
 
 def _list_presets(ctx: click.Context) -> None:

@@ -320,7 +320,7 @@ def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = No
     recipe = recipe or preset_recipe
     if recipe not in RECIPES:
         raise MpsimError(f"unknown recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
-    backend = attention or kernels.default_attention(None)
+    backend = attention or kernels.default_attention(None, RECIPES[recipe].compute_dtype)
     layers = config.num_hidden_layers
     config.num_hidden_layers = 1
     b = microbatch or preset_mb

@@ -59,10 +59,11 @@ _LSE_ROWS = {"mem-efficient": 32, "flash": 1}
 """The log-sum-exp's query rows are padded to a multiple of this (PyTorch's CUTLASS kernel pads to 32)."""
 
 
-def default_attention(compute_capability: float | None) -> AttentionBackend:
-    """The backend PyTorch picks on a GPU generation: FlashAttention-2 from Ampere (8.0) on,
-    the memory-efficient kernel before (Volta, Turing, Pascal), flash when unknown."""
-    if compute_capability is not None and compute_capability < 8.0:
+def default_attention(compute_capability: float | None, compute_dtype: str = "fp16") -> AttentionBackend:
+    """The backend PyTorch's scaled_dot_product_attention picks: FlashAttention-2 for 16-bit
+    inputs from Ampere (8.0) on, the memory-efficient kernel before (Volta, Turing, Pascal)
+    and for fp32 inputs, which FlashAttention does not take; flash when the GPU is unknown."""
+    if compute_dtype in ("fp32", "tf32") or (compute_capability is not None and compute_capability < 8.0):
         return "mem-efficient"
     return "flash"
 
@@ -363,6 +364,8 @@ def _cuda_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: fl
     """PyTorch's own CUDA kernel for ``backend`` (FlashAttention-2 or the memory-efficient one)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if backend == "flash" and q.dtype == torch.float32:
+        raise ValueError("FlashAttention takes fp16 or bf16 inputs; an fp32 model runs mem-efficient attention")
     kernel = SDPBackend.FLASH_ATTENTION if backend == "flash" else SDPBackend.EFFICIENT_ATTENTION
     with sdpa_kernel([kernel]):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale,

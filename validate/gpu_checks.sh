@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU, in one run, each step's output kept in OUTDIR:
+#   env.txt               GPU, driver, torch and CUDA versions
+#   probe.yaml            `mpsim topo probe --device cuda` of this machine
+#   trace_fp32.json       measured fp32 GPT layers (what the executor trains)
+#   trace_bf16.json       measured mixed-bf16 Llama layers (flash attention, fused RMSNorm)
+#   calibrate_*.json      `mpsim calibrate` on both against the shipped single-GPU server
+#   validate_*.json       `mpsim validate --device cuda`: keep, recompute, selective, host swap;
+#                         peer swap too where there are two or more GPUs
+#   log.txt               everything printed
+# A step that fails is logged and the next one runs.
+# Usage: validate/gpu_checks.sh OUTDIR [SERVER]   (SERVER: shipped topology to calibrate against)
+set -u -o pipefail
+out=${1:?usage: validate/gpu_checks.sh OUTDIR [SERVER]}
+server=${2:-h100-x1}
+mkdir -p "$out"
+exec > >(tee "$out/log.txt") 2>&1
+
+step() {
+    echo "== $*"
+    local t0=$SECONDS
+    "$@" || echo "!! exit $? after $((SECONDS - t0)) s: $*"
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    python3 -c 'import torch, sys; print("python", sys.version.split()[0]); print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version()); print("gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0), "cc", torch.cuda.get_device_capability(0))'
+} > "$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+gpt=(--family gpt --layers 8 --hidden 1024 --heads 16 --seq-len 1024 --vocab 50257 --microbatch 4)
+step mpsim topo probe --device cuda -o "$out/probe.yaml"
+step mpsim trace "${gpt[@]}" --recipe fp32 --name gpt-8l-1024h-fp32 --measure --device cuda -o "$out/trace_fp32.json"
+step mpsim trace --preset llama-3-8b --layers 4 --recipe mixed-bf16 --microbatch 1 --measure --device cuda \
+    -o "$out/trace_bf16.json"
+for p in fp32 bf16; do
+    step mpsim calibrate --trace "$out/trace_$p.json" --server "$server" --force --json "$out/calibrate_$p.json"
+done
+
+validate=(mpsim validate --model "$out/trace_fp32.json" --server "$out/probe.yaml" --device cuda --steps 10)
+for s in none recompute selective; do
+    step "${validate[@]}" --stages 1 --strategy "$s" --json "$out/validate_$s.json"
+done
+python3 - "$out" <<'EOF'
+"""A one-stage host-swap plan of the traced GPT: layers 2-7 swapped to pinned host memory."""
+import json, sys
+actions = [{"layer": i, "action": "host", "peers": [], "split": 1, "split_dim": None, "split_slowdown": None}
+           for i in range(2, 8)]
+plan = {"schema": 1, "model": "gpt-8l-1024h-fp32", "server": "probe", "microbatch": 4, "microbatches": 4,
+        "schedule": "1f1b", "strategy": "host-swap",
+        "stages": [{"gpu": 0, "layers": [0, 10], "optimizer": "gpu", "stash": "gpu", "actions": actions}]}
+json.dump(plan, open(f"{sys.argv[1]}/plan_host.json", "w"), indent=1)
+EOF
+step "${validate[@]}" --plan "$out/plan_host.json" --json "$out/validate_host.json"
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    step "${validate[@]}" --stages 2 --strategy d2d --json "$out/validate_peer.json"
+else
+    echo "== peer swap skipped: one GPU here, and a D2D swap needs an NVLink peer"
+fi
