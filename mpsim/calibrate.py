@@ -8,8 +8,13 @@ which is linear in the inverse efficiencies u = 1 / e. Each timed row of a measu
 (a layer's forward or backward, ``fwd_ms``/``bwd_ms``) gives one equation
 ``x . u = t`` with x = (F_matmul / peak, F_attention / peak, bytes / bandwidth), all in
 seconds at peak. Identical equations (the N copies of one transformer layer) count once.
-The fit minimises the relative residuals (each equation divided by its
-measured time, so a 1 ms embedding counts as much as a 100 ms layer) subject to u >= 0.
+The fit minimises the residuals in seconds, so each row weighs what it weighs in an
+iteration, subject to u >= 0. (Relative residuals, tried first, let a 0.2 ms embedding
+whose time is mostly kernel launches weigh as much as a 9 ms layer: on an H100 that
+pulled the memory efficiency to 0.29 and pushed the matmul one above 1.) Several traces
+of one precision on one device (``--trace`` repeated: other shapes, sequence lengths)
+add their rows to one fit; differing mixes of matmul, attention and memory work are what
+make the three efficiencies separable.
 
 Non-negative least squares is solved exactly by enumeration: with at most three unknowns
 there are at most seven supports; the least-squares solution on each support that is
@@ -126,25 +131,52 @@ def _check_fittable(trace: Trace, x: np.ndarray, used: list[int], source: str) -
                          "layers (embedding, transformer, head)")
 
 
-def calibrate(trace: Trace, topo: Topology, force: bool = False) -> Calibration:
-    """Fit the efficiencies of ``topo``'s GPU at the trace's rate dtype; refuse in one line
-    (MpsimError) what cannot be fitted."""
+def _check_measured(trace: Trace, topo: Topology, force: bool) -> None:
     source = trace.source or trace.name
-    gpu = topo.spec.gpu
     if not any(r.fwd_ms is not None or r.bwd_ms is not None for r in trace.layers):
         raise MpsimError(f"{source}: no measured times (fwd_ms/bwd_ms); calibrate needs a trace made with "
                          "`mpsim trace --measure`")
-    elsewhere = measured_elsewhere(trace, gpu.model, topo.name)
+    elsewhere = measured_elsewhere(trace, topo.spec.gpu.model, topo.name)
     if elsewhere and not force:
         raise MpsimError(f"{elsewhere}; --force fits it anyway")
-    dtype = trace.rate_dtype(gpu)
-    x, t, labels = timed_rows(trace, gpu, dtype)
+
+
+def _all_rows(traces: list[Trace], gpu: GpuSpec) -> tuple[Dtype, np.ndarray, np.ndarray, list[tuple[str, str]]]:
+    """The timed rows of every trace, which must share one rate dtype and one device."""
+    first = traces[0]
+    dtype = first.rate_dtype(gpu)
+    xs, ts, labels = [], [], []
+    for tr in traces:
+        name = tr.source or tr.name
+        if tr.rate_dtype(gpu) != dtype:
+            raise MpsimError(f"{name}: runs at {tr.rate_dtype(gpu)}, {first.source or first.name} at {dtype}; "
+                             "calibrate one precision at a time")
+        if tr.spec.source.device != first.spec.source.device:
+            raise MpsimError(f"{name}: measured on {tr.spec.source.device}, {first.source or first.name} on "
+                             f"{first.spec.source.device}; calibrate one device at a time")
+        x, t, lab = timed_rows(tr, gpu, dtype)
+        xs.append(x)
+        ts.append(t)
+        labels += [(f"{tr.name}:{layer}" if len(traces) > 1 else layer, phase) for layer, phase in lab]
+    return dtype, np.vstack(xs), np.concatenate(ts), labels
+
+
+def calibrate(traces: Trace | list[Trace], topo: Topology, force: bool = False) -> Calibration:
+    """Fit the efficiencies of ``topo``'s GPU at the traces' rate dtype; refuse in one line
+    (MpsimError) what cannot be fitted."""
+    traces = [traces] if isinstance(traces, Trace) else list(traces)
+    trace = traces[0]
+    source = ", ".join(tr.source or tr.name for tr in traces)
+    gpu = topo.spec.gpu
+    for tr in traces:
+        _check_measured(tr, topo, force)
+    dtype, x, t, labels = _all_rows(traces, gpu)
     used = [i for i in range(len(CLASSES)) if x[:, i].any()]
     if not used:
         raise MpsimError(f"{source}: the timed rows have no FLOPs and no bytes moved; nothing to fit")
     _check_fittable(trace, x, used, source)
     distinct = np.unique(np.column_stack([x[:, used], t]), axis=0)  # identical layers count once
-    u = nnls_small(distinct[:, :-1] / distinct[:, -1:], np.ones(len(distinct)))
+    u = nnls_small(distinct[:, :-1], distinct[:, -1])
     before = gpu.op_efficiency(dtype)
     values = before.model_dump()
     for i, inv in zip(used, u, strict=True):
@@ -161,14 +193,15 @@ def calibrate(trace: Trace, topo: Topology, force: bool = False) -> Calibration:
     kept = {c: values[c] for c in CLASSES if c not in fitted}
     when = datetime.date.today().isoformat()
     src = trace.spec.source
-    values["source"] = (f"calibrated from {Path(source).name} ({src.device or 'unknown device'}, "
+    values["source"] = (f"calibrated from {', '.join(Path(tr.source or tr.name).name for tr in traces)} "
+                        f"({src.device or 'unknown device'}, "
                         f"torch {src.torch_version or '?'}) on {when}"
                         + (f"; {', '.join(kept)} kept from: {before.source}" if kept else ""))
     eff = OpEfficiency(**values)
     inv_all = np.array([1.0 / eff.matmul, 1.0 / eff.attention, 1.0 / eff.memory])
     rows = tuple(RowFit(name, phase, float(tm * 1e3), float(xi @ inv_all * 1e3))
                  for (name, phase), xi, tm in zip(labels, x, t, strict=True))
-    return Calibration(trace.name, topo.name, dtype, eff, fitted, kept, rows)
+    return Calibration(", ".join(tr.name for tr in traces), topo.name, dtype, eff, fitted, kept, rows)
 
 
 def calibrated_topology(topo: Topology, cal: Calibration) -> dict[str, Any]:

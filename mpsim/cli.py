@@ -848,13 +848,16 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
 
 
 @app.command("calibrate")
-@click.option("--trace", "trace_path", required=True, help="measured trace JSON (`mpsim trace --measure`)")
+@click.option("--trace", "trace_paths", required=True, multiple=True,
+              help="measured trace JSON (`mpsim trace --measure`); repeat for several shapes of one precision, "
+                   "measured on one device, fitted together")
 @click.option("--server", "-s", required=True, help=_SERVER_HELP)
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
               help="write the topology YAML with the fitted efficiency block to this file")
 @click.option("--force", is_flag=True, help="fit even when the trace was measured on another kind of device")
 @_json_option
-def calibrate_cmd(trace_path: str, server: str, output: Path | None, force: bool, json_out: str | None) -> None:
+def calibrate_cmd(trace_paths: tuple[str, ...], server: str, output: Path | None, force: bool,
+                  json_out: str | None) -> None:
     """Fit the server GPU's matmul, attention-kernel and memory efficiencies for the trace's
     precision to the measured layer times (non-negative least squares), print them with
     each row's residual, and optionally write the topology with them."""
@@ -862,7 +865,7 @@ def calibrate_cmd(trace_path: str, server: str, output: Path | None, force: bool
     from mpsim.catalog import load_topology, load_trace
 
     topo = load_topology(server)
-    cal = calibrate(load_trace(trace_path), topo, force)
+    cal = calibrate([load_trace(p) for p in trace_paths], topo, force)
     if output:
         output.write_text(calibrated_yaml(topo, cal))
     if json_out != "-":

@@ -23,6 +23,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -149,9 +150,20 @@ def run_executor(plan: PlanFile, cfg: ModelConfig, settings: RunSettings, capaci
         if errors:
             detail = errors[0].read_text().strip().splitlines()[-1]
         else:
-            detail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            detail = failure_line(proc.stderr)
         raise MpsimError(f"the executor failed (exit {proc.returncode}): {detail}")
     return results
+
+
+def failure_line(stderr: str) -> str:
+    """The line of torchrun's output that says what failed: the last exception line of a
+    traceback (``ImportError: ...``), not the banner of separators torchrun ends with."""
+    lines = [ln.strip() for ln in stderr.strip().splitlines()]
+    for ln in reversed(lines):
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?", ln):
+            return ln
+    meaningful = [ln for ln in lines if ln and not set(ln) <= set("=-_ ")]
+    return meaningful[-1] if meaningful else "(no output)"
 
 
 def simulate_plan(plan: PlanFile, topo: Topology, trace: Trace) -> SimResult:

@@ -150,6 +150,37 @@ def test_noise_keeps_the_fit_close():
         assert getattr(cal.efficiency, k) == pytest.approx(v, rel=0.05)
 
 
+def test_a_launch_bound_row_does_not_pull_the_fit():
+    """A tiny embedding whose time is mostly kernel launches (5x the model's) moves the
+    fitted efficiencies by what it weighs in the iteration, not as much as a layer."""
+    rows = [row("embedding", 0.0, 0.0, 2e5), row("layer0", 8e10, 1e10, 2e7), row("long", 8e10, 5e10, 2e7),
+            row("head", 3e10, 0.0, 5e6, bwd_factor=2.2), row("mlp", 4e10, 0.0, 4e7)]
+    noise = np.ones(2 * len(rows))
+    noise[:2] = 5.0
+    cal = calibrate(measured(rows, TRUE, noise), server())
+    for k, v in TRUE.items():
+        assert getattr(cal.efficiency, k) == pytest.approx(v, rel=0.02)
+
+
+def test_two_traces_fit_together_what_neither_can_alone():
+    """Each trace has one timed shape (its rows proportional: singular alone); together
+    the differing mixes pin all three efficiencies."""
+    a = measured([row("layer0", 8e10, 1e10, 2e7)], TRUE)
+    b = measured([row("layer0", 8e10, 5e10, 4e7)], TRUE)
+    with pytest.raises(MpsimError, match="distinct timed row"):
+        calibrate(a, server())
+    cal = calibrate([a, b], server())
+    for k, v in TRUE.items():
+        assert getattr(cal.efficiency, k) == pytest.approx(v, abs=1e-6)
+    assert len(cal.rows) == 4 and max(abs(r.residual_pct) for r in cal.rows) < 1e-6
+
+
+def test_traces_of_two_precisions_or_devices_are_refused():
+    a = measured(ROWS, TRUE)
+    with pytest.raises(MpsimError, match="one device at a time"):
+        calibrate([a, measured(ROWS, TRUE, device="other")], server())
+
+
 def test_no_attention_flops_fits_matmul_and_memory_and_keeps_attention():
     rows = [row("embedding", 1e9, 0.0, 4e8), row("layer0", 8e10, 0.0, 2e9), row("head", 3e10, 0.0, 5e8)]
     topo = server(efficiency={"fp16": {"matmul": 0.3, "attention": 0.33, "memory": 0.5, "source": "old"}})

@@ -2,9 +2,9 @@
 # Every check that needs a GPU, in one run, each step's output kept in OUTDIR:
 #   env.txt               GPU, driver, torch and CUDA versions
 #   probe.yaml            `mpsim topo probe --device cuda` of this machine
-#   trace_fp32.json       measured fp32 GPT layers (what the executor trains)
-#   trace_bf16.json       measured mixed-bf16 Llama layers (flash attention, fused RMSNorm)
-#   calibrate_*.json      `mpsim calibrate` on both against the shipped single-GPU server
+#   trace_fp32*.json      measured fp32 GPT layers, two shapes (trace_fp32.json is what the executor trains)
+#   trace_bf16*.json      measured mixed-bf16 Llama layers, three shapes (flash attention, fused RMSNorm)
+#   calibrate_*.json      `mpsim calibrate` of each precision against the shipped single-GPU server
 #   validate_*.json       `mpsim validate --device cuda`: keep, recompute, selective, host swap;
 #                         peer swap too where there are two or more GPUs
 #   log.txt               everything printed
@@ -31,11 +31,19 @@ cat "$out/env.txt"
 gpt=(--family gpt --layers 8 --hidden 1024 --heads 16 --seq-len 1024 --vocab 50257 --microbatch 4)
 step mpsim topo probe --device cuda -o "$out/probe.yaml"
 step mpsim trace "${gpt[@]}" --recipe fp32 --name gpt-8l-1024h-fp32 --measure --device cuda -o "$out/trace_fp32.json"
-step mpsim trace --preset llama-3-8b --layers 4 --recipe mixed-bf16 --microbatch 1 --measure --device cuda \
+# more shapes of each precision: differing mixes of matmul, attention and memory work make the fit separable
+step mpsim trace --family gpt --layers 2 --hidden 2048 --heads 16 --seq-len 512 --vocab 50257 --microbatch 8 \
+    --recipe fp32 --measure --device cuda -o "$out/trace_fp32_b.json"
+step mpsim trace --preset llama-3-8b --layers 2 --recipe mixed-bf16 --microbatch 1 --measure --device cuda \
     -o "$out/trace_bf16.json"
-for p in fp32 bf16; do
-    step mpsim calibrate --trace "$out/trace_$p.json" --server "$server" --force --json "$out/calibrate_$p.json"
-done
+step mpsim trace --preset llama-3-8b --layers 2 --seq-len 2048 --recipe mixed-bf16 --microbatch 4 --measure \
+    --device cuda -o "$out/trace_bf16_b.json"
+step mpsim trace --family llama --layers 2 --hidden 2048 --heads 16 --kv-heads 4 --ffn-hidden 5632 --seq-len 4096 \
+    --vocab 32000 --recipe mixed-bf16 --microbatch 2 --measure --device cuda -o "$out/trace_bf16_c.json"
+step mpsim calibrate --trace "$out/trace_fp32.json" --trace "$out/trace_fp32_b.json" --server "$server" --force \
+    --json "$out/calibrate_fp32.json"
+step mpsim calibrate --trace "$out/trace_bf16.json" --trace "$out/trace_bf16_b.json" --trace "$out/trace_bf16_c.json" \
+    --server "$server" --force --json "$out/calibrate_bf16.json"
 
 validate=(mpsim validate --model "$out/trace_fp32.json" --server "$out/probe.yaml" --device cuda --steps 10)
 for s in none recompute selective; do
