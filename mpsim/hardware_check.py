@@ -129,6 +129,7 @@ def run_executor(plan: PlanFile, cfg: ModelConfig, settings: RunSettings, capaci
     job = {"plan": json.loads(plan.to_json()), "model": dataclasses.asdict(cfg), "device": settings.device,
            "threads": settings.threads, "seed": settings.seed, "warmup": settings.warmup, "steps": settings.steps,
            "capacity_bytes": capacity_bytes}
+    workdir = workdir.resolve()
     job_path = workdir / "job.json"
     job_path.write_text(json.dumps(job, indent=1))
     out = workdir / "stages"
@@ -136,7 +137,10 @@ def run_executor(plan: PlanFile, cfg: ModelConfig, settings: RunSettings, capaci
            "-m", executor_module(), "--job", str(job_path), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS=str(settings.threads), PYTHONUNBUFFERED="1")
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=settings.timeout_s, env=env, check=False)
+        # cwd: `python -m` puts the working directory first on sys.path, where a source checkout's
+        # mpsim/ (which has no executor: that is validate/) would hide the installed package
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=settings.timeout_s, env=env, check=False,
+                              cwd=workdir)
     except subprocess.TimeoutExpired:
         raise MpsimError(f"the executor did not finish within {settings.timeout_s:.0f} s") from None
     results: list[dict | None] = []
