@@ -127,22 +127,28 @@ def _layer_cases(cfg: ModelConfig, b: int, dtype: torch.dtype, dev: torch.device
 
 def backward_workspace_bytes(module: torch.nn.Module, inputs: list[torch.Tensor],
                              run: Callable[..., torch.Tensor]) -> int:
-    """Peak bytes the backward allocates beyond the input gradient (see the module doc)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    """Peak bytes the backward allocates beyond the input gradient (see the module doc).
+
+    The forward runs inside the tracker too: the tensors it saves must be known to it, or
+    their release during the backward (a log-softmax's output once its backward has run)
+    goes unseen and the peak comes out one such tensor too high; the peak is the module's
+    own backward peak (``_ModState.PEAK_BW``), over what stood after its forward."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
     out = run(module, *inputs)  # steady state: weight gradients exist from here on
     out.backward(torch.ones_like(out))
-    out = run(module, *inputs)
-    grad = torch.ones_like(out)
     for t in inputs:
         t.grad = None
+    dev = inputs[0].device
     tracker = MemTracker()
     tracker.track_external(module)
-    dev = grad.device
-    base = tracker.get_tracker_snapshot()[dev]["Total"] if dev in tracker.get_tracker_snapshot() else 0
     with tracker:
+        out = run(module, *inputs)
+        grad = torch.ones_like(out)
+        base = tracker.get_tracker_snapshot()[dev]["Total"]
         out.backward(grad)
-    peak = tracker.get_tracker_snapshot("peak")[dev]["Total"]
+    peaks = tracker.memory_tracking[module].snapshots[_ModState.PEAK_BW]
+    peak = max(snap[dev]["Total"] for snap in peaks if dev in snap)
     grad_in = sum(t.numel() * t.element_size() for t in inputs if t.requires_grad)
     for t in inputs:
         t.grad = None
