@@ -26,7 +26,8 @@ _SERVER_HELP = "shipped server name (see `mpsim topo list`) or a topology YAML f
 _SCHEDULE_HELP = "gpipe, 1f1b (DAPPLE, PipeDream-Flush) or pipedream (asynchronous, weight stashing)"
 _MICROBATCHES_HELP = ("microbatches per iteration, at most 4096; 1f1b and pipedream need at least one per "
                       "stage")
-_STRATEGY_HELP = ("memory-saving strategy: none; recompute (checkpoint every transformer layer or module block); "
+_STRATEGY_HELP = ("memory-saving strategy: none; recompute (checkpoint transformer layers or module blocks, "
+                  "fewest first, until each GPU fits); recompute-all (every one, as GPipe and DAPPLE); "
                   "selective (recompute only the attention core of every transformer layer, Korthikanti et al. "
                   "2022); cpu-swap "
                   "(swap to host memory until it fits); d2d (swap to spare memory of NVLink peers); mpress "

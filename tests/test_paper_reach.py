@@ -1,0 +1,76 @@
+"""Which sizes each baseline trains on the DGX-1, as MPress (HPCA 2023) states.
+
+Fig. 7 (BERT under PipeDream, microbatch 12) and Fig. 8a (GPT under DAPPLE's 1F1B,
+microbatch 2), 16 microbatches, as `mpsim reproduce` runs them. Section IV-B's text:
+
+- PipeDream trains BERT-0.35B and runs out from 0.64B; DAPPLE trains GPT-5.3B and runs
+  out from 10.3B.
+- Recomputation trains BERT up to 1.67B and fails at 4B and 6.2B; DAPPLE+Recomp reaches
+  GPT-10.3B on the DGX-1 and fails beyond.
+- GPU-CPU swap trains every BERT size, slowly.
+- D2D swap alone trains BERT-0.64B and fails from 1.67B (the neighbours' spare memory runs
+  out).
+- MPress trains every BERT size, and GPT up to 20.4B on the DGX-1.
+
+Where ours disagrees the case is marked xfail(strict): it fails the day it starts to agree,
+so the mark has to go.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mpsim.api import plan
+
+BERT = ["bert-0.35b", "bert-0.64b", "bert-1.67b", "bert-4b", "bert-6.2b"]
+GPT = ["gpt-5.3b", "gpt-10.3b", "gpt-15.4b", "gpt-20.4b"]
+
+#: (strategy, model) -> trains, as the paper states
+FIG7 = {
+    **{("none", m): m == "bert-0.35b" for m in BERT},
+    **{("recompute", m): m in ("bert-0.35b", "bert-0.64b", "bert-1.67b") for m in BERT},
+    **{("cpu-swap", m): True for m in BERT},
+    **{("mpress-d2d-only", m): m in ("bert-0.35b", "bert-0.64b") for m in BERT},
+    **{("mpress", m): True for m in BERT},
+}
+FIG8A = {
+    **{("none", m): m == "gpt-5.3b" for m in GPT},
+    **{("recompute", m): m in ("gpt-5.3b", "gpt-10.3b") for m in GPT},
+    **{("mpress", m): True for m in GPT},
+}
+#: Known disagreements (reports/mpress.md): our recomputation fits BERT-4B, whose
+#: 128 GB-per-stage shape in the paper is larger than ours.
+DIFFERS = {("recompute", "bert-4b"): "our BERT-4B is narrower than the paper's (Table II's shape refit is open)"}
+
+
+def _case(strategy: str, model: str, trains: bool):
+    marks = [pytest.mark.xfail(strict=True, reason=DIFFERS[(strategy, model)])] if (strategy, model) in DIFFERS \
+        else []
+    return pytest.param(strategy, model, trains, id=f"{strategy}-{model}", marks=marks)
+
+
+@pytest.mark.parametrize("strategy,model,trains", [_case(s, m, t) for (s, m), t in FIG7.items()])
+def test_fig7_bert_under_pipedream(strategy, model, trains):
+    assert plan("dgx1-v100", model, "pipedream", 12, 16, strategy=strategy).result.fits == trains
+
+
+@pytest.mark.parametrize("strategy,model,trains", [_case(s, m, t) for (s, m), t in FIG8A.items()])
+def test_fig8a_gpt_under_dapple(strategy, model, trains):
+    assert plan("dgx1-v100", model, "1f1b", 2, 16, strategy=strategy).result.fits == trains
+
+
+def test_recompute_recomputes_nothing_when_everything_fits():
+    """At BERT-0.35B every system runs as PipeDream does (Fig. 7)."""
+    kept = plan("dgx1-v100", "bert-0.35b", "pipedream", 12, 16, strategy="none").result
+    rec = plan("dgx1-v100", "bert-0.35b", "pipedream", 12, 16, strategy="recompute")
+    assert not any(a.action == "recompute" for st in rec.plan.stages for a in st.actions)
+    assert rec.result.iteration_s == kept.iteration_s
+
+
+def test_recompute_checkpoints_fewer_layers_than_recompute_all_where_some_suffice():
+    some = plan("dgx1-v100", "gpt-10.3b", "1f1b", 2, 16, strategy="recompute")
+    every = plan("dgx1-v100", "gpt-10.3b", "1f1b", 2, 16, strategy="recompute-all")
+    count = [sum(a.action == "recompute" for st in p.plan.stages for a in st.actions) for p in (some, every)]
+    assert some.result.fits and every.result.fits
+    assert 0 < count[0] < count[1]
+    assert some.result.iteration_s < every.result.iteration_s
