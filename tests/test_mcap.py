@@ -54,7 +54,7 @@ def test_prediction_matches_the_simulated_peaks_and_never_falls_short():
         if recompute:
             from mpsim.planners import plan_job
 
-            result = plan_job("recompute", topo, trace, schedule, 16, partition="memory").result
+            result = plan_job("recompute-all", topo, trace, schedule, 16, partition="memory").result
             assert [tuple(s) for s in result.stages] == stages
         else:
             result = simulate_job(Job(topo, trace, schedule=schedule, stages=stages))

@@ -104,9 +104,9 @@ def test_strategies_fit_what_none_does_not(gpt, strategy):
     assert all(g.peak_bytes <= g.capacity_bytes for g in r.gpus)
 
 
-def test_recompute_plan_checkpoints_every_transformer_layer(gpt):
+def test_recompute_all_plan_checkpoints_every_transformer_layer(gpt):
     topo, trace = gpt
-    planned = make_strategy_plan(topo, trace, "1f1b", 2, 16, strategy="recompute")
+    planned = make_strategy_plan(topo, trace, "1f1b", 2, 16, strategy="recompute-all")
     actions = [(a.layer, a.action) for st in planned.plan.stages for a in st.actions]
     assert actions == [(j, "recompute") for j, r in enumerate(trace.layers) if r.kind == "transformer"]
 

@@ -140,7 +140,7 @@ def test_gpt_selective_keeps_34_sbh_per_layer():
 
 def _three(model: str):
     topo, trace = load_topology("dgx1-v100"), load_trace(model)
-    return [plan_job(st, topo, trace, "1f1b", 16).result for st in ("none", "selective", "recompute")]
+    return [plan_job(st, topo, trace, "1f1b", 16).result for st in ("none", "selective", "recompute-all")]
 
 
 def test_gpt_selective_lies_between_keep_and_full_recompute():

@@ -10,7 +10,7 @@ from mpsim.sweep import FIELDS, grid, sweep
 
 
 def points(sizes):
-    return grid(["dgx1-v100"], ["gpt-5.3b"], "1f1b", sizes, [16], ["none", "recompute"])
+    return grid(["dgx1-v100"], ["gpt-5.3b"], "1f1b", sizes, [16], ["none", "recompute-all"])
 
 
 def test_rows_per_point_with_oom_rows(tmp_path):
@@ -18,7 +18,7 @@ def test_rows_per_point_with_oom_rows(tmp_path):
     assert len(frame) == 4
     none4 = frame[(frame.strategy == "none") & (frame.microbatch == 4)].iloc[0]
     assert str(none4.fits) == "False" and none4.oom_task and none4.samples_per_s == ""
-    rec2 = frame[(frame.strategy == "recompute") & (frame.microbatch == 2)].iloc[0]
+    rec2 = frame[(frame.strategy == "recompute-all") & (frame.microbatch == 2)].iloc[0]
     assert str(rec2.fits) == "True" and float(rec2.samples_per_s) == pytest.approx(5.25, abs=0.01)
 
 
