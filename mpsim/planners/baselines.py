@@ -25,11 +25,37 @@ again, until every GPU fits or nothing is left to swap.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
-from mpsim.plan import LayerAction, fit_stripes
+from mpsim.plan import LayerAction, PlanFile, fit_stripes
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
+from mpsim.sim.result import SimResult
 from mpsim.trace import RECOMPUTABLE, LayerRow
+
+
+def _rounds(ctx: Ctx, planned: Planned, take: Callable[[int, int], bool], build: Callable[[], PlanFile],
+            after: Callable[[SimResult], None] | None = None) -> Planned:
+    """The greedy rounds of the module doc: per GPU that does not fit, ``take(stage,
+    shortfall)`` adds actions (True if it added any); then one simulation of ``build()``,
+    until every GPU fits, nothing is added, or MAX_ROUNDS; ``after`` sees each result."""
+    plan, result, sims = planned.plan, planned.result, 1
+    for _ in range(MAX_ROUNDS):
+        moved = False
+        for s, g in enumerate(ctx.gpus):
+            short = over(result, g)
+            if short > 0:
+                moved |= take(s, short)
+        if not moved:
+            break
+        plan = build()
+        result = ctx.simulate(plan)
+        sims += 1
+        if result.fits:
+            break
+        if after is not None:
+            after(result)
+    return Planned(plan, result, sims)
 
 
 def _none(ctx: Ctx) -> Planned:
@@ -73,26 +99,19 @@ def _recompute(ctx: Ctx) -> Planned:
     planned, _ = keep_first(ctx, "recompute")
     if planned.result.fits:
         return planned
-    plan, result, sims = planned.plan, planned.result, 1
     queues = [_recompute_queue(ctx, s) for s in range(len(ctx.stages))]
     actions: dict[int, list[LayerAction]] = {s: [] for s in range(len(ctx.stages))}
-    for _ in range(MAX_ROUNDS):
+
+    def take(s: int, short: int) -> bool:
         moved = False
-        for s, g in enumerate(ctx.gpus):
-            short = over(result, g)
-            while short > 0 and queues[s]:
-                j, saves = queues[s].pop(0)
-                actions[s].append(LayerAction(layer=j, action="recompute"))
-                short -= saves
-                moved = True
-        if not moved:
-            break
-        plan = ctx.plan("recompute", actions)
-        result = ctx.simulate(plan)
-        sims += 1
-        if result.fits:
-            break
-    return Planned(plan, result, sims)
+        while short > 0 and queues[s]:
+            j, saves = queues[s].pop(0)
+            actions[s].append(LayerAction(layer=j, action="recompute"))
+            short -= saves
+            moved = True
+        return moved
+
+    return _rounds(ctx, planned, take, lambda: ctx.plan("recompute", actions))
 
 
 def _selective(ctx: Ctx) -> Planned:
@@ -103,7 +122,6 @@ def _cpu_swap(ctx: Ctx) -> Planned:
     planned, interval = keep_first(ctx, "cpu-swap")
     if planned.result.fits:
         return planned
-    plan, result, sims = planned.plan, planned.result, 1
     rows = ctx.trace.layers
     # per stage, candidates by live interval, longest first: ("optimizer"|"stash"|layer, estimated bytes saved)
     queues: list[list[tuple[str | int, int]]] = []
@@ -118,69 +136,59 @@ def _cpu_swap(ctx: Ctx) -> Planned:
     actions: dict[int, list[LayerAction]] = {s: [] for s in range(len(ctx.stages))}
     optimizer: dict[int, str] = {}
     stash: dict[int, str] = {}
-    for _ in range(MAX_ROUNDS):
+
+    def take(s: int, short: int) -> bool:
         moved = False
-        for s, g in enumerate(ctx.gpus):
-            short = over(result, g)
-            while short > 0 and queues[s]:
-                what, saves = queues[s].pop(0)
-                if what == "optimizer":
-                    optimizer[s] = "host-stream"
-                elif what == "stash":
-                    stash[s] = "host"
-                else:
-                    actions[s].append(LayerAction(layer=int(what), action="host"))
-                short -= saves
-                moved = True
-        if not moved:
-            break
-        plan = ctx.plan("cpu-swap", actions, optimizer, stash)
-        result = ctx.simulate(plan)
-        sims += 1
-        if result.fits:
-            break
-    return Planned(plan, result, sims)
+        while short > 0 and queues[s]:
+            what, saves = queues[s].pop(0)
+            if what == "optimizer":
+                optimizer[s] = "host-stream"
+            elif what == "stash":
+                stash[s] = "host"
+            else:
+                actions[s].append(LayerAction(layer=int(what), action="host"))
+            short -= saves
+            moved = True
+        return moved
+
+    return _rounds(ctx, planned, take, lambda: ctx.plan("cpu-swap", actions, optimizer, stash))
 
 
 def _d2d(ctx: Ctx) -> Planned:
     planned, interval = keep_first(ctx, "d2d")
     if planned.result.fits:
         return planned
-    plan, result, sims = planned.plan, planned.result, 1
     topo = ctx.topo
     rows = ctx.trace.layers
-    spare = {g.gpu: max(0, g.capacity_bytes - g.peak_bytes) for g in result.gpus}
+    spare = {g.gpu: max(0, g.capacity_bytes - g.peak_bytes) for g in planned.result.gpus}
     queues = [sorted((j for j in range(a, b) if rows[j].act_bytes), key=lambda j: (-interval[j], j))
               for a, b in ctx.stages]
     actions: dict[int, list[LayerAction]] = {s: [] for s in range(len(ctx.stages))}
-    for _ in range(MAX_ROUNDS):
+
+    def take(s: int, short: int) -> bool:
         moved = False
-        for s, g in enumerate(ctx.gpus):
-            short = over(result, g)
-            held = ctx.held_microbatches(s)
-            while short > 0 and queues[s]:
-                j = queues[s][0]
-                need = rows[j].act_bytes * held
-                stripes = fit_stripes(topo, g, need, spare)
-                if stripes is None:
-                    break
-                queues[s].pop(0)
-                for x in stripes:
-                    spare[x.gpu] -= int(need * x.fraction) + 1
-                actions[s].append(LayerAction(layer=j, action="peer", peers=stripes))
-                short -= need
-                moved = True
-        if not moved:
-            break
-        plan = ctx.plan("d2d", actions)
-        result = ctx.simulate(plan)
-        sims += 1
-        if result.fits:
-            break
+        held = ctx.held_microbatches(s)
+        g = ctx.gpus[s]
+        while short > 0 and queues[s]:
+            j = queues[s][0]
+            need = rows[j].act_bytes * held
+            stripes = fit_stripes(topo, g, need, spare)
+            if stripes is None:
+                break
+            queues[s].pop(0)
+            for x in stripes:
+                spare[x.gpu] -= int(need * x.fraction) + 1
+            actions[s].append(LayerAction(layer=j, action="peer", peers=stripes))
+            short -= need
+            moved = True
+        return moved
+
+    def overflowed(result: SimResult) -> None:
         for gr in result.gpus:  # a peer that overflowed has no spare left
             if gr.peak_bytes > gr.capacity_bytes and gr.gpu not in ctx.gpus[: len(ctx.stages)]:
                 spare[gr.gpu] = 0
-    return Planned(plan, result, sims)
+
+    return _rounds(ctx, planned, take, lambda: ctx.plan("d2d", actions), overflowed)
 
 
 BASELINES = {
