@@ -29,8 +29,9 @@ _MICROBATCHES_HELP = ("microbatches per iteration, at most 4096; 1f1b and pipedr
 _STRATEGY_HELP = ("memory-saving strategy: none; recompute (checkpoint transformer layers or module blocks, "
                   "fewest first, until each GPU fits); recompute-all (every one, as GPipe and DAPPLE); "
                   "selective (recompute only the attention core of every transformer layer, Korthikanti et al. "
-                  "2022); cpu-swap "
-                  "(swap to host memory until it fits); d2d (swap to spare memory of NVLink peers); mpress "
+                  "2022); cpu-swap (MPress's GPU-CPU swap baseline: to host memory until it fits, each copy on "
+                  "demand, the compute waiting for it); host-swap (the same, overlapped and prefetched); "
+                  "d2d (swap to spare memory of NVLink peers); mpress "
                   "(host swap, recompute and D2D with device mapping; ablations mpress-no-mapping, "
                   "mpress-no-striping, mpress-d2d-only); tsplit (swap, recompute and tensor splitting by "
                   "TSPLIT's cost model); best (every planner under both partitions, the fastest that fits)")

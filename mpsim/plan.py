@@ -105,6 +105,11 @@ class PlanFile(_Strict):
     microbatches: int = Field(gt=0, le=MAX_MICROBATCHES)
     schedule: Literal["gpipe", "1f1b", "pipedream"]
     strategy: str = Field(default="custom", description="what produced the plan")
+    swap_timing: Literal["prefetch", "on-demand"] = Field(
+        default="prefetch",
+        description="prefetch: a swap-out runs beside the compute and a swap-in is prefetched to land when its "
+                    "backward needs it; on-demand: the compute waits for each swap-out to land and each swap-in "
+                    "starts when the backward reaches its layer (the GPU-CPU swap baseline of MPress IV-B)")
     stages: list[StagePlan] = Field(min_length=1, max_length=1024)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
@@ -161,6 +166,9 @@ def check_plan(plan: PlanFile, topo: Topology, trace: Trace, source: str = "") -
                               f"layer {act.layer} ({row.name}) cannot be split (no splittable dimension)")
                 if act.split_dim is not None and act.split_dim not in row.split_dims:
                     raise bad(f"{at}.split_dim", f"layer {act.layer} splits along {', '.join(row.split_dims)} only")
+            if act.split > 1 and act.action in ("host", "peer") and plan.swap_timing == "on-demand":
+                raise bad(f"{at}.split", "on-demand swaps move whole layers; split swapped layers with "
+                          "swap_timing 'prefetch'")
             if act.action == "selective" and row.attention_core_bytes == 0:
                 raise bad(f"{at}.action",
                           f"layer {act.layer} keeps nothing in its attention core; use recompute or keep")
@@ -200,7 +208,8 @@ def write_plan_file(plan: PlanFile, path: Path) -> None:
 def make_plan(trace: Trace, topo: Topology, schedule: str, microbatches: int,
               stages: list[tuple[int, int]], gpu_of_stage: list[int], strategy: str,
               actions: dict[int, list[LayerAction]] | None = None,
-              optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None) -> PlanFile:
+              optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None,
+              swap_timing: str = "prefetch") -> PlanFile:
     """A plan from its parts; ``actions``/``optimizer``/``stash`` are keyed by stage."""
     actions = actions or {}
     optimizer = optimizer or {}
@@ -208,6 +217,7 @@ def make_plan(trace: Trace, topo: Topology, schedule: str, microbatches: int,
     return PlanFile(
         schema=SCHEMA_VERSION, model=trace.name, server=topo.name, microbatch=trace.microbatch,
         microbatches=microbatches, schedule=schedule, strategy=strategy,  # type: ignore[arg-type]
+        swap_timing=swap_timing,  # type: ignore[arg-type]
         stages=[StagePlan(gpu=g, layers=(a, b), optimizer=optimizer.get(s, "gpu"),  # type: ignore[arg-type]
                           stash=stash.get(s, "gpu"), actions=actions.get(s, []))  # type: ignore[arg-type]
                 for s, ((a, b), g) in enumerate(zip(stages, gpu_of_stage))],

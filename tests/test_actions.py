@@ -10,7 +10,8 @@ import pytest
 from helpers import GB, layer, tiny_topology, tiny_trace
 
 from mpsim.catalog import load_topology
-from mpsim.plan import LayerAction, Stripe, make_plan, stripes_by_bandwidth
+from mpsim.errors import SchemaError
+from mpsim.plan import LayerAction, Stripe, check_plan, make_plan, stripes_by_bandwidth
 from mpsim.sim import Job, simulate_job
 from mpsim.sim.transfers import Copy, copy_times
 
@@ -75,6 +76,31 @@ def test_swap_in_with_slack_adds_no_wait_and_without_adds_exactly_the_shortfall(
     r = run(fast, [LayerAction(layer=0, action="host")])
     assert r.gpus[0].costs_s["swap_wait_s"] == pytest.approx(0.21 - 0.09)
     assert r.iteration_s == pytest.approx(0.21 + 0.02)
+
+
+def test_on_demand_swaps_put_both_copies_on_the_critical_path():
+    """The GPU-CPU swap baseline (plan swap_timing on-demand): the forward of layer b waits
+    for layer a's 0.1 s swap-out, and the swap-in starts only when the backward reaches a,
+    so the slack that hid both copies under prefetching (0.83 s) no longer helps."""
+    topo = tiny_topology(n_gpus=1, pcie_gbps=10.0, latency_us=0.0, memory_mib=64 * 1024)
+    trace = tiny_trace([layer("a", fwd_ms=10, bwd_ms=20, act=GB), layer("b", fwd_ms=500, bwd_ms=300)])
+    plan = make_plan(trace, topo, "gpipe", 1, [(0, 2)], [0], "test", {0: [LayerAction(layer=0, action="host")]},
+                     swap_timing="on-demand")
+    r = simulate_job(Job(topo, trace, plan=plan))
+    assert spans(r, "d2h") == [("swap-out L0 mb0", 0.01, 0.11)]
+    assert spans(r, "h2d") == [("swap-in L0 mb0", 0.91, 1.01)]  # 0.11 + 0.5 + 0.3: the backward reaches a
+    assert r.gpus[0].costs_s["swap_wait_s"] == pytest.approx(0.2)
+    assert r.iteration_s == pytest.approx(1.01 + 0.02)
+
+
+def test_on_demand_swaps_of_split_layers_are_refused():
+    topo = tiny_topology(n_gpus=1, memory_mib=64 * 1024)
+    trace = tiny_trace([dict(layer("a", fwd_ms=10, bwd_ms=20, act=GB), split_dims=["batch"]),
+                        layer("b", fwd_ms=10, bwd_ms=20)])
+    plan = make_plan(trace, topo, "gpipe", 1, [(0, 2)], [0], "test",
+                     {0: [LayerAction(layer=0, action="host", split=2)]}, swap_timing="on-demand")
+    with pytest.raises(SchemaError, match="on-demand swaps move whole layers"):
+        check_plan(plan, topo, trace)
 
 
 def test_recompute_adds_the_forward_on_the_compute_stream_and_nothing_on_copy_engines():

@@ -74,3 +74,27 @@ def test_recompute_checkpoints_fewer_layers_than_recompute_all_where_some_suffic
     assert some.result.fits and every.result.fits
     assert 0 < count[0] < count[1]
     assert some.result.iteration_s < every.result.iteration_s
+
+
+# -- throughput ratios (issue: each within ±50% of the paper's) --------------------------------
+def _claim_ratio(fig: str, model: str, x: str, y: str) -> float:
+    """Our x over y, each system as `mpsim reproduce` stands it in."""
+    systems = {"Recomputation": "recompute", "GPU-CPU swap": "cpu-swap", "MPress": "mpress",
+               "DAPPLE+Recomp": "recompute"}
+    sched, mb = ("pipedream", 12) if fig == "7" else ("1f1b", 2)
+    a, b = (plan("dgx1-v100", model, sched, mb, 16, strategy=systems[s]).result for s in (x, y))
+    assert a.fits and b.fits
+    return a.samples_per_s / b.samples_per_s
+
+
+def _claims():
+    from mpsim.reproduce import CLAIMS
+
+    return [pytest.param(paper, fig, model, x, y, id=claim.split(":")[0] + ":" + claim.split(":")[1].split("(")[0])
+            for claim, paper, fig, model, x, y in CLAIMS]
+
+
+@pytest.mark.parametrize("paper,fig,model,x,y", _claims())
+def test_throughput_ratio_within_half_of_the_papers(paper, fig, model, x, y):
+    ours = _claim_ratio(fig, model, x, y)
+    assert 0.5 * paper <= ours <= 1.5 * paper

@@ -20,7 +20,7 @@ from mpsim.planners.context import PARTITIONS, Ctx, Planned, make_context
 from mpsim.planners.mpress import MPRESS_STRATEGIES
 from mpsim.planners.tsplit import plan_tsplit
 
-SINGLE = ("none", "recompute", "selective", "cpu-swap", "d2d", "mpress", "tsplit")
+SINGLE = ("none", "recompute", "selective", "cpu-swap", "host-swap", "d2d", "mpress", "tsplit")
 SINGLE_PLANNERS: dict[str, Callable[[Ctx], Planned]] = {**BASELINES, **MPRESS_STRATEGIES, "tsplit": plan_tsplit}
 
 

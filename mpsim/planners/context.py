@@ -45,9 +45,10 @@ class Ctx:
     partition: str = "compute"
 
     def plan(self, strategy: str, actions: dict[int, list[LayerAction]] | None = None,
-             optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None) -> PlanFile:
+             optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None,
+             swap_timing: str = "prefetch") -> PlanFile:
         return make_plan(self.trace, self.topo, self.schedule, self.microbatches, self.stages, self.gpus, strategy,
-                         actions, optimizer, stash)
+                         actions, optimizer, stash, swap_timing)
 
     def simulate(self, plan: PlanFile) -> SimResult:
         """Simulate a plan this context made (``make_plan`` output is valid by construction,

@@ -305,9 +305,27 @@ def plan_mpress(ctx: Ctx, opts: Options, name: str) -> Planned:
             sims += 1
     planner = _Planner(ctx, opts, name)
     result, plan = planner.fit(planned.result, planned.plan, intervals)
-    if result.fits and not opts.d2d_only:
-        result, plan = planner.tune(result, plan, intervals)
+    if not opts.d2d_only:
+        planner, result, plan = _recompute_first_if_faster(ctx, opts, name, planner, result, plan)
+        if result.fits:
+            result, plan = planner.tune(result, plan, intervals)
     return Planned(plan, result, sims + planner.sims)  # type: ignore[arg-type]
+
+
+def _recompute_first_if_faster(ctx: Ctx, opts: Options, name: str, planner: _Planner, result: SimResult,
+                               plan: object) -> tuple[_Planner, SimResult, object]:
+    """III-D's second observation, prioritise recomputation: when recomputing the fewest
+    layers that make every GPU fit (``recompute``) is faster than step 3's assignment,
+    the tuning rounds start from it instead."""
+    from mpsim.planners.baselines import BASELINES
+
+    alt = BASELINES["recompute"](ctx)
+    if not alt.result.fits or (result.fits and alt.result.iteration_s >= result.iteration_s):
+        return planner, result, plan
+    seeded = _Planner(ctx, opts, name)
+    seeded.sims = planner.sims + alt.simulations
+    seeded.actions = {s: {a.layer: a for a in st.actions} for s, st in enumerate(alt.plan.stages)}
+    return seeded, *seeded.simulate()
 
 
 def _variant(name: str):

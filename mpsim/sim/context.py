@@ -19,8 +19,9 @@ from mpsim.topology import HOST
 class Signals:
     """Named one-shot events between components, made on first use by either side:
     ``("activation"|"gradient", stage, mb)`` a boundary tensor has landed,
-    ``("out"|"in", stage, mb, layer)`` a swap-out or swap-in has landed. ``reached``
-    holds the (stage, mb, layer) whose backward waits for its swap-in."""
+    ``("out"|"in", stage, mb, layer)`` a swap-out or swap-in has landed, ``("reach", stage,
+    mb, layer)`` the backward has reached a swapped layer. ``reached`` holds the (stage, mb,
+    layer) whose backward waits for its swap-in."""
 
     def __init__(self, env: simpy.Environment) -> None:
         self._env = env
@@ -84,6 +85,11 @@ class RunContext:
     @property
     def torch_pipelining(self) -> bool:
         return self.layout.runtime == "torch-pipelining"
+
+    @property
+    def on_demand(self) -> bool:
+        """Swaps as the GPU-CPU swap baseline runs them (``PlanFile.swap_timing``)."""
+        return self.layout.swap_timing == "on-demand"
 
     def host_copy(self, gpu: int, n_bytes: int, to_host: bool, label: str) -> Generator[simpy.Event, object, None]:
         """A copy between ``gpu`` and pinned host memory. Timing: waits in FIFO order for

@@ -75,6 +75,8 @@ class Layout:
     strategy: str = "none"
     runtime: Runtime = "mpress"
     record_link_rates: bool = False
+    swap_timing: str = "prefetch"
+    """``PlanFile.swap_timing``."""
 
     @property
     def n_stages(self) -> int:
@@ -117,7 +119,7 @@ def layout_of_plan(plan: PlanFile, topo: Topology, trace: Trace, *, checked: boo
     return Layout(topo, trace, plan.schedule, plan.microbatches, [st.layers for st in plan.stages],
                   tuple(st.gpu for st in plan.stages), tuple(plan.action_of(s) for s in range(len(plan.stages))),
                   tuple(st.optimizer for st in plan.stages), tuple(st.stash for st in plan.stages),
-                  plan.strategy if strategy is None else strategy, runtime, record_link_rates)
+                  plan.strategy if strategy is None else strategy, runtime, record_link_rates, plan.swap_timing)
 
 
 def resolve(job: Job) -> Layout:

@@ -96,11 +96,21 @@ class ComputeStream:
         signals = self.run.signals
         landed = signals("in", self.stage, mb, layer)
         signals.reached.add((self.stage, mb, layer))
+        if self.run.on_demand:
+            signals("reach", self.stage, mb, layer).succeed()
         self.memory.poke()
         if not landed.processed:
             start = self.run.env.now
             yield landed
             self.run.costs.add(self.gpu, cost, self.run.env.now - start)
+
+    def _wait_for_swap_out(self, mb: int, layer: int) -> Generator[simpy.Event, object, None]:
+        """On-demand swaps: the compute goes on once the layer's swap-out has landed."""
+        out = self.run.signals("out", self.stage, mb, layer)
+        if not out.processed:
+            start = self.run.env.now
+            yield out
+            self.run.costs.add(self.gpu, "swap_wait_s", self.run.env.now - start)
 
     def _run_pieces(self, task: Task) -> Generator[simpy.Event, object, None]:
         env, mb = self.run.env, task.microbatch
@@ -127,6 +137,8 @@ class ComputeStream:
             self.memory.set_climb(climb_after)
             if piece.swap_out is not None:
                 self.swapper.start_swap_out(mb, piece.swap_out)
+                if self.run.on_demand:
+                    yield from self._wait_for_swap_out(mb, piece.swap_out.layer)
 
     def _after(self, task: Task) -> None:
         """Costs, sends and stashes that follow a forward or a backward."""

@@ -131,8 +131,14 @@ class Swapper:
 
     def _until_start(self, mb: int, si: SwapIn, need_at_s: float) -> Generator[simpy.Event, object, None]:
         """Wait until the copy, alone on its route, would land when it is needed; under
-        ``torch-pipelining``, re-timed from the gradient's arrival when that comes late."""
+        ``torch-pipelining``, re-timed from the gradient's arrival when that comes late;
+        with on-demand swaps, until the backward reaches the layer."""
         run, alone = self.run, self._time_alone_s(si)
+        if run.on_demand:
+            reach = run.signals("reach", self.stage, mb, si.layer)
+            if not reach.processed:
+                yield reach
+            return
         if need_at_s - alone > run.env.now:
             yield run.env.timeout(need_at_s - alone - run.env.now)
         if run.torch_pipelining and self.stage < run.layout.n_stages - 1:
