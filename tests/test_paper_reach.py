@@ -98,3 +98,15 @@ def _claims():
 def test_throughput_ratio_within_half_of_the_papers(paper, fig, model, x, y):
     ours = _claim_ratio(fig, model, x, y)
     assert 0.5 * paper <= ours <= 1.5 * paper
+
+
+def test_gpu_cpu_swap_costs_what_section_2d_says():
+    """II-D: swapping 39% of BERT-0.64B's stage 0 data under PipeDream costs 67% of the
+    throughput PipeDream would reach with memory to spare (ours: the simulated iteration
+    of the run that runs out, which goes on past the out-of-memory)."""
+    ideal = plan("dgx1-v100", "bert-0.64b", "pipedream", 12, 16, strategy="none").result
+    swap = plan("dgx1-v100", "bert-0.64b", "pipedream", 12, 16, strategy="cpu-swap").result
+    assert not ideal.fits and swap.fits
+    swapped = sum(swap.gpus[0].saved_at_peak.values()) / ideal.gpus[0].peak_bytes
+    assert 0.2 <= swapped <= 0.6  # the paper: 39%
+    assert 0.5 * 0.33 <= swap.samples_per_s / ideal.samples_per_s <= 1.5 * 0.33
