@@ -8,7 +8,7 @@
 #   validate_*.json       `mpsim validate --device cuda`: keep, recompute, selective, host swap;
 #                         peer swap too where there are two or more GPUs
 #   log.txt               everything printed
-# A step that fails is logged and the next one runs.
+# A step that fails or outlasts STEP_TIMEOUT_S is logged and the next one runs.
 # Usage: validate/gpu_checks.sh OUTDIR [SERVER]   (SERVER: shipped topology to calibrate against)
 set -u -o pipefail
 out=${1:?usage: validate/gpu_checks.sh OUTDIR [SERVER]}
@@ -16,10 +16,10 @@ server=${2:-h100-x1}
 mkdir -p "$out"
 exec > >(tee "$out/log.txt") 2>&1
 
-step() {
+step() {  # each step at most STEP_TIMEOUT_S seconds (default 300); SIGINT first, so Python says where it was
     echo "== $*"
     local t0=$SECONDS
-    "$@" || echo "!! exit $? after $((SECONDS - t0)) s: $*"
+    timeout --signal=INT --kill-after=10 "${STEP_TIMEOUT_S:-300}" "$@" || echo "!! exit $? after $((SECONDS - t0)) s: $*"
 }
 
 {
