@@ -295,7 +295,7 @@ lowest peak is reached only by putting the 7 light-activation layers (the last 5
 convolutions and the fully connected layers) on GPU 3, {mcap_share:.0%} of the compute, while
 the compute-balanced cut's busiest GPU does {gpipe_share:.0%}; the pipeline runs at its
 slowest stage. The paper's 30-module cut left mCAP a partition that was both low in
-memory and the fastest; ours leaves no such choice.
+memory and the fastest; here the lowest-peak partition is not the fastest.
 """
 
 
