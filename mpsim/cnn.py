@@ -57,6 +57,11 @@ def _images(batch: int, size: int) -> Tensor:
     return torch.randn(batch, 3, size, size)
 
 
+def _check_width(width: int) -> None:
+    if not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be a positive integer, got {width!r}")
+
+
 # --- VGG -------------------------------------------------------------------------------------
 
 _POOL = 0
@@ -69,12 +74,14 @@ VGG_CONFIGS: dict[str, list[int]] = {
 }
 
 
-def _vgg_features(config: Sequence[int]) -> list[tuple[str, nn.Module]]:
-    """One layer per 3x3 convolution and ReLU; a following max pool joins that layer."""
+def _vgg_features(config: Sequence[int], scale: int = 1) -> list[tuple[str, nn.Module]]:
+    """One layer per 3x3 convolution and ReLU; a following max pool joins that layer.
+    ``scale`` multiplies every convolution's output channels (TSPLIT VI-B, Table V)."""
     layers: list[tuple[str, nn.Module]] = []
     channels = 3
-    for width in config:
-        if width == _POOL:
+    for base in config:
+        width = base * scale
+        if base == _POOL:
             name, last = layers[-1]
             layers[-1] = (name + "-pool", nn.Sequential(*last.children(), nn.MaxPool2d(kernel_size=2, stride=2)))
             continue
@@ -84,11 +91,11 @@ def _vgg_features(config: Sequence[int]) -> list[tuple[str, nn.Module]]:
     return layers
 
 
-def _vgg_classifier(classes: int, dropout: float) -> list[tuple[str, nn.Module]]:
+def _vgg_classifier(classes: int, dropout: float, channels: int = 512) -> list[tuple[str, nn.Module]]:
     """The three fully connected layers; the first pools to 7x7 and flattens (any image size)."""
     fc_width = 4096
     return [
-        ("fc1", nn.Sequential(nn.AdaptiveAvgPool2d((7, 7)), nn.Flatten(), nn.Linear(512 * 7 * 7, fc_width),
+        ("fc1", nn.Sequential(nn.AdaptiveAvgPool2d((7, 7)), nn.Flatten(), nn.Linear(channels * 7 * 7, fc_width),
                               nn.ReLU(inplace=True), Dropout(dropout))),
         ("fc2", nn.Sequential(nn.Linear(fc_width, fc_width), nn.ReLU(inplace=True), Dropout(dropout))),
         ("fc3", nn.Sequential(nn.Linear(fc_width, classes))),
@@ -96,9 +103,12 @@ def _vgg_classifier(classes: int, dropout: float) -> list[tuple[str, nn.Module]]
 
 
 def vgg(config: str, batch: int = BATCH, image_size: int = IMAGE_SIZE, classes: int = CLASSES,
-        dropout: float = 0.5) -> Built:
-    """VGG without batch norm (configuration A, D or E of Simonyan & Zisserman, Table 1)."""
-    layers = _vgg_features(VGG_CONFIGS[config]) + _vgg_classifier(classes, dropout)
+        dropout: float = 0.5, width: int = 1) -> Built:
+    """VGG without batch norm (configuration A, D or E of Simonyan & Zisserman, Table 1);
+    ``width`` multiplies the convolutions' channels (TSPLIT's parameter scale k, VI-B), the
+    fully connected layers keep 4096 units."""
+    _check_width(width)
+    layers = _vgg_features(VGG_CONFIGS[config], width) + _vgg_classifier(classes, dropout, 512 * width)
     return nn.Sequential(OrderedDict(layers)), _images(batch, image_size)
 
 
@@ -149,9 +159,12 @@ class Bottleneck(nn.Module):
 RESNET_DEPTHS: dict[str, tuple[int, ...]] = {"resnet50": (3, 4, 6, 3), "resnet101": (3, 4, 23, 3)}
 
 
-def resnet(depth: str, batch: int = BATCH, image_size: int = IMAGE_SIZE, classes: int = CLASSES) -> Built:
-    """A bottleneck ResNet of He et al. Table 1: stem, four stages of blocks, pool and fc."""
-    stem_width = 64
+def resnet(depth: str, batch: int = BATCH, image_size: int = IMAGE_SIZE, classes: int = CLASSES,
+           width: int = 1) -> Built:
+    """A bottleneck ResNet of He et al. Table 1: stem, four stages of blocks, pool and fc;
+    ``width`` multiplies every convolution's channels (TSPLIT's parameter scale k, VI-B)."""
+    _check_width(width)
+    stem_width = 64 * width
     layers: list[tuple[str, nn.Module]] = [("stem", nn.Sequential(
         *_conv_bn(3, stem_width, 7, stride=2), nn.ReLU(inplace=True),
         nn.MaxPool2d(kernel_size=3, stride=2, padding=1)))]

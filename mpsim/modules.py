@@ -208,11 +208,14 @@ def _unique_params(named: list[tuple[str, nn.Module]]) -> int:
     return sum(seen.values())
 
 
-def trace_builder(spec: str, microbatch: int | None = None, recipe: str = "fp32", name: str | None = None) -> Trace:
-    """Trace the model SPEC builds, one row per block (module doc)."""
+def trace_builder(spec: str, microbatch: int | None = None, recipe: str = "fp32", name: str | None = None,
+                  builder: Callable[[], Any] | None = None) -> Trace:
+    """Trace the model SPEC builds, one row per block (module doc). ``builder``, when
+    given, is called instead of the function SPEC names (SPEC still labels the trace):
+    a builder with arguments bound, e.g. ``functools.partial(cnn.vgg, "vgg16", width=4)``."""
     if microbatch is not None and not 1 <= microbatch <= MAX_MICROBATCH:
         raise MpsimError(f"microbatch must be between 1 and {MAX_MICROBATCH}, got {microbatch}")
-    builder = load_builder(spec)
+    builder = builder or load_builder(spec)
     where, function = parse_spec(spec)
     with compute_dtype(recipe) as dtype, FakeTensorMode():
         try:
