@@ -9,6 +9,7 @@ dgx1-v100, compute-balanced partition, 16 microbatches.
 from __future__ import annotations
 
 from mpsim import simulate
+from mpsim.trace import Trace
 
 # MPress Table II: total, per-stage max, per-stage min (GB)
 TABLE_II = {
@@ -17,6 +18,18 @@ TABLE_II = {
     "gpt-5.3b": (164.8, 28.5, 12.7), "gpt-10.3b": (325.0, 56.4, 24.9), "gpt-15.4b": (486.7, 84.5, 37.2),
     "gpt-20.4b": (646.9, 112.4, 49.4), "gpt-25.5b": (806.2, 140.1, 61.5),
 }
+
+
+def setting(name: str) -> tuple[str, int]:
+    """Schedule and microbatch of a Table II row (MPress IV-A: BERT on PipeDream at 12, GPT on DAPPLE at 2)."""
+    return ("pipedream", 12) if name.startswith("bert") else ("1f1b", 2)
+
+
+def stage_peaks(name: str, model: str | Trace | None = None) -> list[float]:
+    """Per-stage peak GB of Table II's row ``name`` (``model``: another trace for it, as fit_table2.py tries)."""
+    schedule, mb = setting(name)
+    r = simulate("dgx1-v100", name if model is None else model, schedule, mb, 16)
+    return [g.peak_bytes / 1e9 for g in r.gpus]
 
 
 NOTES = """
@@ -45,9 +58,8 @@ def main() -> None:
     print("| model | schedule | total GB (paper / ours) | max GB (paper / ours) | min GB (paper / ours) | max error |")
     print("|---|---|---|---|---|---|")
     for name, (total, hi, lo) in TABLE_II.items():
-        schedule, mb = ("pipedream", 12) if name.startswith("bert") else ("1f1b", 2)
-        r = simulate("dgx1-v100", name, schedule, mb, 16)
-        peaks = [g.peak_bytes / 1e9 for g in r.gpus]
+        schedule, _ = setting(name)
+        peaks = stage_peaks(name)
         print(f"| {name} | {schedule} | {total:.1f} / {sum(peaks):.1f} | {hi:.1f} / {max(peaks):.1f} | "
               f"{lo:.1f} / {min(peaks):.1f} | {100 * (max(peaks) / hi - 1):+.0f}% |")
     print(NOTES, end="")

@@ -260,9 +260,9 @@ BERT_VOCAB = 30522
 ZOO: dict[str, tuple[ModelConfig, int, str]] = {
     "bert-0.35b": (ModelConfig("bert", 24, 1024, 16, BERT_SEQ, BERT_VOCAB), 12, "fp32"),
     "bert-0.64b": (ModelConfig("bert", 48, 1024, 16, BERT_SEQ, BERT_VOCAB), 12, "fp32"),
-    "bert-1.67b": (ModelConfig("bert", 32, 2048, 32, BERT_SEQ, BERT_VOCAB), 12, "fp32"),
-    "bert-4b": (ModelConfig("bert", 50, 2560, 40, BERT_SEQ, BERT_VOCAB), 12, "fp32"),
-    "bert-6.2b": (ModelConfig("bert", 54, 3072, 48, BERT_SEQ, BERT_VOCAB), 12, "fp32"),
+    "bert-1.67b": (ModelConfig("bert", 42, 1792, 28, BERT_SEQ, BERT_VOCAB), 12, "fp32"),
+    "bert-4b": (ModelConfig("bert", 41, 2816, 44, BERT_SEQ, BERT_VOCAB), 12, "fp32"),
+    "bert-6.2b": (ModelConfig("bert", 159, 1792, 28, BERT_SEQ, BERT_VOCAB), 12, "fp32"),
     "gpt-5.3b": (ModelConfig("gpt", 16, 5120, 40, GPT_SEQ, GPT_VOCAB), 2, "mixed-fp16"),
     "gpt-10.3b": (ModelConfig("gpt", 32, 5120, 40, GPT_SEQ, GPT_VOCAB), 2, "mixed-fp16"),
     "gpt-15.4b": (ModelConfig("gpt", 48, 5120, 40, GPT_SEQ, GPT_VOCAB), 2, "mixed-fp16"),
