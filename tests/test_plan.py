@@ -62,7 +62,7 @@ BAD = [
     ("gap between stages", lambda d: d["stages"][1].update(layers=[10, 18]),
      "stages.1.layers: expected [9, e)"),
     ("stages stop early", lambda d: d["stages"].pop(),
-     "stages: the stages end at layer 27 but gpt-10.3b has 34 layers"),
+     "stages: the stages end at layer 27 but gpt-10.3b has 59 layers"),
     ("stripes on a host swap", lambda d: d["stages"][0]["actions"][0].update(action="host"),
      "stages.0.actions.0.peers: stripes belong to action 'peer', not 'host'"),
     ("stash on host without pipedream", lambda d: d["stages"][0].update(stash="host"),
