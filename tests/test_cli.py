@@ -96,16 +96,16 @@ def test_plan_then_simulate_the_plan_file(capsys, tmp_path):
 
 
 def test_memory_partition_fits_what_the_compute_partition_does_not(capsys):
-    """GPT-10.3B on the 40 GB A100 server with 1F1B: compute-balanced stage 0 needs 46.1
+    """GPT-10.3B on the 40 GB A100 server with 1F1B: compute-balanced stage 0 needs 52.0
     GiB; the memory-balanced partition keeps every stage under 37.8 GiB."""
     argv = ["simulate", "--server", "a100-40gb-nvswitch", "--model", "gpt-10.3b", "--microbatch", "2", "--json", "-"]
     code, out, _ = run(capsys, *argv)
-    assert code == 1 and json.loads(out)["partition"][0] == [0, 5]
+    assert code == 1 and json.loads(out)["partition"][0] == [0, 8]
     code, out, _ = run(capsys, *argv, "--partition", "memory")
     d = json.loads(out)
     assert code == 0 and d["fits"]
     assert max(g["peak_bytes"] for g in d["gpus"]) < 37.8 * 2**30
-    assert d["partition"] == [[0, 4], [4, 7], [7, 10], [10, 14], [14, 18], [18, 23], [23, 28], [28, 34]]
+    assert d["partition"] == [[0, 5], [5, 10], [10, 16], [16, 23], [23, 30], [30, 38], [38, 48], [48, 59]]
 
 
 def test_topo_transfer_to_host_and_striped(capsys):
@@ -213,7 +213,7 @@ BAD = [
     ("unknown strategy in fits", lambda t: ["fits", "--strategy", "none,magic"], "unknown strategy 'magic'"),
     ("missing plan file", lambda t: ["simulate", "--plan", str(t / "nope.json")], "nope.json: cannot read plan file"),
     ("plan for another trace", lambda t: ["simulate", "--plan", _plan(t, lambda d: d.update(model="bert-0.35b"))],
-     "the stages end at layer 18 but bert-0.35b has 26 layers"),
+     "stages cover layers 0..25 of bert-0.35b in order"),
     ("bad stripe in plan", lambda t: ["simulate", "--plan", _plan(t, lambda d: d["stages"][0]["actions"].append(
         {"layer": 1, "action": "peer", "peers": [{"gpu": 1, "fraction": 0.7}]}))],
      "plan.json: stages.0.actions.0.peers: stripe fractions must sum to 1, got 0.7"),
@@ -392,7 +392,7 @@ def test_simulate_that_does_not_fit_says_so_first_in_half_open_layers(capsys):
     assert code == 1
     assert lines[0] == "DOES NOT FIT: gpt-10.3b on dgx1-v100: 1f1b, microbatch 2 x 16, strategy none"
     assert lines[1].startswith("  GPU 0 ran out at ") and "GiB free" in lines[1]
-    assert lines[5].split()[:3] == ["0", "0", "[0,"] and lines[5].split()[3] == "5)"  # layers 0 to 4, as in JSON
+    assert lines[5].split()[:3] == ["0", "0", "[0,"] and lines[5].split()[3] == "8)"  # layers 0 to 7, as in JSON
     assert "layers [a, b) = a to b - 1" in out and "memory in GiB = 2^30 bytes" in out
     assert out.index("DOES NOT FIT") < out.index("throughput")
     assert "GB (10^9 bytes) carried" in out

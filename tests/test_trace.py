@@ -20,7 +20,7 @@ def test_shipped_traces_hit_the_papers_parameter_counts():
 def test_trace_loads_as_a_dataframe():
     df = load_trace("gpt-5.3b").to_frame()
     assert list(df["kind"][:2]) == ["embedding", "transformer"] and df["kind"].iloc[-1] == "head"
-    assert len(df) == 16 + 2
+    assert len(df) == 29 + 2
 
 
 def test_rescale_is_linear_in_microbatch_except_model_state():
@@ -34,9 +34,9 @@ def test_rescale_is_linear_in_microbatch_except_model_state():
 
 def test_with_layers_adds_identical_transformer_layers():
     t = load_trace("gpt-5.3b")
-    t32 = t.with_layers(32)
-    assert t32.n_layers == 34
-    assert t32.spec.params == load_trace("gpt-10.3b").spec.params
+    t57 = t.with_layers(57)
+    assert t57.n_layers == 59
+    assert t57.spec.params == load_trace("gpt-10.3b").spec.params
 
 
 def test_tracer_counts_exact_parameters_and_matmul_flops():
