@@ -101,7 +101,10 @@ def _speedup(a: SimResult, b: SimResult) -> float | None:
 
 def claims_rows(results: dict[str, dict[tuple[str, str], SimResult]],
                 fig9: dict[str, dict[str, SimResult]]) -> list[list[str]]:
-    """Each paper ratio beside ours and ours over the paper's; within 0.5-1.5 is ±50%."""
+    """Each paper ratio beside ours and ours over the paper's; within 0.5-1.5 is ±50%.
+    Fig. 9's rows are gains: ours over the paper's counts the gain above 1.0 (the issue's
+    bar: at least half the paper's gain), and a gain the paper puts at nothing needs ours
+    within 2% of nothing."""
     rows = []
     pairs: list[tuple[str, float, float | None]] = [
         (claim, paper, _speedup(results[fig][(model, x)], results[fig][(model, y)]))
@@ -118,9 +121,15 @@ def claims_rows(results: dict[str, dict[tuple[str, str], SimResult]],
     for claim, paper, ours in pairs:
         if ours is None:
             rows.append([claim, f"{paper:.3f}", "OOM", "-", "no"])
-            continue
-        ratio = ours / paper
-        rows.append([claim, f"{paper:.3f}", f"{ours:.3f}", f"{ratio:.2f}", "yes" if 0.5 <= ratio <= 1.5 else "no"])
+        elif claim.startswith("Fig. 9") and paper == 1.0:
+            rows.append([claim, f"{paper:.3f}", f"{ours:.3f}", "gain: none", "yes" if abs(ours - 1) <= 0.02 else "no"])
+        elif claim.startswith("Fig. 9"):
+            gain = (ours - 1) / (paper - 1)
+            rows.append([claim, f"{paper:.3f}", f"{ours:.3f}", f"gain: {gain:.2f}", "yes" if gain >= 0.5 else "no"])
+        else:
+            ratio = ours / paper
+            rows.append([claim, f"{paper:.3f}", f"{ours:.3f}", f"{ratio:.2f}",
+                         "yes" if 0.5 <= ratio <= 1.5 else "no"])
     return rows
 
 
@@ -160,7 +169,7 @@ def mpress_report(out: Path, progress: _Progress) -> str:
         table4_rows.append([md, "yes" if r.fits else "no"] + [f"{v / 1e9:.0f} GB ({v / total * 100:.1f}%)"
                                                               for v in (saved["recompute"], host, saved["peer"])])
     rec, cpu, mp = r7[("bert-1.67b", "Recomputation")], r7[("bert-1.67b", "GPU-CPU swap")], r7[("bert-1.67b", "MPress")]
-    claims = _md_table(["claim", "paper", "ours", "ours / paper", "within ±50%"],
+    claims = _md_table(["claim", "paper", "ours", "ours / paper", "within ±50% (Fig. 9: half the gain)"],
                        claims_rows({"7": r7, "8a": r8a}, fig9))
     text = f"""# MPress, simulated
 
@@ -187,8 +196,10 @@ What the paper reports (IV-B) and what we get:
   MPress. Ours: MPress against recomputation {_ratio(mp, rec)}, recomputation against GPU-CPU
   swap {_ratio(rec, cpu)}.
 - 4B and 6.2B: recomputation fails, GPU-CPU swap and MPress train them (MPress 1.8x and 3.1x
-  faster). Ours: see the table and the claims above; our recomputation still fits BERT-4B,
-  whose shape is narrower than the paper's (Table II).
+  faster). Ours: see the table and the claims above. Our recomputation still fits BERT-4B.
+  Our GPU-CPU swap runs out of host memory at 6.2B (an OOM whose GPU peak is under the
+  32 GB): with the shape fitted to Table II (1279 GB in all) it must hold about 1 TB on
+  the host, more than the DGX-1's 768 GiB; the paper's swap trained it on that host.
 
 ## Fig. 8: GPT with DAPPLE (1F1B)
 
