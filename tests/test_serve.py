@@ -20,6 +20,7 @@ from urllib.parse import parse_qs, urlencode
 
 import pytest
 
+from mpsim import api
 from mpsim.catalog import load_trace
 from mpsim.cli import main
 from mpsim.web.app import MpsimServer, make_server, serve_in_thread
@@ -323,7 +324,10 @@ def test_browser_runs_a_job_and_shows_verdict_charts_and_plan(page, server):
     page.wait_for_function("[...document.querySelectorAll('img.chart')].every(i => i.complete && i.naturalWidth > 0)")
     assert charts_loaded(page)
     actions = page.eval_on_selector_all("#plan-table td:nth-child(4)", "cells => cells.map(c => c.textContent)")
-    assert len(actions) == len(load_trace("gpt-10.3b").spec.layers) and {"host", "recompute"} <= set(actions)
+    made = api.plan("dgx1-v100", "gpt-10.3b", "1f1b", 2, 16, strategy="mpress").plan  # what the page should show
+    chosen = {a.layer: a.action for st in made.stages for a in st.actions}
+    assert actions == [chosen.get(j, "keep") for j in range(len(load_trace("gpt-10.3b").spec.layers))]
+    assert {"peer", "recompute"} <= set(actions)
     peers = page.eval_on_selector_all("#plan-table td:nth-child(5)", "cells => cells.map(c => c.textContent)")
     assert any(p.startswith("gpu") and p.endswith("%") for p in peers)  # mpress swaps some layers to peers
     assert "server=dgx1-v100" in page.url and "strategy=mpress" in page.url and "run=1" in page.url
