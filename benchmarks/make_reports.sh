@@ -5,8 +5,10 @@ python benchmarks/mpress_table2.py > reports/mpress_table2.md
 for server in dgx1-v100 a100-40gb-nvswitch; do
   short=${server%%-*}
   mpsim fits --server "$server" --family gpt --schedule 1f1b --microbatch 2 > "reports/fits_${short}_gpt_1f1b.txt"
+  # without best: its largest-size search over the Table II-fitted BERT-6.2B shape (159 layers
+  # and up) ran past 25 minutes on 2 cores; the six planners take about 2 minutes
   mpsim fits --server "$server" --family bert --schedule pipedream --microbatch 12 \
-    > "reports/fits_${short}_bert_pipedream.txt"
+    --strategy none,recompute,cpu-swap,d2d,mpress,tsplit > "reports/fits_${short}_bert_pipedream.txt"
 done
 {
   mpsim topo transfer --server dgx1-v100 --src gpu0 --dst host --size 216MB,1152MB
