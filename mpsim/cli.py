@@ -39,6 +39,14 @@ _PARTITION_HELP = ("layers to stages: compute (balance compute time, as PipeDrea
                    "(balance predicted peak memory, mCAP)")
 
 
+def _emit(json_out: str | None, text: str, data: dict) -> None:
+    """A command's result: ``text`` for a person (unless the JSON goes to stdout) and
+    ``data`` as JSON where ``--json`` says."""
+    if json_out != "-":
+        click.echo(text)
+    _write_json(json_out, data)
+
+
 def _write_json(target: str | None, data: dict) -> None:
     if not target:
         return
@@ -225,9 +233,7 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
     with _tasks_progress("simulate"):
         result = run(topo, trace, schedule, microbatch, microbatches, n_stages=stages, strategy=strategy,
                      plan_file=plan, record_link_rates=chrome_trace is not None, partition=partition)
-    if json_out != "-":
-        click.echo(simulate_text(result))
-    _write_json(json_out, result.to_dict())
+    _emit(json_out, simulate_text(result), result.to_dict())
     if chrome_trace:
         write_chrome_trace(result, chrome_trace)
     if plot:
@@ -331,9 +337,7 @@ def fits(server: str, family: str, models: str | None, schedule: str, microbatch
     with _points_progress(f"fits {family}", total) as bar:
         reps = fits_strategies(server, family, schedule, microbatch, microbatches, names,
                                on_point=bar.point_done, partition=partition, models=chosen, backend=runner)
-    if json_out != "-":
-        click.echo(fits_strategies_text(reps))
-    _write_json(json_out, {"reports": [r.to_dict() for r in reps]})
+    _emit(json_out, fits_strategies_text(reps), {"reports": [r.to_dict() for r in reps]})
 
 
 @app.command("reproduce")
@@ -661,9 +665,7 @@ def topo_show(name: str, json_out: str | None) -> None:
     from mpsim.report import topo_text
 
     t = load_topology(name)
-    if json_out != "-":
-        click.echo(topo_text(t))
-    _write_json(json_out, t.to_dict())
+    _emit(json_out, topo_text(t), t.to_dict())
 
 
 @topo.command("check")
@@ -774,9 +776,7 @@ def topo_transfer(server: str, src: str, dst: str | None, stripe: str | None, si
         rows[-1]["effective_gbps"] = n / seconds / 1e9
     data = {"server": t.name, "src": source, "dst": dst and endpoint(dst, "--dst"),
             "stripe": stripe and [endpoint(x, "--stripe") for x in stripe.split(",")], "copies": rows}
-    if json_out != "-":
-        click.echo(transfer_text(data))
-    _write_json(json_out, data)
+    _emit(json_out, transfer_text(data), data)
 
 
 @app.command("validate")
@@ -841,9 +841,7 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
     settings = RunSettings(device=device, threads=threads, warmup=warmup, steps=steps,
                            capacity_bytes=int(memory_mib * 2**20) if memory_mib else None)
     report = validate_plan(plan, topo, trace, settings, str(plan_path) if plan_path else "<plan>")
-    if json_out != "-":
-        click.echo(validation_text(report))
-    _write_json(json_out, report)
+    _emit(json_out, validation_text(report), report)
     if report["oom"]:
         sys.exit(1)
 
@@ -918,9 +916,7 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
         job = bar.add_task("", total=None)
         report = choose(model, names, schedule, mb_sizes, tuple(_list(strategies, option="--strategy")),
                         microbatches, prices, rank_by, on_point=lambda what: bar.update(job, description=what))
-    if json_out != "-":
-        click.echo(choose_text(report))
-    _write_json(json_out, report.to_dict())
+    _emit(json_out, choose_text(report), report.to_dict())
     if plot:
         plot_choose(report, plot)
     if html_out:

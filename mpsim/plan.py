@@ -95,6 +95,10 @@ class StagePlan(_Strict):
     actions: list[LayerAction] = Field(default_factory=list, description="layers not listed are kept")
 
 
+SwapTiming = Literal["prefetch", "on-demand"]
+"""When swaps run: ``PlanFile.swap_timing``."""
+
+
 class PlanFile(_Strict):
     """The on-disk schema of a plan."""
 
@@ -105,7 +109,7 @@ class PlanFile(_Strict):
     microbatches: int = Field(gt=0, le=MAX_MICROBATCHES)
     schedule: Literal["gpipe", "1f1b", "pipedream"]
     strategy: str = Field(default="custom", description="what produced the plan")
-    swap_timing: Literal["prefetch", "on-demand"] = Field(
+    swap_timing: SwapTiming = Field(
         default="prefetch",
         description="prefetch: a swap-out runs beside the compute and a swap-in is prefetched to land when its "
                     "backward needs it; on-demand: the compute waits for each swap-out to land and each swap-in "
@@ -209,7 +213,7 @@ def make_plan(trace: Trace, topo: Topology, schedule: str, microbatches: int,
               stages: list[tuple[int, int]], gpu_of_stage: list[int], strategy: str,
               actions: dict[int, list[LayerAction]] | None = None,
               optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None,
-              swap_timing: str = "prefetch") -> PlanFile:
+              swap_timing: SwapTiming = "prefetch") -> PlanFile:
     """A plan from its parts; ``actions``/``optimizer``/``stash`` are keyed by stage."""
     actions = actions or {}
     optimizer = optimizer or {}
@@ -217,7 +221,7 @@ def make_plan(trace: Trace, topo: Topology, schedule: str, microbatches: int,
     return PlanFile(
         schema=SCHEMA_VERSION, model=trace.name, server=topo.name, microbatch=trace.microbatch,
         microbatches=microbatches, schedule=schedule, strategy=strategy,  # type: ignore[arg-type]
-        swap_timing=swap_timing,  # type: ignore[arg-type]
+        swap_timing=swap_timing,
         stages=[StagePlan(gpu=g, layers=(a, b), optimizer=optimizer.get(s, "gpu"),  # type: ignore[arg-type]
                           stash=stash.get(s, "gpu"), actions=actions.get(s, []))  # type: ignore[arg-type]
                 for s, ((a, b), g) in enumerate(zip(stages, gpu_of_stage))],

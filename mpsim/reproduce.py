@@ -72,6 +72,10 @@ def _ratio(a: SimResult, b: SimResult) -> str:
     return f"{(a.samples_per_s / b.samples_per_s - 1) * 100:+.1f}%" if a.fits and b.fits else "n/a (OOM)"
 
 
+#: The paper's systems (Fig. 7, 8) and the strategies that stand in for them.
+FIG7_SYSTEMS = {"PipeDream": "none", "GPU-CPU swap": "cpu-swap", "Recomputation": "recompute",
+                "MPress (D2D only)": "mpress-d2d-only", "MPress": "mpress"}
+FIG8_SYSTEMS = {"DAPPLE": "none", "DAPPLE+Recomp": "recompute", "GPU-CPU swap": "cpu-swap", "MPress": "mpress"}
 #: MPress's throughput ratios (IV-B, IV-C, IV-D): (claim, paper's ratio, ours as (figure, model,
 #: system over system)); "x over y" is x's samples/s divided by y's.
 CLAIMS: tuple[tuple[str, float, str, str, str, str], ...] = (
@@ -105,46 +109,47 @@ def claims_rows(results: dict[str, dict[tuple[str, str], SimResult]],
     Fig. 9's rows are gains: ours over the paper's counts the gain above 1.0 (the issue's
     bar: at least half the paper's gain), and a gain the paper puts at nothing needs ours
     within 2% of nothing."""
-    rows = []
-    pairs: list[tuple[str, float, float | None]] = [
+    ratios: list[tuple[str, float, float | None]] = [
         (claim, paper, _speedup(results[fig][(model, x)], results[fig][(model, y)]))
         for claim, paper, fig, model, x, y in CLAIMS]
     # II-D: the iteration PipeDream would run with memory to spare is the one it simulates
     # while running out (the simulation goes on past an out-of-memory)
     swap, ideal = results["7"][("bert-0.64b", "GPU-CPU swap")], results["7"][("bert-0.64b", "PipeDream")]
-    pairs.append(("II-D, BERT-0.64B: GPU-CPU swap over PipeDream with memory to spare (-67%)", 0.33,
-                  swap.samples_per_s / ideal.samples_per_s if swap.fits else None))
+    ratios.append(("II-D, BERT-0.64B: GPU-CPU swap over PipeDream with memory to spare (-67%)", 0.33,
+                   swap.samples_per_s / ideal.samples_per_s if swap.fits else None))
+    rows = [_ratio_row(*r) for r in ratios]
     default = "default (DAPPLE map, no striping)"
-    pairs += [(f"Fig. 9, {server}, GPT-15.4B: {step} over the default", paper,
-               _speedup(fig9[server][step], fig9[server][default]))
-              for (server, step), paper in FIG9_CLAIMS.items()]
-    for claim, paper, ours in pairs:
-        if ours is None:
-            rows.append([claim, f"{paper:.3f}", "OOM", "-", "no"])
-        elif claim.startswith("Fig. 9") and paper == 1.0:
-            rows.append([claim, f"{paper:.3f}", f"{ours:.3f}", "gain: none", "yes" if abs(ours - 1) <= 0.02 else "no"])
-        elif claim.startswith("Fig. 9"):
-            gain = (ours - 1) / (paper - 1)
-            rows.append([claim, f"{paper:.3f}", f"{ours:.3f}", f"gain: {gain:.2f}", "yes" if gain >= 0.5 else "no"])
-        else:
-            ratio = ours / paper
-            rows.append([claim, f"{paper:.3f}", f"{ours:.3f}", f"{ratio:.2f}",
-                         "yes" if 0.5 <= ratio <= 1.5 else "no"])
+    for (server, step), paper in FIG9_CLAIMS.items():
+        ours = _speedup(fig9[server][step], fig9[server][default])
+        rows.append(_gain_row(f"Fig. 9, {server}, GPT-15.4B: {step} over the default", paper, ours))
     return rows
+
+
+def _ratio_row(claim: str, paper: float, ours: float | None) -> list[str]:
+    if ours is None:
+        return [claim, f"{paper:.3f}", "OOM", "-", "no"]
+    ratio = ours / paper
+    return [claim, f"{paper:.3f}", f"{ours:.3f}", f"{ratio:.2f}", "yes" if 0.5 <= ratio <= 1.5 else "no"]
+
+
+def _gain_row(claim: str, paper: float, ours: float | None) -> list[str]:
+    if ours is None:
+        return [claim, f"{paper:.3f}", "OOM", "-", "no"]
+    if paper == 1.0:
+        return [claim, f"{paper:.3f}", f"{ours:.3f}", "gain: none", "yes" if abs(ours - 1) <= 0.02 else "no"]
+    gain = (ours - 1) / (paper - 1)
+    return [claim, f"{paper:.3f}", f"{ours:.3f}", f"gain: {gain:.2f}", "yes" if gain >= 0.5 else "no"]
 
 
 def mpress_report(out: Path, progress: _Progress) -> str:
     bert = ["bert-0.35b", "bert-0.64b", "bert-1.67b", "bert-4b", "bert-6.2b"]
     gpt = ["gpt-5.3b", "gpt-10.3b", "gpt-15.4b", "gpt-20.4b", "gpt-25.5b"]
-    fig7_sys = {"PipeDream": "none", "GPU-CPU swap": "cpu-swap", "Recomputation": "recompute",
-                "MPress (D2D only)": "mpress-d2d-only", "MPress": "mpress"}
     fig7, r7 = _compare(out, "mpress_fig7", "BERT on dgx1-v100, PipeDream, microbatch 12", "dgx1-v100", bert,
-                        "pipedream", 12, fig7_sys, progress)
-    fig8_sys = {"DAPPLE": "none", "DAPPLE+Recomp": "recompute", "GPU-CPU swap": "cpu-swap", "MPress": "mpress"}
+                        "pipedream", 12, FIG7_SYSTEMS, progress)
     fig8a, r8a = _compare(out, "mpress_fig8a", "GPT on dgx1-v100, 1F1B (DAPPLE), microbatch 2", "dgx1-v100", gpt,
-                          "1f1b", 2, fig8_sys, progress)
+                          "1f1b", 2, FIG8_SYSTEMS, progress)
     fig8b, r8b = _compare(out, "mpress_fig8b", "GPT on a100-40gb-nvswitch, 1F1B, microbatch 2", "a100-40gb-nvswitch",
-                          gpt, "1f1b", 2, fig8_sys, progress)
+                          gpt, "1f1b", 2, FIG8_SYSTEMS, progress)
     abl = {"default (DAPPLE map, no striping)": "mpress-no-mapping-no-striping",
            "+ device mapping": "mpress-no-striping", "+ data striping": "mpress"}
     fig9_rows = []

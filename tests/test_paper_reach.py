@@ -23,6 +23,7 @@ from __future__ import annotations
 import pytest
 
 from mpsim.api import plan
+from mpsim.reproduce import CLAIMS, FIG7_SYSTEMS, FIG8_SYSTEMS
 
 BERT = ["bert-0.35b", "bert-0.64b", "bert-1.67b", "bert-4b", "bert-6.2b"]
 GPT = ["gpt-5.3b", "gpt-10.3b", "gpt-15.4b", "gpt-20.4b"]
@@ -97,7 +98,7 @@ def test_recompute_checkpoints_fewer_layers_than_recompute_all_where_some_suffic
 
 # -- throughput ratios (issue: each within ±50% of the paper's) --------------------------------
 #: The paper's systems as `mpsim reproduce` stands them in.
-SYSTEMS = {"Recomputation": "recompute", "GPU-CPU swap": "cpu-swap", "MPress": "mpress", "DAPPLE+Recomp": "recompute"}
+SYSTEMS = {**FIG7_SYSTEMS, **FIG8_SYSTEMS}
 
 def _claim_ratio(fig: str, model: str, x: str, y: str) -> float:
     """Our x over y, each system as `mpsim reproduce` stands it in."""
@@ -108,8 +109,6 @@ def _claim_ratio(fig: str, model: str, x: str, y: str) -> float:
 
 
 def _claims():
-    from mpsim.reproduce import CLAIMS
-
     return [pytest.param(paper, fig, model, x, y, id=claim.split(":")[0] + ":" + claim.split(":")[1].split("(")[0],
                          marks=[pytest.mark.xfail(strict=True, reason=DIFFERS[(SYSTEMS[y], model)])]
                          if (SYSTEMS[y], model) in DIFFERS else [])

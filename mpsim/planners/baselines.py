@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from mpsim.plan import LayerAction, PlanFile, fit_stripes
+from mpsim.plan import LayerAction, PlanFile, SwapTiming, fit_stripes
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
 from mpsim.sim.result import SimResult
 from mpsim.trace import RECOMPUTABLE, LayerRow
@@ -134,7 +134,7 @@ def _host_swap(ctx: Ctx) -> Planned:
     return _swap_to_host(ctx, "host-swap", "prefetch")
 
 
-def _swap_to_host(ctx: Ctx, name: str, timing: str) -> Planned:
+def _swap_to_host(ctx: Ctx, name: str, timing: SwapTiming) -> Planned:
     planned, interval = keep_first(ctx, name)
     if planned.result.fits:
         return planned

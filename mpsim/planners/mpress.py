@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from mpsim.plan import LayerAction, Stripe, fit_stripes
+from mpsim.planners.baselines import BASELINES
+from mpsim.planners.cache import cached_plan
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
 from mpsim.planners.mapping import Mapping, search_mapping
 from mpsim.sim import SimResult
@@ -316,10 +318,9 @@ def _recompute_first_if_faster(ctx: Ctx, opts: Options, name: str, planner: _Pla
                                plan: object) -> tuple[_Planner, SimResult, object]:
     """III-D's second observation, prioritise recomputation: when recomputing the fewest
     layers that make every GPU fit (``recompute``) is faster than step 3's assignment,
-    the tuning rounds start from it instead."""
-    from mpsim.planners.baselines import BASELINES
-
-    alt = BASELINES["recompute"](ctx)
+    the tuning rounds start from it instead. The recompute plan comes from the planner
+    cache: ``best`` has made it already for the same job."""
+    alt = cached_plan("recompute", ctx, BASELINES["recompute"])
     if not alt.result.fits or (result.fits and alt.result.iteration_s >= result.iteration_s):
         return planner, result, plan
     seeded = _Planner(ctx, opts, name)

@@ -19,9 +19,9 @@ from mpsim.topology import HOST
 class Signals:
     """Named one-shot events between components, made on first use by either side:
     ``("activation"|"gradient", stage, mb)`` a boundary tensor has landed,
-    ``("out"|"in", stage, mb, layer)`` a swap-out or swap-in has landed, ``("reach", stage,
-    mb, layer)`` the backward has reached a swapped layer. ``reached`` holds the (stage, mb,
-    layer) whose backward waits for its swap-in."""
+    ``("out"|"in", stage, mb, layer)`` a swap-out or swap-in has landed. ``reached`` holds the
+    (stage, mb, layer) whose backward waits for its swap-in (``reach``); ``when_reached``
+    gives an event for it to whoever must not start before (an on-demand swap-in)."""
 
     def __init__(self, env: simpy.Environment) -> None:
         self._env = env
@@ -33,6 +33,17 @@ class Signals:
         if ev is None:
             ev = self._events[key] = self._env.event()
         return ev
+
+    def reach(self, key: tuple[int, int, int]) -> None:
+        """The backward of (stage, mb, layer) has reached the layer and waits for it."""
+        self.reached.add(key)
+        waiting = self._events.get(("reach", *key))
+        if waiting is not None:
+            waiting.succeed()
+
+    def when_reached(self, key: tuple[int, int, int]) -> simpy.Event | None:
+        """An event for ``reach(key)``, or None when it has happened."""
+        return None if key in self.reached else self("reach", *key)
 
 
 class CostLedger:
@@ -72,6 +83,8 @@ class RunContext:
         """The owner of pinned host memory (it never waits)."""
         self.engines = [CopyEngines(self.env, g, topo.spec.gpu.peer_copy_engines) for g in range(topo.n_gpus)]
         self.signals = Signals(self.env)
+        self.on_demand = layout.swap_timing == "on-demand"
+        """Swaps as the GPU-CPU swap baseline runs them (``PlanFile.swap_timing``)."""
         self.spans: list[Span] = []
         self.costs = CostLedger(self.env, topo.n_gpus)
         self.on_task = progress.current()
@@ -86,10 +99,6 @@ class RunContext:
     def torch_pipelining(self) -> bool:
         return self.layout.runtime == "torch-pipelining"
 
-    @property
-    def on_demand(self) -> bool:
-        """Swaps as the GPU-CPU swap baseline runs them (``PlanFile.swap_timing``)."""
-        return self.layout.swap_timing == "on-demand"
 
     def host_copy(self, gpu: int, n_bytes: int, to_host: bool, label: str) -> Generator[simpy.Event, object, None]:
         """A copy between ``gpu`` and pinned host memory. Timing: waits in FIFO order for

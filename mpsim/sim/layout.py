@@ -17,7 +17,7 @@ import numpy as np
 
 from mpsim.errors import MpsimError
 from mpsim.partition import Stages, compute_balanced, validate_stages
-from mpsim.plan import LayerAction, PlanFile, check_plan
+from mpsim.plan import LayerAction, PlanFile, SwapTiming, check_plan
 from mpsim.schedule import check_schedule
 from mpsim.topology import Topology
 from mpsim.trace import Trace
@@ -75,7 +75,7 @@ class Layout:
     strategy: str = "none"
     runtime: Runtime = "mpress"
     record_link_rates: bool = False
-    swap_timing: str = "prefetch"
+    swap_timing: SwapTiming = "prefetch"
     """``PlanFile.swap_timing``."""
 
     @property

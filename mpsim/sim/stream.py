@@ -94,23 +94,16 @@ class ComputeStream:
     def _wait_for_swap_in(self, mb: int, layer: int, cost: str) -> Generator[simpy.Event, object, None]:
         """Mark the point reached (a held prefetch may go now) and wait for the swap-in."""
         signals = self.run.signals
-        landed = signals("in", self.stage, mb, layer)
-        signals.reached.add((self.stage, mb, layer))
-        if self.run.on_demand:
-            signals("reach", self.stage, mb, layer).succeed()
+        signals.reach((self.stage, mb, layer))
         self.memory.poke()
-        if not landed.processed:
-            start = self.run.env.now
-            yield landed
-            self.run.costs.add(self.gpu, cost, self.run.env.now - start)
+        yield from self._wait(signals("in", self.stage, mb, layer), cost)
 
-    def _wait_for_swap_out(self, mb: int, layer: int) -> Generator[simpy.Event, object, None]:
-        """On-demand swaps: the compute goes on once the layer's swap-out has landed."""
-        out = self.run.signals("out", self.stage, mb, layer)
-        if not out.processed:
+    def _wait(self, event: simpy.Event, cost: str) -> Generator[simpy.Event, object, None]:
+        """Wait for ``event`` if it has not happened, the time charged to ``cost``."""
+        if not event.processed:
             start = self.run.env.now
-            yield out
-            self.run.costs.add(self.gpu, "swap_wait_s", self.run.env.now - start)
+            yield event
+            self.run.costs.add(self.gpu, cost, self.run.env.now - start)
 
     def _run_pieces(self, task: Task) -> Generator[simpy.Event, object, None]:
         env, mb = self.run.env, task.microbatch
@@ -137,8 +130,9 @@ class ComputeStream:
             self.memory.set_climb(climb_after)
             if piece.swap_out is not None:
                 self.swapper.start_swap_out(mb, piece.swap_out)
-                if self.run.on_demand:
-                    yield from self._wait_for_swap_out(mb, piece.swap_out.layer)
+                if self.run.on_demand:  # the compute goes on once the swap-out has landed
+                    yield from self._wait(self.run.signals("out", self.stage, mb, piece.swap_out.layer),
+                                          "swap_wait_s")
 
     def _after(self, task: Task) -> None:
         """Costs, sends and stashes that follow a forward or a backward."""

@@ -135,9 +135,9 @@ class Swapper:
         with on-demand swaps, until the backward reaches the layer."""
         run, alone = self.run, self._time_alone_s(si)
         if run.on_demand:
-            reach = run.signals("reach", self.stage, mb, si.layer)
-            if not reach.processed:
-                yield reach
+            reached = run.signals.when_reached((self.stage, mb, si.layer))
+            if reached is not None:
+                yield reached
             return
         if need_at_s - alone > run.env.now:
             yield run.env.timeout(need_at_s - alone - run.env.now)
