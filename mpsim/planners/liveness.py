@@ -35,3 +35,18 @@ def live_intervals(result: SimResult, times: LayerTimes) -> dict[int, float]:
         for k in range(b - a):
             out[a + k] = float(gaps + bwd_start[k] - fwd_end[k])
     return out
+
+
+def end_slack(result: SimResult, schedule: str) -> list[float]:
+    """Seconds per stage from its last backward to the last backward of any stage: under
+    a flush (GPipe, 1F1B) later stages finish first and wait for stage 0, so work placed
+    after their last backward (their optimizer states streamed in and out) hides there.
+    PipeDream has no flush: no slack."""
+    ends: dict[int, float] = {}
+    for span in result.spans:
+        if span.lane == "compute" and span.name[0] == "B":
+            ends[span.gpu] = max(ends.get(span.gpu, 0.0), span.end_s)
+    if schedule == "pipedream" or not ends:
+        return [0.0] * len(result.stages)
+    last = max(ends.values())
+    return [last - ends.get(g, last) for g in result.gpu_of_stage]

@@ -1,22 +1,29 @@
 """MPress memory compaction planning (papers/mpress.txt III-C, III-D).
 
 1. Simulate the iteration keeping everything; read each layer's live interval (the time
-   from its forward to its backward, MPress's live-variable analysis).
-2. Device mapping (``mpsim.planners.mapping``, Fig. 6): stages that must shed memory next
-   to stages with spare memory over many NVLinks; skipped on symmetric servers.
-3. Initial assignment per GPU that does not fit, cheapest extra time per byte saved
+   from its forward to its backward, MPress's live-variable analysis) and each stage's
+   end slack (under a flush, later stages finish their backward first and wait).
+2. Device mapping (``mpsim.planners.mapping``, Fig. 6) on the memory the plan will leave:
+   a stage whose optimizer states can stream to the host inside its end slack counts
+   them as spare. Exporters go next to importers over many NVLinks; skipped on
+   symmetric servers.
+3. Free GPU-CPU swap first: the optimizer states of stages whose slack hides their
+   streaming go to the host (kept if the simulated iteration is no slower). This makes
+   the later stages of a flushed pipeline importers (Table IV: GPU-CPU swap on every
+   stage, D2D from stages 0-3 to 4-7).
+4. Initial assignment per GPU that does not fit, cheapest extra time per byte saved
    first: GPU-CPU swap where the swap hides in the live interval (cost 0; the longest
-   intervals first), else recomputation where it costs less than the part of the swap
-   the interval cannot hide (footnote 2), else GPU-CPU swap; optimizer states (streamed
-   to the host around the update) and PipeDream's stashed weights compete on the same
+   intervals first), else the least extra time among recomputation, D2D swap into the
+   spare memory the last simulation left on NVLink neighbours, and GPU-CPU swap
+   (footnote 2); optimizer states and PipeDream's stashed weights compete on the same
    footing. Candidates are taken until the estimated saving covers the shortfall, then
    the iteration is simulated again, until every GPU fits.
-4. Tuning rounds: the tensors whose choice costs the most are moved to D2D swap into the
+5. Tuning rounds: the tensors whose choice costs the most are moved to D2D swap into the
    spare memory of NVLink neighbours (striped in proportion to link bandwidth) where that
    costs less; a round is kept when the simulated iteration fits and is faster, and the
    search stops when a round gains nothing.
 
-The per-tensor rule behind steps 3 and 4 is ``choose`` (Table III's reading in IV-D).
+The per-tensor rule behind steps 4 and 5 is ``choose`` (Table III's reading in IV-D).
 Ablations (Fig. 9): without the mapping search (stage i on GPU i, DAPPLE's), without
 striping (each swap to its one fastest neighbour), and D2D swap only.
 """
@@ -25,10 +32,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from mpsim.plan import LayerAction, Stripe, fit_stripes
+from mpsim.plan import LayerAction, PlanFile, Stripe, fit_stripes
 from mpsim.planners.baselines import BASELINES
 from mpsim.planners.cache import cached_plan
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
+from mpsim.planners.liveness import end_slack
 from mpsim.planners.mapping import Mapping, search_mapping
 from mpsim.sim import SimResult
 from mpsim.trace import RECOMPUTABLE
@@ -82,11 +90,15 @@ class _Candidate:
     """Estimated extra time per iteration."""
     action: str
     interval_s: float = 0.0
+    instead_of: _Candidate | None = None
+    """The queue's candidate this D2D swap replaces (``_Planner.as_taken``)."""
 
 
 class _Planner:
-    def __init__(self, ctx: Ctx, opts: Options, name: str) -> None:
+    def __init__(self, ctx: Ctx, opts: Options, name: str, slack_s: list[float]) -> None:
         self.ctx, self.opts, self.name = ctx, opts, name
+        self.slack_s = slack_s
+        """Per stage, the end-of-iteration slack its optimizer streaming may hide in (``end_slack``)."""
         self.times = ctx.trace.layer_times(ctx.topo.spec.gpu)
         self.actions: dict[int, dict[int, LayerAction]] = {s: {} for s in range(len(ctx.stages))}
         self.optimizer: dict[int, str] = {}
@@ -120,6 +132,23 @@ class _Planner:
         g = self.ctx.gpus[s]
         return 2 * max(n_bytes * x.fraction / self.ctx.topo.route(g, x.gpu).bandwidth for x in stripes)
 
+    def optimizer_bytes(self, s: int) -> int:
+        a, b = self.ctx.stages[s]
+        return sum(r.optimizer_bytes for r in self.ctx.trace.layers[a:b])
+
+    def optimizer_stream_s(self, s: int) -> float:
+        """Streaming stage s's optimizer states in around its update (``Updater``): the
+        in-copies run one after another, the out-copies overlap them on the other direction."""
+        return self.optimizer_bytes(s) / self.host_bw(s)
+
+    def free_offloads(self) -> list[int]:
+        """Stages whose optimizer streaming hides in their end slack: GPU-CPU swap at no
+        cost, which MPress takes first (IV-D on Table III's t1), and which makes the later
+        stages of a flushed pipeline importers of D2D swaps (Table IV: GPU-CPU swap on
+        every stage, D2D from stages 0-3 to 4-7)."""
+        return [s for s in range(len(self.ctx.stages))
+                if self.optimizer_bytes(s) and self.optimizer_stream_s(s) <= self.slack_s[s]]
+
     def layer_costs(self, s: int, j: int, interval: float) -> tuple[int, float, float, float]:
         """Per microbatch for layer j: (bytes a swap moves, recompute s, GPU-CPU swap-out plus
         swap-in s, live interval s)."""
@@ -127,7 +156,7 @@ class _Planner:
         return r.act_bytes, float(self.times.fwd_s[j]), 2 * r.act_bytes / self.host_bw(s), interval
 
     # ---- steps ---------------------------------------------------------------------------
-    def simulate(self) -> tuple[SimResult, object]:
+    def simulate(self) -> tuple[SimResult, PlanFile]:
         actions = {s: sorted(a.values(), key=lambda x: x.layer) for s, a in self.actions.items()}
         plan = self.ctx.plan(self.name, actions, self.optimizer, self.stash)
         self.sims += 1
@@ -153,9 +182,9 @@ class _Planner:
                 continue
             budget = float(self.times.fwd_s[a:b].sum() + self.times.bwd_s[a:b].sum()) / self.pcie_sharers(s)
             pool: list[tuple[str | int, int, float, float]] = []  # what, bytes saved, recompute s, host s
-            opt = sum(r.optimizer_bytes for r in rows[a:b])
-            if opt:
-                pool.append(("optimizer", opt, float("inf"), 2 * opt / self.host_bw(s) / m))
+            opt = self.optimizer_bytes(s)
+            if opt and self.optimizer.get(s) is None:
+                pool.append(("optimizer", opt, float("inf"), self.optimizer_stream_s(s) / m))
             if ctx.schedule == "pipedream" and len(ctx.stages) - s > 1:
                 params = sum(r.param_bytes for r in rows[a:b])
                 pool.append(("stash", (len(ctx.stages) - s - 1) * params, float("inf"), params / self.host_bw(s)))
@@ -167,9 +196,11 @@ class _Planner:
             while pool:
                 best: tuple[float, float, int, _Candidate, float] | None = None
                 for i, (what, saves, rec_s, host_s) in enumerate(pool):
-                    # optimizer states stream around the update, which nothing overlaps
-                    interval = {"optimizer": 0.0, "stash": float("inf")}.get(str(what), intervals.get(what, 0.0))  # type: ignore[arg-type]
-                    hidden = min(interval, budget)
+                    if what == "optimizer":  # streamed around the update: only the end slack hides it
+                        interval = hidden = self.slack_s[s] / m
+                    else:
+                        interval = float("inf") if what == "stash" else intervals[int(what)]
+                        hidden = min(interval, budget)
                     action = choose(hidden, rec_s, host_s, None)
                     if action == "recompute":
                         r = rows[int(what)]
@@ -211,11 +242,39 @@ class _Planner:
             self.actions[c.stage][int(c.what)] = LayerAction(layer=int(c.what), action=c.action)  # type: ignore[arg-type]
         return True
 
+    def as_taken(self, c: _Candidate, room: dict[int, float]) -> tuple[_Candidate, list[Stripe] | None]:
+        """``c`` as step 4 takes it given the spare memory ``room``: a layer whose
+        recomputation or exposed GPU-CPU swap costs more than a D2D swap into its NVLink
+        neighbours' spare memory goes there (``choose`` with D2D in the choice), with the
+        stripes it would take."""
+        if self.opts.d2d_only or isinstance(c.what, str) or c.extra_s <= 0:
+            return c, None
+        m, n_bytes = self.ctx.microbatches, self.ctx.trace.layers[c.what].act_bytes
+        need = n_bytes * self.ctx.held_microbatches(c.stage)
+        stripes = self.stripes(c.stage, need, room)
+        if stripes is None:
+            return c, None
+        extra = max(0.0, self.d2d_seconds(c.stage, n_bytes, stripes) - c.interval_s) * m
+        if extra >= c.extra_s:
+            return c, None
+        return _Candidate(c.stage, c.what, need, extra, "peer", c.interval_s, instead_of=c), stripes
+
+    def take_next(self, queue: list[_Candidate], room: dict[int, float]) -> _Candidate:
+        """Pop the candidate with the least extra time per byte as it would be taken now
+        (``as_taken``); a D2D swap reserves its stripes in ``room``."""
+        taken = [self.as_taken(c, room) for c in queue]
+        i = min(range(len(queue)), key=lambda k: (taken[k][0].extra_s / taken[k][0].saves_bytes, k))
+        queue.pop(i)
+        c, stripes = taken[i]
+        for x in stripes or ():
+            room[x.gpu] -= c.saves_bytes * x.fraction
+        return c
+
     def spare_of(self, result: SimResult) -> dict[int, float]:
         return {g.gpu: max(0.0, (g.capacity_bytes - g.peak_bytes) * SPARE_MARGIN) for g in result.gpus}
 
-    def fit(self, result: SimResult, plan: object, intervals: dict[int, float]) -> tuple[SimResult, object]:
-        """Step 3: rounds of the initial assignment until every GPU fits."""
+    def fit(self, result: SimResult, plan: PlanFile, intervals: dict[int, float]) -> tuple[SimResult, PlanFile]:
+        """Step 4: rounds of the initial assignment until every GPU fits."""
         queues = self.initial_candidates(intervals)
         spare = self.spare_of(result)
         for g in self.ctx.gpus:
@@ -229,8 +288,9 @@ class _Planner:
                 short = over(result, g)
                 chosen: list[_Candidate] = []
                 covered = 0
+                room = dict(spare)
                 while covered < short and queues[s]:
-                    chosen.append(queues[s].pop(0))
+                    chosen.append(self.take_next(queues[s], room))
                     covered += chosen[-1].saves_bytes
                 # the last pick may cover alone what cheaper earlier picks did: drop those
                 # no longer needed, the dearest per byte first
@@ -238,19 +298,37 @@ class _Planner:
                     if covered - c.saves_bytes >= short:
                         chosen.remove(c)
                         covered -= c.saves_bytes
-                        queues[s].insert(0, c)
+                        queues[s].insert(0, c.instead_of or c)
                 for c in chosen:
                     moved |= self.apply(c, spare)
             if not moved:
                 break
             result, plan = self.simulate()
-            for gr in result.gpus:  # a peer that overflowed has no spare left
-                if gr.peak_bytes > gr.capacity_bytes and gr.gpu not in self.ctx.gpus:
+            spare = self.spare_of(result)  # what the plan leaves; a GPU that overflows has none
+            for gr in result.gpus:
+                if gr.peak_bytes > gr.capacity_bytes:
                     spare[gr.gpu] = 0.0
         return result, plan
 
-    def tune(self, result: SimResult, plan: object, intervals: dict[int, float]) -> tuple[SimResult, object]:
-        """Step 4: move the costliest choices to D2D swap while that makes the iteration faster."""
+    def take_free_offloads(self, result: SimResult, plan: PlanFile) -> tuple[SimResult, PlanFile]:
+        """Step 3: stream the optimizer states of the stages where that is free
+        (``free_offloads``). Stages sharing a PCIe route may not all hide theirs: the set
+        is kept when the simulated iteration is no slower, else the stage with the least
+        slack leaves it and the rest is tried again."""
+        free = sorted(self.free_offloads(), key=lambda s: -self.slack_s[s])
+        while free:
+            for s in free:
+                self.optimizer[s] = "host-stream"
+            trial, trial_plan = self.simulate()
+            if trial.iteration_s <= result.iteration_s * (1 + MIN_GAIN):
+                return trial, trial_plan
+            del self.optimizer[free.pop()]
+            for s in free:
+                del self.optimizer[s]
+        return result, plan
+
+    def tune(self, result: SimResult, plan: PlanFile, intervals: dict[int, float]) -> tuple[SimResult, PlanFile]:
+        """Step 5: move the costliest choices to D2D swap while that makes the iteration faster."""
         ctx, m = self.ctx, self.ctx.microbatches
         for _ in range(MAX_ROUNDS):
             spare = self.spare_of(result)
@@ -295,35 +373,46 @@ def plan_mpress(ctx: Ctx, opts: Options, name: str) -> Planned:
     if planned.result.fits:
         return planned
     sims = 1
-    mapping: Mapping | None = None
+    slack = end_slack(planned.result, ctx.schedule)
     if opts.mapping:
-        res = planned.result
-        demand = [max(0, over(res, g)) for g in ctx.gpus]
-        spare = [max(0, -over(res, g)) for g in ctx.gpus]
-        mapping = search_mapping(ctx.topo, demand, spare)
+        mapping = _mapping(ctx, opts, name, planned.result, slack)
         if list(mapping.gpus) != ctx.gpus:
             ctx = replace(ctx, gpus=list(mapping.gpus))
             planned, intervals = keep_first(ctx, name)
+            slack = end_slack(planned.result, ctx.schedule)
             sims += 1
-    planner = _Planner(ctx, opts, name)
-    result, plan = planner.fit(planned.result, planned.plan, intervals)
+    planner = _Planner(ctx, opts, name, slack)
+    result, plan = planned.result, planned.plan
+    if not opts.d2d_only:
+        result, plan = planner.take_free_offloads(result, plan)
+    result, plan = planner.fit(result, plan, intervals)
     if not opts.d2d_only:
         planner, result, plan = _recompute_first_if_faster(ctx, opts, name, planner, result, plan)
         if result.fits:
             result, plan = planner.tune(result, plan, intervals)
-    return Planned(plan, result, sims + planner.sims)  # type: ignore[arg-type]
+    return Planned(plan, result, sims + planner.sims)
+
+
+def _mapping(ctx: Ctx, opts: Options, name: str, keep: SimResult, slack: list[float]) -> Mapping:
+    """Step 2 on the memory the plan will leave, not the memory before planning: a stage
+    whose optimizer streaming is free (``free_offloads``) counts those bytes as spare."""
+    free = set() if opts.d2d_only else set(_Planner(ctx, opts, name, slack).free_offloads())
+    lifted = [sum(r.optimizer_bytes for r in ctx.trace.layers[a:b]) if s in free else 0
+              for s, (a, b) in enumerate(ctx.stages)]
+    need = [over(keep, g) - lifted[s] for s, g in enumerate(ctx.gpus)]
+    return search_mapping(ctx.topo, [max(0, x) for x in need], [max(0, -x) for x in need])
 
 
 def _recompute_first_if_faster(ctx: Ctx, opts: Options, name: str, planner: _Planner, result: SimResult,
-                               plan: object) -> tuple[_Planner, SimResult, object]:
+                               plan: PlanFile) -> tuple[_Planner, SimResult, PlanFile]:
     """III-D's second observation, prioritise recomputation: when recomputing the fewest
-    layers that make every GPU fit (``recompute``) is faster than step 3's assignment,
+    layers that make every GPU fit (``recompute``) is faster than step 4's assignment,
     the tuning rounds start from it instead. The recompute plan comes from the planner
     cache: ``best`` has made it already for the same job."""
     alt = cached_plan("recompute", ctx, BASELINES["recompute"])
     if not alt.result.fits or (result.fits and alt.result.iteration_s >= result.iteration_s):
         return planner, result, plan
-    seeded = _Planner(ctx, opts, name)
+    seeded = _Planner(ctx, opts, name, planner.slack_s)
     seeded.sims = planner.sims + alt.simulations
     seeded.actions = {s: {a.layer: a for a in st.actions} for s, st in enumerate(alt.plan.stages)}
     return seeded, *seeded.simulate()
