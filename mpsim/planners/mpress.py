@@ -184,7 +184,9 @@ class _Planner:
             pool: list[tuple[str | int, int, float, float]] = []  # what, bytes saved, recompute s, host s
             opt = self.optimizer_bytes(s)
             if opt and self.optimizer.get(s) is None:
-                pool.append(("optimizer", opt, float("inf"), self.optimizer_stream_s(s) / m))
+                # per microbatch: PipeDream updates after every backward, a flushed pipeline once
+                updates = m if ctx.schedule == "pipedream" else 1
+                pool.append(("optimizer", opt, float("inf"), self.optimizer_stream_s(s) * updates / m))
             if ctx.schedule == "pipedream" and len(ctx.stages) - s > 1:
                 params = sum(r.param_bytes for r in rows[a:b])
                 pool.append(("stash", (len(ctx.stages) - s - 1) * params, float("inf"), params / self.host_bw(s)))
