@@ -226,10 +226,18 @@ Throughput relative to the default (DAPPLE's map, D2D without striping):
 {_md_table(["server"] + list(abl), fig9_rows)}
 
 The paper: on the DGX-1 mapping adds 17.4% and striping 33.3%; on the symmetric A100
-server mapping adds nothing and striping 11.0%. Ours gains far less, because in our
-simulation of GPT-15.4B every stage is short of memory before planning and little spare
-memory is left for D2D swap after the initial assignment (recomputation and host swap do
-most of the saving); the mapping search is skipped on the NVSwitch server, as in the paper.
+server mapping adds nothing and striping 11.0%. Ours: in the simulation of GPT-15.4B every
+stage is short of memory before planning. The only spare memory is what the last stage
+frees by streaming its optimizer states to the host while it waits for stage 0 at the
+flush; the mapping search puts that stage next to the stages that must shed memory (on
+DAPPLE's map GPU 7 is no NVLink neighbour of GPU 0), and that is the mapping's gain.
+Striping adds nothing on top: each exporter has one importer among its neighbours, and a
+D2D copy of a whole layer (tens of ms over two NVLinks) hides in a live interval of
+seconds, so link bandwidth does not show. The paper's striping gain needs D2D copies that
+are exposed, short-lived tensors (Table III's t2 and t5); at layer granularity the stages
+that must shed memory are the early ones, whose intervals span the pipeline. On the
+NVSwitch server one peer's route already carries the GPU's whole NVLink bandwidth, so
+striping cannot speed a copy; the mapping search is skipped there, as in the paper.
 
 ## Table IV: what each technique saves (MPress plans, DGX-1)
 
