@@ -145,7 +145,9 @@ class _Planner:
         """Stages whose optimizer streaming hides in their end slack: GPU-CPU swap at no
         cost, which MPress takes first (IV-D on Table III's t1), and which makes the later
         stages of a flushed pipeline importers of D2D swaps (Table IV: GPU-CPU swap on
-        every stage, D2D from stages 0-3 to 4-7)."""
+        every stage, D2D from stages 0-3 to 4-7). None for D2D swap only."""
+        if self.opts.d2d_only:
+            return []
         return [s for s in range(len(self.ctx.stages))
                 if self.optimizer_bytes(s) and self.optimizer_stream_s(s) <= self.slack_s[s]]
 
@@ -279,9 +281,6 @@ class _Planner:
         """Step 4: rounds of the initial assignment until every GPU fits."""
         queues = self.initial_candidates(intervals)
         spare = self.spare_of(result)
-        for g in self.ctx.gpus:
-            if over(result, g) > 0:
-                spare[g] = 0.0
         for _ in range(MAX_ROUNDS):
             if result.fits:
                 break
@@ -306,10 +305,7 @@ class _Planner:
             if not moved:
                 break
             result, plan = self.simulate()
-            spare = self.spare_of(result)  # what the plan leaves; a GPU that overflows has none
-            for gr in result.gpus:
-                if gr.peak_bytes > gr.capacity_bytes:
-                    spare[gr.gpu] = 0.0
+            spare = self.spare_of(result)  # what the plan leaves
         return result, plan
 
     def take_free_offloads(self, result: SimResult, plan: PlanFile) -> tuple[SimResult, PlanFile]:
@@ -319,14 +315,13 @@ class _Planner:
         slack leaves it and the rest is tried again."""
         free = sorted(self.free_offloads(), key=lambda s: -self.slack_s[s])
         while free:
-            for s in free:
-                self.optimizer[s] = "host-stream"
+            self.optimizer.update(dict.fromkeys(free, "host-stream"))
             trial, trial_plan = self.simulate()
             if trial.iteration_s <= result.iteration_s * (1 + MIN_GAIN):
                 return trial, trial_plan
-            del self.optimizer[free.pop()]
             for s in free:
                 del self.optimizer[s]
+            free.pop()
         return result, plan
 
     def tune(self, result: SimResult, plan: PlanFile, intervals: dict[int, float]) -> tuple[SimResult, PlanFile]:
@@ -377,16 +372,14 @@ def plan_mpress(ctx: Ctx, opts: Options, name: str) -> Planned:
     sims = 1
     slack = end_slack(planned.result, ctx.schedule)
     if opts.mapping:
-        mapping = _mapping(ctx, opts, name, planned.result, slack)
+        mapping = _mapping(_Planner(ctx, opts, name, slack), planned.result)
         if list(mapping.gpus) != ctx.gpus:
             ctx = replace(ctx, gpus=list(mapping.gpus))
             planned, intervals = keep_first(ctx, name)
             slack = end_slack(planned.result, ctx.schedule)
             sims += 1
     planner = _Planner(ctx, opts, name, slack)
-    result, plan = planned.result, planned.plan
-    if not opts.d2d_only:
-        result, plan = planner.take_free_offloads(result, plan)
+    result, plan = planner.take_free_offloads(planned.result, planned.plan)
     result, plan = planner.fit(result, plan, intervals)
     if not opts.d2d_only:
         planner, result, plan = _recompute_first_if_faster(ctx, opts, name, planner, result, plan)
@@ -395,14 +388,12 @@ def plan_mpress(ctx: Ctx, opts: Options, name: str) -> Planned:
     return Planned(plan, result, sims + planner.sims)
 
 
-def _mapping(ctx: Ctx, opts: Options, name: str, keep: SimResult, slack: list[float]) -> Mapping:
+def _mapping(planner: _Planner, keep: SimResult) -> Mapping:
     """Step 2 on the memory the plan will leave, not the memory before planning: a stage
     whose optimizer streaming is free (``free_offloads``) counts those bytes as spare."""
-    free = set() if opts.d2d_only else set(_Planner(ctx, opts, name, slack).free_offloads())
-    lifted = [sum(r.optimizer_bytes for r in ctx.trace.layers[a:b]) if s in free else 0
-              for s, (a, b) in enumerate(ctx.stages)]
-    need = [over(keep, g) - lifted[s] for s, g in enumerate(ctx.gpus)]
-    return search_mapping(ctx.topo, [max(0, x) for x in need], [max(0, -x) for x in need])
+    free = set(planner.free_offloads())
+    need = [over(keep, g) - (planner.optimizer_bytes(s) if s in free else 0) for s, g in enumerate(planner.ctx.gpus)]
+    return search_mapping(planner.ctx.topo, [max(0, x) for x in need], [max(0, -x) for x in need])
 
 
 def _recompute_first_if_faster(ctx: Ctx, opts: Options, name: str, planner: _Planner, result: SimResult,

@@ -99,7 +99,6 @@ class RunContext:
     def torch_pipelining(self) -> bool:
         return self.layout.runtime == "torch-pipelining"
 
-
     def host_copy(self, gpu: int, n_bytes: int, to_host: bool, label: str) -> Generator[simpy.Event, object, None]:
         """A copy between ``gpu`` and pinned host memory. Timing: waits in FIFO order for
         the GPU's d2h or h2d engine, then flows over the PCIe route; memory is the
