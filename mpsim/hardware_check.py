@@ -98,6 +98,9 @@ def check_runnable(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSe
         if st.optimizer == "host-stream":
             raise MpsimError(f"{source}: stages.{s}.optimizer 'host-stream' is not run by the executor "
                              "(use gpu or host-update)")
+        if st.optimizer_layers is not None:
+            raise MpsimError(f"{source}: stages.{s}.optimizer_layers: the executor moves a stage's whole optimizer "
+                             "to the host; leave optimizer_layers out")
         for act in st.actions:
             if act.action == "peer" and dev.type != "cuda":
                 raise MpsimError(f"{source}: layer {act.layer} swaps to peer GPUs, which needs --device cuda")

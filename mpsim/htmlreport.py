@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mpsim.plan import PlanFile
+from mpsim.plan import PlanFile, optimizer_label
 from mpsim.report import UNITS_LEGEND, layer_range, memory_figure, techniques_text
 from mpsim.sim import SimResult
 from mpsim.units import GiB
@@ -210,7 +210,7 @@ def plan_html(plan: PlanFile) -> str:
         acts = [a.action for a in st.actions]
         named = {k: acts.count(k) for k in ("recompute", "selective", "host", "peer")}
         counts.append([s, st.gpu, layer_range(st.layers), (st.layers[1] - st.layers[0]) - sum(named.values()),
-                       *named.values(), sum(1 for a in st.actions if a.split > 1), st.optimizer, st.stash])
+                       *named.values(), sum(1 for a in st.actions if a.split > 1), optimizer_label(st), st.stash])
     legend = " ".join(f"<span style=\"background:{c};padding:0 6px\">{esc(k)}</span>"
                       for k, c in ACTION_COLOURS.items())
     head = (f"<p>plan {esc(plan.strategy)} for {esc(plan.model)} on {esc(plan.server)}: {esc(plan.schedule)}, "

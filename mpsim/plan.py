@@ -27,7 +27,9 @@ layer's splittable dimensions (TSPLIT III-A), combined with any action above (wi
 
 Per stage, ``optimizer`` is ``gpu`` (default), ``host-update`` (ZeRO-Offload style: the
 optimizer states live on the host and the update runs on the CPU) or ``host-stream``
-(states live on the host and are streamed in and out around a GPU update); ``stash`` is
+(states live on the host and are streamed in and out around a GPU update);
+``optimizer_layers`` narrows the last two to the named layers' states, the others
+staying on the GPU (MPress's GPU-CPU swap of model data, tensor by tensor); ``stash`` is
 ``gpu`` or ``host`` (PipeDream's stashed weight versions kept in host memory, the
 version a backward needs copied in before it).
 """
@@ -35,7 +37,7 @@ version a backward needs copied in before it).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -91,6 +93,9 @@ class StagePlan(_Strict):
     gpu: int = Field(description="GPU the stage runs on")
     layers: tuple[int, int] = Field(description="first layer and one past the last")
     optimizer: Literal["gpu", "host-update", "host-stream"] = "gpu"
+    optimizer_layers: list[int] | None = Field(
+        default=None, description="with host-update or host-stream: the layers whose optimizer states live on the "
+                                  "host, the rest staying on the GPU  [default: all the stage's layers]")
     stash: Literal["gpu", "host"] = "gpu"
     actions: list[LayerAction] = Field(default_factory=list, description="layers not listed are kept")
 
@@ -151,6 +156,7 @@ def check_plan(plan: PlanFile, topo: Topology, trace: Trace, source: str = "") -
             raise bad(f"{where}.layers", f"expected [{expected_first}, e) with {expected_first} < e <= {L} "
                       f"(stages cover layers 0..{L - 1} of {trace.name} in order), got [{a}, {b})")
         expected_first = b
+        _check_optimizer_layers(st, where, bad)
         if st.stash == "host" and plan.schedule != "pipedream":
             raise bad(f"{where}.stash", "'host' applies to pipedream only (other schedules stash no weights)")
         seen: set[int] = set()
@@ -197,6 +203,40 @@ def check_plan(plan: PlanFile, topo: Topology, trace: Trace, source: str = "") -
     check_schedule(plan.schedule, p, plan.microbatches)
 
 
+def _check_optimizer_layers(st: StagePlan, where: str, bad: Callable[[str, str], SchemaError]) -> None:
+    if st.optimizer_layers is None:
+        return
+    if st.optimizer == "gpu":
+        raise bad(f"{where}.optimizer_layers", "names layers whose optimizer states live on the host; "
+                  "set optimizer to host-update or host-stream, or leave it out")
+    a, b = st.layers
+    if not st.optimizer_layers:
+        raise bad(f"{where}.optimizer_layers", "is empty; leave it out for all the stage's layers, or set "
+                  "optimizer to gpu")
+    for j in st.optimizer_layers:
+        if not a <= j < b:
+            raise bad(f"{where}.optimizer_layers", f"layer {j} is not in the stage (layers {a}..{b - 1})")
+    if len(set(st.optimizer_layers)) != len(st.optimizer_layers):
+        raise bad(f"{where}.optimizer_layers", "a layer is listed twice")
+
+
+def host_optimizer_layers(st: StagePlan) -> tuple[int, ...]:
+    """The layers of a stage whose optimizer states live on the host."""
+    if st.optimizer == "gpu":
+        return ()
+    if st.optimizer_layers is None:
+        return tuple(range(*st.layers))
+    return tuple(sorted(st.optimizer_layers))
+
+
+def optimizer_label(st: StagePlan) -> str:
+    """Where a stage's optimizer states live, for tables: ``host-stream (3 of 11 layers)``
+    when only some layers' states are on the host."""
+    if st.optimizer_layers is None:
+        return st.optimizer
+    return f"{st.optimizer} ({len(st.optimizer_layers)} of {st.layers[1] - st.layers[0]} layers)"
+
+
 def parse_plan(data: object, source: str = "<plan>") -> PlanFile:
     return validate(PlanFile, data, source)
 
@@ -213,16 +253,19 @@ def make_plan(trace: Trace, topo: Topology, schedule: str, microbatches: int,
               stages: list[tuple[int, int]], gpu_of_stage: list[int], strategy: str,
               actions: dict[int, list[LayerAction]] | None = None,
               optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None,
-              swap_timing: SwapTiming = "prefetch") -> PlanFile:
-    """A plan from its parts; ``actions``/``optimizer``/``stash`` are keyed by stage."""
+              swap_timing: SwapTiming = "prefetch", optimizer_layers: dict[int, list[int]] | None = None) -> PlanFile:
+    """A plan from its parts; ``actions``/``optimizer``/``stash``/``optimizer_layers``
+    are keyed by stage."""
     actions = actions or {}
     optimizer = optimizer or {}
+    optimizer_layers = optimizer_layers or {}
     stash = stash or {}
     return PlanFile(
         schema=SCHEMA_VERSION, model=trace.name, server=topo.name, microbatch=trace.microbatch,
         microbatches=microbatches, schedule=schedule, strategy=strategy,  # type: ignore[arg-type]
         swap_timing=swap_timing,
         stages=[StagePlan(gpu=g, layers=(a, b), optimizer=optimizer.get(s, "gpu"),  # type: ignore[arg-type]
+                          optimizer_layers=optimizer_layers.get(s),
                           stash=stash.get(s, "gpu"), actions=actions.get(s, []))  # type: ignore[arg-type]
                 for s, ((a, b), g) in enumerate(zip(stages, gpu_of_stage))],
     )

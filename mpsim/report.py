@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from mpsim.capacity import FitsReport
-from mpsim.plan import PlanFile
+from mpsim.plan import PlanFile, optimizer_label
 from mpsim.sim import SimResult
 from mpsim.sim.memory import TECHNIQUES
 from mpsim.sim.result import COSTS
@@ -100,7 +100,7 @@ def plan_text(plan: PlanFile) -> str:
         counted = {k: acts.count(k) for k in ("recompute", "selective", "host", "peer")}
         keep = (b - a) - sum(counted.values())
         rows.append([str(s), str(st.gpu), layer_range(st.layers), str(keep), *map(str, counted.values()),
-                     str(sum(1 for x in st.actions if x.split > 1)), st.optimizer, st.stash])
+                     str(sum(1 for x in st.actions if x.split > 1)), optimizer_label(st), st.stash])
     head = (f"plan {plan.strategy} for {plan.model} on {plan.server}: {plan.schedule}, "
             f"microbatch {plan.microbatch} x {plan.microbatches}")
     return head + "\n\n" + _table(header, rows) + "\n(layers [a, b) are a to b - 1, half-open as in the plan file)"

@@ -233,6 +233,19 @@ class TopologyFile(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
 
+def with_faster_peer_links(spec: TopologyFile, factor: float) -> TopologyFile:
+    """The same server with its NVLink (or NVSwitch) bandwidth ``factor`` times higher: a
+    what-if that bounds what any D2D placement (device mapping, striping) could gain."""
+    update: dict[str, object] = {}
+    if spec.nvlink is not None:
+        update["nvlink"] = spec.nvlink.model_copy(
+            update={"link_bandwidth_gbps": spec.nvlink.link_bandwidth_gbps * factor})
+    if spec.nvswitch is not None:
+        update["nvswitch"] = spec.nvswitch.model_copy(
+            update={"gpu_bandwidth_gbps": spec.nvswitch.gpu_bandwidth_gbps * factor})
+    return spec.model_copy(update=update)
+
+
 @dataclass(frozen=True, slots=True)
 class Link:
     """One direction of a physical link: a shared fluid resource of ``bandwidth`` bytes/s."""

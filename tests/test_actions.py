@@ -17,12 +17,13 @@ from mpsim.sim.transfers import Copy, copy_times
 
 
 def run(layers: list[dict], actions: list[LayerAction], n_gpus: int = 1, pcie_gbps: float = 10.0,
-        latency_us: float = 0.0, nvlink_gbps: float = 10.0, optimizer: str = "gpu"):
+        latency_us: float = 0.0, nvlink_gbps: float = 10.0, optimizer: str = "gpu",
+        optimizer_layers: list[int] | None = None):
     topo = tiny_topology(n_gpus=n_gpus, pcie_gbps=pcie_gbps, latency_us=latency_us, nvlink_gbps=nvlink_gbps,
                          memory_mib=64 * 1024)
     trace = tiny_trace(layers)
     plan = make_plan(trace, topo, "gpipe", 1, [(0, trace.n_layers)], [0], "test", {0: actions},
-                     optimizer={0: optimizer})
+                     optimizer={0: optimizer}, optimizer_layers={0: optimizer_layers} if optimizer_layers else None)
     return simulate_job(Job(topo, trace, plan=plan))
 
 
@@ -178,6 +179,24 @@ def test_optimizer_on_the_host_leaves_the_gpu_and_costs_pcie_time():
     assert offloaded.max_peak_bytes == 4 * 10**8
     # gradients out (0.02 s) + CPU Adam at 1e9 params/s (0.1 s) + weights in (0.02 s), instead of the GPU step
     assert offloaded.gpus[0].costs_s["optimizer_s"] == pytest.approx(0.14 - on_gpu.gpus[0].compute_s + 0.03)
+
+
+def test_optimizer_layers_put_only_those_layers_states_on_the_host():
+    """Two layers of 1e8 parameters (1.2 GB of states each); only layer 1's live on the
+    host: the GPU keeps layer 0's, the host holds layer 1's, and only its copies cost time."""
+    layers = [layer("a", fwd_ms=10, bwd_ms=20, params=10**8), layer("b", fwd_ms=10, bwd_ms=20, params=10**8)]
+    on_gpu = run(layers, [])
+    streamed = run(layers, [], optimizer="host-stream", optimizer_layers=[1])
+    # before the first task: weights and gradients (0.8 GB) and layer 0's states only
+    assert steps(on_gpu)[0] == (0.0, 32 * 10**8)
+    assert steps(streamed)[0] == (0.0, 20 * 10**8)
+    assert streamed.host_peak_bytes == 12 * 10**8
+    assert streamed.gpus[0].costs_s["optimizer_s"] == pytest.approx(0.12)  # layer 1's 1.2 GB in at 10 GB/s
+    updated = run(layers, [], optimizer="host-update", optimizer_layers=[1])
+    gpu_update_s = on_gpu.gpus[0].compute_s - 0.06  # both layers' Adam step on the GPU
+    # layer 1: gradients out (0.02 s) + CPU Adam (0.1 s) + weights in (0.02 s), instead of its GPU step
+    assert updated.gpus[0].costs_s["optimizer_s"] == pytest.approx(0.14 - gpu_update_s / 2)
+    assert updated.host_peak_bytes == 12 * 10**8
 
 
 def test_an_allocation_that_does_not_fit_waits_for_a_swap_out_in_flight():

@@ -70,6 +70,16 @@ BAD = [
     ("layer listed twice", lambda d: d["stages"][0]["actions"].append({"layer": 2}),
      "stages.0.actions.1.layer: layer 2 is listed twice"),
     ("wrong schema", lambda d: d.update(schema=2), "schema: expected 1, got 2"),
+    ("optimizer layers with the states on the GPU", lambda d: d["stages"][0].update(optimizer_layers=[1]),
+     "stages.0.optimizer_layers: names layers whose optimizer states live on the host"),
+    ("optimizer layer outside its stage", lambda d: d["stages"][0].update(optimizer="host-stream",
+                                                                         optimizer_layers=[1, 9]),
+     "stages.0.optimizer_layers: layer 9 is not in the stage (layers 0..8)"),
+    ("optimizer layer listed twice", lambda d: d["stages"][1].update(optimizer="host-update",
+                                                                    optimizer_layers=[9, 9]),
+     "stages.1.optimizer_layers: a layer is listed twice"),
+    ("no optimizer layers", lambda d: d["stages"][0].update(optimizer="host-stream", optimizer_layers=[]),
+     "stages.0.optimizer_layers: is empty"),
 ]
 
 

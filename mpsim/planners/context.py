@@ -46,9 +46,9 @@ class Ctx:
 
     def plan(self, strategy: str, actions: dict[int, list[LayerAction]] | None = None,
              optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None,
-             swap_timing: SwapTiming = "prefetch") -> PlanFile:
+             swap_timing: SwapTiming = "prefetch", optimizer_layers: dict[int, list[int]] | None = None) -> PlanFile:
         return make_plan(self.trace, self.topo, self.schedule, self.microbatches, self.stages, self.gpus, strategy,
-                         actions, optimizer, stash, swap_timing)
+                         actions, optimizer, stash, swap_timing, optimizer_layers)
 
     def simulate(self, plan: PlanFile) -> SimResult:
         """Simulate a plan this context made (``make_plan`` output is valid by construction,

@@ -30,6 +30,7 @@ striping (each swap to its one fastest neighbour), and D2D swap only.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from mpsim.plan import LayerAction, PlanFile, Stripe, fit_stripes
@@ -83,7 +84,7 @@ VARIANTS: dict[str, Options] = {
 class _Candidate:
     stage: int
     what: str | int
-    """``optimizer``, ``stash`` or a layer index."""
+    """``optimizer`` (the states of layer ``layer``), ``stash`` or a layer index."""
     saves_bytes: int
     """Estimated bytes off the GPU at its peak."""
     extra_s: float
@@ -92,6 +93,8 @@ class _Candidate:
     interval_s: float = 0.0
     instead_of: _Candidate | None = None
     """The queue's candidate this D2D swap replaces (``_Planner.as_taken``)."""
+    layer: int = -1
+    """For ``optimizer``: the layer whose states it moves."""
 
 
 class _Planner:
@@ -101,7 +104,8 @@ class _Planner:
         """Per stage, the end-of-iteration slack its optimizer streaming may hide in (``end_slack``)."""
         self.times = ctx.trace.layer_times(ctx.topo.spec.gpu)
         self.actions: dict[int, dict[int, LayerAction]] = {s: {} for s in range(len(ctx.stages))}
-        self.optimizer: dict[int, str] = {}
+        self.host_optimizer: dict[int, set[int]] = {}
+        """Per stage, the layers whose optimizer states stream from the host."""
         self.stash: dict[int, str] = {}
         self.sims = 0
 
@@ -132,24 +136,34 @@ class _Planner:
         g = self.ctx.gpus[s]
         return 2 * max(n_bytes * x.fraction / self.ctx.topo.route(g, x.gpu).bandwidth for x in stripes)
 
-    def optimizer_bytes(self, s: int) -> int:
-        a, b = self.ctx.stages[s]
-        return sum(r.optimizer_bytes for r in self.ctx.trace.layers[a:b])
+    def optimizer_bytes(self, s: int, layers: Iterable[int] | None = None) -> int:
+        """Optimizer-state bytes of stage s (of ``layers`` only, when given)."""
+        rows = self.ctx.trace.layers
+        return sum(rows[j].optimizer_bytes for j in (range(*self.ctx.stages[s]) if layers is None else layers))
 
-    def optimizer_stream_s(self, s: int) -> float:
-        """Streaming stage s's optimizer states in around its update (``Updater``): the
-        in-copies run one after another, the out-copies overlap them on the other direction."""
-        return self.optimizer_bytes(s) / self.host_bw(s)
+    def optimizer_stream_s(self, s: int, layers: Iterable[int] | None = None) -> float:
+        """Streaming stage s's optimizer states (of ``layers``) in around its update
+        (``Updater``): the in-copies run one after another, the out-copies overlap them on
+        the other direction."""
+        return self.optimizer_bytes(s, layers) / self.host_bw(s)
 
-    def free_offloads(self) -> list[int]:
-        """Stages whose optimizer streaming hides in their end slack: GPU-CPU swap at no
-        cost, which MPress takes first (IV-D on Table III's t1), and which makes the later
-        stages of a flushed pipeline importers of D2D swaps (Table IV: GPU-CPU swap on
-        every stage, D2D from stages 0-3 to 4-7). None for D2D swap only."""
+    def free_offloads(self) -> dict[int, list[int]]:
+        """Per stage, the layers whose optimizer states stream inside its end slack, the
+        first layers first: GPU-CPU swap at no cost, which MPress takes first (IV-D on
+        Table III's t1), and which makes the later stages of a flushed pipeline importers
+        of D2D swaps (Table IV: GPU-CPU swap on every stage, D2D from stages 0-3 to 4-7).
+        None for D2D swap only."""
         if self.opts.d2d_only:
-            return []
-        return [s for s in range(len(self.ctx.stages))
-                if self.optimizer_bytes(s) and self.optimizer_stream_s(s) <= self.slack_s[s]]
+            return {}
+        free: dict[int, list[int]] = {}
+        rows = self.ctx.trace.layers
+        for s, (a, b) in enumerate(self.ctx.stages):
+            budget_bytes = self.slack_s[s] * self.host_bw(s)
+            for j in range(a, b):
+                if 0 < rows[j].optimizer_bytes <= budget_bytes:
+                    free.setdefault(s, []).append(j)
+                    budget_bytes -= rows[j].optimizer_bytes
+        return free
 
     def layer_costs(self, s: int, j: int, interval: float) -> tuple[int, float, float, float]:
         """Per microbatch for layer j: (bytes a swap moves, recompute s, GPU-CPU swap-out plus
@@ -160,7 +174,10 @@ class _Planner:
     # ---- steps ---------------------------------------------------------------------------
     def simulate(self) -> tuple[SimResult, PlanFile]:
         actions = {s: sorted(a.values(), key=lambda x: x.layer) for s, a in self.actions.items()}
-        plan = self.ctx.plan(self.name, actions, self.optimizer, self.stash)
+        optimizer = {s: "host-stream" for s, layers in self.host_optimizer.items() if layers}
+        subsets = {s: sorted(layers) for s, layers in self.host_optimizer.items()
+                   if layers and len(layers) < len(range(*self.ctx.stages[s]))}
+        plan = self.ctx.plan(self.name, actions, optimizer, self.stash, optimizer_layers=subsets)
         self.sims += 1
         return self.ctx.simulate(plan), plan
 
@@ -183,25 +200,26 @@ class _Planner:
                 queues.append([_Candidate(s, j, rows[j].act_bytes * held, 0.0, "peer", intervals[j]) for j in layers])
                 continue
             budget = float(self.times.fwd_s[a:b].sum() + self.times.bwd_s[a:b].sum()) / self.pcie_sharers(s)
-            pool: list[tuple[str | int, int, float, float]] = []  # what, bytes saved, recompute s, host s
-            opt = self.optimizer_bytes(s)
-            if opt and self.optimizer.get(s) is None:
-                # per microbatch: PipeDream updates after every backward, a flushed pipeline once
-                updates = m if ctx.schedule == "pipedream" else 1
-                pool.append(("optimizer", opt, float("inf"), self.optimizer_stream_s(s) * updates / m))
+            streamed = self.host_optimizer.get(s, set())
+            slack = max(0.0, self.slack_s[s] - self.optimizer_stream_s(s, streamed))
+            pool: list[tuple[str | int, int, float, float, int]] = []  # what, bytes saved, recompute s, host s, layer
+            # per microbatch: PipeDream updates after every backward, a flushed pipeline once
+            updates = m if ctx.schedule == "pipedream" else 1
+            pool += [("optimizer", rows[j].optimizer_bytes, float("inf"), self.optimizer_stream_s(s, [j]) * updates / m,
+                      j) for j in range(a, b) if rows[j].optimizer_bytes and j not in streamed]
             if ctx.schedule == "pipedream" and len(ctx.stages) - s > 1:
                 params = sum(r.param_bytes for r in rows[a:b])
-                pool.append(("stash", (len(ctx.stages) - s - 1) * params, float("inf"), params / self.host_bw(s)))
+                pool.append(("stash", (len(ctx.stages) - s - 1) * params, float("inf"), params / self.host_bw(s), -1))
             for j in range(a, b):
                 if rows[j].act_bytes:
                     n_bytes, rec_s, host_s, _ = self.layer_costs(s, j, intervals[j])
-                    pool.append((j, n_bytes * held, rec_s if rows[j].kind in RECOMPUTABLE else float("inf"), host_s))
+                    pool.append((j, n_bytes * held, rec_s if rows[j].kind in RECOMPUTABLE else float("inf"), host_s, j))
             q: list[_Candidate] = []
             while pool:
                 best: tuple[float, float, int, _Candidate, float] | None = None
-                for i, (what, saves, rec_s, host_s) in enumerate(pool):
+                for i, (what, saves, rec_s, host_s, layer) in enumerate(pool):
                     if what == "optimizer":  # streamed around the update: only the end slack hides it
-                        interval = hidden = self.slack_s[s] / m
+                        interval = hidden = slack / m
                     else:
                         interval = float("inf") if what == "stash" else intervals[int(what)]
                         hidden = min(interval, budget)
@@ -215,7 +233,8 @@ class _Planner:
                         extra = max(0.0, host_s - hidden)
                     if saves <= 0:
                         continue
-                    key = (extra / saves, -interval, i, _Candidate(s, what, saves, extra * m, action, interval), host_s)
+                    key = (extra / saves, -interval, i,
+                           _Candidate(s, what, saves, extra * m, action, interval, layer=layer), host_s)
                     if best is None or key[:3] < best[:3]:
                         best = key
                 if best is None:
@@ -224,13 +243,15 @@ class _Planner:
                 pool.pop(best[2])
                 if c.action == "host":  # its transfer takes its share of the stage's PCIe budget
                     budget = max(0.0, budget - best[4])
+                elif c.what == "optimizer":  # its streaming takes its share of the end slack
+                    slack = max(0.0, slack - best[4] * m / updates)
                 q.append(c)
             queues.append(q)
         return queues
 
     def apply(self, c: _Candidate, spare: dict[int, float]) -> bool:
         if c.what == "optimizer":
-            self.optimizer[c.stage] = "host-stream"
+            self.host_optimizer.setdefault(c.stage, set()).add(c.layer)
         elif c.what == "stash":
             self.stash[c.stage] = "host"
         elif c.action == "peer":
@@ -309,18 +330,18 @@ class _Planner:
         return result, plan
 
     def take_free_offloads(self, result: SimResult, plan: PlanFile) -> tuple[SimResult, PlanFile]:
-        """Step 3: stream the optimizer states of the stages where that is free
-        (``free_offloads``). Stages sharing a PCIe route may not all hide theirs: the set
-        is kept when the simulated iteration is no slower, else the stage with the least
-        slack leaves it and the rest is tried again."""
-        free = sorted(self.free_offloads(), key=lambda s: -self.slack_s[s])
+        """Step 3: stream the optimizer states the end slack hides (``free_offloads``).
+        Stages sharing a PCIe route may not all hide theirs: the set is kept when the
+        simulated iteration is no slower, else the stage with the least slack leaves it
+        and the rest is tried again."""
+        offloads = self.free_offloads()
+        free = sorted(offloads, key=lambda s: -self.slack_s[s])
         while free:
-            self.optimizer.update(dict.fromkeys(free, "host-stream"))
+            self.host_optimizer = {s: set(offloads[s]) for s in free}
             trial, trial_plan = self.simulate()
             if trial.iteration_s <= result.iteration_s * (1 + MIN_GAIN):
                 return trial, trial_plan
-            for s in free:
-                del self.optimizer[s]
+            self.host_optimizer = {}
             free.pop()
         return result, plan
 
@@ -366,33 +387,57 @@ class _Planner:
 
 
 def plan_mpress(ctx: Ctx, opts: Options, name: str) -> Planned:
+    """Steps 1-5 on DAPPLE's map (stage i on GPU i) and, with the mapping search, on the
+    map it finds; each without striping and, where allowed, with it. The fastest plan
+    that fits is kept (Fig. 5's emulator feedback: a configuration is kept when it beats
+    the previous runs), so an option the variant allows is used only where it helps."""
     planned, intervals = keep_first(ctx, name)
     if planned.result.fits:
         return planned
-    sims = 1
     slack = end_slack(planned.result, ctx.schedule)
+    maps = [(ctx, planned, intervals, slack)]
     if opts.mapping:
         mapping = _mapping(_Planner(ctx, opts, name, slack), planned.result)
         if list(mapping.gpus) != ctx.gpus:
-            ctx = replace(ctx, gpus=list(mapping.gpus))
-            planned, intervals = keep_first(ctx, name)
-            slack = end_slack(planned.result, ctx.schedule)
-            sims += 1
+            mapped_ctx = replace(ctx, gpus=list(mapping.gpus))
+            mapped_keep, mapped_intervals = keep_first(mapped_ctx, name)
+            maps.append((mapped_ctx, mapped_keep, mapped_intervals, end_slack(mapped_keep.result, ctx.schedule)))
+    tries = [replace(opts, striping=False)] + ([opts] if opts.striping else [])
+    best: Planned | None = None
+    sims = 0
+    for map_ctx, keep, map_intervals, map_slack in maps:
+        for tried in tries:
+            planned = _plan_on_map(map_ctx, tried, name, keep, map_intervals, map_slack)
+            sims += planned.simulations
+            if best is None or _faster(planned.result, best.result):
+                best = planned
+    assert best is not None
+    return replace(best, simulations=sims)
+
+
+def _faster(a: SimResult, b: SimResult) -> bool:
+    """Whether ``a`` is the better answer: it fits where ``b`` does not, or both fit and it is faster."""
+    return (a.fits, -a.iteration_s) > (b.fits, -b.iteration_s)
+
+
+def _plan_on_map(ctx: Ctx, opts: Options, name: str, keep: Planned, intervals: dict[int, float],
+                 slack: list[float]) -> Planned:
+    """Steps 3-5 on the stage-to-GPU map of ``ctx``, from its keep-everything simulation."""
     planner = _Planner(ctx, opts, name, slack)
-    result, plan = planner.take_free_offloads(planned.result, planned.plan)
+    result, plan = planner.take_free_offloads(keep.result, keep.plan)
     result, plan = planner.fit(result, plan, intervals)
     if not opts.d2d_only:
         planner, result, plan = _recompute_first_if_faster(ctx, opts, name, planner, result, plan)
         if result.fits:
             result, plan = planner.tune(result, plan, intervals)
-    return Planned(plan, result, sims + planner.sims)
+    return Planned(plan, result, 1 + planner.sims)
 
 
 def _mapping(planner: _Planner, keep: SimResult) -> Mapping:
     """Step 2 on the memory the plan will leave, not the memory before planning: a stage
     whose optimizer streaming is free (``free_offloads``) counts those bytes as spare."""
-    free = set(planner.free_offloads())
-    need = [over(keep, g) - (planner.optimizer_bytes(s) if s in free else 0) for s, g in enumerate(planner.ctx.gpus)]
+    free = planner.free_offloads()
+    need = [over(keep, g) - planner.optimizer_bytes(s, free.get(s, [])) for s, g in enumerate(planner.ctx.gpus)]
     return search_mapping(planner.ctx.topo, [max(0, x) for x in need], [max(0, -x) for x in need])
 
 

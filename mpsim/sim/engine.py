@@ -148,7 +148,7 @@ def _build_stage(run: RunContext, s: int, channels: PeerChannels, times: Callabl
     update_s = update_seconds(rows, memory_rate)
     swapper = Swapper(run, s, {j: act.split for j, act in program.actions.items()},
                       {j: tuple((x.gpu, x.fraction) for x in act.peers) for j, act in program.actions.items()})
-    updater = Updater(run, s, swapper, update_s, static["params"])
+    updater = Updater(run, s, swapper, update_s)
     stash_in = None
     if layout.stash[s] == "host" and versions > 1:
         stash_in = SwapIn(STASH, static["params"], 0, "stash", "host", (), 1, 0.0)
@@ -160,15 +160,16 @@ def _allocate_static(run: RunContext, s: int, static: dict[str, int]) -> None:
     """Weights, gradients, optimizer states, stashes and preallocated buffers at time 0;
     what the plan keeps on the host goes to host memory and the GPU's ledger."""
     layout, g = run.layout, run.layout.gpu_of[s]
-    moved = {"optimizer": layout.optimizer[s] != "gpu", "stash": layout.stash[s] == "host"}
+    rows = layout.trace.layers
+    moved = {"optimizer": sum(rows[j].optimizer_bytes for j in layout.host_optimizer[s]),
+             "stash": static["stash"] if layout.stash[s] == "host" else 0}
     for cat, n in static.items():
-        if not n:
-            continue
-        if moved.get(cat):
-            run.host.change([(n, cat, f"stage {s} {cat} in host memory")])
-            run.memory[g].change([(n, f"saved:{cat}", f"stage {s} {cat} kept on the host")])
-        else:
-            run.memory[g].change([(n, cat, f"stage {s} {cat} (allocated before the first task)")])
+        on_host = moved.get(cat, 0)
+        if on_host:
+            run.host.change([(on_host, cat, f"stage {s} {cat} in host memory")])
+            run.memory[g].change([(on_host, f"saved:{cat}", f"stage {s} {cat} kept on the host")])
+        if n - on_host:
+            run.memory[g].change([(n - on_host, cat, f"stage {s} {cat} (allocated before the first task)")])
 
 
 def _result(run: RunContext, stages: list[_Stage], iteration_s: float) -> SimResult:

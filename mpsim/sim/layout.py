@@ -17,7 +17,7 @@ import numpy as np
 
 from mpsim.errors import MpsimError
 from mpsim.partition import Stages, compute_balanced, validate_stages
-from mpsim.plan import LayerAction, PlanFile, SwapTiming, check_plan
+from mpsim.plan import LayerAction, PlanFile, SwapTiming, check_plan, host_optimizer_layers
 from mpsim.schedule import check_schedule
 from mpsim.topology import Topology
 from mpsim.trace import Trace
@@ -72,6 +72,8 @@ class Layout:
     """Per stage, the action of each listed layer (missing: keep)."""
     optimizer: tuple[str, ...]
     stash: tuple[str, ...]
+    host_optimizer: tuple[tuple[int, ...], ...]
+    """Per stage, the layers whose optimizer states live on the host (``host_optimizer_layers``)."""
     strategy: str = "none"
     runtime: Runtime = "mpress"
     record_link_rates: bool = False
@@ -104,7 +106,8 @@ def _keep_everything(job: Job) -> Layout:
                          f"0..{topo.n_gpus - 1}")
     check_schedule(job.schedule, n_stages, job.microbatches)
     return Layout(topo, job.trace, job.schedule, job.microbatches, stages, tuple(gpus),
-                  tuple({} for _ in stages), ("gpu",) * n_stages, ("gpu",) * n_stages, job.strategy, job.runtime,
+                  tuple({} for _ in stages), ("gpu",) * n_stages, ("gpu",) * n_stages, ((),) * n_stages,
+                  job.strategy, job.runtime,
                   job.record_link_rates)
 
 
@@ -119,6 +122,7 @@ def layout_of_plan(plan: PlanFile, topo: Topology, trace: Trace, *, checked: boo
     return Layout(topo, trace, plan.schedule, plan.microbatches, [st.layers for st in plan.stages],
                   tuple(st.gpu for st in plan.stages), tuple(plan.action_of(s) for s in range(len(plan.stages))),
                   tuple(st.optimizer for st in plan.stages), tuple(st.stash for st in plan.stages),
+                  tuple(host_optimizer_layers(st) for st in plan.stages),
                   plan.strategy if strategy is None else strategy, runtime, record_link_rates, plan.swap_timing)
 
 

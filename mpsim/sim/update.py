@@ -18,9 +18,11 @@ class Updater:
     gradients to the host, Adam on the CPU at the host's rate, weights back
     (ZeRO-Offload), the stream idle meanwhile. ``host-stream``: layer by layer, states
     in, Adam on the GPU, states out; the out copy overlaps the next layer's work, the in
-    copy does not overlap the update. Time beyond the GPU update is the optimizer's cost."""
+    copy does not overlap the update. Only the layers whose states live on the host
+    (``Layout.host_optimizer``) go through the host; the others update on the GPU first.
+    Time beyond the GPU update is the optimizer's cost."""
 
-    def __init__(self, run: RunContext, stage: int, swapper: Swapper, gpu_update_s: float, param_bytes: int) -> None:
+    def __init__(self, run: RunContext, stage: int, swapper: Swapper, gpu_update_s: float) -> None:
         self.run = run
         self.stage = stage
         self.gpu = run.layout.gpu_of[stage]
@@ -28,9 +30,12 @@ class Updater:
         a, b = run.layout.stages[stage]
         self.rows = run.layout.trace.layers[a:b]
         self.first_layer = a
+        on_host = set(run.layout.host_optimizer[stage])
+        self.host_rows = [(j, r) for j, r in enumerate(self.rows, start=a) if j in on_host]
+        """The layers whose optimizer states live on the host, with their index."""
+        self.gpu_rows = [r for j, r in enumerate(self.rows, start=a) if j not in on_host]
         self.swapper = swapper
         self.gpu_update_s = gpu_update_s
-        self.param_bytes = param_bytes
         self.ends_s: list[float] = []
         """When each update ended (PipeDream's iteration is measured between them)."""
 
@@ -47,18 +52,29 @@ class Updater:
             run.costs.add(self.gpu, "optimizer_s", run.env.now - start - self.gpu_update_s)
         self.ends_s.append(run.env.now)
 
+    def _memory_rate(self) -> float:
+        gpu = self.run.topo.spec.gpu
+        return gpu.memory_bandwidth_gbps * 1e9 * gpu.memory_efficiency
+
+    def _on_gpu(self) -> Generator[simpy.Event, object, None]:
+        """The update of the layers whose states stay on the GPU."""
+        if self.gpu_rows:
+            yield self.run.env.timeout(update_seconds(self.gpu_rows, self._memory_rate()))
+
     def _on_host(self) -> Generator[simpy.Event, object, None]:
         run, g = self.run, self.gpu
-        yield from run.host_copy(g, sum(r.grad_bytes for r in self.rows), True, "gradients to host")
-        yield run.env.timeout(sum(r.params for r in self.rows) / (run.topo.spec.host.cpu_adam_gparams_per_s * 1e9))
-        yield from run.host_copy(g, self.param_bytes, False, "weights from host")
+        yield from self._on_gpu()
+        rows = [r for _, r in self.host_rows]
+        yield from run.host_copy(g, sum(r.grad_bytes for r in rows), True, "gradients to host")
+        yield run.env.timeout(sum(r.params for r in rows) / (run.topo.spec.host.cpu_adam_gparams_per_s * 1e9))
+        yield from run.host_copy(g, sum(r.param_bytes for r in rows), False, "weights from host")
 
     def _streamed(self) -> Generator[simpy.Event, object, None]:
         run, g = self.run, self.gpu
-        gpu = run.topo.spec.gpu
-        memory_rate = gpu.memory_bandwidth_gbps * 1e9 * gpu.memory_efficiency
-        for k, row in enumerate(self.rows):
-            j, n_opt = self.first_layer + k, row.optimizer_bytes
+        memory_rate = self._memory_rate()
+        yield from self._on_gpu()
+        for j, row in self.host_rows:
+            n_opt = row.optimizer_bytes
             if not n_opt:
                 continue
             label = f"layer {j} optimizer states streamed in"
