@@ -54,7 +54,8 @@ FIG8B = {
 DIFFERS = {
     ("recompute", "bert-4b"): "our recompute fits BERT-4B at 41 x 2816 (Table II-fitted), the paper's does not",
     ("cpu-swap", "bert-6.2b"): "BERT-6.2B fitted to Table II (1286 GB, 159 x 1792) needs 1086 GB of host memory under "
-                               "our cpu-swap plan, more than the DGX-1's 768 GiB",
+                               "our cpu-swap plan, more than the DGX-1's 768 GB (IV-A); by Table II's own total "
+                               "(1279 GB) any plan that only swaps must hold 1279 - 8 x 32 = 1023 GB off the GPUs",
 }
 
 
