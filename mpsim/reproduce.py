@@ -12,6 +12,7 @@ from pathlib import Path
 
 from mpsim.api import plan, simulate
 from mpsim.catalog import load_topology
+from mpsim.planners import Planned
 from mpsim.sim import SimResult
 from mpsim.topology import Topology, with_faster_peer_links
 
@@ -27,13 +28,13 @@ PEER_LINK_FACTOR = 100.0
 """Fig. 9's headroom: the default plan re-simulated with peer links this many times faster."""
 
 
-def _peer_link_headroom(server: str) -> tuple[SimResult, SimResult]:
-    """Fig. 9's default MPress plan, and the same plan on ``server`` with its peer links
+def _peer_link_headroom(server: str) -> tuple[Planned, SimResult]:
+    """Fig. 9's default MPress plan, and its result on ``server`` with the peer links
     ``PEER_LINK_FACTOR`` times faster: what any mapping or striping of it could gain."""
     planned = plan(server, "gpt-15.4b", "1f1b", 2, 16, strategy="mpress-no-mapping-no-striping")
     spec = with_faster_peer_links(load_topology(server).spec, PEER_LINK_FACTOR)
     fast = simulate(Topology(spec, f"{server}, peer links x{PEER_LINK_FACTOR:g}"), "gpt-15.4b", plan_file=planned.plan)
-    return planned.result, fast
+    return planned, fast
 
 
 def _cell(r: SimResult) -> str:
@@ -175,7 +176,8 @@ def mpress_report(out: Path, progress: _Progress) -> str:
             progress(f"fig9: {server} {lb}")
             res[lb] = _run(server, "gpt-15.4b", "1f1b", 2, st)
         base = res["default (DAPPLE map, no striping)"]
-        default, fast = _peer_link_headroom(server)
+        default_plan, fast = _peer_link_headroom(server)
+        default = default_plan.result
         fig9_rows.append([server] + [f"{r.samples_per_s / base.samples_per_s:.3f}" if r.fits and base.fits else _cell(r)
                                      for r in res.values()]
                          + [f"{default.iteration_s:.2f} s / {fast.iteration_s:.2f} s "

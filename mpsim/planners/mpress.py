@@ -7,22 +7,24 @@
    a stage whose optimizer states can stream to the host inside its end slack counts
    them as spare. Exporters go next to importers over many NVLinks; skipped on
    symmetric servers.
-3. Free GPU-CPU swap first: the optimizer states of stages whose slack hides their
-   streaming go to the host (kept if the simulated iteration is no slower). This makes
-   the later stages of a flushed pipeline importers (Table IV: GPU-CPU swap on every
-   stage, D2D from stages 0-3 to 4-7).
+3. Free GPU-CPU swap first: per stage, the optimizer states of as many layers as its
+   slack hides while they stream go to the host (kept if the simulated iteration is no
+   slower). This makes the later stages of a flushed pipeline importers (Table IV:
+   GPU-CPU swap on every stage, D2D from stages 0-3 to 4-7).
 4. Initial assignment per GPU that does not fit, cheapest extra time per byte saved
    first: GPU-CPU swap where the swap hides in the live interval (cost 0; the longest
    intervals first), else the least extra time among recomputation, D2D swap into the
    spare memory the last simulation left on NVLink neighbours, and GPU-CPU swap
    (footnote 2); optimizer states and PipeDream's stashed weights compete on the same
-   footing. Candidates are taken until the estimated saving covers the shortfall, then
-   the iteration is simulated again, until every GPU fits.
+   footing, layer by layer. Candidates are taken until the estimated saving covers the
+   shortfall, then the iteration is simulated again, until every GPU fits.
 5. Tuning rounds: the tensors whose choice costs the most are moved to D2D swap into the
    spare memory of NVLink neighbours (striped in proportion to link bandwidth) where that
    costs less; a round is kept when the simulated iteration fits and is faster, and the
    search stops when a round gains nothing.
 
+Steps 3-5 run on DAPPLE's map and on the searched one, each with and without striping
+where the variant allows it; the fastest plan that fits is kept (``plan_mpress``).
 The per-tensor rule behind steps 4 and 5 is ``choose`` (Table III's reading in IV-D).
 Ablations (Fig. 9): without the mapping search (stage i on GPU i, DAPPLE's), without
 striping (each swap to its one fastest neighbour), and D2D swap only.

@@ -28,12 +28,11 @@ class Updater:
         self.gpu = run.layout.gpu_of[stage]
         self.mode = run.layout.optimizer[stage]
         a, b = run.layout.stages[stage]
-        self.rows = run.layout.trace.layers[a:b]
-        self.first_layer = a
+        rows = run.layout.trace.layers
         on_host = set(run.layout.host_optimizer[stage])
-        self.host_rows = [(j, r) for j, r in enumerate(self.rows, start=a) if j in on_host]
+        self.host_rows = [(j, rows[j]) for j in range(a, b) if j in on_host]
         """The layers whose optimizer states live on the host, with their index."""
-        self.gpu_rows = [r for j, r in enumerate(self.rows, start=a) if j not in on_host]
+        self.gpu_rows = [rows[j] for j in range(a, b) if j not in on_host]
         self.swapper = swapper
         self.gpu_update_s = gpu_update_s
         self.ends_s: list[float] = []
