@@ -284,8 +284,7 @@ def stripes_by_bandwidth(topo: Topology, src: int, peers: list[int]) -> list[Str
 def fit_stripes(topo: Topology, src: int, need_bytes: float, spare_bytes: Mapping[int, float]) -> list[Stripe] | None:
     """Bandwidth-weighted stripes over the NVLink neighbours of ``src`` whose spare memory
     takes their part of ``need_bytes``; None when no such neighbour is left."""
-    peers = [q for q in range(topo.n_gpus)
-             if q != src and topo.nvlinks_between(src, q) and spare_bytes.get(q, 0) > 0]
+    peers = [q for q in topo.nvlink_peers(src) if spare_bytes.get(q, 0) > 0]
     while peers:
         stripes = stripes_by_bandwidth(topo, src, peers)
         short = [x.gpu for x in stripes if need_bytes * x.fraction > spare_bytes[x.gpu]]

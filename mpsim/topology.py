@@ -329,6 +329,9 @@ class Topology:
             for g in sw.gpus:
                 self._switch_of[g] = sw
         self._build_links()
+        self._nvlinks = {(a, b): self._count_nvlinks(a, b) for a in range(self.n_gpus) for b in range(self.n_gpus)}
+        self._nvlink_peers = tuple(tuple(b for b in range(self.n_gpus) if b != a and self._nvlinks[(a, b)])
+                                   for a in range(self.n_gpus))
         self._routes: dict[tuple[Endpoint, Endpoint], Route] = {}
         for a in range(self.n_gpus):
             for b in range(self.n_gpus):
@@ -427,6 +430,14 @@ class Topology:
             raise MpsimError(f"no route from {src} to {dst} on {self.name} (GPUs are 0..{self.n_gpus - 1})") from None
 
     def nvlinks_between(self, a: int, b: int) -> int:
+        """NVLinks from GPU a to GPU b (through the NVSwitch: each GPU's own links)."""
+        return self._nvlinks.get((a, b), 0)
+
+    def nvlink_peers(self, g: int) -> tuple[int, ...]:
+        """The GPUs GPU g reaches over NVLink, in index order."""
+        return self._nvlink_peers[g]
+
+    def _count_nvlinks(self, a: int, b: int) -> int:
         if self.spec.nvswitch:
             return self.spec.nvswitch.links_per_gpu
         if self.spec.nvlink:

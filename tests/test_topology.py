@@ -39,6 +39,16 @@ def test_dgx1_every_gpu_uses_six_links_and_gpu0_to_gpu3_is_twice_gpu1():
     assert t.route(0, 3).bandwidth == 2 * t.route(0, 1).bandwidth == pytest.approx(45e9)
 
 
+def test_nvlink_peers_are_the_gpus_with_a_link():
+    """DGX-1 hybrid cube-mesh: GPU 0 reaches 1-4 over NVLink and 5-7 only over PCIe; on an
+    NVSwitch server every other GPU is a peer."""
+    dgx1 = load_topology("dgx1-v100")
+    assert dgx1.nvlink_peers(0) == (1, 2, 3, 4)
+    for g in range(8):
+        assert dgx1.nvlink_peers(g) == tuple(o for o in range(8) if o != g and dgx1.nvlinks_between(g, o))
+    assert load_topology("a100-40gb-nvswitch").nvlink_peers(5) == (0, 1, 2, 3, 4, 6, 7)
+
+
 def test_gpus_behind_one_switch_share_its_uplink_to_host():
     t = load_topology("dgx1-v100")
     up0 = t.route(0, HOST).links[-1]

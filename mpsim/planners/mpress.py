@@ -127,7 +127,7 @@ class _Planner:
         topo, g = self.ctx.topo, self.ctx.gpus[s]
         if self.opts.striping:
             return fit_stripes(topo, g, need, spare)
-        fit = [q for q in range(topo.n_gpus) if q != g and topo.nvlinks_between(g, q) and spare.get(q, 0) >= need]
+        fit = [q for q in topo.nvlink_peers(g) if spare.get(q, 0) >= need]
         if not fit:
             return None
         best = max(fit, key=lambda q: (topo.route(g, q).bandwidth, -q))
