@@ -44,20 +44,26 @@ def _rounds(ctx: Ctx, planned: Planned, take: Callable[[int, int], bool], build:
             after: Callable[[SimResult], None] | None = None) -> Planned:
     """The greedy rounds of the module doc: per GPU that does not fit, ``take(stage,
     shortfall)`` adds actions (True if it added any); then one simulation of ``build()``,
-    until every GPU fits, nothing is added, or MAX_ROUNDS; ``after`` sees each result."""
+    until every GPU fits, nothing is added, or MAX_ROUNDS; ``after`` sees each result.
+    A GPU that does not fit and has nothing left to take can never fit, so the round that
+    finds one is the last (the others' actions of that round are still simulated); so is
+    a round whose plan overflows host memory, since no planner here takes bytes back
+    from the host."""
     plan, result, sims = planned.plan, planned.result, 1
     for _ in range(MAX_ROUNDS):
-        moved = False
+        moved = stuck = False
         for s, g in enumerate(ctx.gpus):
             short = over(result, g)
             if short > 0:
-                moved |= take(s, short)
+                took = take(s, short)
+                moved |= took
+                stuck |= not took
         if not moved:
             break
         plan = build()
         result = ctx.simulate(plan)
         sims += 1
-        if result.fits:
+        if result.fits or stuck or result.host_peak_bytes > result.host_capacity_bytes:
             break
         if after is not None:
             after(result)
