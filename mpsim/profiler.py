@@ -157,7 +157,7 @@ def backward_workspace_bytes(module: torch.nn.Module, inputs: list[torch.Tensor]
 
 def _measure(module: torch.nn.Module, inputs: list[torch.Tensor], run: Callable[..., torch.Tensor],
              dev: torch.device, warmup: int, repeats: int) -> dict:
-    fields = trace_layer(module, inputs, run)
+    fields = trace_layer(module, inputs, run, fixed_traffic=False)  # measured times; no second run on the device
     for t in inputs:
         t.grad = None
     bwd_ws = backward_workspace_bytes(module, inputs, run)

@@ -66,11 +66,10 @@ WIDTH_LIMIT = 128
 
 
 TRACE_BATCH = 64
-"""Batch the CNNs are traced at before rescaling. ``Trace.rescale`` scales every byte
-count linearly, the weight-gradient traffic in ``bwd_mem_bytes`` included, which does not
-grow with the batch (VGG-11's fc1 moves 1.2 GB in its backward at any batch): traced at
-batch 1 and rescaled to 92 its backward took 215 ms instead of a few. Memory is exact
-either way; tracing near the batches searched keeps the times close too."""
+"""Batch the CNNs are traced at before ``Trace.rescale`` takes them to the batches searched.
+Rescaling keeps the traffic that does not grow with the batch (a convolution's weight read
+and its gradient written), so bytes and times match a trace at that batch
+(tests/test_trace.py)."""
 
 
 @functools.cache

@@ -6,7 +6,9 @@ or derived for a GPU from FLOPs and bytes moved (``Trace.layer_times``).
 
 Rescaling rule (``scaling.rule = "linear-microbatch"``): activation, output, workspace
 bytes, FLOPs, bytes moved and measured times scale linearly with the microbatch size;
-parameter, gradient and optimizer bytes do not.
+parameter, gradient and optimizer bytes do not, nor does the part of the bytes moved that
+touches parameter-shaped tensors (``fwd_fixed_mem_bytes``, ``bwd_fixed_mem_bytes``: a
+weight gradient written and copied into place costs the same at any batch).
 """
 
 from __future__ import annotations
@@ -114,6 +116,13 @@ class LayerRow(_Strict):
     fwd_mem_bytes: float = Field(
         ge=0, le=MAX_BYTES, description="bytes read and written by the forward's non-matmul ops")
     bwd_mem_bytes: float = Field(ge=0, le=MAX_BYTES)
+    fwd_fixed_mem_bytes: float = Field(
+        default=0.0, ge=0, le=MAX_BYTES,
+        description="part of fwd_mem_bytes that does not grow with the microbatch: parameter-shaped tensors")
+    bwd_fixed_mem_bytes: float = Field(
+        default=0.0, ge=0, le=MAX_BYTES,
+        description="part of bwd_mem_bytes that does not grow with the microbatch: weights read, weight "
+                    "gradients written and copied into place")
     fwd_ms: float | None = Field(default=None, gt=0, le=MAX_MS, description="measured forward time")
     bwd_ms: float | None = Field(default=None, gt=0, le=MAX_MS, description="measured backward time")
     split_dims: list[Literal["batch", "sequence", "hidden"]] = Field(default_factory=list)
@@ -136,6 +145,8 @@ class LayerRow(_Strict):
             raise ValueError("attention_core_bytes is part of act_bytes and cannot exceed it")
         if self.fwd_attention_flops > self.fwd_flops or self.bwd_attention_flops > self.bwd_flops:
             raise ValueError("attention FLOPs are part of fwd_flops and bwd_flops and cannot exceed them")
+        if self.fwd_fixed_mem_bytes > self.fwd_mem_bytes or self.bwd_fixed_mem_bytes > self.bwd_mem_bytes:
+            raise ValueError("fixed traffic is part of fwd_mem_bytes and bwd_mem_bytes and cannot exceed them")
         return self
 
 
@@ -232,6 +243,8 @@ class Trace:
         for r in self.spec.layers:
             upd = {k: (round(getattr(r, k) * f) if isinstance(getattr(r, k), int) else getattr(r, k) * f)
                    for k in _SCALED}
+            upd["fwd_mem_bytes"] = r.fwd_fixed_mem_bytes + (r.fwd_mem_bytes - r.fwd_fixed_mem_bytes) * f
+            upd["bwd_mem_bytes"] = r.bwd_fixed_mem_bytes + (r.bwd_mem_bytes - r.bwd_fixed_mem_bytes) * f
             for k in _SCALED_OPTIONAL:
                 v = getattr(r, k)
                 if v is not None:

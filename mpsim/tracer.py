@@ -48,20 +48,25 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
 
 class _OpBytes(TorchDispatchMode):
     """Counts bytes touched by non-matmul ops (those inside the attention core apart, too)
-    and remembers every op output's storage."""
+    and, with ``remember``, remembers every op output's storage.
 
-    def __init__(self, probe: kernels.TraceProbe | None = None) -> None:
+    Remembering keeps every output alive, so it is for the forward only: in a backward a
+    second reference to a weight gradient stops autograd from taking the tensor as the
+    parameter's ``.grad`` (it copies it instead), a copy a GPU run does not make."""
+
+    def __init__(self, probe: kernels.TraceProbe | None = None, remember: bool = True) -> None:
         super().__init__()
         self.mem_bytes = 0
         self.core_mem_bytes = 0
         self.probe = probe
+        self.remember = remember
         self.outputs: dict[int, int] = {}
         self._alive: list[torch.Tensor] = []  # keeps storages alive so their keys are never reused
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        for t in outs:
+        for t in outs if self.remember else ():
             self.outputs.setdefault(storage_key(t), t.untyped_storage().nbytes())
             self._alive.append(t)
         moved = self._moved(func, outs, args, kwargs)
@@ -94,10 +99,42 @@ def _selective_saving(probe: kernels.TraceProbe, saved: dict[int, int]) -> int:
     return max(0, dropped - checkpoint)
 
 
-def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run) -> dict[str, Any]:
+def _traffic(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run) -> tuple[int, int]:
+    """Bytes the forward and the backward of ``run(module, *inputs)`` move, from fresh gradients."""
+    for p in module.parameters():
+        p.grad = None
+    fwd, bwd = _OpBytes(remember=False), _OpBytes(remember=False)
+    with kernels.CudaDropout(), fwd:
+        out = run(module, *inputs)
+    with bwd:
+        out.backward(torch.ones_like(out))
+    for p in module.parameters():
+        p.grad = None
+    return fwd.mem_bytes, bwd.mem_bytes
+
+
+def _fixed_traffic(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run, fwd_bytes: float,
+                   bwd_bytes: float) -> tuple[float, float]:
+    """The parts of the forward's and the backward's traffic that do not grow with the
+    batch (weights read, weight gradients written and copied into place, a positional
+    table): the layer runs again on every input doubled along its first dimension, and
+    traffic affine in the batch, m(b) = fixed + b x per-sample, gives fixed = 2 m(b) - m(2b).
+    A layer whose inputs do not double that way keeps none fixed (all scaled, as before)."""
+    doubled = [torch.cat([t, t]).detach().requires_grad_(t.requires_grad) for t in inputs]
+    try:
+        fwd2, bwd2 = _traffic(module, doubled, run)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return 0.0, 0.0
+    return (min(fwd_bytes, max(0.0, 2 * fwd_bytes - fwd2)), min(bwd_bytes, max(0.0, 2 * bwd_bytes - bwd2)))
+
+
+def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
+                fixed_traffic: bool = True) -> dict[str, Any]:
     """Forward and backward of ``run(module, *inputs)`` (fake or real tensors); returns the
     measured fields of a trace row. The first input is the one a pipeline passes between layers.
-    Parameters and buffers (batch norm's running statistics) are model state, not saved activations."""
+    Parameters and buffers (batch norm's running statistics) are model state, not saved activations.
+    ``fixed_traffic``: also run at twice the batch to find the traffic that does not scale
+    (``_fixed_traffic``); off where a second run costs real device memory."""
     param_keys = {storage_key(p) for p in (*module.parameters(), *module.buffers())}
     saved: dict[int, int] = {}
     keep: list[torch.Tensor] = []
@@ -119,10 +156,12 @@ def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run) -
     first = inputs[0]
     workspace = max((n for k, n in counter.outputs.items()
                      if k not in saved and k != out_key and k not in param_keys), default=0)
-    counter_b = _OpBytes()
+    counter_b = _OpBytes(remember=False)
     with FlopCounterMode(display=False) as bwd_flops, counter_b:
         out.backward(torch.ones_like(out))
     core_bytes = _selective_saving(probe, saved)
+    fixed = (_fixed_traffic(module, inputs, run, float(counter.mem_bytes), float(counter_b.mem_bytes))
+             if fixed_traffic else (0.0, 0.0))
     return {
         "params": sum(p.numel() for p in module.parameters()),
         "act_bytes": sum(saved.values()),
@@ -134,6 +173,8 @@ def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run) -
         "bwd_flops": float(bwd_flops.get_total_flops()),
         "fwd_mem_bytes": float(counter.mem_bytes),
         "bwd_mem_bytes": float(counter_b.mem_bytes),
+        "fwd_fixed_mem_bytes": fixed[0],
+        "bwd_fixed_mem_bytes": fixed[1],
         "fwd_attention_flops": _fused_attention_flops(fwd_flops),
         "bwd_attention_flops": _fused_attention_flops(bwd_flops),
         "attention_core_bytes": core_bytes,

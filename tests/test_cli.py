@@ -314,7 +314,8 @@ def _all_layers(key, value):
 
 def _no_work(d):
     for row in d["layers"]:
-        row.update(fwd_flops=0, bwd_flops=0, fwd_mem_bytes=0, bwd_mem_bytes=0)
+        row.update(fwd_flops=0, bwd_flops=0, fwd_mem_bytes=0, bwd_mem_bytes=0, fwd_fixed_mem_bytes=0,
+                   bwd_fixed_mem_bytes=0, fwd_attention_flops=0, bwd_attention_flops=0)
         row.pop("fwd_ms", None)
         row.pop("bwd_ms", None)
 

@@ -32,6 +32,65 @@ def test_rescale_is_linear_in_microbatch_except_model_state():
     assert r.microbatch == 6
 
 
+def test_rescale_keeps_the_traffic_of_parameter_shaped_tensors():
+    t = tiny_trace([layer("a", 1.0, 2.0, act=100)], microbatch=2)
+    row = t.layers[0].model_copy(update={"fwd_mem_bytes": 50.0, "fwd_fixed_mem_bytes": 10.0,
+                                         "bwd_mem_bytes": 400.0, "bwd_fixed_mem_bytes": 300.0})
+    from mpsim.trace import Trace
+    r = Trace(t.spec.model_copy(update={"layers": [row]})).rescale(6).layers[0]
+    assert (r.fwd_mem_bytes, r.bwd_mem_bytes) == (10.0 + 3 * 40.0, 300.0 + 3 * 100.0)
+    assert (r.fwd_fixed_mem_bytes, r.bwd_fixed_mem_bytes) == (10.0, 300.0)
+
+
+def test_fixed_traffic_cannot_exceed_the_traffic():
+    row = tiny_trace([layer("a", 1.0, 2.0)]).layers[0].model_dump()
+    row.update(bwd_mem_bytes=10.0, bwd_fixed_mem_bytes=11.0)
+    from mpsim.trace import LayerRow
+    with pytest.raises(ValueError, match="fixed traffic is part of"):
+        LayerRow(**row)
+
+
+@pytest.mark.parametrize("traced,wanted", [(1, 8), (8, 1)])
+def test_a_rescaled_trace_moves_the_bytes_of_one_traced_at_that_batch(traced, wanted):
+    """A convolution's backward reads its weight and writes its weight gradient at any
+    batch; rescaling keeps that part, so bytes and times match a fresh trace."""
+    from mpsim.modules import trace_builder
+
+    gpu = load_topology("dgx1-v100").spec.gpu
+    small, large = (trace_builder("mpsim.cnn:vgg11", b) for b in (traced, wanted))
+    rescaled = small.rescale(wanted)
+    for a, b in zip(rescaled.layers, large.layers, strict=True):
+        assert a.fwd_mem_bytes == pytest.approx(b.fwd_mem_bytes, rel=1e-3), a.name
+        assert a.bwd_mem_bytes == pytest.approx(b.bwd_mem_bytes, rel=1e-3), a.name
+    conv7 = small.layers[[r.name for r in small.layers].index("conv7")]
+    weight_bytes = 512 * 512 * 3 * 3 * 4  # read, and its gradient written (the bias's gradient too)
+    assert 2 * weight_bytes < conv7.bwd_fixed_mem_bytes < 2 * conv7.param_bytes
+    times, fresh = rescaled.layer_times(gpu), large.layer_times(gpu)
+    assert times.bwd_s.sum() == pytest.approx(fresh.bwd_s.sum(), rel=1e-3)
+
+
+def test_a_weight_gradient_is_not_copied_into_place():
+    """On a GPU autograd takes a fresh weight gradient as the parameter's .grad; tracing
+    must not add a copy of it (VGG-11's fc1 at batch 1 would move its 411 MB weight
+    gradient three times, 1.2 GB, in a backward that moves well under 1 MB)."""
+    from mpsim.modules import trace_builder
+
+    fc1 = next(r for r in trace_builder("mpsim.cnn:vgg11", 1).layers if r.name == "fc1")
+    assert fc1.bwd_mem_bytes < 1e6 < fc1.param_bytes
+
+
+@pytest.mark.parametrize("traced,wanted", [(2, 8), (8, 2)])
+def test_a_rescaled_transformer_trace_moves_the_bytes_of_one_traced_at_that_batch(traced, wanted):
+    """From two samples up a layer's traffic is affine in the batch (at one, PyTorch's
+    attention skips some copies, so a batch-1 trace rescales a few percent high)."""
+    cfg = ModelConfig("gpt", 2, 256, 4, 128, 1000)
+    rescaled, fresh = trace_model(cfg, traced).rescale(wanted), trace_model(cfg, wanted)
+    for a, b in zip(rescaled.layers, fresh.layers, strict=True):
+        assert a.fwd_mem_bytes == pytest.approx(b.fwd_mem_bytes, rel=1e-3), a.name
+        assert a.bwd_mem_bytes == pytest.approx(b.bwd_mem_bytes, rel=1e-3), a.name
+    assert fresh.layers[1].bwd_fixed_mem_bytes > 0
+
+
 def test_with_layers_adds_identical_transformer_layers():
     t = load_trace("gpt-5.3b")
     t57 = t.with_layers(57)
