@@ -21,7 +21,8 @@
 5. Tuning rounds: the tensors whose choice costs the most are moved to D2D swap into the
    spare memory of NVLink neighbours (striped in proportion to link bandwidth) where that
    costs less; a round is kept when the simulated iteration fits and is faster, and the
-   search stops when a round gains nothing.
+   search stops when a round gains nothing. Then the GPU-CPU swaps of step 4 that the
+   simulation shows waiting are tried as recomputation (``host_swaps_to_recompute``).
 
 Steps 3-5 run on DAPPLE's map and on the searched one, each with and without striping
 where the variant allows it; the fastest plan that fits is kept (``plan_mpress``).
@@ -347,6 +348,53 @@ class _Planner:
             free.pop()
         return result, plan
 
+    def host_swaps_to_recompute(self, result: SimResult, plan: PlanFile) -> tuple[SimResult, PlanFile]:
+        """Emulator feedback on step 4's GPU-CPU swaps (Fig. 5, step 5): the cost model
+        counts a swap as hidden while its stage's PCIe budget lasts, but the simulated
+        iteration may wait on it (swap-ins late, swap-outs landing after the memory is
+        needed, optimizer streaming on the same route). Try recomputing every
+        recomputable layer step 4 swapped to the host instead; where a GPU then overflows
+        (a checkpoint keeps the layer's input), stream one more layer's optimizer states,
+        else recompute one more layer, until every GPU fits. Kept only when the simulated
+        iteration fits and is faster."""
+        rows = self.ctx.trace.layers
+        swapped = [(s, j) for s, acts in self.actions.items() for j, a in acts.items()
+                   if a.action == "host" and rows[j].kind in RECOMPUTABLE]
+        if not swapped:
+            return result, plan
+        saved_actions = {s: dict(a) for s, a in self.actions.items()}
+        saved_optimizer = {s: set(v) for s, v in self.host_optimizer.items()}
+        for s, j in swapped:
+            self.actions[s][j] = LayerAction(layer=j, action="recompute")
+        trial, trial_plan = self.simulate()
+        for _ in range(MAX_ROUNDS):
+            if trial.fits or not any([self.relieve(s) for s, g in enumerate(self.ctx.gpus) if over(trial, g) > 0]):
+                break
+            trial, trial_plan = self.simulate()
+        if trial.fits and trial.iteration_s < result.iteration_s * (1 - MIN_GAIN):
+            return trial, trial_plan
+        self.actions, self.host_optimizer = saved_actions, saved_optimizer
+        return result, plan
+
+    def relieve(self, s: int) -> bool:
+        """One more saving on stage s: the optimizer states of its last layer still on the
+        GPU go to the host, else its recomputable layer without an action that saves the
+        most is recomputed. False when neither is left."""
+        a, b = self.ctx.stages[s]
+        rows = self.ctx.trace.layers
+        streamed = self.host_optimizer.setdefault(s, set())
+        on_gpu = [j for j in range(a, b) if rows[j].optimizer_bytes and j not in streamed]
+        if on_gpu and not self.opts.d2d_only:
+            streamed.add(on_gpu[-1])
+            return True
+        free = [j for j in range(a, b) if rows[j].kind in RECOMPUTABLE and j not in self.actions[s]
+                and rows[j].act_bytes > rows[j].input_bytes]
+        if not free:
+            return False
+        j = max(free, key=lambda k: (rows[k].act_bytes - rows[k].input_bytes, -k))
+        self.actions[s][j] = LayerAction(layer=j, action="recompute")
+        return True
+
     def tune(self, result: SimResult, plan: PlanFile, intervals: dict[int, float]) -> tuple[SimResult, PlanFile]:
         """Step 5: move the costliest choices to D2D swap while that makes the iteration faster."""
         ctx, m = self.ctx, self.ctx.microbatches
@@ -432,6 +480,7 @@ def _plan_on_map(ctx: Ctx, opts: Options, name: str, keep: Planned, intervals: d
         planner, result, plan = _recompute_first_if_faster(ctx, opts, name, planner, result, plan)
         if result.fits:
             result, plan = planner.tune(result, plan, intervals)
+            result, plan = planner.host_swaps_to_recompute(result, plan)
     return Planned(plan, result, 1 + planner.sims)
 
 
