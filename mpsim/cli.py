@@ -27,7 +27,9 @@ _SCHEDULE_HELP = "gpipe, 1f1b (DAPPLE, PipeDream-Flush) or pipedream (asynchrono
 _MICROBATCHES_HELP = ("microbatches per iteration, at most 4096; 1f1b and pipedream need at least one per "
                       "stage")
 _STRATEGY_HELP = ("memory-saving strategy: none; recompute (checkpoint transformer layers or module blocks, "
-                  "fewest first, until each GPU fits); recompute-all (every one, as GPipe and DAPPLE); "
+                  "fewest first, until each GPU fits); recompute-segments (the same layers, a run of consecutive ones "
+                  "keeping one checkpoint and re-run whole, as Chen et al. 2016 and GPipe); recompute-all (every "
+                  "one); "
                   "selective (recompute only the attention core of every transformer layer, Korthikanti et al. "
                   "2022); cpu-swap (MPress's GPU-CPU swap baseline: to host memory until it fits, each copy on "
                   "demand, the compute waiting for it); host-swap (the same, overlapped and prefetched); "

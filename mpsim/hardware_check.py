@@ -94,6 +94,9 @@ def check_runnable(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSe
     if trace.spec.precision.recipe != "fp32":
         raise MpsimError(f"{source}: the executor trains in fp32; "
                          f"{trace.name} is a {trace.spec.precision.recipe} trace")
+    if plan.recompute_checkpoints != "layer":
+        raise MpsimError(f"{source}: recompute_checkpoints '{plan.recompute_checkpoints}': the executor "
+                         "checkpoints every recomputed layer on its own (use layer)")
     for s, st in enumerate(plan.stages):
         if st.optimizer == "host-stream":
             raise MpsimError(f"{source}: stages.{s}.optimizer 'host-stream' is not run by the executor "

@@ -101,6 +101,7 @@ class StagePlan(_Strict):
 
 
 SwapTiming = Literal["prefetch", "on-demand"]
+Checkpoints = Literal["layer", "segment"]
 """When swaps run: ``PlanFile.swap_timing``."""
 
 
@@ -119,6 +120,12 @@ class PlanFile(_Strict):
         description="prefetch: a swap-out runs beside the compute and a swap-in is prefetched to land when its "
                     "backward needs it; on-demand: the compute waits for each swap-out to land and each swap-in "
                     "starts when the backward reaches its layer (the GPU-CPU swap baseline of MPress IV-B)")
+    recompute_checkpoints: Checkpoints = Field(
+        default="layer",
+        description="layer: every recomputed layer keeps its input and re-runs alone before its backward "
+                    "(Megatron-LM, Hugging Face gradient checkpointing); segment: consecutive recomputed layers "
+                    "keep only the first one's input and re-run together before the last one's backward "
+                    "(Chen et al. 2016; GPipe's and DAPPLE's re-materialization of a stage)")
     stages: list[StagePlan] = Field(min_length=1, max_length=1024)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
@@ -253,7 +260,8 @@ def make_plan(trace: Trace, topo: Topology, schedule: str, microbatches: int,
               stages: list[tuple[int, int]], gpu_of_stage: list[int], strategy: str,
               actions: dict[int, list[LayerAction]] | None = None,
               optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None,
-              swap_timing: SwapTiming = "prefetch", optimizer_layers: dict[int, list[int]] | None = None) -> PlanFile:
+              swap_timing: SwapTiming = "prefetch", optimizer_layers: dict[int, list[int]] | None = None,
+              recompute_checkpoints: Checkpoints = "layer") -> PlanFile:
     """A plan from its parts; ``actions``/``optimizer``/``stash``/``optimizer_layers``
     are keyed by stage."""
     actions = actions or {}
@@ -263,7 +271,7 @@ def make_plan(trace: Trace, topo: Topology, schedule: str, microbatches: int,
     return PlanFile(
         schema=SCHEMA_VERSION, model=trace.name, server=topo.name, microbatch=trace.microbatch,
         microbatches=microbatches, schedule=schedule, strategy=strategy,  # type: ignore[arg-type]
-        swap_timing=swap_timing,
+        swap_timing=swap_timing, recompute_checkpoints=recompute_checkpoints,
         stages=[StagePlan(gpu=g, layers=(a, b), optimizer=optimizer.get(s, "gpu"),  # type: ignore[arg-type]
                           optimizer_layers=optimizer_layers.get(s),
                           stash=stash.get(s, "gpu"), actions=actions.get(s, []))  # type: ignore[arg-type]

@@ -123,6 +123,8 @@ class Case(_Short):
     """Per stage; empty means all on the GPU."""
     stash: tuple[str, ...] = ()
     """Per stage; empty means all on the GPU."""
+    checkpoints: str = "layer"
+    """``PlanFile.recompute_checkpoints``."""
 
     def trace(self) -> Trace:
         return tiny_trace([lay.row(i) for i, lay in enumerate(self.layers)])
@@ -130,7 +132,8 @@ class Case(_Short):
     def plan(self, topo: Topology, trace: Trace) -> PlanFile:
         return make_plan(trace, topo, self.schedule, self.microbatches, list(self.stages), list(self.gpus), "prop",
                          {s: list(a) for s, a in enumerate(self.actions)},
-                         optimizer=dict(enumerate(self.optimizer)), stash=dict(enumerate(self.stash)))
+                         optimizer=dict(enumerate(self.optimizer)), stash=dict(enumerate(self.stash)),
+                         recompute_checkpoints=self.checkpoints)  # type: ignore[arg-type]
 
     def job(self) -> Job:
         topo, trace = self.server.topology(), self.trace()
@@ -286,7 +289,7 @@ def cases(draw: st.DrawFn, schedules: tuple[str, ...] = SCHEDULES, capacity: str
     optimizer = tuple(draw(st.sampled_from(OPTIMIZER if offload else ("gpu",))) for _ in range(p))
     stash = tuple(draw(st.sampled_from(("gpu", "host") if offload and case.schedule == "pipedream" else ("gpu",)))
                   for _ in range(p))
-    case = replace(case, optimizer=optimizer, stash=stash)
+    case = replace(case, optimizer=optimizer, stash=stash, checkpoints=draw(st.sampled_from(("layer", "segment"))))
     case = replace(case, actions=draw(plan_actions(case, choices, splits)))
     if capacity == "around-peak":
         peak = case.run().max_peak_bytes

@@ -116,6 +116,50 @@ def test_recompute_adds_the_forward_on_the_compute_stream_and_nothing_on_copy_en
     assert steps(keep) == [(0.0, GB), (0.11, 0)]
 
 
+def test_a_recompute_segment_keeps_one_checkpoint_and_re_runs_together():
+    """Three layers of 1 GB saved activations, each passing 0.25 GB on, all recomputed.
+    Every layer keeping its input (``layer``): the peak is one layer's activations beside
+    the checkpoints. One segment (``segment``, Chen et al. 2016): after the forward
+    nothing is held; at 0.03 the three forwards re-run in order (0.03-0.06), each output
+    kept as the next one's input, so the backward starts with all three layers' 3 GB and
+    the two 0.25 GB outputs (3.75 GB with c's recomputed output, freed at 0.06), and each
+    backward frees its layer. Same time either way: each forward once more."""
+    q = GB // 4
+    layers = [layer("a", fwd_ms=10, bwd_ms=20, act=GB, out=q), layer("b", fwd_ms=10, bwd_ms=20, act=GB, inp=q, out=q),
+              layer("c", fwd_ms=10, bwd_ms=20, act=GB, inp=q, out=q)]
+    topo = tiny_topology(n_gpus=1, memory_mib=64 * 1024)
+    trace = tiny_trace(layers)
+    runs = {}
+    for mode in ("layer", "segment"):
+        plan = make_plan(trace, topo, "gpipe", 1, [(0, 3)], [0], "test",
+                         {0: [LayerAction(layer=j, action="recompute") for j in range(3)]}, recompute_checkpoints=mode)
+        runs[mode] = simulate_job(Job(topo, trace, plan=plan))
+    seg = runs["segment"]
+    assert steps(seg) == [(0.0, GB + q), (0.01, q), (0.01, GB + 2 * q), (0.02, q), (0.02, GB + 2 * q), (0.03, 0),
+                          (0.03, GB + q), (0.04, 2 * GB + 2 * q), (0.05, 3 * GB + 3 * q), (0.06, 3 * GB + 2 * q),
+                          (0.06, 3 * GB + 3 * q), (0.08, 2 * GB + 2 * q), (0.08, 2 * GB + 3 * q), (0.1, GB + q),
+                          (0.12, 0)]
+    assert seg.gpus[0].peak_bytes == 3 * GB + 3 * q and runs["layer"].gpus[0].peak_bytes == GB + 3 * q
+    # at the peak the segment holds the two outputs a kept run would have freed
+    assert seg.gpus[0].saved_at_peak["recompute"] == -2 * q
+    for r in runs.values():
+        assert r.iteration_s == pytest.approx(0.12) and r.gpus[0].costs_s["recompute_s"] == pytest.approx(0.03)
+
+
+def test_layers_recomputed_apart_are_segments_of_their_own():
+    """a and c recomputed, b kept: no two consecutive recomputed layers, so segments change nothing."""
+    q = GB // 4
+    layers = [layer("a", fwd_ms=10, bwd_ms=20, act=GB, out=q), layer("b", fwd_ms=10, bwd_ms=20, act=GB, inp=q, out=q),
+              layer("c", fwd_ms=10, bwd_ms=20, act=GB, inp=q, out=q)]
+    topo = tiny_topology(n_gpus=1, memory_mib=64 * 1024)
+    trace = tiny_trace(layers)
+    acts = {0: [LayerAction(layer=0, action="recompute"), LayerAction(layer=2, action="recompute")]}
+    got = [steps(simulate_job(Job(topo, trace, plan=make_plan(trace, topo, "gpipe", 1, [(0, 3)], [0], "test", acts,
+                                                              recompute_checkpoints=mode))))
+           for mode in ("layer", "segment")]
+    assert got[0] == got[1]
+
+
 def test_two_gpus_behind_one_switch_swapping_together_take_twice_as_long():
     topo = tiny_topology(n_gpus=2, pcie_gbps=10.0)
     alone = copy_times(topo, [Copy(0, "host", GB)]).landed_s

@@ -161,3 +161,6 @@ def test_bad_plans_and_devices_are_refused_before_running(tiny, cpu2):
     too_fine = _plan(tiny, cpu2, "1f1b", "none", {0: [LayerAction(layer=1, split=8)]})
     with pytest.raises(MpsimError, match="splits a microbatch of 4 into 8"):
         check_runnable(too_fine, cpu2, tiny, SETTINGS)
+    segments = plan.model_copy(update={"recompute_checkpoints": "segment"})
+    with pytest.raises(MpsimError, match="checkpoints every recomputed layer on its own"):
+        check_runnable(segments, cpu2, tiny, SETTINGS)

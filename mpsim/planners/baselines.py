@@ -6,7 +6,13 @@
   one at a time, the most bytes saved per forward FLOP re-run first, until the GPU fits; a
   job that fits recomputes nothing (MPress Fig. 7: at BERT-0.35B every system runs as
   PipeDream does).
-- ``recompute-all``: every transformer layer checkpointed, as GPipe and DAPPLE do.
+- ``recompute-segments``: the same choice of layers, checkpointed as Chen et al. 2016
+  (MPress's reference [16] for its recomputation baselines) and GPipe's and DAPPLE's
+  re-materialization do: consecutive recomputed layers keep only the first one's input
+  and re-run together before the last one's backward (``PlanFile.recompute_checkpoints``),
+  so the backward holds the whole run's activations at once. What it cannot fit MPress
+  says recomputation cannot (IV-B: BERT-4B and up, GPT beyond 10.3B on the DGX-1).
+- ``recompute-all``: every transformer layer checkpointed, each keeping its input.
 - ``selective``: every transformer layer whose attention core keeps something recomputes
   that core only (Korthikanti et al. 2022, section 4.2: most of the memory of eager
   attention for a few percent of the FLOPs); with a flash kernel it saves little.
@@ -34,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from mpsim.plan import LayerAction, PlanFile, SwapTiming, fit_stripes
+from mpsim.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, fit_stripes
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
 from mpsim.sim.result import SimResult
 from mpsim.trace import RECOMPUTABLE, LayerRow
@@ -108,7 +114,17 @@ def _recompute_queue(ctx: Ctx, s: int) -> list[tuple[int, int]]:
 
 
 def _recompute(ctx: Ctx) -> Planned:
-    planned, _ = keep_first(ctx, "recompute")
+    return _recompute_fewest(ctx, "recompute", "layer")
+
+
+def _recompute_segments(ctx: Ctx) -> Planned:
+    return _recompute_fewest(ctx, "recompute-segments", "segment")
+
+
+def _recompute_fewest(ctx: Ctx, name: str, checkpoints: Checkpoints) -> Planned:
+    """Recompute only what each GPU needs to fit (``_recompute_queue`` order), checkpointed
+    per layer or per run of consecutive layers (``checkpoints``)."""
+    planned, _ = keep_first(ctx, name)
     if planned.result.fits:
         return planned
     queues = [_recompute_queue(ctx, s) for s in range(len(ctx.stages))]
@@ -123,7 +139,7 @@ def _recompute(ctx: Ctx) -> Planned:
             moved = True
         return moved
 
-    return _rounds(ctx, planned, take, lambda: ctx.plan("recompute", actions))
+    return _rounds(ctx, planned, take, lambda: ctx.plan(name, actions, recompute_checkpoints=checkpoints))
 
 
 def _selective(ctx: Ctx) -> Planned:
@@ -216,6 +232,7 @@ def _d2d(ctx: Ctx) -> Planned:
 BASELINES = {
     "none": _none,
     "recompute": _recompute,
+    "recompute-segments": _recompute_segments,
     "recompute-all": _recompute_all,
     "selective": _selective,
     "cpu-swap": _cpu_swap,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from mpsim.errors import MpsimError
 from mpsim.partition import Stages, compute_balanced
-from mpsim.plan import LayerAction, PlanFile, SwapTiming, make_plan
+from mpsim.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, make_plan
 from mpsim.planners.liveness import live_intervals
 from mpsim.planners.mcap import held_microbatches, mcap_partition
 from mpsim.schedule import check_schedule
@@ -46,9 +46,10 @@ class Ctx:
 
     def plan(self, strategy: str, actions: dict[int, list[LayerAction]] | None = None,
              optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None,
-             swap_timing: SwapTiming = "prefetch", optimizer_layers: dict[int, list[int]] | None = None) -> PlanFile:
+             swap_timing: SwapTiming = "prefetch", optimizer_layers: dict[int, list[int]] | None = None,
+             recompute_checkpoints: Checkpoints = "layer") -> PlanFile:
         return make_plan(self.trace, self.topo, self.schedule, self.microbatches, self.stages, self.gpus, strategy,
-                         actions, optimizer, stash, swap_timing, optimizer_layers)
+                         actions, optimizer, stash, swap_timing, optimizer_layers, recompute_checkpoints)
 
     def simulate(self, plan: PlanFile) -> SimResult:
         """Simulate a plan this context made (``make_plan`` output is valid by construction,

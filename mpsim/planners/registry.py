@@ -28,5 +28,6 @@ def plan_job(strategy: str, topo: Topology, trace: Trace, schedule: str = "1f1b"
     if planner is None:
         raise MpsimError(f"unknown strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
     ctx = make_context(topo, trace, schedule, microbatches, n_stages, record_link_rates, partition,
-                       recompute=strategy in ("recompute", "recompute-all"), selective=strategy == "selective")
+                       recompute=strategy in ("recompute", "recompute-segments", "recompute-all"),
+                       selective=strategy == "selective")
     return run_planner(strategy, ctx)

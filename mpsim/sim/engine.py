@@ -113,7 +113,8 @@ def _stage_program(run: RunContext, s: int, times: Callable[[], LayerTimes]) -> 
     a, b = layout.stages[s]
     first, last = s == 0, s == layout.n_stages - 1
     actions = layout.actions[s]
-    key = (layout.trace.content_hash, run.topo.content_hash, a, b, first, last, run.torch_pipelining,
+    segments = layout.recompute_checkpoints == "segment"
+    key = (layout.trace.content_hash, run.topo.content_hash, a, b, first, last, run.torch_pipelining, segments,
            tuple((j, actions[j].model_dump_json()) for j in sorted(actions)))
     program = _PROGRAMS.get(key)
     if program is not None:
@@ -125,7 +126,7 @@ def _stage_program(run: RunContext, s: int, times: Callable[[], LayerTimes]) -> 
     fwd_s, bwd_s = times().fwd_s[a:b], times().bwd_s[a:b]
     core_s = attention_core_seconds(rows, fwd_s, memory_rate)
     program = _PROGRAMS[key] = build_program(rows, fwd_s, bwd_s, a, first, last, actions, run.torch_pipelining,
-                                             core_s)
+                                             core_s, segments)
     if len(_PROGRAMS) > PROGRAMS:
         _PROGRAMS.popitem(last=False)
     return program

@@ -17,7 +17,7 @@ import numpy as np
 
 from mpsim.errors import MpsimError
 from mpsim.partition import Stages, compute_balanced, validate_stages
-from mpsim.plan import LayerAction, PlanFile, SwapTiming, check_plan, host_optimizer_layers
+from mpsim.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, check_plan, host_optimizer_layers
 from mpsim.schedule import check_schedule
 from mpsim.topology import Topology
 from mpsim.trace import Trace
@@ -79,6 +79,8 @@ class Layout:
     record_link_rates: bool = False
     swap_timing: SwapTiming = "prefetch"
     """``PlanFile.swap_timing``."""
+    recompute_checkpoints: Checkpoints = "layer"
+    """``PlanFile.recompute_checkpoints``."""
 
     @property
     def n_stages(self) -> int:
@@ -123,7 +125,8 @@ def layout_of_plan(plan: PlanFile, topo: Topology, trace: Trace, *, checked: boo
                   tuple(st.gpu for st in plan.stages), tuple(plan.action_of(s) for s in range(len(plan.stages))),
                   tuple(st.optimizer for st in plan.stages), tuple(st.stash for st in plan.stages),
                   tuple(host_optimizer_layers(st) for st in plan.stages),
-                  plan.strategy if strategy is None else strategy, runtime, record_link_rates, plan.swap_timing)
+                  plan.strategy if strategy is None else strategy, runtime, record_link_rates, plan.swap_timing,
+                  plan.recompute_checkpoints)
 
 
 def resolve(job: Job) -> Layout:

@@ -17,7 +17,12 @@ Actions (``mpsim.plan``):
 
 - recompute: own is freed at the end of the forward; before the backward the forward is
   re-run on the compute stream (+ own, + out, + workspace at its start; - workspace,
-  - out at its end), so the cost is exactly the forward time;
+  - out at its end), so the cost is exactly the forward time. The layer keeps its input
+  as checkpoint. With segments (``PlanFile.recompute_checkpoints = "segment"``: Chen et
+  al. 2016 section 3; GPipe's re-materialization of a stage), consecutive recomputed
+  layers keep only the first one's input: the others drop theirs at the end of their
+  forward, and before the backward of the last one the whole run is re-run in order,
+  each re-run output kept as the next layer's input until that layer's backward ends;
 - selective (Korthikanti et al. 2022, section 4.2): only the attention core's kept bytes
   (``attention_core_bytes``, at most own) are freed at the end of the forward; before the
   backward the core's forward re-runs on the compute stream (+ those bytes at its start,
@@ -211,10 +216,26 @@ class _Stage:
     """The received activation lives in a preallocated buffer (never freed)."""
     keep_grad: bool
     """The received gradient lives in a preallocated buffer (never freed)."""
+    segments: bool = False
+    """Consecutive recomputed layers share one checkpoint (``build_program``)."""
 
     @property
     def last(self) -> int:
         return len(self.rows) - 1
+
+    def _whole_recompute(self, k: int) -> bool:
+        act = self.actions.get(self.first + k)
+        return act is not None and act.action == "recompute" and act.split == 1
+
+    def follows(self, k: int) -> bool:
+        """Whether layer k is recomputed in a segment after its predecessor (it keeps no
+        checkpoint of its own)."""
+        return self.segments and 0 < k <= self.last and self._whole_recompute(k) and self._whole_recompute(k - 1)
+
+    def segment_start(self, k: int) -> int:
+        while self.follows(k):
+            k -= 1
+        return k
 
     def layer(self, k: int) -> _Layer:
         return _layer(self.rows, k, self.first, self.actions)
@@ -222,15 +243,16 @@ class _Stage:
 
 def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, first: int, is_first_stage: bool,
                   is_last_stage: bool, actions: dict[int, LayerAction], keep_received: bool = False,
-                  core_s: np.ndarray | None = None) -> StageProgram:
+                  core_s: np.ndarray | None = None, segments: bool = False) -> StageProgram:
     """``rows`` are the stage's layers, ``first`` the index of rows[0] in the model,
     ``actions`` keyed by model layer index (missing: keep). With ``keep_received`` the
     received activation (input of the first layer) and gradient (of the last layer's
     output) live in receive buffers allocated once per microbatch, so they are never freed.
     ``core_s``: per layer, the attention core's forward seconds (``attention_core_seconds``;
-    needed only by selective recompute, else zeros)."""
+    needed only by selective recompute, else zeros). ``segments``: consecutive recomputed
+    layers share the first one's checkpoint and re-run together (module doc)."""
     st = _Stage(rows, first, is_first_stage, is_last_stage, actions, keep_received and not is_first_stage,
-                keep_received and not is_last_stage)
+                keep_received and not is_last_stage, segments)
     forward, forward_s, split_forward_s = _forward(st, fwd_s)
     redo_s = {"recompute": fwd_s, "selective": np.zeros(len(rows)) if core_s is None else core_s}
     backward, swap_ins, backward_s, remat_s, split_backward_s = _backward(st, redo_s, bwd_s)
@@ -269,7 +291,8 @@ def _forward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event
     """Events of one layer's forward from ``t``; a swapped micro-tensor cuts the piece."""
     r, act, p, name = lay.row, lay.act, lay.p, lay.name
     out_cat = "buffers" if (lay.k == st.last and not st.is_last) else "activations"
-    releases_input = not r.saves_input and act.action != "recompute"
+    follower = st.follows(lay.k)
+    releases_input = not r.saves_input and (act.action != "recompute" or follower)
     if p > 1:  # what the unsplit op would hold, minus what the split one holds
         ev.append((t, lay.own + r.output_bytes + r.workspace_bytes, "saved:split", f"{name} split"))
         rel = r.workspace_bytes + (r.input_bytes if releases_input else 0) + lay.dropped
@@ -298,8 +321,11 @@ def _forward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event
                 ev.append((c1, d, "saved:split", f"{name} split"))
         if act.action in ("host", "peer"):
             cuts.append((len(ev), c1, SwapOut(lay.j, o, inp_c if r.saves_input else 0, lay.input_cat, act.action)))
-    if act.action == "recompute" and not r.saves_input:  # the checkpoint outlives the layer
+    if act.action == "recompute" and not r.saves_input and not follower:  # the checkpoint outlives the layer
         ev.append((t + dur, -r.input_bytes, "saved:recompute", f"{name} input kept as checkpoint"))
+    if follower and r.saves_input:  # the segment's first layer keeps the only checkpoint
+        ev += [(t + dur, -r.input_bytes, "activations", f"{name} saved input dropped (recompute segment)"),
+               (t + dur, r.input_bytes, "saved:recompute", f"{name} dropped")]
 
 
 # ---- backward --------------------------------------------------------------------------
@@ -319,7 +345,12 @@ def _backward(st: _Stage, redo_s: dict[str, np.ndarray],
             waits.append((len(ev), t, lay.j))
             swap_ins.append(SwapIn(lay.j, lay.own, lay.row.input_bytes if lay.row.saves_input else 0, lay.input_cat,
                                    lay.act.action, tuple((x.gpu, x.fraction) for x in lay.act.peers), lay.p, t))
-        if lay.remat:
+        if lay.remat and st.segments and (st.follows(k) or st.follows(k + 1)):
+            if not st.follows(k + 1):  # the segment's last layer: re-run the whole segment first
+                dur = _recompute_segment(st, range(st.segment_start(k), k + 1), redo_s["recompute"], t, ev)
+                remat_s["recompute"] += dur
+                t += dur
+        elif lay.remat:
             base = float(redo_s[lay.act.action][k])
             dur = base * lay.slowdown
             remat_s[lay.act.action] += dur
@@ -356,6 +387,31 @@ def _recompute_layer(lay: _Layer, t: float, dur: float, ev: list[Event]) -> None
             ev += [(c0, out_c, "workspace", f"{name} recomputed output"),
                    (c0, ws, "workspace", f"{name} recompute workspace"),
                    (c1, -ws - out_c, "workspace", f"{name} recompute workspace freed")]
+
+
+def _recompute_segment(st: _Stage, members: range, fwd_s: np.ndarray, t: float, ev: list[Event]) -> float:
+    """The re-run of a recompute segment before its last layer's backward, from ``t``:
+    each member's forward in order (its dropped activations, its workspace), each output
+    but the last kept as the next member's input until that member's backward frees it
+    (while held it is memory a kept run would not hold, or would hold as the next layer's
+    saved input: the ledger follows). Returns the re-run's length."""
+    start = t
+    for k in members:
+        lay = st.layer(k)
+        r, name, d = lay.row, lay.name, float(fwd_s[k])
+        ev += [(t, lay.dropped, "activations", f"{name} recomputed activations"),
+               (t, -lay.dropped, lay.ledger, f"{name} recomputed"),
+               (t, r.workspace_bytes, "workspace", f"{name} recompute workspace"),
+               (t + d, -r.workspace_bytes, "workspace", f"{name} recompute workspace freed")]
+        if k < members[-1]:
+            nxt = st.rows[k + 1].input_bytes
+            ev += [(t, nxt, "activations", f"{name} recomputed output, kept for the next layer"),
+                   (t, -nxt, "saved:recompute", f"{name} recomputed output")]
+        else:
+            ev += [(t, r.output_bytes, "workspace", f"{name} recomputed output"),
+                   (t + d, -r.output_bytes, "workspace", f"{name} recomputed output freed")]
+        t += d
+    return t - start
 
 
 def _backward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event]) -> None:
