@@ -208,8 +208,8 @@ DAPPLE+Recomp (only what each GPU needs to fit, checkpointed as the paper's refe
 Chen et al. 2016, and GPipe's and DAPPLE's re-materialization do: a run of consecutive
 recomputed layers keeps one checkpoint and re-runs whole before its backward),
 `mpress-d2d-only` and `mpress`. Our `recompute`, which keeps every recomputed layer's
-input as Megatron-LM and Hugging Face do, reaches further (it fits BERT-4B and GPT-15.4B
-on the DGX-1, which the paper's recomputation cannot).
+input as Megatron-LM and Hugging Face do, reaches further: it fits BERT-4B on the DGX-1,
+which the paper's recomputation cannot.
 
 ## The paper's throughput claims
 
