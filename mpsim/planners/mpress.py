@@ -368,7 +368,10 @@ class _Planner:
             self.actions[s][j] = LayerAction(layer=j, action="recompute")
         trial, trial_plan = self.simulate()
         for _ in range(MAX_ROUNDS):
-            if trial.fits or not any([self.relieve(s) for s, g in enumerate(self.ctx.gpus) if over(trial, g) > 0]):
+            if trial.fits:
+                break
+            relieved = [self.relieve(s) for s, g in enumerate(self.ctx.gpus) if over(trial, g) > 0]
+            if not any(relieved):
                 break
             trial, trial_plan = self.simulate()
         if trial.fits and trial.iteration_s < result.iteration_s * (1 - MIN_GAIN):
