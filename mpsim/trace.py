@@ -7,8 +7,8 @@ or derived for a GPU from FLOPs and bytes moved (``Trace.layer_times``).
 Rescaling rule (``scaling.rule = "linear-microbatch"``): activation, output, workspace
 bytes, FLOPs, bytes moved and measured times scale linearly with the microbatch size;
 parameter, gradient and optimizer bytes do not, nor does the part of the bytes moved that
-touches parameter-shaped tensors (``fwd_fixed_mem_bytes``, ``bwd_fixed_mem_bytes``: a
-weight gradient written and copied into place costs the same at any batch).
+is the same at any batch (``fwd_fixed_mem_bytes``, ``bwd_fixed_mem_bytes``: a convolution's
+weight read and its gradient written, an embedding table's gradient).
 """
 
 from __future__ import annotations
@@ -118,11 +118,11 @@ class LayerRow(_Strict):
     bwd_mem_bytes: float = Field(ge=0, le=MAX_BYTES)
     fwd_fixed_mem_bytes: float = Field(
         default=0.0, ge=0, le=MAX_BYTES,
-        description="part of fwd_mem_bytes that does not grow with the microbatch: parameter-shaped tensors")
+        description="part of fwd_mem_bytes that does not grow with the microbatch (weights read)")
     bwd_fixed_mem_bytes: float = Field(
         default=0.0, ge=0, le=MAX_BYTES,
         description="part of bwd_mem_bytes that does not grow with the microbatch: weights read, weight "
-                    "gradients written and copied into place")
+                    "gradients written")
     fwd_ms: float | None = Field(default=None, gt=0, le=MAX_MS, description="measured forward time")
     bwd_ms: float | None = Field(default=None, gt=0, le=MAX_MS, description="measured backward time")
     split_dims: list[Literal["batch", "sequence", "hidden"]] = Field(default_factory=list)
@@ -165,7 +165,7 @@ class TraceFile(_Strict):
 
 
 _SCALED = ("act_bytes", "input_bytes", "output_bytes", "workspace_bytes", "fwd_flops", "bwd_flops",
-           "fwd_mem_bytes", "bwd_mem_bytes", "fwd_attention_flops", "bwd_attention_flops", "attention_core_bytes",
+           "fwd_attention_flops", "bwd_attention_flops", "attention_core_bytes",
            "attention_core_flops", "attention_core_mem_bytes")
 _SCALED_OPTIONAL = ("fwd_ms", "bwd_ms", "bwd_workspace_bytes")
 _BYTE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "act_bytes", "input_bytes", "output_bytes",
@@ -243,6 +243,7 @@ class Trace:
         for r in self.spec.layers:
             upd = {k: (round(getattr(r, k) * f) if isinstance(getattr(r, k), int) else getattr(r, k) * f)
                    for k in _SCALED}
+            # bytes moved: the fixed part stays, the rest scales
             upd["fwd_mem_bytes"] = r.fwd_fixed_mem_bytes + (r.fwd_mem_bytes - r.fwd_fixed_mem_bytes) * f
             upd["bwd_mem_bytes"] = r.bwd_fixed_mem_bytes + (r.bwd_mem_bytes - r.bwd_fixed_mem_bytes) * f
             for k in _SCALED_OPTIONAL:

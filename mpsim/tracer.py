@@ -116,9 +116,9 @@ def _traffic(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run) -> t
 def _fixed_traffic(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run, fwd_bytes: float,
                    bwd_bytes: float) -> tuple[float, float]:
     """The parts of the forward's and the backward's traffic that do not grow with the
-    batch (weights read, weight gradients written and copied into place, a positional
-    table): the layer runs again on every input doubled along its first dimension, and
-    traffic affine in the batch, m(b) = fixed + b x per-sample, gives fixed = 2 m(b) - m(2b).
+    batch (weights read, weight gradients written, a positional table): the layer runs
+    again on every input doubled along its first dimension, and traffic affine in the
+    batch, m(b) = fixed + b x per-sample, gives fixed = 2 m(b) - m(2b).
     A layer whose inputs do not double that way keeps none fixed (all scaled, as before)."""
     doubled = [torch.cat([t, t]).detach().requires_grad_(t.requires_grad) for t in inputs]
     try:

@@ -387,7 +387,7 @@ class _Planner:
         rows = self.ctx.trace.layers
         streamed = self.host_optimizer.setdefault(s, set())
         on_gpu = [j for j in range(a, b) if rows[j].optimizer_bytes and j not in streamed]
-        if on_gpu and not self.opts.d2d_only:
+        if on_gpu:
             streamed.add(on_gpu[-1])
             return True
         free = [j for j in range(a, b) if rows[j].kind in RECOMPUTABLE and j not in self.actions[s]

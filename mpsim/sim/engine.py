@@ -36,7 +36,6 @@ from mpsim.sim.program import (
     build_program,
     received_bytes,
     static_bytes,
-    update_seconds,
 )
 from mpsim.sim.result import GpuResult, SimResult
 from mpsim.sim.stream import ComputeStream
@@ -146,10 +145,9 @@ def _build_stage(run: RunContext, s: int, channels: PeerChannels, times: Callabl
     versions = weight_versions(layout.schedule, s, layout.n_stages)
     static = static_bytes(rows, versions, received)
     _allocate_static(run, s, static)
-    update_s = update_seconds(rows, memory_rate)
     swapper = Swapper(run, s, {j: act.split for j, act in program.actions.items()},
                       {j: tuple((x.gpu, x.fraction) for x in act.peers) for j, act in program.actions.items()})
-    updater = Updater(run, s, swapper, update_s)
+    updater = Updater(run, s, swapper, memory_rate)
     stash_in = None
     if layout.stash[s] == "host" and versions > 1:
         stash_in = SwapIn(STASH, static["params"], 0, "stash", "host", (), 1, 0.0)

@@ -345,7 +345,7 @@ def _backward(st: _Stage, redo_s: dict[str, np.ndarray],
             waits.append((len(ev), t, lay.j))
             swap_ins.append(SwapIn(lay.j, lay.own, lay.row.input_bytes if lay.row.saves_input else 0, lay.input_cat,
                                    lay.act.action, tuple((x.gpu, x.fraction) for x in lay.act.peers), lay.p, t))
-        if lay.remat and st.segments and (st.follows(k) or st.follows(k + 1)):
+        if st.follows(k) or st.follows(k + 1):  # in a recompute segment
             if not st.follows(k + 1):  # the segment's last layer: re-run the whole segment first
                 dur = _recompute_segment(st, range(st.segment_start(k), k + 1), redo_s["recompute"], t, ev)
                 remat_s["recompute"] += dur

@@ -22,7 +22,7 @@ class Updater:
     (``Layout.host_optimizer``) go through the host; the others update on the GPU first.
     Time beyond the GPU update is the optimizer's cost."""
 
-    def __init__(self, run: RunContext, stage: int, swapper: Swapper, gpu_update_s: float) -> None:
+    def __init__(self, run: RunContext, stage: int, swapper: Swapper, memory_rate: float) -> None:
         self.run = run
         self.stage = stage
         self.gpu = run.layout.gpu_of[stage]
@@ -30,11 +30,13 @@ class Updater:
         a, b = run.layout.stages[stage]
         rows = run.layout.trace.layers
         on_host = set(run.layout.host_optimizer[stage])
-        self.host_rows = [(j, rows[j]) for j in range(a, b) if j in on_host]
-        """The layers whose optimizer states live on the host, with their index."""
-        self.gpu_rows = [rows[j] for j in range(a, b) if j not in on_host]
+        self.host_rows = [(j, rows[j], update_seconds([rows[j]], memory_rate)) for j in range(a, b) if j in on_host]
+        """The layers whose optimizer states live on the host: index, row, GPU update seconds."""
+        self.gpu_rows_s = update_seconds([rows[j] for j in range(a, b) if j not in on_host], memory_rate)
+        """The update of the layers whose states stay on the GPU."""
         self.swapper = swapper
-        self.gpu_update_s = gpu_update_s
+        self.gpu_update_s = update_seconds(rows[a:b], memory_rate)
+        """The whole stage updated on the GPU (the optimizer's cost is the time beyond it)."""
         self.ends_s: list[float] = []
         """When each update ended (PipeDream's iteration is measured between them)."""
 
@@ -51,33 +53,28 @@ class Updater:
             run.costs.add(self.gpu, "optimizer_s", run.env.now - start - self.gpu_update_s)
         self.ends_s.append(run.env.now)
 
-    def _memory_rate(self) -> float:
-        gpu = self.run.topo.spec.gpu
-        return gpu.memory_bandwidth_gbps * 1e9 * gpu.memory_efficiency
-
     def _on_gpu(self) -> Generator[simpy.Event, object, None]:
         """The update of the layers whose states stay on the GPU."""
-        if self.gpu_rows:
-            yield self.run.env.timeout(update_seconds(self.gpu_rows, self._memory_rate()))
+        if self.gpu_rows_s:
+            yield self.run.env.timeout(self.gpu_rows_s)
 
     def _on_host(self) -> Generator[simpy.Event, object, None]:
         run, g = self.run, self.gpu
         yield from self._on_gpu()
-        rows = [r for _, r in self.host_rows]
+        rows = [r for _, r, _ in self.host_rows]
         yield from run.host_copy(g, sum(r.grad_bytes for r in rows), True, "gradients to host")
         yield run.env.timeout(sum(r.params for r in rows) / (run.topo.spec.host.cpu_adam_gparams_per_s * 1e9))
         yield from run.host_copy(g, sum(r.param_bytes for r in rows), False, "weights from host")
 
     def _streamed(self) -> Generator[simpy.Event, object, None]:
         run, g = self.run, self.gpu
-        memory_rate = self._memory_rate()
         yield from self._on_gpu()
-        for j, row in self.host_rows:
+        for j, row, update_s in self.host_rows:
             n_opt = row.optimizer_bytes
             if not n_opt:
                 continue
             label = f"layer {j} optimizer states streamed in"
             yield from run.memory[g].acquire([(n_opt, "optimizer", label), (-n_opt, "saved:optimizer", label)])
             yield from run.host_copy(g, n_opt, False, f"optimizer states in L{j}")
-            yield run.env.timeout(update_seconds([row], memory_rate))
+            yield run.env.timeout(update_s)
             self.swapper.start_optimizer_out(j, n_opt)
