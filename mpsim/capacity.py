@@ -16,6 +16,7 @@ from mpsim.api import simulate
 from mpsim.backends import Backend, run_points
 from mpsim.catalog import load_topology, load_trace, shipped_traces
 from mpsim.errors import MpsimError
+from mpsim.planners.registry import plan_job
 from mpsim.schedule import check_schedule
 from mpsim.sim import SimResult
 from mpsim.topology import Topology
@@ -94,9 +95,11 @@ def fits_strategies(server: str | Topology, family: str, schedule: str = "1f1b",
         order = sorted(strategies, key=lambda s: s == "best")
         done: dict[str, FitsReport] = {}
         for strategy in order:
+            best = strategy == "best"
             done[strategy] = fits(server, family, schedule, microbatch, microbatches, strategy, partition,
                                   on_point=None if on_point is None else _prefixed(on_point, strategy),
-                                  known_fitting=_known(done.values(), partition) if strategy == "best" else None,
+                                  known_fitting=_known(done.values(), partition) if best else None,
+                                  known_failing=_known_failing(done.values()) if best else None,
                                   models=models)
         return [done[s] for s in strategies]
     base = _FitsUnit(server, family, schedule, microbatch, microbatches, "", partition, models)
@@ -111,6 +114,31 @@ def _known(reports: Iterable[FitsReport], partition: str) -> dict[str, int]:
             t = rep.largest_template
             known[t] = max(known.get(t, 0), rep.largest.layers)
     return known
+
+
+Failing = dict[tuple[str, str, str], int]
+"""(template trace, strategy, partition) -> the fewest transformer layers known not to fit."""
+
+
+def _known_failing(reports: Iterable[FitsReport]) -> Failing:
+    """What the single strategies' reports show not to fit: every shipped size that did
+    not, and one layer more than the largest found (its search probed it and it did not
+    fit). ``best``'s search leaves those planners out of its probes above them."""
+    failing: Failing = {}
+
+    def note(template: str, strategy: str, partition: str, layers: int) -> None:
+        key = (template, strategy, partition)
+        failing[key] = min(failing.get(key, layers), layers)
+
+    for rep in reports:
+        if rep.strategy == "best":
+            continue
+        for row in rep.rows:
+            if not row.result.fits:
+                note(row.model, rep.strategy, rep.partition, row.layers)
+        if rep.largest is not None:
+            note(rep.largest_template, rep.strategy, rep.partition, rep.largest.layers + 1)
+    return failing
 
 
 @dataclass(frozen=True)
@@ -129,6 +157,7 @@ class _FitsUnit:
     size: int | None = None
     rows: tuple[FitRow, ...] | None = None
     known: tuple[tuple[str, int], ...] = ()
+    failing: tuple[tuple[tuple[str, str, str], int], ...] = ()
 
 
 def _fits_unit(unit: _FitsUnit) -> FitRow | FitsReport:
@@ -142,7 +171,7 @@ def _fits_unit(unit: _FitsUnit) -> FitRow | FitsReport:
                           partition=unit.partition)
         return FitRow(t.name, t.spec.params, _n_transformer(t), result)
     return fits(unit.server, unit.family, unit.schedule, unit.microbatch, unit.microbatches, unit.strategy,
-                unit.partition, known_fitting=dict(unit.known), models=unit.models,
+                unit.partition, known_fitting=dict(unit.known), known_failing=dict(unit.failing), models=unit.models,
                 rows=list(unit.rows or ()))
 
 
@@ -176,7 +205,9 @@ def _fits_parallel(base: _FitsUnit, strategies: tuple[str, ...], backend: Backen
                                                               for st in singles]))}
     if "best" in names:
         known = tuple(sorted(_known(done.values(), base.partition).items()))
-        done["best"] = _as_report(run([replace(base, strategy="best", rows=rows["best"], known=known)])[0])
+        failing = tuple(sorted(_known_failing(done.values()).items()))
+        done["best"] = _as_report(run([replace(base, strategy="best", rows=rows["best"], known=known,
+                                                failing=failing)])[0])
     return [done[s] for s in strategies]
 
 
@@ -219,13 +250,18 @@ def _n_transformer(trace: Trace) -> int:
 def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch: int | None = None,
          microbatches: int = 16, strategy: str = "none", partition: str = "compute",
          on_point: Callable[[str], None] | None = None, known_fitting: dict[str, int] | None = None,
-         models: tuple[str, ...] = (), rows: list[FitRow] | None = None) -> FitsReport:
+         models: tuple[str, ...] = (), rows: list[FitRow] | None = None,
+         known_failing: Failing | None = None) -> FitsReport:
     """Simulate every shipped size of ``family`` (or the named ``models`` instead) and
     search the largest that fits.
 
     ``known_fitting``: per template trace name, a number of transformer layers already
     known to fit under this strategy; the search starts there. ``rows``: the shipped
-    sizes already simulated under this strategy (one per trace, smallest first)."""
+    sizes already simulated under this strategy (one per trace, smallest first).
+    ``known_failing`` (``best`` only): what single planners are known not to fit
+    (``_known_failing``); the search's probes leave them out where they cannot fit. Only
+    whether a probe fits, and the plan of the largest that does, are reported, and
+    neither changes: a planner left out does not fit there."""
     topo = load_topology(server) if isinstance(server, str) else server
     traces = model_traces(models) if models else family_traces(family)
     mb = traces[0].microbatch if microbatch is None else microbatch
@@ -233,8 +269,12 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
         raise MpsimError(f"microbatch must be a positive integer, got {mb}")
     check_schedule(schedule, topo.n_gpus, microbatches)
 
-    def run(trace: Trace) -> SimResult:
-        result = simulate(topo, trace, schedule, mb, microbatches, strategy=strategy, partition=partition)
+    def run(trace: Trace, skip: frozenset[tuple[str, str]] = frozenset()) -> SimResult:
+        if skip:
+            result = plan_job(strategy, topo, trace.rescale(mb), schedule, microbatches, partition=partition,
+                              known_not_fitting=skip).result
+        else:
+            result = simulate(topo, trace, schedule, mb, microbatches, strategy=strategy, partition=partition)
         if on_point:
             on_point(trace.name)
         return result
@@ -251,7 +291,9 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
     def probe(n: int) -> FitRow:
         if n not in cache:
             t = template.with_layers(n)
-            cache[n] = FitRow(t.name, t.spec.params, n, run(t))
+            skip = frozenset((name, part) for (at, name, part), m in (known_failing or {}).items()
+                             if at == template.name and m <= n) if strategy == "best" else frozenset()
+            cache[n] = FitRow(t.name, t.spec.params, n, run(t, skip))
         return cache[n]
 
     if fitting:

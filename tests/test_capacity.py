@@ -45,3 +45,45 @@ def test_trace_command_writes_a_loadable_trace(tmp_path, capsys):
     t = load_trace(str(out))
     assert t.n_layers == 4 and t.microbatch == 4 and t.spec.source.kind == "derived"
     assert simulate("titanrtx-x1", t, "gpipe", None, 2).fits
+
+
+def test_best_search_leaves_out_planners_known_not_to_fit_and_finds_the_same_largest(monkeypatch):
+    """``fits`` under ``best`` skips, in its search's probes, the single planners whose own
+    searches showed they do not fit there (a failed shipped size, or one layer past their
+    largest); the largest it finds and its plan are those of the full search."""
+    import mpsim.planners.best as best
+    from mpsim.capacity import _known_failing, fits_strategies
+    from mpsim.planners.cache import _CACHE
+
+    job = ("gtx1080ti-x1", "gpt", "1f1b", 2, 4)
+    singles = fits_strategies(*job, strategies=("none", "recompute", "tsplit"))
+    failing = _known_failing(singles)
+    template = singles[0].largest_template
+    none_bound = failing[(template, "none", "compute")]
+    largest_none = singles[0].largest
+    assert largest_none is not None and none_bound == largest_none.layers + 1
+    assert all(failing[(r.model, "none", "compute")] <= r.layers for r in singles[0].rows if not r.result.fits)
+
+    asked: list[tuple[str, str, int]] = []
+    real = best.cached_plan
+
+    def counting(name, ctx, planner):
+        asked.append((name, ctx.partition, sum(r.kind == "transformer" for r in ctx.trace.layers)))
+        return real(name, ctx, planner)
+
+    monkeypatch.setattr(best, "cached_plan", counting)
+    _CACHE.clear()
+    skipping = fits(*job, strategy="best", known_failing=failing)
+    skipped_asks = list(asked)
+    _CACHE.clear()
+    full = fits(*job, strategy="best")
+    assert skipping.largest is not None and full.largest is not None
+    assert skipping.largest_template == full.largest_template == template
+    assert skipping.largest.layers == full.largest.layers
+    assert skipping.largest.result.strategy == full.largest.result.strategy
+    assert skipping.largest.result.iteration_s == full.largest.result.iteration_s
+    probed = {n for _, _, n in skipped_asks} - {r.layers for r in full.rows}  # the search's, not the shipped sizes
+    above = [n for name, part, n in skipped_asks if name == "none" and part == "compute" and n in probed
+             and n >= none_bound]
+    assert probed and not above
+    assert len(skipped_asks) < len(asked) - len(skipped_asks)

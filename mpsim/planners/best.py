@@ -11,7 +11,7 @@ the planner and partition that produced it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 
 from mpsim.planners.baselines import BASELINES
@@ -24,11 +24,16 @@ SINGLE = ("none", "recompute", "selective", "cpu-swap", "host-swap", "d2d", "mpr
 SINGLE_PLANNERS: dict[str, Callable[[Ctx], Planned]] = {**BASELINES, **MPRESS_STRATEGIES, "tsplit": plan_tsplit}
 
 
-def plan_best(ctx: Ctx) -> Planned:
+def plan_best(ctx: Ctx, known_not_fitting: Collection[tuple[str, str]] = ()) -> Planned:
+    """The combined plan. ``known_not_fitting``: (planner, partition) pairs already known
+    not to fit this job (``fits``'s search knows it from the single planners' searches);
+    they are not run, so when nothing fits, the answer is the lowest peak of the rest."""
     n_stages = len(ctx.stages)
     tried: list[tuple[str, str, Planned]] = []
     for partition in PARTITIONS:
         for name in SINGLE:
+            if (name, partition) in known_not_fitting:
+                continue
             sub = make_context(ctx.topo, ctx.trace, ctx.schedule, ctx.microbatches, n_stages, ctx.record_link_rates,
                                partition, recompute=name == "recompute", selective=name == "selective")
             tried.append((name, partition, cached_plan(name, sub, SINGLE_PLANNERS[name])))
