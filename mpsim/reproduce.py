@@ -329,8 +329,8 @@ slowest NVLink neighbour, to its fastest one, or striped over all of them by ban
 {_md_table(["server", "default plan", "unbounded memory: as planned"]
            + [f"every saving by D2D, {r}" for r in D2D_BOUND_ROUTES], bound_rows)}
 
-Choosing the fastest neighbour over the slowest is what a mapping can do at most for a
-stage, and striping over all neighbours is the most any striping can do; neither reaches
+Choosing the fastest neighbour over the slowest is about the most a mapping can give a
+stage, and striping over all neighbours the most any striping can; neither reaches
 the paper's 17.4% and 33.3% on the DGX-1. A GPT-15.4B layer's activations go out and back
 over one of the DGX-1's single NVLinks in {link_s * 1e3:.0f} ms, over a double one in
 {link_s * 5e2:.0f} ms, while its forward and backward take {layer_s * 1e3:.0f} ms, and a stage
