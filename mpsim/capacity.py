@@ -270,11 +270,8 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
     check_schedule(schedule, topo.n_gpus, microbatches)
 
     def run(trace: Trace, skip: frozenset[tuple[str, str]] = frozenset()) -> SimResult:
-        if skip:
-            result = plan_job(strategy, topo, trace.rescale(mb), schedule, microbatches, partition=partition,
-                              known_not_fitting=skip).result
-        else:
-            result = simulate(topo, trace, schedule, mb, microbatches, strategy=strategy, partition=partition)
+        result = plan_job(strategy, topo, trace.rescale(mb), schedule, microbatches, partition=partition,
+                          known_not_fitting=skip).result
         if on_point:
             on_point(trace.name)
         return result

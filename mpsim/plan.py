@@ -101,8 +101,9 @@ class StagePlan(_Strict):
 
 
 SwapTiming = Literal["prefetch", "on-demand"]
-Checkpoints = Literal["layer", "segment"]
 """When swaps run: ``PlanFile.swap_timing``."""
+Checkpoints = Literal["layer", "segment"]
+"""What a recomputed layer keeps as checkpoint: ``PlanFile.recompute_checkpoints``."""
 
 
 class PlanFile(_Strict):

@@ -49,11 +49,13 @@ def _every_saving_to_peers(planned: Planned, topo: Topology, route: str) -> Plan
     all of them in proportion to link bandwidth (III-C)."""
     stages = []
     for st in planned.plan.stages:
-        peers = topo.nvlink_peers(st.gpu)
-        by_bw = sorted(peers, key=lambda q: (topo.route(st.gpu, q).bandwidth, -q))
-        stripes = {"slowest neighbour": [Stripe(gpu=by_bw[0], fraction=1.0)],
-                   "fastest neighbour": [Stripe(gpu=by_bw[-1], fraction=1.0)]}.get(route) \
-            or stripes_by_bandwidth(topo, st.gpu, list(peers))
+        peers = sorted(topo.nvlink_peers(st.gpu), key=lambda q: (topo.route(st.gpu, q).bandwidth, -q))
+        if route == "slowest neighbour":
+            stripes = [Stripe(gpu=peers[0], fraction=1.0)]
+        elif route == "fastest neighbour":
+            stripes = [Stripe(gpu=peers[-1], fraction=1.0)]
+        else:
+            stripes = stripes_by_bandwidth(topo, st.gpu, peers)
         actions = [LayerAction(layer=a.layer, action="peer", peers=stripes) if a.action in ("recompute", "host")
                    else a for a in st.actions]
         stages.append(st.model_copy(update={"actions": actions}))
