@@ -16,6 +16,8 @@ from mpsim.api import simulate
 from mpsim.backends import Backend, run_points
 from mpsim.catalog import load_topology, load_trace, shipped_traces
 from mpsim.errors import MpsimError
+from mpsim.planners.best import Part, combine, parts, plan_part
+from mpsim.planners.context import Planned, make_context
 from mpsim.planners.registry import plan_job
 from mpsim.schedule import check_schedule
 from mpsim.sim import SimResult
@@ -86,11 +88,12 @@ def fits_strategies(server: str | Topology, family: str, schedule: str = "1f1b",
 
     ``best`` runs last: it fits whatever a single planner fits (under the same partition),
     so its search starts from the largest size they reached. With a ``backend``
-    (:mod:`mpsim.backends`) the work runs in parallel in three rounds, each as many
-    points as it has: every shipped size under every strategy, then the searches of the
-    single strategies, then ``best``'s; the simulations, and so the reports, are the
-    same as in one process. ``on_point(name)`` is called per simulated size in one
-    process, per finished round point with a backend."""
+    (:mod:`mpsim.backends`) the work runs in parallel in three rounds: every shipped
+    size under every strategy, then the searches of the single strategies, then
+    ``best``'s search, whose probes each run their single planners in parallel; the
+    simulations, and so the reports, are the same as in one process. ``on_point(name)`` is
+    called per simulated size in one process, per finished shipped size or search with a
+    backend."""
     if backend is None:
         order = sorted(strategies, key=lambda s: s == "best")
         done: dict[str, FitsReport] = {}
@@ -156,8 +159,6 @@ class _FitsUnit:
     models: tuple[str, ...]
     size: int | None = None
     rows: tuple[FitRow, ...] | None = None
-    known: tuple[tuple[str, int], ...] = ()
-    failing: tuple[tuple[tuple[str, str, str], int], ...] = ()
 
 
 def _fits_unit(unit: _FitsUnit) -> FitRow | FitsReport:
@@ -171,8 +172,7 @@ def _fits_unit(unit: _FitsUnit) -> FitRow | FitsReport:
                           partition=unit.partition)
         return FitRow(t.name, t.spec.params, _n_transformer(t), result)
     return fits(unit.server, unit.family, unit.schedule, unit.microbatch, unit.microbatches, unit.strategy,
-                unit.partition, known_fitting=dict(unit.known), known_failing=dict(unit.failing), models=unit.models,
-                rows=list(unit.rows or ()))
+                unit.partition, models=unit.models, rows=list(unit.rows or ()))
 
 
 def _fits_parallel(base: _FitsUnit, strategies: tuple[str, ...], backend: Backend,
@@ -204,11 +204,45 @@ def _fits_parallel(base: _FitsUnit, strategies: tuple[str, ...], backend: Backen
     done = {st: _as_report(v) for st, v in zip(singles, run([replace(base, strategy=st, rows=rows[st])
                                                               for st in singles]))}
     if "best" in names:
-        known = tuple(sorted(_known(done.values(), base.partition).items()))
-        failing = tuple(sorted(_known_failing(done.values()).items()))
-        done["best"] = _as_report(run([replace(base, strategy="best", rows=rows["best"], known=known,
-                                                failing=failing)])[0])
+        done["best"] = fits(base.server, base.family, base.schedule, base.microbatch, base.microbatches, "best",
+                            base.partition, known_fitting=_known(done.values(), base.partition),
+                            known_failing=_known_failing(done.values()), models=base.models,
+                            rows=list(rows["best"]), backend=backend)
+        if on_point:
+            on_point("best: search")
     return [done[s] for s in strategies]
+
+
+@dataclass(frozen=True)
+class _BestPart:
+    """One single planner under one partition, for a probe of ``best``'s search."""
+
+    topo: Topology
+    trace: Trace
+    schedule: str
+    microbatches: int
+    part: Part
+
+
+def _plan_best_part(unit: _BestPart) -> Planned:
+    """In a worker: one part of the combined plan (``plan_part``)."""
+    ctx = make_context(unit.topo, unit.trace, unit.schedule, unit.microbatches, None)
+    return plan_part(ctx, *unit.part)
+
+
+def _best_in_parallel(topo: Topology, trace: Trace, schedule: str, microbatches: int, skip: frozenset[Part],
+                      backend: Backend) -> SimResult:
+    """``best``'s result for one job with its single planners run in parallel on
+    ``backend``, then combined as ``plan_best`` combines them (``combine``): the same
+    answer. Each part runs, even under a partition where keeping everything fits and
+    ``combine`` does not ask the rest (it returns at once there)."""
+    units = [_BestPart(topo, trace, schedule, microbatches, part) for part in parts(skip)]
+    plans: dict[Part, Planned] = {}
+    for outcome in run_points(units, _plan_best_part, backend, batch=1):
+        if outcome.error is not None or outcome.value is None:
+            raise MpsimError(f"fits under best ({', '.join(outcome.point.part)}): {outcome.error}")
+        plans[outcome.point.part] = outcome.value
+    return combine(lambda name, partition: plans[(name, partition)], skip).result
 
 
 def _as_row(value: FitRow | FitsReport) -> FitRow:
@@ -251,7 +285,7 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
          microbatches: int = 16, strategy: str = "none", partition: str = "compute",
          on_point: Callable[[str], None] | None = None, known_fitting: dict[str, int] | None = None,
          models: tuple[str, ...] = (), rows: list[FitRow] | None = None,
-         known_failing: Failing | None = None) -> FitsReport:
+         known_failing: Failing | None = None, backend: Backend | None = None) -> FitsReport:
     """Simulate every shipped size of ``family`` (or the named ``models`` instead) and
     search the largest that fits.
 
@@ -261,7 +295,8 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
     ``known_failing`` (``best`` only): what single planners are known not to fit
     (``_known_failing``); the search's probes leave them out where they cannot fit. Only
     whether a probe fits, and the plan of the largest that does, are reported, and
-    neither changes: a planner left out does not fit there."""
+    neither changes: a planner left out does not fit there. ``backend`` (``best`` only):
+    each probe runs its single planners in parallel there (``_best_in_parallel``)."""
     topo = load_topology(server) if isinstance(server, str) else server
     traces = model_traces(models) if models else family_traces(family)
     mb = traces[0].microbatch if microbatch is None else microbatch
@@ -270,8 +305,11 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
     check_schedule(schedule, topo.n_gpus, microbatches)
 
     def run(trace: Trace, skip: frozenset[tuple[str, str]] = frozenset()) -> SimResult:
-        result = plan_job(strategy, topo, trace.rescale(mb), schedule, microbatches, partition=partition,
-                          known_not_fitting=skip).result
+        if backend is not None and strategy == "best":
+            result = _best_in_parallel(topo, trace.rescale(mb), schedule, microbatches, skip, backend)
+        else:
+            result = plan_job(strategy, topo, trace.rescale(mb), schedule, microbatches, partition=partition,
+                              known_not_fitting=skip).result
         if on_point:
             on_point(trace.name)
         return result

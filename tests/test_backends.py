@@ -206,6 +206,23 @@ def test_fits_in_parallel_gives_the_same_reports_as_in_one_process():
     assert len(seen) == 2 * 5 + 2 and "recompute: search" in seen
 
 
+def test_best_search_with_its_planners_in_parallel_gives_the_same_report():
+    """With a backend, each probe of ``best``'s search runs its single planners in worker
+    processes and combines them in this one: the same largest, plan and times as
+    ``plan_best`` run whole in one process."""
+    from mpsim.capacity import fits_strategies
+
+    args = ("gtx1080ti-x1", "gpt", "1f1b", 2, 4, ("recompute", "best"))
+    one = fits_strategies(*args)
+    seen: list[str] = []
+    two = fits_strategies(*args, backend=LocalBackend(2), on_point=seen.append)
+    assert [r.to_dict() for r in one] == [r.to_dict() for r in two]
+    recompute, best = one[0].largest, one[1].largest
+    assert recompute is not None and best is not None and best.layers > recompute.layers
+    assert two[1].largest is not None and two[1].largest.result.strategy == best.result.strategy
+    assert seen[-1] == "best: search" and seen.count("best: search") == 1
+
+
 def test_cli_refuses_an_address_without_ray(capsys, tmp_path):
     from test_cli import run
 

@@ -24,21 +24,44 @@ SINGLE = ("none", "recompute", "selective", "cpu-swap", "host-swap", "d2d", "mpr
 SINGLE_PLANNERS: dict[str, Callable[[Ctx], Planned]] = {**BASELINES, **MPRESS_STRATEGIES, "tsplit": plan_tsplit}
 
 
-def plan_best(ctx: Ctx, known_not_fitting: Collection[tuple[str, str]] = ()) -> Planned:
+Part = tuple[str, str]
+"""A single planner and the partition it runs under."""
+
+
+def plan_best(ctx: Ctx, known_not_fitting: Collection[Part] = ()) -> Planned:
     """The combined plan. ``known_not_fitting``: (planner, partition) pairs already known
     not to fit this job (``fits``'s search knows it from the single planners' searches);
     they are not run, so when nothing fits, the answer is the lowest peak of the rest."""
-    n_stages = len(ctx.stages)
+    return combine(lambda name, partition: plan_part(ctx, name, partition), known_not_fitting)
+
+
+def plan_part(ctx: Ctx, name: str, partition: str) -> Planned:
+    """One single planner's plan for the job of ``ctx`` under ``partition`` (cached)."""
+    sub = make_context(ctx.topo, ctx.trace, ctx.schedule, ctx.microbatches, len(ctx.stages), ctx.record_link_rates,
+                       partition, recompute=name == "recompute", selective=name == "selective")
+    return cached_plan(name, sub, SINGLE_PLANNERS[name])
+
+
+def parts(known_not_fitting: Collection[Part] = ()) -> list[Part]:
+    """Every (planner, partition) the combined plan may run, in its order."""
+    return [(name, partition) for partition in PARTITIONS for name in SINGLE
+            if (name, partition) not in known_not_fitting]
+
+
+def combine(plan_of: Callable[[str, str], Planned], known_not_fitting: Collection[Part] = ()) -> Planned:
+    """The combined plan from ``plan_of(planner, partition)``, asked in ``parts`` order;
+    under a partition where keeping everything fits, the rest are not asked (nothing to
+    save: keeping everything is fastest). The fastest plan that fits wins, else the lowest
+    highest peak; ties go to the first asked. ``plan_of`` may look up plans made
+    elsewhere (``fits`` runs the parts in parallel): the answer is the same."""
     tried: list[tuple[str, str, Planned]] = []
-    for partition in PARTITIONS:
-        for name in SINGLE:
-            if (name, partition) in known_not_fitting:
-                continue
-            sub = make_context(ctx.topo, ctx.trace, ctx.schedule, ctx.microbatches, n_stages, ctx.record_link_rates,
-                               partition, recompute=name == "recompute", selective=name == "selective")
-            tried.append((name, partition, cached_plan(name, sub, SINGLE_PLANNERS[name])))
-            if name == "none" and tried[-1][2].result.fits:
-                break  # nothing to save: keeping everything is fastest
+    kept_all: set[str] = set()
+    for name, partition in parts(known_not_fitting):
+        if partition in kept_all:
+            continue
+        tried.append((name, partition, plan_of(name, partition)))
+        if name == "none" and tried[-1][2].result.fits:
+            kept_all.add(partition)
 
     def key(t: tuple[str, str, Planned]) -> tuple:
         r = t[2].result
