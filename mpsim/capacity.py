@@ -290,7 +290,9 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
     search the largest that fits.
 
     ``known_fitting``: per template trace name, a number of transformer layers already
-    known to fit under this strategy; the search starts there. ``rows``: the shipped
+    known to fit under this strategy; the search starts there and probes one layer more
+    first (``best`` most often reaches exactly the largest of the single planners, so
+    its search is then that probe and the plan of the largest), then doubles. ``rows``: the shipped
     sizes already simulated under this strategy (one per trace, smallest first).
     ``known_failing`` (``best`` only): what single planners are known not to fit
     (``_known_failing``); the search's probes leave them out where they cannot fit. Only
@@ -335,8 +337,8 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
         lo, hi = n0, None
         step = max(1, n0)
         hint = (known_fitting or {}).get(template.name, 0)
-        if hint > lo:
-            lo, step = hint, max(1, hint // 8)
+        if hint > lo:  # best: usually the largest a single planner reached; one layer more first
+            lo, step = hint, 1
         while hi is None:
             cand = lo + step
             if cand > MAX_LAYERS:

@@ -87,3 +87,30 @@ def test_best_search_leaves_out_planners_known_not_to_fit_and_finds_the_same_lar
              and n >= none_bound]
     assert probed and not above
     assert len(skipped_asks) < len(asked) - len(skipped_asks)
+
+
+def test_a_search_from_a_known_fitting_size_probes_one_layer_more_first(monkeypatch):
+    """Given the most layers known to fit (``best`` gets the single planners' largest), the
+    search probes one layer more first: where that does not fit, it has found the largest
+    with that one probe and the plan of the largest; it finds what a search from the
+    shipped sizes finds, from below and from above the boundary."""
+    import mpsim.capacity as capacity
+
+    job = ("dgx1-v100", "gpt", "1f1b", 2, 16)
+    full = fits(*job, strategy="none")
+    assert full.largest is not None
+    template, n = full.largest_template, full.largest.layers
+    real = capacity.plan_job
+    asked: list[int] = []
+
+    def counting(strategy, topo, trace, *args, **kwargs):
+        asked.append(sum(r.kind == "transformer" for r in trace.layers))
+        return real(strategy, topo, trace, *args, **kwargs)
+
+    monkeypatch.setattr(capacity, "plan_job", counting)
+    for hint, most_probes in ((n, 2), (n - 3, 5)):
+        asked.clear()
+        hinted = fits(*job, strategy="none", known_fitting={template: hint}, rows=full.rows)
+        assert hinted.largest is not None and hinted.largest.layers == n
+        assert hinted.largest.result.iteration_s == full.largest.result.iteration_s
+        assert asked[0] == hint + 1 and len(asked) <= most_probes and n + 1 in asked
