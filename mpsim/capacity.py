@@ -292,8 +292,9 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
     ``known_fitting``: per template trace name, a number of transformer layers already
     known to fit under this strategy; the search starts there and probes one layer more
     first (``best`` most often reaches exactly the largest of the single planners, so
-    its search is then that probe and the plan of the largest), then doubles. ``rows``: the shipped
-    sizes already simulated under this strategy (one per trace, smallest first).
+    its search is then that probe and the plan of the largest), then doubles. ``rows``:
+    the shipped sizes already simulated under this strategy (one per trace, smallest
+    first).
     ``known_failing`` (``best`` only): what single planners are known not to fit
     (``_known_failing``); the search's probes leave them out where they cannot fit. Only
     whether a probe fits, and the plan of the largest that does, are reported, and
