@@ -16,8 +16,8 @@ from mpsim.api import simulate
 from mpsim.backends import Backend, run_points
 from mpsim.catalog import load_topology, load_trace, shipped_traces
 from mpsim.errors import MpsimError
-from mpsim.planners.best import Part, combine, parts, plan_part
-from mpsim.planners.context import Planned, make_context
+from mpsim.planners.best import Part, combine, parts
+from mpsim.planners.context import Planned
 from mpsim.planners.registry import plan_job
 from mpsim.schedule import check_schedule
 from mpsim.sim import SimResult
@@ -225,9 +225,10 @@ class _BestPart:
 
 
 def _plan_best_part(unit: _BestPart) -> Planned:
-    """In a worker: one part of the combined plan (``plan_part``)."""
-    ctx = make_context(unit.topo, unit.trace, unit.schedule, unit.microbatches, None)
-    return plan_part(ctx, *unit.part)
+    """In a worker: one part of the combined plan, through the one entry point; it builds
+    the context ``plan_part`` builds for ``best`` (a stage per GPU, the part's partition)."""
+    name, partition = unit.part
+    return plan_job(name, unit.topo, unit.trace, unit.schedule, unit.microbatches, partition=partition)
 
 
 def _best_in_parallel(topo: Topology, trace: Trace, schedule: str, microbatches: int, skip: frozenset[Part],
