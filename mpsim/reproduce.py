@@ -208,7 +208,14 @@ def _gain_row(claim: str, paper: float, ours: float | None) -> list[str]:
     return [claim, f"{paper:.3f}", f"{ours:.3f}", f"gain: {gain:.2f}", "yes" if gain >= 0.5 else "no"]
 
 
-def mpress_report(out: Path, progress: _Progress) -> str:
+#: Fig. 9's variants (IV-D): the default and each technique added, and their strategies.
+FIG9_ABLATION = {"default (DAPPLE map, no striping)": "mpress-no-mapping-no-striping",
+                 "+ device mapping": "mpress-no-striping", "+ data striping": "mpress"}
+
+
+def _mpress_figs(out: Path, progress: _Progress) -> tuple[list[str], list[dict[tuple[str, str], SimResult]]]:
+    """Fig. 7 (BERT, PipeDream) and Fig. 8a/8b (GPT, 1F1B): each table with its plot, and
+    each figure's results by (model, system)."""
     bert = ["bert-0.35b", "bert-0.64b", "bert-1.67b", "bert-4b", "bert-6.2b"]
     gpt = ["gpt-5.3b", "gpt-10.3b", "gpt-15.4b", "gpt-20.4b", "gpt-25.5b"]
     fig7, r7 = _compare(out, "mpress_fig7", "BERT on dgx1-v100, PipeDream, microbatch 12", "dgx1-v100", bert,
@@ -217,29 +224,46 @@ def mpress_report(out: Path, progress: _Progress) -> str:
                           "1f1b", 2, FIG8_SYSTEMS, progress)
     fig8b, r8b = _compare(out, "mpress_fig8b", "GPT on a100-40gb-nvswitch, 1F1B, microbatch 2", "a100-40gb-nvswitch",
                           gpt, "1f1b", 2, FIG8_SYSTEMS, progress)
-    abl = {"default (DAPPLE map, no striping)": "mpress-no-mapping-no-striping",
-           "+ device mapping": "mpress-no-striping", "+ data striping": "mpress"}
-    fig9_rows = []
+    return [fig7, fig8a, fig8b], [r7, r8a, r8b]
+
+
+def _fig9_server(server: str, progress: _Progress) -> tuple[dict[str, SimResult], list[str], list[str]]:
+    """Fig. 9 on one server: each variant's result, its row of throughput over the default
+    (with the peer-link headroom last) and its row of the unbounded-memory D2D bound."""
+    res = {}
+    for lb, st in FIG9_ABLATION.items():
+        progress(f"fig9: {server} {lb}")
+        res[lb] = _run(server, "gpt-15.4b", "1f1b", 2, st)
+    base = res["default (DAPPLE map, no striping)"]
+    default_plan, fast = _peer_link_headroom(server)
+    default = default_plan.result
+    row = ([server] + [f"{r.samples_per_s / base.samples_per_s:.3f}" if r.fits and base.fits else _cell(r)
+                       for r in res.values()]
+           + [f"{default.iteration_s:.2f} s / {fast.iteration_s:.2f} s "
+              f"({fast.samples_per_s / default.samples_per_s:.3f})"])
+    bound = _unbounded_d2d_bound(server, default_plan)
+    slowest = bound["slowest neighbour"].iteration_s
+    bound_row = ([server, f"{default.iteration_s:.2f} s"]
+                 + [f"{r.iteration_s:.2f} s ({slowest / r.iteration_s:.3f})" for r in bound.values()])
+    return res, row, bound_row
+
+
+def _fig9(progress: _Progress) -> tuple[dict[str, dict[str, SimResult]], list[list[str]], list[list[str]]]:
+    """Fig. 9 on the DGX-1 and the A100 server: results per server, the throughput rows and
+    the unbounded-memory bound rows."""
     fig9: dict[str, dict[str, SimResult]] = {}
-    bound_rows: list[list[str]] = []
+    fig9_rows, bound_rows = [], []
     for server in ("dgx1-v100", "a100-40gb-nvswitch"):
-        res = fig9[server] = {}
-        for lb, st in abl.items():
-            progress(f"fig9: {server} {lb}")
-            res[lb] = _run(server, "gpt-15.4b", "1f1b", 2, st)
-        base = res["default (DAPPLE map, no striping)"]
-        default_plan, fast = _peer_link_headroom(server)
-        default = default_plan.result
-        fig9_rows.append([server] + [f"{r.samples_per_s / base.samples_per_s:.3f}" if r.fits and base.fits else _cell(r)
-                                     for r in res.values()]
-                         + [f"{default.iteration_s:.2f} s / {fast.iteration_s:.2f} s "
-                            f"({fast.samples_per_s / default.samples_per_s:.3f})"])
-        bound = _unbounded_d2d_bound(server, default_plan)
-        slowest = bound["slowest neighbour"].iteration_s
-        bound_rows.append([server, f"{default.iteration_s:.2f} s"]
-                          + [f"{r.iteration_s:.2f} s ({slowest / r.iteration_s:.3f})" for r in bound.values()])
-    link_s, layer_s = _layer_over_one_link("dgx1-v100")
-    table4_rows = []
+        fig9[server], row, bound_row = _fig9_server(server, progress)
+        fig9_rows.append(row)
+        bound_rows.append(bound_row)
+    return fig9, fig9_rows, bound_rows
+
+
+def _table4_rows(progress: _Progress) -> list[list[str]]:
+    """Table IV: the bytes MPress's plans keep off the GPUs at their peaks on the DGX-1, per
+    technique (recomputation, GPU-CPU swap, D2D swap)."""
+    rows = []
     for md, sched, mb in (("bert-1.67b", "pipedream", 12), ("bert-6.2b", "pipedream", 12),
                           ("gpt-10.3b", "1f1b", 2), ("gpt-20.4b", "1f1b", 2)):
         progress(f"table IV: {md}")
@@ -248,12 +272,14 @@ def mpress_report(out: Path, progress: _Progress) -> str:
                                                                                          "stash", "peer")}
         host = saved["host"] + saved["optimizer"] + saved["stash"]
         total = saved["recompute"] + host + saved["peer"] or 1
-        table4_rows.append([md, "yes" if r.fits else "no"] + [f"{v / 1e9:.0f} GB ({v / total * 100:.1f}%)"
-                                                              for v in (saved["recompute"], host, saved["peer"])])
-    rec, cpu, mp = r7[("bert-1.67b", "Recomputation")], r7[("bert-1.67b", "GPU-CPU swap")], r7[("bert-1.67b", "MPress")]
-    claims = _md_table(["claim", "paper", "ours", "ours / paper", "within ±50% (Fig. 9: half the gain)"],
-                       claims_rows({"7": r7, "8a": r8a}, fig9))
-    text = f"""# MPress, simulated
+        rows.append([md, "yes" if r.fits else "no"] + [f"{v / 1e9:.0f} GB ({v / total * 100:.1f}%)"
+                                                       for v in (saved["recompute"], host, saved["peer"])])
+    return rows
+
+
+def _mpress_intro_text(claims: str) -> str:
+    """The report's head: what stands in for the paper's systems, and the claims table."""
+    return f"""# MPress, simulated
 
 Regenerated by `mpsim reproduce`. Numbers are model TFLOPS of the whole server (forward
 FLOPs x 3 per sample, as MPress IV-A counts), or OOM with the highest per-GPU peak.
@@ -271,7 +297,13 @@ which the paper's recomputation cannot.
 
 {claims}
 
-## Fig. 7: BERT on the DGX-1 with PipeDream
+"""
+
+
+def _mpress_fig7_text(fig7: str, r7: dict[tuple[str, str], SimResult]) -> str:
+    """Fig. 7's section: the table and the paper's IV-B statements beside ours."""
+    rec, cpu, mp = r7[("bert-1.67b", "Recomputation")], r7[("bert-1.67b", "GPU-CPU swap")], r7[("bert-1.67b", "MPress")]
+    return f"""## Fig. 7: BERT on the DGX-1 with PipeDream
 
 {fig7}
 What the paper reports (IV-B) and what we get:
@@ -289,7 +321,12 @@ What the paper reports (IV-B) and what we get:
   32 GB): with the shape fitted to Table II (1279 GB in all) it must hold about 1 TB on
   the host, more than the DGX-1's 768 GiB; the paper's swap trained it on that host.
 
-## Fig. 8: GPT with DAPPLE (1F1B)
+"""
+
+
+def _mpress_fig8_text(fig8a: str, fig8b: str, r8a: dict[tuple[str, str], SimResult]) -> str:
+    """Fig. 8's section: both servers' tables and the paper's IV-C statements beside ours."""
+    return f"""## Fig. 8: GPT with DAPPLE (1F1B)
 
 DGX-1 (V100 32 GB):
 
@@ -302,11 +339,18 @@ MPress there) and 15.4B on the A100 server; MPress trains all sizes up to 25.5B 
 Fig. 8a). Ours at 10.3B on the DGX-1: MPress against recomputation
 {_ratio(r8a[('gpt-10.3b', 'MPress')], r8a[('gpt-10.3b', 'DAPPLE+Recomp')])}.
 
-## Fig. 9: device mapping and data striping (GPT-15.4B, microbatch 2)
+"""
+
+
+def _mpress_fig9_text(fig9_rows: list[list[str]], bound_rows: list[list[str]]) -> str:
+    """Fig. 9's section (IV-D): the ablation table, why our gains are nothing, and the
+    unbounded-memory bound on what mapping and striping could give."""
+    link_s, layer_s = _layer_over_one_link("dgx1-v100")
+    return f"""## Fig. 9: device mapping and data striping (GPT-15.4B, microbatch 2)
 
 Throughput relative to the default (DAPPLE's map, D2D without striping):
 
-{_md_table(["server"] + list(abl) + [f"default plan, peer links x{PEER_LINK_FACTOR:g} faster"], fig9_rows)}
+{_md_table(["server"] + list(FIG9_ABLATION) + [f"default plan, peer links x{PEER_LINK_FACTOR:g} faster"], fig9_rows)}
 
 The paper: on the DGX-1 mapping adds 17.4% and striping 33.3%; on the symmetric A100
 server mapping adds nothing and striping 11.0%. Ours: nothing on either server. The last
@@ -340,7 +384,12 @@ swaps only some of its layers, so even one link nearly keeps up with the compute
 NVSwitch server every peer is reached through the same GPU port, so striping adds no
 bandwidth.
 
-## Table IV: what each technique saves (MPress plans, DGX-1)
+"""
+
+
+def _mpress_table4_text(table4_rows: list[list[str]]) -> str:
+    """Table IV's section: the bytes each technique saves, ours beside the paper's shares."""
+    return f"""## Table IV: what each technique saves (MPress plans, DGX-1)
 
 Bytes kept off the GPUs at their peaks, summed over GPUs (host swap includes optimizer
 states streamed to the host and PipeDream's stashed weights):
@@ -349,6 +398,18 @@ states streamed to the host and PipeDream's stashed weights):
 
 The paper: recomputation 51-91% of the saving, GPU-CPU swap 0-42%, D2D 4-23%.
 """
+
+
+def mpress_report(out: Path, progress: _Progress) -> str:
+    """MPress Fig. 7, 8 (IV-B, IV-C), Fig. 9 (IV-D) and Table IV, with the paper's claims."""
+    (fig7, fig8a, fig8b), (r7, r8a, _r8b) = _mpress_figs(out, progress)
+    fig9, fig9_rows, bound_rows = _fig9(progress)
+    fig9_text = _mpress_fig9_text(fig9_rows, bound_rows)
+    table4_rows = _table4_rows(progress)
+    claims = _md_table(["claim", "paper", "ours", "ours / paper", "within ±50% (Fig. 9: half the gain)"],
+                       claims_rows({"7": r7, "8a": r8a}, fig9))
+    text = (_mpress_intro_text(claims) + _mpress_fig7_text(fig7, r7) + _mpress_fig8_text(fig8a, fig8b, r8a)
+            + fig9_text + _mpress_table4_text(table4_rows))
     (out / "mpress.md").write_text(text)
     return text
 
