@@ -234,13 +234,12 @@ def busiest_share(stages: Stages) -> float:
     return max(float(cost[a:b].sum() / cost.sum()) for a, b in stages)
 
 
-def mcap_vgg11_section(progress: Callable[[str], None]) -> str:
-    """mCAP 4.2 as markdown: per-GPU peaks of each partition beside the paper's statements."""
-    progress("mcap: VGG-11 on 4 x TITAN RTX, every partition")
-    picks, every = vgg11_partitions()
+def _vgg11_partition_rows(picks: list[PartitionRun], every: list[PartitionRun]) -> list[list[str]]:
+    """One row per picked partition: layers per GPU, per-GPU peaks (GiB), the highest, their
+    std, the highest over the lowest of ``every``, its rank there and throughput over mCAP's."""
     lowest = min(r.result.max_peak_bytes for r in every)
     ranked = sorted(r.result.max_peak_bytes for r in every)
-    mcap_run, gpipe_run = picks[1], picks[0]
+    mcap_run = picks[1]
     rows = []
     for r in picks:
         rank = ranked.index(r.result.max_peak_bytes) + 1
@@ -248,14 +247,14 @@ def mcap_vgg11_section(progress: Callable[[str], None]) -> str:
                     + [f"{r.result.max_peak_bytes / GiB:.2f}", f"{statistics.pstdev(r.peaks_gib):.2f}",
                        f"{r.result.max_peak_bytes / lowest:.3f}", str(rank),
                        f"{r.result.samples_per_s / mcap_run.result.samples_per_s:.2f}"])
-    header = ["partition", "layers per GPU", "GPU0", "GPU1", "GPU2", "GPU3", "highest", "std",
-              "/ lowest", "rank", "throughput / mCAP"]
+    return rows
+
+
+def _vgg11_paper_rows(mcap_run: PartitionRun, n_every: int, m_ratio: float, g_ratio: float,
+                      thr: float) -> list[list[str]]:
+    """mCAP 4.2's quantities, ours beside the paper's (``MCAP_PAPER``) and ours over them."""
     pp = MCAP_PAPER
-    g_ratio = gpipe_run.result.max_peak_bytes / lowest
-    m_ratio = mcap_run.result.max_peak_bytes / lowest
-    thr = gpipe_run.result.samples_per_s / mcap_run.result.samples_per_s
-    gpipe_share, mcap_share = busiest_share(gpipe_run.stages), busiest_share(mcap_run.stages)
-    comp = [["mCAP's peak / lowest peak", f"{m_ratio:.3f}", f"{pp['mcap_over_lowest']:.2f}",
+    return [["mCAP's peak / lowest peak", f"{m_ratio:.3f}", f"{pp['mcap_over_lowest']:.2f}",
              f"{m_ratio / pp['mcap_over_lowest']:.2f}"],
             ["torchgpipe's peak / lowest peak", f"{g_ratio:.3f}", f"{pp['torchgpipe_over_lowest']:.2f}",
              f"{g_ratio / pp['torchgpipe_over_lowest']:.2f}"],
@@ -263,8 +262,24 @@ def mcap_vgg11_section(progress: Callable[[str], None]) -> str:
              f"{thr / pp['torchgpipe_throughput']:.2f}"],
             ["std of mCAP's per-GPU peaks", f"{statistics.pstdev(mcap_run.peaks_gib):.2f} GiB",
              f"{pp['mcap_std']} (unit not stated)", "n/a"],
-            ["partitions searched", str(len(every)), str(pp["partitions"]), "n/a (11 layers here, 30 there)"],
+            ["partitions searched", str(n_every), str(pp["partitions"]), "n/a (11 layers here, 30 there)"],
             ["per-GPU peaks (GB)", "table above", "not stated (Fig. 8a, no numbers in the text)", "n/a"]]
+
+
+def mcap_vgg11_section(progress: Callable[[str], None]) -> str:
+    """mCAP 4.2 as markdown: per-GPU peaks of each partition beside the paper's statements."""
+    progress("mcap: VGG-11 on 4 x TITAN RTX, every partition")
+    picks, every = vgg11_partitions()
+    lowest = min(r.result.max_peak_bytes for r in every)
+    mcap_run, gpipe_run = picks[1], picks[0]
+    rows = _vgg11_partition_rows(picks, every)
+    header = ["partition", "layers per GPU", "GPU0", "GPU1", "GPU2", "GPU3", "highest", "std",
+              "/ lowest", "rank", "throughput / mCAP"]
+    g_ratio = gpipe_run.result.max_peak_bytes / lowest
+    m_ratio = mcap_run.result.max_peak_bytes / lowest
+    thr = gpipe_run.result.samples_per_s / mcap_run.result.samples_per_s
+    gpipe_share, mcap_share = busiest_share(gpipe_run.stages), busiest_share(mcap_run.stages)
+    comp = _vgg11_paper_rows(mcap_run, len(every), m_ratio, g_ratio, thr)
     return f"""## 4.2: VGG-11 on 4 x TITAN RTX (`{MCAP_SERVER}`)
 
 torchgpipe's setting: GPipe, {MCAP_MICROBATCHES} microbatches of {MCAP_MICROBATCH} samples, every layer
