@@ -47,7 +47,7 @@ from mpsim.datafile import read_data_file, validate
 from mpsim.errors import SchemaError
 from mpsim.schedule import MAX_MICROBATCH, MAX_MICROBATCHES, SCHEDULES, check_schedule
 from mpsim.topology import Topology
-from mpsim.trace import Trace
+from mpsim.trace import LayerRow, Trace
 
 SCHEMA_VERSION = 1
 STRIPE_TOLERANCE = 1e-6
@@ -138,6 +138,10 @@ class PlanFile(_Strict):
         return {a.layer: a for a in self.stages[stage].actions}
 
 
+_Bad = Callable[[str, str], SchemaError]
+"""Makes the SchemaError of a plan entry: (field, expected)."""
+
+
 def check_plan(plan: PlanFile, topo: Topology, trace: Trace, source: str = "") -> None:
     """Rules that need the server and the model; raises a SchemaError naming the entry."""
     def bad(field: str, expected: str) -> SchemaError:
@@ -153,65 +157,95 @@ def check_plan(plan: PlanFile, topo: Topology, trace: Trace, source: str = "") -
     expected_first = 0
     gpus_seen: dict[int, int] = {}
     for s, st in enumerate(plan.stages):
-        where = f"stages.{s}"
-        if not 0 <= st.gpu < n:
-            raise bad(f"{where}.gpu", f"GPU {st.gpu} does not exist on {topo.name} (0..{n - 1})")
-        if st.gpu in gpus_seen:
-            raise bad(f"{where}.gpu", f"GPU {st.gpu} already runs stage {gpus_seen[st.gpu]}")
-        gpus_seen[st.gpu] = s
-        a, b = st.layers
-        if a != expected_first or b <= a or b > L:
-            raise bad(f"{where}.layers", f"expected [{expected_first}, e) with {expected_first} < e <= {L} "
-                      f"(stages cover layers 0..{L - 1} of {trace.name} in order), got [{a}, {b})")
-        expected_first = b
-        _check_optimizer_layers(st, where, bad)
+        _check_stage_gpu(st, s, topo, gpus_seen, bad)
+        _check_stage_layers(st, s, expected_first, trace, bad)
+        expected_first = st.layers[1]
+        _check_optimizer_layers(st, f"stages.{s}", bad)
         if st.stash == "host" and plan.schedule != "pipedream":
-            raise bad(f"{where}.stash", "'host' applies to pipedream only (other schedules stash no weights)")
+            raise bad(f"stages.{s}.stash", "'host' applies to pipedream only (other schedules stash no weights)")
         seen: set[int] = set()
         for k, act in enumerate(st.actions):
-            at = f"{where}.actions.{k}"
-            if not a <= act.layer < b:
-                raise bad(f"{at}.layer", f"layer {act.layer} is not in stage {s} (layers {a}..{b - 1})")
-            if act.layer in seen:
-                raise bad(f"{at}.layer", f"layer {act.layer} is listed twice")
-            seen.add(act.layer)
-            row = trace.layers[act.layer]
-            if act.split < 1:
-                raise bad(f"{at}.split", f"p must be at least 1, got {act.split}")
-            if act.split > 1:
-                if not row.split_dims:
-                    raise bad(f"{at}.split",
-                              f"layer {act.layer} ({row.name}) cannot be split (no splittable dimension)")
-                if act.split_dim is not None and act.split_dim not in row.split_dims:
-                    raise bad(f"{at}.split_dim", f"layer {act.layer} splits along {', '.join(row.split_dims)} only")
-            if act.split > 1 and act.action in ("host", "peer") and plan.swap_timing == "on-demand":
-                raise bad(f"{at}.split", "on-demand swaps move whole layers; split swapped layers with "
-                          "swap_timing 'prefetch'")
-            if act.action == "selective" and row.attention_core_bytes == 0:
-                raise bad(f"{at}.action",
-                          f"layer {act.layer} keeps nothing in its attention core; use recompute or keep")
-            if act.action == "peer":
-                if not act.peers:
-                    raise bad(f"{at}.peers", "a peer swap needs at least one stripe")
-                total = sum(x.fraction for x in act.peers)
-                if abs(total - 1.0) > STRIPE_TOLERANCE:
-                    raise bad(f"{at}.peers", f"stripe fractions must sum to 1, got {total:.6g}")
-                targets = [x.gpu for x in act.peers]
-                if len(set(targets)) != len(targets):
-                    raise bad(f"{at}.peers", "a peer GPU is listed twice")
-                for x in act.peers:
-                    if x.gpu == st.gpu or not 0 <= x.gpu < n:
-                        raise bad(f"{at}.peers", f"GPU {x.gpu} is not a peer of GPU {st.gpu} on {topo.name}")
-                    if not topo.nvlinks_between(st.gpu, x.gpu):
-                        raise bad(f"{at}.peers", f"no NVLink route from GPU {st.gpu} to GPU {x.gpu} on {topo.name}")
-            elif act.peers:
-                raise bad(f"{at}.peers", f"stripes belong to action 'peer', not {act.action!r}")
+            _check_action(plan, topo, trace, s, st, k, act, seen, bad)
     if expected_first != L:
         raise bad("stages", f"the stages end at layer {expected_first} but {trace.name} has {L} layers")
     check_schedule(plan.schedule, p, plan.microbatches)
 
 
-def _check_optimizer_layers(st: StagePlan, where: str, bad: Callable[[str, str], SchemaError]) -> None:
+def _check_stage_gpu(st: StagePlan, s: int, topo: Topology, gpus_seen: dict[int, int], bad: _Bad) -> None:
+    """Stage ``s`` runs on a GPU of ``topo`` that no earlier stage runs on (recorded in ``gpus_seen``)."""
+    n = topo.n_gpus
+    if not 0 <= st.gpu < n:
+        raise bad(f"stages.{s}.gpu", f"GPU {st.gpu} does not exist on {topo.name} (0..{n - 1})")
+    if st.gpu in gpus_seen:
+        raise bad(f"stages.{s}.gpu", f"GPU {st.gpu} already runs stage {gpus_seen[st.gpu]}")
+    gpus_seen[st.gpu] = s
+
+
+def _check_stage_layers(st: StagePlan, s: int, expected_first: int, trace: Trace, bad: _Bad) -> None:
+    """Stage ``s``'s layers start where the previous stage's end and are a non-empty range of ``trace``'s."""
+    a, b = st.layers
+    L = trace.n_layers
+    if a != expected_first or b <= a or b > L:
+        raise bad(f"stages.{s}.layers", f"expected [{expected_first}, e) with {expected_first} < e <= {L} "
+                  f"(stages cover layers 0..{L - 1} of {trace.name} in order), got [{a}, {b})")
+
+
+def _check_action(plan: PlanFile, topo: Topology, trace: Trace, s: int, st: StagePlan, k: int, act: LayerAction,
+                  seen: set[int], bad: _Bad) -> None:
+    """Action ``k`` of stage ``s``: on a layer of the stage not listed before (in ``seen``), a split the
+    layer allows, and an action the layer and the plan's swap timing allow."""
+    at = f"stages.{s}.actions.{k}"
+    a, b = st.layers
+    if not a <= act.layer < b:
+        raise bad(f"{at}.layer", f"layer {act.layer} is not in stage {s} (layers {a}..{b - 1})")
+    if act.layer in seen:
+        raise bad(f"{at}.layer", f"layer {act.layer} is listed twice")
+    seen.add(act.layer)
+    row = trace.layers[act.layer]
+    _check_split(at, act, row, bad)
+    if act.split > 1 and act.action in ("host", "peer") and plan.swap_timing == "on-demand":
+        raise bad(f"{at}.split", "on-demand swaps move whole layers; split swapped layers with "
+                  "swap_timing 'prefetch'")
+    if act.action == "selective" and row.attention_core_bytes == 0:
+        raise bad(f"{at}.action",
+                  f"layer {act.layer} keeps nothing in its attention core; use recompute or keep")
+    if act.action == "peer":
+        _check_peers(at, act, st, topo, bad)
+    elif act.peers:
+        raise bad(f"{at}.peers", f"stripes belong to action 'peer', not {act.action!r}")
+
+
+def _check_split(at: str, act: LayerAction, row: LayerRow, bad: _Bad) -> None:
+    """``act``'s split: at least 1, and above 1 only along a dimension ``row`` can be split on."""
+    if act.split < 1:
+        raise bad(f"{at}.split", f"p must be at least 1, got {act.split}")
+    if act.split > 1:
+        if not row.split_dims:
+            raise bad(f"{at}.split",
+                      f"layer {act.layer} ({row.name}) cannot be split (no splittable dimension)")
+        if act.split_dim is not None and act.split_dim not in row.split_dims:
+            raise bad(f"{at}.split_dim", f"layer {act.layer} splits along {', '.join(row.split_dims)} only")
+
+
+def _check_peers(at: str, act: LayerAction, st: StagePlan, topo: Topology, bad: _Bad) -> None:
+    """A peer swap's stripes: fractions summing to 1, each to a distinct other GPU that ``st``'s GPU
+    reaches over NVLink."""
+    if not act.peers:
+        raise bad(f"{at}.peers", "a peer swap needs at least one stripe")
+    total = sum(x.fraction for x in act.peers)
+    if abs(total - 1.0) > STRIPE_TOLERANCE:
+        raise bad(f"{at}.peers", f"stripe fractions must sum to 1, got {total:.6g}")
+    targets = [x.gpu for x in act.peers]
+    if len(set(targets)) != len(targets):
+        raise bad(f"{at}.peers", "a peer GPU is listed twice")
+    for x in act.peers:
+        if x.gpu == st.gpu or not 0 <= x.gpu < topo.n_gpus:
+            raise bad(f"{at}.peers", f"GPU {x.gpu} is not a peer of GPU {st.gpu} on {topo.name}")
+        if not topo.nvlinks_between(st.gpu, x.gpu):
+            raise bad(f"{at}.peers", f"no NVLink route from GPU {st.gpu} to GPU {x.gpu} on {topo.name}")
+
+
+def _check_optimizer_layers(st: StagePlan, where: str, bad: _Bad) -> None:
     if st.optimizer_layers is None:
         return
     if st.optimizer == "gpu":
