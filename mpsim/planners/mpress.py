@@ -100,6 +100,10 @@ class _Candidate:
     """For ``optimizer``: the layer whose states it moves."""
 
 
+_PoolEntry = tuple[str | int, int, float, float, int]
+"""A candidate before pricing: (what, bytes saved, recompute s, GPU-CPU swap s, layer)."""
+
+
 class _Planner:
     def __init__(self, ctx: Ctx, opts: Options, name: str, slack_s: list[float]) -> None:
         self.ctx, self.opts, self.name = ctx, opts, name
@@ -193,64 +197,91 @@ class _Planner:
         transfer time. Each step takes the candidate with the least extra time per byte
         given what is left of the budget (TSPLIT's PCIe occupancy, eq. 3, in MPress's
         per-tensor terms)."""
+        return [self.d2d_queue(s, intervals) if self.opts.d2d_only else self.stage_queue(s, intervals)
+                for s in range(len(self.ctx.stages))]
+
+    def d2d_queue(self, s: int, intervals: dict[int, float]) -> list[_Candidate]:
+        """D2D swap only: stage s's layers that save activations, the longest live interval first."""
+        rows = self.ctx.trace.layers
+        a, b = self.ctx.stages[s]
+        held = self.ctx.held_microbatches(s)
+        layers = sorted((j for j in range(a, b) if rows[j].act_bytes), key=lambda j: (-intervals[j], j))
+        return [_Candidate(s, j, rows[j].act_bytes * held, 0.0, "peer", intervals[j]) for j in layers]
+
+    def candidate_pool(self, s: int, intervals: dict[int, float], streamed: set[int]) -> list[_PoolEntry]:
+        """Stage s's candidates before they are priced: the optimizer states of each layer not
+        ``streamed`` yet, PipeDream's stashed weights, and each layer's activations."""
         ctx, m = self.ctx, self.ctx.microbatches
         rows = ctx.trace.layers
-        queues = []
-        for s, (a, b) in enumerate(ctx.stages):
-            held = ctx.held_microbatches(s)
-            if self.opts.d2d_only:
-                layers = sorted((j for j in range(a, b) if rows[j].act_bytes), key=lambda j: (-intervals[j], j))
-                queues.append([_Candidate(s, j, rows[j].act_bytes * held, 0.0, "peer", intervals[j]) for j in layers])
+        a, b = ctx.stages[s]
+        held = ctx.held_microbatches(s)
+        pool: list[_PoolEntry] = []
+        # per microbatch: PipeDream updates after every backward, a flushed pipeline once
+        updates = m if ctx.schedule == "pipedream" else 1
+        pool += [("optimizer", rows[j].optimizer_bytes, float("inf"), self.optimizer_stream_s(s, [j]) * updates / m,
+                  j) for j in range(a, b) if rows[j].optimizer_bytes and j not in streamed]
+        if ctx.schedule == "pipedream" and len(ctx.stages) - s > 1:
+            params = sum(r.param_bytes for r in rows[a:b])
+            pool.append(("stash", (len(ctx.stages) - s - 1) * params, float("inf"), params / self.host_bw(s), -1))
+        for j in range(a, b):
+            if rows[j].act_bytes:
+                n_bytes, rec_s, host_s, _ = self.layer_costs(s, j, intervals[j])
+                pool.append((j, n_bytes * held, rec_s if rows[j].kind in RECOMPUTABLE else float("inf"), host_s, j))
+        return pool
+
+    def stage_queue(self, s: int, intervals: dict[int, float]) -> list[_Candidate]:
+        """Stage s's candidates, each step the cheapest per byte given what is left of the
+        stage's PCIe budget and of its end slack (``cheapest``)."""
+        ctx, m = self.ctx, self.ctx.microbatches
+        a, b = ctx.stages[s]
+        budget = float(self.times.fwd_s[a:b].sum() + self.times.bwd_s[a:b].sum()) / self.pcie_sharers(s)
+        streamed = self.host_optimizer.get(s, set())
+        slack = max(0.0, self.slack_s[s] - self.optimizer_stream_s(s, streamed))
+        pool = self.candidate_pool(s, intervals, streamed)
+        updates = m if ctx.schedule == "pipedream" else 1
+        q: list[_Candidate] = []
+        while pool:
+            best = self.cheapest(s, pool, intervals, budget, slack)
+            if best is None:
+                break
+            c = best[3]
+            pool.pop(best[2])
+            if c.action == "host":  # its transfer takes its share of the stage's PCIe budget
+                budget = max(0.0, budget - best[4])
+            elif c.what == "optimizer":  # its streaming takes its share of the end slack
+                slack = max(0.0, slack - best[4] * m / updates)
+            q.append(c)
+        return q
+
+    def cheapest(self, s: int, pool: list[_PoolEntry], intervals: dict[int, float], budget: float,
+                 slack: float) -> tuple[float, float, int, _Candidate, float] | None:
+        """The candidate of ``pool`` with the least extra time per byte (then the longest
+        interval, then the first), priced with ``choose`` given the PCIe ``budget`` and end
+        ``slack`` left: (extra per byte, -interval, index in ``pool``, candidate, host s); None
+        if none saves anything."""
+        m, rows, held = self.ctx.microbatches, self.ctx.trace.layers, self.ctx.held_microbatches(s)
+        best: tuple[float, float, int, _Candidate, float] | None = None
+        for i, (what, saves, rec_s, host_s, layer) in enumerate(pool):
+            if what == "optimizer":  # streamed around the update: only the end slack hides it
+                interval = hidden = slack / m
+            else:
+                interval = float("inf") if what == "stash" else intervals[int(what)]
+                hidden = min(interval, budget)
+            action = choose(hidden, rec_s, host_s, None)
+            if action == "recompute":
+                r = rows[int(what)]
+                saves = (r.act_bytes - (r.input_bytes if r.saves_input else 0)) * held
+                extra = rec_s
+            else:
+                action = {"optimizer": "host-stream"}.get(str(what), "host")
+                extra = max(0.0, host_s - hidden)
+            if saves <= 0:
                 continue
-            budget = float(self.times.fwd_s[a:b].sum() + self.times.bwd_s[a:b].sum()) / self.pcie_sharers(s)
-            streamed = self.host_optimizer.get(s, set())
-            slack = max(0.0, self.slack_s[s] - self.optimizer_stream_s(s, streamed))
-            pool: list[tuple[str | int, int, float, float, int]] = []  # what, bytes saved, recompute s, host s, layer
-            # per microbatch: PipeDream updates after every backward, a flushed pipeline once
-            updates = m if ctx.schedule == "pipedream" else 1
-            pool += [("optimizer", rows[j].optimizer_bytes, float("inf"), self.optimizer_stream_s(s, [j]) * updates / m,
-                      j) for j in range(a, b) if rows[j].optimizer_bytes and j not in streamed]
-            if ctx.schedule == "pipedream" and len(ctx.stages) - s > 1:
-                params = sum(r.param_bytes for r in rows[a:b])
-                pool.append(("stash", (len(ctx.stages) - s - 1) * params, float("inf"), params / self.host_bw(s), -1))
-            for j in range(a, b):
-                if rows[j].act_bytes:
-                    n_bytes, rec_s, host_s, _ = self.layer_costs(s, j, intervals[j])
-                    pool.append((j, n_bytes * held, rec_s if rows[j].kind in RECOMPUTABLE else float("inf"), host_s, j))
-            q: list[_Candidate] = []
-            while pool:
-                best: tuple[float, float, int, _Candidate, float] | None = None
-                for i, (what, saves, rec_s, host_s, layer) in enumerate(pool):
-                    if what == "optimizer":  # streamed around the update: only the end slack hides it
-                        interval = hidden = slack / m
-                    else:
-                        interval = float("inf") if what == "stash" else intervals[int(what)]
-                        hidden = min(interval, budget)
-                    action = choose(hidden, rec_s, host_s, None)
-                    if action == "recompute":
-                        r = rows[int(what)]
-                        saves = (r.act_bytes - (r.input_bytes if r.saves_input else 0)) * held
-                        extra = rec_s
-                    else:
-                        action = {"optimizer": "host-stream"}.get(str(what), "host")
-                        extra = max(0.0, host_s - hidden)
-                    if saves <= 0:
-                        continue
-                    key = (extra / saves, -interval, i,
-                           _Candidate(s, what, saves, extra * m, action, interval, layer=layer), host_s)
-                    if best is None or key[:3] < best[:3]:
-                        best = key
-                if best is None:
-                    break
-                c = best[3]
-                pool.pop(best[2])
-                if c.action == "host":  # its transfer takes its share of the stage's PCIe budget
-                    budget = max(0.0, budget - best[4])
-                elif c.what == "optimizer":  # its streaming takes its share of the end slack
-                    slack = max(0.0, slack - best[4] * m / updates)
-                q.append(c)
-            queues.append(q)
-        return queues
+            key = (extra / saves, -interval, i,
+                   _Candidate(s, what, saves, extra * m, action, interval, layer=layer), host_s)
+            if best is None or key[:3] < best[:3]:
+                best = key
+        return best
 
     def apply(self, c: _Candidate, spare: dict[int, float]) -> bool:
         if c.what == "optimizer":
