@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from mpsim.errors import MpsimError
-from mpsim.plan import PlanFile, check_plan
+from mpsim.plan import PlanFile, StagePlan, check_plan
 from mpsim.profiler import check_device
 from mpsim.sim import Job, SimResult, simulate_job
 from mpsim.topology import Topology
@@ -98,21 +98,27 @@ def check_runnable(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSe
         raise MpsimError(f"{source}: recompute_checkpoints '{plan.recompute_checkpoints}': the executor "
                          "checkpoints every recomputed layer on its own (use layer)")
     for s, st in enumerate(plan.stages):
-        if st.optimizer == "host-stream":
-            raise MpsimError(f"{source}: stages.{s}.optimizer 'host-stream' is not run by the executor "
-                             "(use gpu or host-update)")
-        if st.optimizer_layers is not None:
-            raise MpsimError(f"{source}: stages.{s}.optimizer_layers: the executor moves a stage's whole optimizer "
-                             "to the host; leave optimizer_layers out")
-        for act in st.actions:
-            if act.action == "peer" and dev.type != "cuda":
-                raise MpsimError(f"{source}: layer {act.layer} swaps to peer GPUs, which needs --device cuda")
-            if act.split > 1 and (act.split_dim or "batch") != "batch":
-                raise MpsimError(f"{source}: layer {act.layer} splits along {act.split_dim}; the executor "
-                                 "splits along the batch only")
-            if act.split > plan.microbatch:
-                raise MpsimError(f"{source}: layer {act.layer} splits a microbatch of {plan.microbatch} "
-                                 f"into {act.split}")
+        _check_stage_runnable(plan, s, st, dev, source)
+
+
+def _check_stage_runnable(plan: PlanFile, s: int, st: StagePlan, dev: torch.device, source: str) -> None:
+    """Refuse stage ``s`` if the executor cannot run its optimizer placement or one of its
+    actions on ``dev``."""
+    if st.optimizer == "host-stream":
+        raise MpsimError(f"{source}: stages.{s}.optimizer 'host-stream' is not run by the executor "
+                         "(use gpu or host-update)")
+    if st.optimizer_layers is not None:
+        raise MpsimError(f"{source}: stages.{s}.optimizer_layers: the executor moves a stage's whole optimizer "
+                         "to the host; leave optimizer_layers out")
+    for act in st.actions:
+        if act.action == "peer" and dev.type != "cuda":
+            raise MpsimError(f"{source}: layer {act.layer} swaps to peer GPUs, which needs --device cuda")
+        if act.split > 1 and (act.split_dim or "batch") != "batch":
+            raise MpsimError(f"{source}: layer {act.layer} splits along {act.split_dim}; the executor "
+                             "splits along the batch only")
+        if act.split > plan.microbatch:
+            raise MpsimError(f"{source}: layer {act.layer} splits a microbatch of {plan.microbatch} "
+                             f"into {act.split}")
 
 
 def model_config(trace: Trace) -> ModelConfig:
