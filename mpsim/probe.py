@@ -118,6 +118,47 @@ def nvidia_smi_matrix() -> list[list[str]] | None:
     return [r[1:n + 1] for r in rows] if n else None
 
 
+def _nvlink_pairs(matrix: list[list[str]], n: int, size: int) -> tuple[list[dict], list[float]]:
+    """The NVLinked pairs of the first ``n`` GPUs of ``nvidia-smi topo -m``'s ``matrix`` with
+    their link counts, and the measured bandwidth per link of the first three pairs (copies
+    of ``size`` bytes)."""
+    pairs = []
+    per_link: list[float] = []
+    for a in range(n):
+        for b in range(a + 1, n):
+            label = matrix[a][b]
+            if label.startswith("NV"):
+                links = int(label[2:])
+                pairs.append({"gpus": [a, b], "links": links})
+                if len(per_link) < 3:
+                    other = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", b))
+                    per_link.append(copy_gbps(torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", a)),
+                                              other) / links)
+    return pairs, per_link
+
+
+def _pcie_switches(matrix: list[list[str]], n: int) -> list[int]:
+    """Per GPU of the first ``n``, the PCIe switch it sits behind, named by its first GPU:
+    GPUs joined by PIX or PXB share a switch."""
+    switch_of = list(range(n))  # GPUs joined by PIX/PXB share a switch
+    for a in range(n):
+        for b in range(a):
+            if matrix[a][b] in ("PIX", "PXB"):
+                switch_of[a] = switch_of[b]
+                break
+    return switch_of
+
+
+def _sockets(matrix: list[list[str]], n: int) -> list[int]:
+    """Per GPU of the first ``n``, its CPU socket: that of the first GPU it reaches without
+    crossing sockets (not SYS), else the next socket."""
+    socket_of = [0] * n
+    for a in range(n):
+        socket_of[a] = next((socket_of[b] for b in range(a) if matrix[a][b] != "SYS"),
+                            max(socket_of[:a], default=-1) + 1)
+    return socket_of
+
+
 def probe_cuda(name: str | None = None) -> dict:
     """Topology dict of the CUDA GPUs visible here (module doc)."""
     if not torch.cuda.is_available():
@@ -135,28 +176,8 @@ def probe_cuda(name: str | None = None) -> dict:
     h = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     h2d, d2h = copy_gbps(h, d_src), copy_gbps(d_src, h)
     matrix = nvidia_smi_matrix() or [["X" if a == b else "SYS" for b in range(n)] for a in range(n)]
-    pairs = []
-    per_link: list[float] = []
-    for a in range(n):
-        for b in range(a + 1, n):
-            label = matrix[a][b]
-            if label.startswith("NV"):
-                links = int(label[2:])
-                pairs.append({"gpus": [a, b], "links": links})
-                if len(per_link) < 3:
-                    other = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", b))
-                    per_link.append(copy_gbps(torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", a)),
-                                              other) / links)
-    switch_of = list(range(n))  # GPUs joined by PIX/PXB share a switch
-    for a in range(n):
-        for b in range(a):
-            if matrix[a][b] in ("PIX", "PXB"):
-                switch_of[a] = switch_of[b]
-                break
-    socket_of = [0] * n
-    for a in range(n):
-        socket_of[a] = next((socket_of[b] for b in range(a) if matrix[a][b] != "SYS"),
-                            max(socket_of[:a], default=-1) + 1)
+    pairs, per_link = _nvlink_pairs(matrix, n, size)
+    switch_of, socket_of = _pcie_switches(matrix, n), _sockets(matrix, n)
     sockets = max(socket_of) + 1
     switches = [{"name": f"switch{s}", "socket": socket_of[s], "gpus": [g for g in range(n) if switch_of[g] == s],
                  "uplink_gbps": round(min(h2d, d2h), 2)} for s in sorted(set(switch_of))]
