@@ -8,9 +8,11 @@
 from __future__ import annotations
 
 from mpsim.catalog import load_topology, load_trace
+from mpsim.job import job_of
 from mpsim.plan import PlanFile
 from mpsim.planners import Planned, plan_job
-from mpsim.sim import Job, SimResult, simulate_job
+from mpsim.sim import SimResult, simulate_job
+from mpsim.sim.layout import job_of_plan
 from mpsim.topology import Topology
 from mpsim.trace import Trace
 
@@ -19,11 +21,8 @@ def plan(server: str | Topology, model: str | Trace, schedule: str = "1f1b", mic
          microbatches: int = 16, n_stages: int | None = None, strategy: str = "none",
          partition: str = "compute") -> Planned:
     """Make a plan with a named strategy; returns it with its simulated result."""
-    topo = load_topology(server) if isinstance(server, str) else server
-    trace = load_trace(model) if isinstance(model, str) else model
-    if microbatch is not None:
-        trace = trace.rescale(microbatch)
-    return plan_job(strategy, topo, trace, schedule, microbatches, n_stages, partition=partition)
+    return plan_job(job_of(server, model, schedule=schedule, microbatch=microbatch, microbatches=microbatches,
+                           n_stages=n_stages, strategy=strategy, partition=partition))
 
 
 def simulate(server: str | Topology, model: str | Trace, schedule: str = "1f1b", microbatch: int | None = None,
@@ -38,15 +37,13 @@ def simulate(server: str | Topology, model: str | Trace, schedule: str = "1f1b",
     GPU unless ``n_stages`` says otherwise; ``partition`` ``compute`` (balanced compute
     time, as PipeDream and DAPPLE) or ``memory`` (balanced predicted peak, mCAP).
     """
-    topo = load_topology(server) if isinstance(server, str) else server
-    trace = load_trace(model) if isinstance(model, str) else model
     if plan_file is not None:
-        trace = trace.rescale(plan_file.microbatch)
-        return simulate_job(Job(topo, trace, strategy=plan_file.strategy, plan=plan_file,
-                                record_link_rates=record_link_rates))
-    if microbatch is not None:
-        trace = trace.rescale(microbatch)
-    return plan_job(strategy, topo, trace, schedule, microbatches, n_stages, record_link_rates, partition).result
+        topo = load_topology(server) if isinstance(server, str) else server
+        trace = load_trace(model) if isinstance(model, str) else model
+        return simulate_job(job_of_plan(topo, trace, plan_file, record_link_rates))
+    return plan_job(job_of(server, model, schedule=schedule, microbatch=microbatch, microbatches=microbatches,
+                           n_stages=n_stages, strategy=strategy, partition=partition,
+                           record_link_rates=record_link_rates)).result
 
 
 __all__ = ["load_topology", "load_trace", "plan", "simulate"]

@@ -12,14 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from mpsim.api import simulate
 from mpsim.backends import Backend, run_points
 from mpsim.catalog import load_topology, load_trace, shipped_traces
 from mpsim.errors import MpsimError
+from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_microbatch, check_strategy
 from mpsim.planners.best import Part, combine, parts
 from mpsim.planners.context import Planned
 from mpsim.planners.registry import plan_job
-from mpsim.schedule import check_schedule
 from mpsim.sim import SimResult
 from mpsim.topology import Topology
 from mpsim.trace import Trace
@@ -79,8 +78,8 @@ def _prefixed(on_point: Callable[[str], None], prefix: str) -> Callable[[str], N
     return lambda name: on_point(f"{prefix}: {name}")
 
 
-def fits_strategies(server: str | Topology, family: str, schedule: str = "1f1b", microbatch: int | None = None,
-                    microbatches: int = 16,
+def fits_strategies(server: str | Topology, family: str, schedule: str = DEFAULT_SCHEDULE,
+                    microbatch: int | None = None, microbatches: int = DEFAULT_MICROBATCHES,
                     strategies: tuple[str, ...] = ("none", "recompute", "cpu-swap", "d2d", "mpress", "tsplit", "best"),
                     on_point: Callable[[str], None] | None = None, partition: str = "compute",
                     models: tuple[str, ...] = (), backend: Backend | None = None) -> list[FitsReport]:
@@ -94,19 +93,21 @@ def fits_strategies(server: str | Topology, family: str, schedule: str = "1f1b",
     simulations, and so the reports, are the same as in one process. ``on_point(name)`` is
     called per simulated size in one process, per finished shipped size or search with a
     backend."""
-    if backend is None:
-        order = sorted(strategies, key=lambda s: s == "best")
-        done: dict[str, FitsReport] = {}
-        for strategy in order:
-            best = strategy == "best"
-            done[strategy] = fits(server, family, schedule, microbatch, microbatches, strategy, partition,
+    traces = model_traces(models) if models else family_traces(family)
+    job = family_job(server, traces, schedule, microbatch, microbatches, "none", partition)
+    for strategy in strategies:
+        check_strategy(strategy)
+    base = _FitsUnit(job, family, models)
+    if backend is not None:
+        return _fits_parallel(base, strategies, backend, on_point)
+    done: dict[str, FitsReport] = {}
+    for strategy in sorted(strategies, key=lambda s: s == "best"):
+        best = strategy == "best"
+        done[strategy] = fits_job(job.but(strategy=strategy), family, traces,
                                   on_point=None if on_point is None else _prefixed(on_point, strategy),
                                   known_fitting=_known(done.values(), partition) if best else None,
-                                  known_failing=_known_failing(done.values()) if best else None,
-                                  models=models)
-        return [done[s] for s in strategies]
-    base = _FitsUnit(server, family, schedule, microbatch, microbatches, "", partition, models)
-    return _fits_parallel(base, strategies, backend, on_point)
+                                  known_failing=_known_failing(done.values()) if best else None)
+    return [done[s] for s in strategies]
 
 
 def _known(reports: Iterable[FitsReport], partition: str) -> dict[str, int]:
@@ -146,43 +147,35 @@ def _known_failing(reports: Iterable[FitsReport]) -> Failing:
 
 @dataclass(frozen=True)
 class _FitsUnit:
-    """One point of a parallel ``fits``: a shipped size (``size``: its index) under a
-    strategy, or, with ``rows``, the strategy's search for the largest size."""
+    """One point of a parallel ``fits``: a shipped size (``size``: its index) under the
+    job's strategy, or, with ``rows``, the strategy's search for the largest size."""
 
-    server: str | Topology
+    job: JobSpec
     family: str
-    schedule: str
-    microbatch: int | None
-    microbatches: int
-    strategy: str
-    partition: str
     models: tuple[str, ...]
     size: int | None = None
     rows: tuple[FitRow, ...] | None = None
 
+    def traces(self) -> list[Trace]:
+        return model_traces(self.models) if self.models else family_traces(self.family)
+
+    def under(self, strategy: str, **fields: object) -> _FitsUnit:
+        return replace(self, job=self.job.but(strategy=strategy), **fields)  # type: ignore[arg-type]
+
 
 def _fits_unit(unit: _FitsUnit) -> FitRow | FitsReport:
     """In a worker: simulate one shipped size, or run one strategy's search."""
+    traces = unit.traces()
     if unit.size is not None:
-        traces = model_traces(unit.models) if unit.models else family_traces(unit.family)
-        topo = load_topology(unit.server) if isinstance(unit.server, str) else unit.server
         t = traces[unit.size]
-        mb = traces[0].microbatch if unit.microbatch is None else unit.microbatch
-        result = simulate(topo, t, unit.schedule, mb, unit.microbatches, strategy=unit.strategy,
-                          partition=unit.partition)
+        result = plan_job(unit.job.but(trace=t.rescale(unit.job.microbatch))).result
         return FitRow(t.name, t.spec.params, _n_transformer(t), result)
-    return fits(unit.server, unit.family, unit.schedule, unit.microbatch, unit.microbatches, unit.strategy,
-                unit.partition, models=unit.models, rows=list(unit.rows or ()))
+    return fits_job(unit.job, unit.family, traces, rows=list(unit.rows or ()))
 
 
 def _fits_parallel(base: _FitsUnit, strategies: tuple[str, ...], backend: Backend,
                    on_point: Callable[[str], None] | None) -> list[FitsReport]:
-    n_sizes = len(model_traces(base.models) if base.models else family_traces(base.family))
-    # the checks fits makes, here, so that a bad argument fails before any worker starts
-    topo = load_topology(base.server) if isinstance(base.server, str) else base.server
-    check_schedule(base.schedule, topo.n_gpus, base.microbatches)
-    if base.microbatch is not None and base.microbatch < 1:
-        raise MpsimError(f"microbatch must be a positive integer, got {base.microbatch}")
+    n_sizes = len(base.traces())
 
     def run(units: list[_FitsUnit]) -> list[FitRow | FitsReport]:
         """The units' values, in the units' order (they finish in any)."""
@@ -191,58 +184,45 @@ def _fits_parallel(base: _FitsUnit, strategies: tuple[str, ...], backend: Backen
         for outcome in run_points(units, _fits_unit, backend, batch=1):
             unit = outcome.point
             if outcome.error is not None:
-                raise MpsimError(f"fits under {unit.strategy}: {outcome.error}")
+                raise MpsimError(f"fits under {unit.job.strategy}: {outcome.error}")
             out[where[id(unit)]] = outcome.value
             if on_point:
-                on_point(f"{unit.strategy}: {'search' if unit.size is None else f'size {unit.size + 1}'}")
+                on_point(f"{unit.job.strategy}: {'search' if unit.size is None else f'size {unit.size + 1}'}")
         return [v for v in out if v is not None]
 
     names = list(dict.fromkeys(strategies))
-    sized = run([replace(base, strategy=st, size=i) for st in names for i in range(n_sizes)])
+    sized = run([base.under(st, size=i) for st in names for i in range(n_sizes)])
     rows = {st: tuple(_as_row(v) for v in sized[k * n_sizes:(k + 1) * n_sizes]) for k, st in enumerate(names)}
     singles = [st for st in names if st != "best"]
-    done = {st: _as_report(v) for st, v in zip(singles, run([replace(base, strategy=st, rows=rows[st])
-                                                              for st in singles]))}
+    done = {st: _as_report(v) for st, v in zip(singles, run([base.under(st, rows=rows[st]) for st in singles]))}
     if "best" in names:
-        done["best"] = fits(base.server, base.family, base.schedule, base.microbatch, base.microbatches, "best",
-                            base.partition, known_fitting=_known(done.values(), base.partition),
-                            known_failing=_known_failing(done.values()), models=base.models,
-                            rows=list(rows["best"]), backend=backend)
+        done["best"] = fits_job(base.job.but(strategy="best"), base.family, base.traces(),
+                                known_fitting=_known(done.values(), base.job.partition),
+                                known_failing=_known_failing(done.values()), rows=list(rows["best"]),
+                                backend=backend)
         if on_point:
             on_point("best: search")
     return [done[s] for s in strategies]
 
 
-@dataclass(frozen=True)
-class _BestPart:
-    """One single planner under one partition, for a probe of ``best``'s search."""
-
-    topo: Topology
-    trace: Trace
-    schedule: str
-    microbatches: int
-    part: Part
+def _plan_best_part(job: JobSpec) -> Planned:
+    """In a worker: one part of the combined plan (a single planner under one partition),
+    through the one entry point; the context ``plan_part`` builds for ``best``."""
+    return plan_job(job)
 
 
-def _plan_best_part(unit: _BestPart) -> Planned:
-    """In a worker: one part of the combined plan, through the one entry point; it builds
-    the context ``plan_part`` builds for ``best`` (a stage per GPU, the part's partition)."""
-    name, partition = unit.part
-    return plan_job(name, unit.topo, unit.trace, unit.schedule, unit.microbatches, partition=partition)
-
-
-def _best_in_parallel(topo: Topology, trace: Trace, schedule: str, microbatches: int, skip: frozenset[Part],
-                      backend: Backend) -> SimResult:
+def _best_in_parallel(job: JobSpec, skip: frozenset[Part], backend: Backend) -> SimResult:
     """``best``'s result for one job with its single planners run in parallel on
     ``backend``, then combined as ``plan_best`` combines them (``combine``): the same
     answer. Each part runs, even under a partition where keeping everything fits and
     ``combine`` does not ask the rest (it returns at once there)."""
-    units = [_BestPart(topo, trace, schedule, microbatches, part) for part in parts(skip)]
+    units = [job.but(strategy=name, partition=partition) for name, partition in parts(skip)]
     plans: dict[Part, Planned] = {}
     for outcome in run_points(units, _plan_best_part, backend, batch=1):
         if outcome.error is not None or outcome.value is None:
-            raise MpsimError(f"fits under best ({', '.join(outcome.point.part)}): {outcome.error}")
-        plans[outcome.point.part] = outcome.value
+            raise MpsimError(f"fits under best ({outcome.point.strategy}, {outcome.point.partition}): "
+                             f"{outcome.error}")
+        plans[(outcome.point.strategy, outcome.point.partition)] = outcome.value
     return combine(lambda name, partition: plans[(name, partition)], skip).result
 
 
@@ -282,8 +262,18 @@ def _n_transformer(trace: Trace) -> int:
     return sum(1 for r in trace.layers if r.kind == "transformer")
 
 
-def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch: int | None = None,
-         microbatches: int = 16, strategy: str = "none", partition: str = "compute",
+def family_job(server: str | Topology, traces: list[Trace], schedule: str, microbatch: int | None,
+               microbatches: int, strategy: str, partition: str) -> JobSpec:
+    """The job ``fits`` runs at every size: the smallest trace at the microbatch asked
+    (None: its traced one), checked once before any size is simulated."""
+    topo = load_topology(server) if isinstance(server, str) else server
+    mb = traces[0].microbatch if microbatch is None else microbatch
+    check_microbatch(mb)
+    return JobSpec(topo, traces[0].rescale(mb), schedule, microbatches, partition=partition, strategy=strategy)
+
+
+def fits(server: str | Topology, family: str, schedule: str = DEFAULT_SCHEDULE, microbatch: int | None = None,
+         microbatches: int = DEFAULT_MICROBATCHES, strategy: str = "none", partition: str = "compute",
          on_point: Callable[[str], None] | None = None, known_fitting: dict[str, int] | None = None,
          models: tuple[str, ...] = (), rows: list[FitRow] | None = None,
          known_failing: Failing | None = None, backend: Backend | None = None) -> FitsReport:
@@ -301,74 +291,112 @@ def fits(server: str | Topology, family: str, schedule: str = "1f1b", microbatch
     whether a probe fits, and the plan of the largest that does, are reported, and
     neither changes: a planner left out does not fit there. ``backend`` (``best`` only):
     each probe runs its single planners in parallel there (``_best_in_parallel``)."""
-    topo = load_topology(server) if isinstance(server, str) else server
     traces = model_traces(models) if models else family_traces(family)
-    mb = traces[0].microbatch if microbatch is None else microbatch
-    if mb < 1:
-        raise MpsimError(f"microbatch must be a positive integer, got {mb}")
-    check_schedule(schedule, topo.n_gpus, microbatches)
+    job = family_job(server, traces, schedule, microbatch, microbatches, strategy, partition)
+    return fits_job(job, family, traces, on_point, known_fitting, rows, known_failing, backend)
 
-    def run(trace: Trace, skip: frozenset[tuple[str, str]] = frozenset()) -> SimResult:
-        if backend is not None and strategy == "best":
-            result = _best_in_parallel(topo, trace.rescale(mb), schedule, microbatches, skip, backend)
+
+def fits_job(job: JobSpec, family: str, traces: list[Trace], on_point: Callable[[str], None] | None = None,
+             known_fitting: dict[str, int] | None = None, rows: list[FitRow] | None = None,
+             known_failing: Failing | None = None, backend: Backend | None = None) -> FitsReport:
+    """``fits`` for a checked ``job`` (``family_job``) over ``traces``, smallest first."""
+    search = _Search(job, family, on_point, known_failing or {}, backend)
+    if not rows:
+        rows = [FitRow(t.name, t.spec.params, _n_transformer(t), search.run(t)) for t in traces]
+    fitting = [(t, row) for t, row in zip(traces, rows) if row.result.fits]
+    if fitting:
+        search.start(fitting[-1][0], fitting[-1][1])
+        lo, hi = search.grow((known_fitting or {}).get(search.template.name, 0))
+    else:
+        search.start(traces[0], None)
+        bounds = search.shrink()
+        if bounds is None:
+            return search.report(rows, None)
+        lo, hi = bounds
+    return search.report(rows, search.probe(search.bisect(lo, hi)))
+
+
+class _Search:
+    """The largest-size search of ``fits``: probes of one template trace at more or fewer
+    transformer layers, each a simulated plan, remembered by layer count. It assumes that
+    adding layers never lowers the highest per-GPU peak: it doubles (or halves) until the
+    answer changes, then bisects, so it costs O(log n) simulations."""
+
+    def __init__(self, job: JobSpec, family: str, on_point: Callable[[str], None] | None,
+                 known_failing: Failing, backend: Backend | None):
+        self.job, self.family, self.on_point = job, family, on_point
+        self.known_failing, self.backend = known_failing, backend
+        self.template = job.trace
+        self.cache: dict[int, FitRow] = {}
+
+    def run(self, trace: Trace, skip: frozenset[tuple[str, str]] = frozenset()) -> SimResult:
+        """One size simulated under the job's strategy (``best``'s parts in parallel on a backend)."""
+        job = self.job.but(trace=trace.rescale(self.job.microbatch))
+        if self.backend is not None and job.strategy == "best":
+            result = _best_in_parallel(job, skip, self.backend)
         else:
-            result = plan_job(strategy, topo, trace.rescale(mb), schedule, microbatches, partition=partition,
-                              known_not_fitting=skip).result
-        if on_point:
-            on_point(trace.name)
+            result = plan_job(job, known_not_fitting=skip).result
+        if self.on_point:
+            self.on_point(trace.name)
         return result
 
-    if not rows:
-        rows = [FitRow(t.name, t.spec.params, _n_transformer(t), run(t)) for t in traces]
-    fitting = [(t, row) for t, row in zip(traces, rows) if row.result.fits]
-    template = fitting[-1][0] if fitting else traces[0]
-    n0 = _n_transformer(template)
-    min_layers = max(1, topo.n_gpus - (template.n_layers - n0))  # every stage needs a layer
+    def start(self, template: Trace, fitting: FitRow | None) -> None:
+        """Search at the shape of ``template`` (the largest shipped size that fits, or the smallest)."""
+        self.template = template
+        self.n0 = _n_transformer(template)
+        if fitting is not None:
+            self.cache[self.n0] = fitting
 
-    cache: dict[int, FitRow] = {n0: fitting[-1][1]} if fitting else {}
+    def probe(self, n: int) -> FitRow:
+        if n not in self.cache:
+            t = self.template.with_layers(n)
+            self.cache[n] = FitRow(t.name, t.spec.params, n, self.run(t, self._skip(n)))
+        return self.cache[n]
 
-    def probe(n: int) -> FitRow:
-        if n not in cache:
-            t = template.with_layers(n)
-            skip = frozenset((name, part) for (at, name, part), m in (known_failing or {}).items()
-                             if at == template.name and m <= n) if strategy == "best" else frozenset()
-            cache[n] = FitRow(t.name, t.spec.params, n, run(t, skip))
-        return cache[n]
+    def _skip(self, n: int) -> frozenset[tuple[str, str]]:
+        """``best``'s parts known not to fit at ``n`` layers of the template."""
+        if self.job.strategy != "best":
+            return frozenset()
+        return frozenset((name, part) for (at, name, part), m in self.known_failing.items()
+                         if at == self.template.name and m <= n)
 
-    if fitting:
-        lo, hi = n0, None
-        step = max(1, n0)
-        hint = (known_fitting or {}).get(template.name, 0)
+    def grow(self, hint: int) -> tuple[int, int]:
+        """From a size that fits, double the step until one does not: (fits, does not)."""
+        lo, step = self.n0, max(1, self.n0)
         if hint > lo:  # best: usually the largest a single planner reached; one layer more first
             lo, step = hint, 1
-        while hi is None:
+        while True:
             cand = lo + step
             if cand > MAX_LAYERS:
-                raise MpsimError(f"{family} still fits with {lo} layers; stopped searching at {MAX_LAYERS}")
-            if probe(cand).result.fits:
-                lo, step = cand, step * 2
-            else:
-                hi = cand
-    else:
-        hi, lo = n0, None
-        n = n0
-        while lo is None:
+                raise MpsimError(f"{self.family} still fits with {lo} layers; stopped searching at {MAX_LAYERS}")
+            if not self.probe(cand).result.fits:
+                return lo, cand
+            lo, step = cand, step * 2
+
+    def shrink(self) -> tuple[int, int] | None:
+        """From a size that does not fit, halve until one does; None when not even the
+        fewest layers fit (every stage needs a layer)."""
+        min_layers = max(1, self.job.topology.n_gpus - (self.template.n_layers - self.n0))
+        hi, n = self.n0, self.n0
+        while True:
             n = max(min_layers, n // 2)
-            if probe(n).result.fits:
-                lo = n
-            elif n == min_layers:
-                break
+            if self.probe(n).result.fits:
+                return n, hi
+            if n == min_layers:
+                return None
+            hi = n
+
+    def bisect(self, lo: int, hi: int) -> int:
+        """The most layers that fit, between ``lo`` (fits) and ``hi`` (does not)."""
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.probe(mid).result.fits:
+                lo = mid
             else:
-                hi = n
-        if lo is None:
-            return FitsReport(topo.name, family, schedule, mb, microbatches, strategy, partition, rows, None,
-                              template.name)
-    assert lo is not None and hi is not None  # each search above ends with both bounds set
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if probe(mid).result.fits:
-            lo = mid
-        else:
-            hi = mid
-    return FitsReport(topo.name, family, schedule, mb, microbatches, strategy, partition, rows, probe(lo),
-                      template.name)
+                hi = mid
+        return lo
+
+    def report(self, rows: list[FitRow], largest: FitRow | None) -> FitsReport:
+        j = self.job
+        return FitsReport(j.topology.name, self.family, j.schedule, j.microbatch, j.microbatches, j.strategy,
+                          j.partition, rows, largest, self.template.name)

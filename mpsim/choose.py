@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 from mpsim.catalog import load_topology, load_trace, shipped_topologies
 from mpsim.errors import MpsimError
+from mpsim.job import PARTITIONS, JobSpec
 from mpsim.planners import STRATEGIES, plan_job
-from mpsim.planners.context import PARTITIONS
 from mpsim.report import _table
 from mpsim.schedule import SCHEDULES, check_schedule
 from mpsim.sim import SimResult
@@ -258,7 +258,8 @@ def _server_plans(topo: Topology, trace: Trace, schedule: str, microbatches: Seq
         scaled = trace.rescale(mb)
         for strategy in strategies:
             for partition in ("compute",) if strategy == "best" else PARTITIONS:
-                r = plan_job(strategy, topo, scaled, schedule, n_microbatches, partition=partition).result
+                job = JobSpec(topo, scaled, schedule, n_microbatches, partition=partition, strategy=strategy)
+                r = plan_job(job).result
                 out.append((Tried(mb, r.strategy, partition, r.fits, r.samples_per_s, r.max_peak_bytes,
                                   _shortfall(r)), r))
                 if on_point:

@@ -816,6 +816,7 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
     from mpsim.catalog import load_topology, load_trace
     from mpsim.hardware_check import RunSettings, validate_plan, validation_text
     from mpsim.plan import read_plan_file
+    from mpsim.job import JobSpec, pipeline
     from mpsim.planners import plan_job
     from mpsim.probe import probe
     from mpsim.profiler import check_device, measure_trace
@@ -839,7 +840,7 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
     else:
         topo = probe(device, n_devices, threads, memory_mib)[1]
     if plan is None:
-        plan = plan_job(strategy, topo, trace, schedule, microbatches, stages).plan
+        plan = plan_job(JobSpec(topo, trace, schedule, microbatches, pipeline(stages), strategy=strategy)).plan
     settings = RunSettings(device=device, threads=threads, warmup=warmup, steps=steps,
                            capacity_bytes=int(memory_mib * 2**20) if memory_mib else None)
     report = validate_plan(plan, topo, trace, settings, str(plan_path) if plan_path else "<plan>")

@@ -35,7 +35,8 @@ import torch
 from mpsim.errors import MpsimError
 from mpsim.plan import PlanFile, StagePlan, check_plan
 from mpsim.profiler import check_device
-from mpsim.sim import Job, SimResult, simulate_job
+from mpsim.sim import SimResult, simulate_job
+from mpsim.sim.layout import job_of_plan
 from mpsim.topology import Topology
 from mpsim.trace import Trace
 from mpsim.workloads import FAMILIES, ModelConfig
@@ -184,8 +185,7 @@ def failure_line(stderr: str) -> str:
 
 def simulate_plan(plan: PlanFile, topo: Topology, trace: Trace) -> SimResult:
     """The simulator's prediction for the executor's run."""
-    return simulate_job(Job(topo, trace.rescale(plan.microbatch), strategy=plan.strategy, plan=plan,
-                            runtime="torch-pipelining"))
+    return simulate_job(job_of_plan(topo, trace, plan, runtime="torch-pipelining"))
 
 
 def _error_pct(predicted: float, measured: float) -> float:

@@ -22,8 +22,9 @@ from itertools import combinations
 from mpsim.api import plan
 from mpsim.catalog import load_topology, load_trace
 from mpsim.partition import Stages, brute_force, highest_peak
-from mpsim.planners.best import SINGLE_PLANNERS
+from mpsim.job import JobSpec
 from mpsim.planners.context import make_context
+from mpsim.planners.singles import SINGLES
 from mpsim.planners.mcap import mcap_partition, peak_tables
 from mpsim.sim import SimResult
 from mpsim.trace import Trace
@@ -190,8 +191,8 @@ class PartitionRun:
 def simulate_partition(trace: Trace, stages: Stages) -> SimResult:
     """VGG-11 as torchgpipe runs it (GPipe, every layer checkpointed) on ``stages``."""
     topo = load_topology(MCAP_SERVER)
-    ctx = replace(make_context(topo, trace, "gpipe", MCAP_MICROBATCHES, None), stages=list(stages))
-    return SINGLE_PLANNERS["recompute-all"](ctx).result
+    ctx = replace(make_context(JobSpec(topo, trace, "gpipe", MCAP_MICROBATCHES)), stages=list(stages))
+    return SINGLES["recompute-all"].planner(ctx).result
 
 
 def all_partitions(n_layers: int, n_stages: int) -> list[Stages]:
@@ -208,7 +209,7 @@ def vgg11_partitions() -> tuple[list[PartitionRun], list[PartitionRun]]:
     trace = cnn_trace("vgg11", batch=MCAP_MICROBATCH)
     topo = load_topology(MCAP_SERVER)
     p = topo.n_gpus
-    compute = make_context(topo, trace, "gpipe", MCAP_MICROBATCHES, None).stages
+    compute = make_context(JobSpec(topo, trace, "gpipe", MCAP_MICROBATCHES)).stages
     tables = peak_tables(trace, "gpipe", p, MCAP_MICROBATCHES, recompute=True)
     mcap = mcap_partition(trace, "gpipe", p, MCAP_MICROBATCHES, recompute=True)
     bf, _ = brute_force(tables)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from mpsim.plan import LayerAction, PlanFile, make_plan, stripes_by_bandwidth
 from mpsim.sim import Job, SimResult, simulate_job
+from mpsim.sim.layout import job_of_plan
 from mpsim.topology import Topology, parse_topology
 from mpsim.trace import Trace
 
@@ -137,7 +138,7 @@ class Case(_Short):
 
     def job(self) -> Job:
         topo, trace = self.server.topology(), self.trace()
-        return Job(topo, trace, plan=self.plan(topo, trace), strategy="prop")
+        return job_of_plan(topo, trace, self.plan(topo, trace))
 
     def run(self) -> SimResult:
         return simulate_job(self.job())

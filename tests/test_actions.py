@@ -12,7 +12,8 @@ from helpers import GB, layer, tiny_topology, tiny_trace
 from mpsim.catalog import load_topology
 from mpsim.errors import SchemaError
 from mpsim.plan import LayerAction, Stripe, check_plan, make_plan, stripes_by_bandwidth
-from mpsim.sim import Job, simulate_job
+from mpsim.sim import simulate_job
+from mpsim.sim.layout import job_of_plan
 from mpsim.sim.transfers import Copy, copy_times
 
 
@@ -24,7 +25,7 @@ def run(layers: list[dict], actions: list[LayerAction], n_gpus: int = 1, pcie_gb
     trace = tiny_trace(layers)
     plan = make_plan(trace, topo, "gpipe", 1, [(0, trace.n_layers)], [0], "test", {0: actions},
                      optimizer={0: optimizer}, optimizer_layers={0: optimizer_layers} if optimizer_layers else None)
-    return simulate_job(Job(topo, trace, plan=plan))
+    return simulate_job(job_of_plan(topo, trace, plan))
 
 
 def steps(result, gpu: int = 0) -> list[tuple[float, int]]:
@@ -87,7 +88,7 @@ def test_on_demand_swaps_put_both_copies_on_the_critical_path():
     trace = tiny_trace([layer("a", fwd_ms=10, bwd_ms=20, act=GB), layer("b", fwd_ms=500, bwd_ms=300)])
     plan = make_plan(trace, topo, "gpipe", 1, [(0, 2)], [0], "test", {0: [LayerAction(layer=0, action="host")]},
                      swap_timing="on-demand")
-    r = simulate_job(Job(topo, trace, plan=plan))
+    r = simulate_job(job_of_plan(topo, trace, plan))
     assert spans(r, "d2h") == [("swap-out L0 mb0", 0.01, 0.11)]
     assert spans(r, "h2d") == [("swap-in L0 mb0", 0.91, 1.01)]  # 0.11 + 0.5 + 0.3: the backward reaches a
     assert r.gpus[0].costs_s["swap_wait_s"] == pytest.approx(0.2)
@@ -133,7 +134,7 @@ def test_a_recompute_segment_keeps_one_checkpoint_and_re_runs_together():
     for mode in ("layer", "segment"):
         plan = make_plan(trace, topo, "gpipe", 1, [(0, 3)], [0], "test",
                          {0: [LayerAction(layer=j, action="recompute") for j in range(3)]}, recompute_checkpoints=mode)
-        runs[mode] = simulate_job(Job(topo, trace, plan=plan))
+        runs[mode] = simulate_job(job_of_plan(topo, trace, plan))
     seg = runs["segment"]
     assert steps(seg) == [(0.0, GB + q), (0.01, q), (0.01, GB + 2 * q), (0.02, q), (0.02, GB + 2 * q), (0.03, 0),
                           (0.03, GB + q), (0.04, 2 * GB + 2 * q), (0.05, 3 * GB + 3 * q), (0.06, 3 * GB + 2 * q),
@@ -154,7 +155,7 @@ def test_layers_recomputed_apart_are_segments_of_their_own():
     topo = tiny_topology(n_gpus=1, memory_mib=64 * 1024)
     trace = tiny_trace(layers)
     acts = {0: [LayerAction(layer=0, action="recompute"), LayerAction(layer=2, action="recompute")]}
-    got = [steps(simulate_job(Job(topo, trace, plan=make_plan(trace, topo, "gpipe", 1, [(0, 3)], [0], "test", acts,
+    got = [steps(simulate_job(job_of_plan(topo, trace, make_plan(trace, topo, "gpipe", 1, [(0, 3)], [0], "test", acts,
                                                               recompute_checkpoints=mode))))
            for mode in ("layer", "segment")]
     assert got[0] == got[1]
@@ -249,12 +250,12 @@ def test_an_allocation_that_does_not_fit_waits_for_a_swap_out_in_flight():
     topo = tiny_topology(n_gpus=1, pcie_gbps=10.0, memory_mib=1.5 * GB / 2**20)
     trace = tiny_trace([layer("a", fwd_ms=10, bwd_ms=20, act=GB), layer("b", fwd_ms=10, bwd_ms=20, act=GB)])
     plan = make_plan(trace, topo, "gpipe", 1, [(0, 2)], [0], "test", {0: [LayerAction(layer=0, action="host")]})
-    r = simulate_job(Job(topo, trace, plan=plan))
+    r = simulate_job(job_of_plan(topo, trace, plan))
     assert r.fits
     assert r.gpus[0].costs_s["memory_wait_s"] == pytest.approx(0.1)
     assert steps(r)[:3] == [(0.0, GB), (0.11, 0), (0.11, GB)]
     # without the swap nothing is under way: no wait, and the result names the point
-    keep = simulate_job(Job(topo, trace, plan=make_plan(trace, topo, "gpipe", 1, [(0, 2)], [0], "keep")))
+    keep = simulate_job(job_of_plan(topo, trace, make_plan(trace, topo, "gpipe", 1, [(0, 2)], [0], "keep")))
     assert not keep.fits and keep.gpus[0].costs_s["memory_wait_s"] == 0.0
     assert keep.oom is not None
     assert keep.oom["task"].startswith("forward of microbatch 0 on stage 0: layer 1 (b) saved activations")
@@ -268,8 +269,8 @@ def test_pipedream_stash_on_host_moves_weight_versions_over_pcie():
     trace = tiny_trace([layer("a", fwd_ms=10, bwd_ms=20, params=10**8), layer("b", fwd_ms=10, bwd_ms=20),
                         layer("c", fwd_ms=10, bwd_ms=20)])
     stages, gpus = [(0, 1), (1, 2), (2, 3)], [0, 1, 2]
-    on_gpu = simulate_job(Job(topo, trace, plan=make_plan(trace, topo, "pipedream", 3, stages, gpus, "gpu")))
-    on_host = simulate_job(Job(topo, trace, plan=make_plan(trace, topo, "pipedream", 3, stages, gpus, "host",
+    on_gpu = simulate_job(job_of_plan(topo, trace, make_plan(trace, topo, "pipedream", 3, stages, gpus, "gpu")))
+    on_host = simulate_job(job_of_plan(topo, trace, make_plan(trace, topo, "pipedream", 3, stages, gpus, "host",
                                                           stash={0: "host"})))
     assert on_gpu.gpus[0].breakdown["stash"] == 4 * 10**8
     assert on_host.gpus[0].peak_bytes == on_gpu.gpus[0].peak_bytes - 2 * 10**8

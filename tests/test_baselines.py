@@ -3,6 +3,7 @@
 from helpers import layer, tiny_trace, topology_dict
 
 from mpsim import load_topology, load_trace
+from mpsim.job import JobSpec, pipeline
 from mpsim.planners.context import make_context
 from mpsim.planners.registry import run_planner
 from mpsim.topology import parse_topology
@@ -26,7 +27,8 @@ def test_host_swap_stops_at_the_first_plan_that_overflows_host_memory():
     768 GiB host while stages still overflow their GPUs; swapping more would only add to
     the host, so planning stops there instead of running twelve more rounds."""
     trace = load_trace("gpt-25.5b").with_layers(301)
-    planned = run_planner("host-swap", make_context(load_topology("dgx1-v100"), trace, "1f1b", 16, 8))
+    job = JobSpec(load_topology("dgx1-v100"), trace, "1f1b", 16, pipeline(8))
+    planned = run_planner("host-swap", make_context(job))
     oom = planned.result.oom
     assert oom is not None and oom["gpu"] == "host"
     assert planned.result.max_peak_bytes > planned.result.gpus[0].capacity_bytes
@@ -34,7 +36,7 @@ def test_host_swap_stops_at_the_first_plan_that_overflows_host_memory():
 
 
 def test_host_swap_still_swaps_what_a_large_host_takes():
-    ctx = make_context(_one_gpu(64), _six_layers(), "1f1b", 1, 1)
+    ctx = make_context(JobSpec(_one_gpu(64), _six_layers(), "1f1b", 1, pipeline(1)))
     planned = run_planner("host-swap", ctx)
     assert planned.result.fits
     assert sum(a.action == "host" for a in planned.plan.stages[0].actions) >= 4

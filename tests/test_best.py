@@ -3,6 +3,7 @@
 import pytest
 
 from mpsim.catalog import load_topology, load_trace
+from mpsim.job import JobSpec
 from mpsim.planners import plan_job
 
 SINGLE = ("none", "recompute", "cpu-swap", "d2d", "mpress", "tsplit")
@@ -15,11 +16,11 @@ SINGLE = ("none", "recompute", "cpu-swap", "d2d", "mpress", "tsplit")
 def test_best_fits_what_any_single_fits_and_is_at_least_as_fast(server, model, schedule, mb):
     topo = load_topology(server)
     trace = load_trace(model).rescale(mb)
-    best = plan_job("best", topo, trace, schedule, 16)
+    best = plan_job(JobSpec(topo, trace, schedule, 16, strategy="best"))
     assert best.result.strategy.startswith("best (") and best.plan.strategy == best.result.strategy
     for partition in ("compute", "memory"):
         for s in SINGLE:
-            single = plan_job(s, topo, trace, schedule, 16, partition=partition).result
+            single = plan_job(JobSpec(topo, trace, schedule, 16, partition=partition, strategy=s)).result
             if single.fits:
                 assert best.result.fits
                 assert best.result.samples_per_s >= single.samples_per_s, (s, partition)

@@ -103,9 +103,9 @@ def test_a_search_from_a_known_fitting_size_probes_one_layer_more_first(monkeypa
     real = capacity.plan_job
     asked: list[int] = []
 
-    def counting(strategy, topo, trace, *args, **kwargs):
-        asked.append(sum(r.kind == "transformer" for r in trace.layers))
-        return real(strategy, topo, trace, *args, **kwargs)
+    def counting(job, *args, **kwargs):
+        asked.append(sum(r.kind == "transformer" for r in job.trace.layers))
+        return real(job, *args, **kwargs)
 
     monkeypatch.setattr(capacity, "plan_job", counting)
     for hint, most_probes in ((n, 2), (n - 3, 5)):

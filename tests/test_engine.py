@@ -6,6 +6,7 @@ import pytest
 from helpers import layer, tiny_topology, tiny_trace
 
 from mpsim import simulate
+from mpsim.job import JobSpec
 from mpsim.sim import Job, simulate_job
 
 MS = 1e-3
@@ -20,7 +21,7 @@ def test_two_stage_1f1b_timeline_is_exact():
     topo = tiny_topology(n_gpus=2, nvlink_gbps=1.0)
     trace = tiny_trace([layer("l0", 1.0, 2.0, out=500_000, kind="embedding"),
                         layer("l1", 1.0, 2.0, inp=500_000, out=4)])
-    r = simulate_job(Job(topo, trace, "1f1b", microbatches=2))
+    r = simulate_job(Job(JobSpec(topo, trace, "1f1b", 2)))
     assert spans(r) == sorted([
         (0, "compute", "F0", 0.0, 1.0), (0, "compute", "F1", 1.0, 2.0),
         (0, "copy", "activation mb0 -> gpu1", 1.0, 1.5), (0, "copy", "activation mb1 -> gpu1", 2.0, 2.5),
@@ -38,7 +39,7 @@ def test_latency_delays_each_boundary_transfer():
     topo = tiny_topology(n_gpus=2, nvlink_gbps=1.0, latency_us=100.0)
     trace = tiny_trace([layer("l0", 1.0, 2.0, out=500_000, kind="embedding"),
                         layer("l1", 1.0, 2.0, inp=500_000, out=4)])
-    r = simulate_job(Job(topo, trace, "gpipe", microbatches=1))
+    r = simulate_job(Job(JobSpec(topo, trace, "gpipe", 1)))
     # F0 [0,1], send [1, 1.6], F0' [1.6, 2.6], B0' [2.6, 4.6], send back [4.6, 5.2], B0 [5.2, 7.2]
     assert r.iteration_s == pytest.approx(7.2 * MS)
 
@@ -50,19 +51,19 @@ def per_stage_trace(p, act, params=0):
 @pytest.mark.parametrize("p,m", [(4, 4), (4, 8)])
 def test_1f1b_stage_i_peaks_at_p_minus_i_microbatches_of_activations(p, m):
     A = 1000
-    r = simulate_job(Job(tiny_topology(n_gpus=p), per_stage_trace(p, A), "1f1b", microbatches=m))
+    r = simulate_job(Job(JobSpec(tiny_topology(n_gpus=p), per_stage_trace(p, A), "1f1b", m)))
     assert [g.breakdown["activations"] for g in r.gpus] == [(p - i) * A for i in range(p)]
 
 
 def test_gpipe_holds_every_microbatch():
     p, m, A = 3, 5, 1000
-    r = simulate_job(Job(tiny_topology(n_gpus=p), per_stage_trace(p, A), "gpipe", microbatches=m))
+    r = simulate_job(Job(JobSpec(tiny_topology(n_gpus=p), per_stage_trace(p, A), "gpipe", m)))
     assert [g.peak_bytes for g in r.gpus] == [m * A] * p
 
 
 def test_pipedream_keeps_p_minus_i_weight_versions():
     p, P = 4, 1000  # params per stage; working weights are 2 bytes each
-    r = simulate_job(Job(tiny_topology(n_gpus=p), per_stage_trace(p, 0, params=P), "pipedream", microbatches=4))
+    r = simulate_job(Job(JobSpec(tiny_topology(n_gpus=p), per_stage_trace(p, 0, params=P), "pipedream", 4)))
     for i, g in enumerate(r.gpus):
         assert g.breakdown["params"] == 2 * P
         assert g.breakdown["stash"] == (p - i - 1) * 2 * P
@@ -79,7 +80,7 @@ def test_workspace_and_output_count_in_the_peak_of_a_single_layer():
     topo = tiny_topology(n_gpus=1)
     trace = tiny_trace([layer("only", 1.0, 2.0, act=300, out=50, inp=20, saves_input=True, workspace=70,
                               kind="head")])
-    r = simulate_job(Job(topo, trace, "gpipe", microbatches=1))
+    r = simulate_job(Job(JobSpec(topo, trace, "gpipe", 1)))
     # input tokens 20 + own activations 280 + output 50 + workspace 70
     assert r.gpus[0].peak_bytes == 20 + 280 + 50 + 70
 
@@ -89,7 +90,7 @@ def test_first_out_of_memory_point_is_named():
     # overflows stage 0 when the third forward starts at 2 ms.
     topo = tiny_topology(n_gpus=2, memory_mib=1.0)
     trace = tiny_trace([layer("a", 1.0, 2.0, act=400_000), layer("b", 1.0, 2.0, act=400_000)])
-    r = simulate_job(Job(topo, trace, "gpipe", microbatches=4))
+    r = simulate_job(Job(JobSpec(topo, trace, "gpipe", 4)))
     assert not r.fits
     assert r.oom == {"gpu": 0, "time_s": pytest.approx(2 * MS), "need_bytes": 400_000, "free_bytes": 1048576 - 800_000,
                      "task": "forward of microbatch 2 on stage 0: layer 0 (a) saved activations"}
@@ -100,7 +101,7 @@ def test_first_out_of_memory_point_is_named():
 def test_1f1b_fits_where_gpipe_does_not():
     topo = tiny_topology(n_gpus=2, memory_mib=1.0)
     trace = tiny_trace([layer("a", 1.0, 2.0, act=400_000), layer("b", 1.0, 2.0, act=400_000)])
-    assert simulate_job(Job(topo, trace, "1f1b", microbatches=4)).fits
+    assert simulate_job(Job(JobSpec(topo, trace, "1f1b", 4))).fits
 
 
 @pytest.mark.parametrize("schedule,model,mb", [("1f1b", "gpt-5.3b", 2), ("gpipe", "gpt-10.3b", 2),
@@ -131,7 +132,7 @@ def test_gpt_5_3b_per_stage_memory_is_close_to_mpress_table_ii():
 def test_synchronous_iteration_is_the_textbook_makespan(schedule):
     # p equal stages, free transfers: (m + p - 1)(f + b), so the bubble is (p - 1)/(m + p - 1).
     p, m = 4, 8
-    r = simulate_job(Job(tiny_topology(n_gpus=p), per_stage_trace(p, 0), schedule, microbatches=m))
+    r = simulate_job(Job(JobSpec(tiny_topology(n_gpus=p), per_stage_trace(p, 0), schedule, m)))
     assert r.iteration_s == pytest.approx((m + p - 1) * 3 * MS)
     busy = max(g.compute_s for g in r.gpus)
     assert 1 - busy / r.iteration_s == pytest.approx((p - 1) / (m + p - 1))
@@ -140,7 +141,7 @@ def test_synchronous_iteration_is_the_textbook_makespan(schedule):
 def test_pipedream_steady_state_has_no_bubble():
     # Asynchronous 1F1B with equal stages keeps every GPU busy once the pipeline is full.
     p, m = 4, 8
-    r = simulate_job(Job(tiny_topology(n_gpus=p), per_stage_trace(p, 0), "pipedream", microbatches=m))
+    r = simulate_job(Job(JobSpec(tiny_topology(n_gpus=p), per_stage_trace(p, 0), "pipedream", m)))
     assert r.iteration_s == pytest.approx(m * 3 * MS)
 
 
@@ -160,7 +161,7 @@ def test_peer_copy_engines_bound_concurrent_sends(engines):
     d["gpu"]["peer_copy_engines"] = engines
     topo = parse_topology(d, "tiny.yaml")
     trace = tiny_trace([layer(f"l{i}", 1.0, 1.0, inp=1000, out=1000) for i in range(3)])
-    r = simulate_job(Job(topo, trace, "1f1b", microbatches=6))
+    r = simulate_job(Job(JobSpec(topo, trace, "1f1b", 6)))
     sends = copy_spans(r, 1)
     overlaps = sum(1 for (a0, a1), (b0, b1) in zip(sends, sends[1:]) if b0 < a1 - 1e-12)
     assert (overlaps == 0) if engines == 1 else (overlaps > 0)
@@ -173,8 +174,8 @@ def test_progress_reporting_counts_every_task_of_every_run():
     trace = tiny_trace([layer("l0", 1.0, 2.0, out=10, kind="embedding"), layer("l1", 1.0, 2.0, inp=10)])
     seen = []
     with reporting(lambda: seen.append(1)):
-        simulate_job(Job(topo, trace, "1f1b", microbatches=3))
-        simulate_job(Job(topo, trace, "gpipe", microbatches=2))
+        simulate_job(Job(JobSpec(topo, trace, "1f1b", 3)))
+        simulate_job(Job(JobSpec(topo, trace, "gpipe", 2)))
     assert len(seen) == 2 * (3 + 3 + 1) + 2 * (2 + 2 + 1)  # per stage m forwards, m backwards, one update
-    simulate_job(Job(topo, trace, "gpipe", microbatches=2))
+    simulate_job(Job(JobSpec(topo, trace, "gpipe", 2)))
     assert len(seen) == 24  # outside the block nothing is reported

@@ -16,6 +16,7 @@ import pytest
 
 from mpsim.catalog import load_topology, load_trace
 from mpsim.hardware_check import simulate_plan
+from mpsim.job import JobSpec, pipeline
 from mpsim.plan import read_plan_file
 from mpsim.planners import plan_job
 
@@ -30,7 +31,8 @@ def _plan(name: str, record: dict, topo, trace):
         return read_plan_file(RECORDS / "plan_host.json")
     # recorded as "recompute" when that name checkpointed every layer, as recompute-all does now
     strategy = {"recompute": "recompute-all"}.get(record["strategy"], record["strategy"])
-    return plan_job(strategy, topo, trace, record["schedule"], record["microbatches"], 1).plan
+    job = JobSpec(topo, trace, record["schedule"], record["microbatches"], pipeline(1), strategy=strategy)
+    return plan_job(job).plan
 
 
 @pytest.mark.parametrize("name", sorted(PEAK_TOLERANCE))

@@ -16,7 +16,8 @@ from mpsim.hardware_check import RunSettings, check_runnable, validate_plan, val
 from mpsim.plan import LayerAction, make_plan
 from mpsim.probe import probe
 from mpsim.profiler import measure_trace
-from mpsim.sim import Job, simulate_job
+from mpsim.sim import simulate_job
+from mpsim.sim.layout import job_of_plan
 from mpsim.workloads import ZOO
 
 SETTINGS = RunSettings(device="cpu", threads=1, warmup=1, steps=3)
@@ -59,8 +60,8 @@ def test_measured_trace_names_its_device_and_times_every_layer(tiny):
 
 def test_per_microbatch_receive_buffers_are_allocated_once(tiny, cpu2):
     plan = _plan(tiny, cpu2, "gpipe", "none")
-    base = simulate_job(Job(cpu2, tiny, plan=plan))
-    kept = simulate_job(Job(cpu2, tiny, plan=plan, runtime="torch-pipelining"))
+    base = simulate_job(job_of_plan(cpu2, tiny, plan))
+    kept = simulate_job(job_of_plan(cpu2, tiny, plan, runtime="torch-pipelining"))
     boundary = tiny.layers[4].output_bytes
     assert kept.gpus[0].breakdown["buffers"] >= 4 * boundary  # 4 gradient buffers on stage 0
     assert kept.gpus[1].peak_bytes - base.gpus[1].peak_bytes <= 4 * boundary

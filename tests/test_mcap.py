@@ -7,6 +7,7 @@ import pytest
 
 from mpsim.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
+from mpsim.job import JobSpec
 from mpsim.partition import brute_force, compute_balanced, highest_peak, min_max_partition
 from mpsim.planners.mcap import mcap_partition, peak_tables
 from mpsim.sim import Job, simulate_job
@@ -54,10 +55,10 @@ def test_prediction_matches_the_simulated_peaks_and_never_falls_short():
         if recompute:
             from mpsim.planners import plan_job
 
-            result = plan_job("recompute-all", topo, trace, schedule, 16, partition="memory").result
+            result = plan_job(JobSpec(topo, trace, schedule, 16, partition="memory", strategy="recompute-all")).result
             assert [tuple(s) for s in result.stages] == stages
         else:
-            result = simulate_job(Job(topo, trace, schedule=schedule, stages=stages))
+            result = simulate_job(Job(JobSpec(topo, trace, schedule), stages=stages))
         for k, ((a, b), g) in enumerate(zip(stages, result.gpus)):
             predicted = tables[k][b, a]
             assert g.peak_bytes * 0.995 <= predicted <= g.peak_bytes * 1.06, (name, k, predicted, g.peak_bytes)
@@ -69,10 +70,10 @@ def test_memory_balanced_lowers_the_highest_peak_of_bert_under_pipedream():
     topo = load_topology("dgx1-v100")
     trace = load_trace("bert-1.67b").rescale(12)
     times = trace.layer_times(topo.spec.gpu)
-    by_compute = simulate_job(Job(topo, trace, schedule="pipedream",
-                                  stages=compute_balanced(times.fwd_s + times.bwd_s, 8)))
+    compute = compute_balanced(times.fwd_s + times.bwd_s, 8)
+    by_compute = simulate_job(Job(JobSpec(topo, trace, "pipedream"), stages=compute))
     stages = mcap_partition(trace, "pipedream", 8, 16)
-    by_memory = simulate_job(Job(topo, trace, schedule="pipedream", stages=stages))
+    by_memory = simulate_job(Job(JobSpec(topo, trace, "pipedream"), stages=stages))
     assert by_compute.max_peak_bytes > 60 * 2**30
     assert by_memory.max_peak_bytes < 0.5 * by_compute.max_peak_bytes
     assert stages[0][1] - stages[0][0] < stages[-1][1] - stages[-1][0]

@@ -3,6 +3,7 @@
 import simpy
 
 from mpsim import load_topology, load_trace
+from mpsim.job import JobSpec
 from mpsim.planners import plan_job
 from mpsim.sim.memory import DeviceMemory, MemoryLog
 
@@ -83,5 +84,6 @@ def test_ledger_entries_are_logged_but_take_no_room():
 def test_cpu_swap_fits_bert_064b_under_pipedream_on_the_dgx1():
     # A swap-in that checked for room, waited for its copy engine and then allocated let
     # a forward piece take the room in between: a spurious out-of-memory at 2571 ms.
-    r = plan_job("cpu-swap", load_topology("dgx1-v100"), load_trace("bert-0.64b").rescale(12), "pipedream", 16).result
+    trace = load_trace("bert-0.64b").rescale(12)
+    r = plan_job(JobSpec(load_topology("dgx1-v100"), trace, "pipedream", 16, strategy="cpu-swap")).result
     assert r.fits and r.max_peak_bytes <= r.gpus[0].capacity_bytes

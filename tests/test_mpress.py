@@ -3,6 +3,7 @@
 import pytest
 
 from mpsim.catalog import load_topology, load_trace
+from mpsim.job import JobSpec, pipeline
 from mpsim.planners import plan_job
 from mpsim.planners.mapping import is_symmetric, nvlink_bandwidth, search_mapping
 from mpsim.planners.mpress import choose
@@ -73,7 +74,8 @@ def test_local_search_on_a_server_too_large_to_enumerate():
 def gpt_15b():
     topo = load_topology("dgx1-v100")
     trace = load_trace("gpt-15.4b").rescale(2)
-    return {s: plan_job(s, topo, trace, "1f1b", 16) for s in ("recompute", "cpu-swap", "mpress", "mpress-no-striping")}
+    strategies = ("recompute", "cpu-swap", "mpress", "mpress-no-striping")
+    return {s: plan_job(JobSpec(topo, trace, "1f1b", 16, strategy=s)) for s in strategies}
 
 
 def test_mpress_plan_fits_where_recompute_does_not_and_beats_cpu_swap(gpt_15b):
@@ -100,11 +102,11 @@ def test_striping_follows_link_bandwidth_and_its_ablation_uses_one_peer(gpt_15b)
 def test_mpress_fits_gpt_25b_on_the_dgx1_faster_than_host_swap_where_recompute_does_not_fit():
     topo = load_topology("dgx1-v100")
     trace = load_trace("gpt-25.5b").rescale(2)
-    mpress = plan_job("mpress", topo, trace, "1f1b", 16).result
-    swap = plan_job("cpu-swap", topo, trace, "1f1b", 16).result
+    mpress = plan_job(JobSpec(topo, trace, "1f1b", 16, strategy="mpress")).result
+    swap = plan_job(JobSpec(topo, trace, "1f1b", 16, strategy="cpu-swap")).result
     assert mpress.fits and swap.fits  # host swap fits once a swap-in's room is reserved when granted
     assert mpress.samples_per_s > swap.samples_per_s
-    assert not plan_job("recompute", topo, trace, "1f1b", 16).result.fits
+    assert not plan_job(JobSpec(topo, trace, "1f1b", 16, strategy="recompute")).result.fits
 
 
 def test_end_slack_grows_by_one_stage_backward_per_stage_under_a_flush():
@@ -114,7 +116,7 @@ def test_end_slack_grows_by_one_stage_backward_per_stage_under_a_flush():
     from mpsim.planners.liveness import end_slack
 
     topo, trace = load_topology("dgx1-v100"), load_trace("gpt-15.4b").rescale(2)
-    ctx = make_context(topo, trace, "1f1b", 16, None)
+    ctx = make_context(JobSpec(topo, trace, "1f1b", 16, pipeline(None)))
     keep, _ = keep_first(ctx, "keep")
     slack = end_slack(keep.result, "1f1b")
     times = trace.layer_times(topo.spec.gpu)
@@ -141,7 +143,7 @@ def test_mapping_and_striping_never_make_the_plan_slower(gpt_15b):
     allowing the mapping search and striping cannot lose against the default."""
     topo = load_topology("dgx1-v100")
     trace = load_trace("gpt-15.4b").rescale(2)
-    default = plan_job("mpress-no-mapping-no-striping", topo, trace, "1f1b", 16).result
+    default = plan_job(JobSpec(topo, trace, "1f1b", 16, strategy="mpress-no-mapping-no-striping")).result
     mapped, striped = gpt_15b["mpress-no-striping"].result, gpt_15b["mpress"].result
     assert default.fits and mapped.fits and striped.fits
     assert default.iteration_s >= mapped.iteration_s >= striped.iteration_s
@@ -197,7 +199,7 @@ def test_host_swaps_the_simulation_shows_waiting_are_recomputed_instead(monkeypa
     from mpsim.planners.context import make_context
     from mpsim.planners.mpress import Options, _Planner, plan_mpress
 
-    ctx = make_context(load_topology("dgx1-v100"), load_trace("gpt-20.4b").rescale(2), "1f1b", 16, 8)
+    ctx = make_context(JobSpec(load_topology("dgx1-v100"), load_trace("gpt-20.4b").rescale(2), "1f1b", 16, pipeline(8)))
     kept = plan_mpress(ctx, Options(), "mpress")
     monkeypatch.setattr(_Planner, "host_swaps_to_recompute", lambda self, result, plan: (result, plan))
     swapping = plan_mpress(ctx, Options(), "mpress")

@@ -2,6 +2,7 @@
 
 from helpers import layer, tiny_topology, trace_dict
 
+from mpsim.job import JobSpec
 from mpsim.planners import plan_job
 from mpsim.planners.cache import job_key
 from mpsim.planners.context import make_context
@@ -18,8 +19,8 @@ def two_traces_with_one_name():
 def test_traces_with_one_name_and_size_get_their_own_answers():
     topo = tiny_topology(n_gpus=2)
     small, big = two_traces_with_one_name()
-    a = plan_job("none", topo, small, "1f1b", 2).result
-    b = plan_job("none", topo, big, "1f1b", 2).result
+    a = plan_job(JobSpec(topo, small, "1f1b", 2, strategy="none")).result
+    b = plan_job(JobSpec(topo, big, "1f1b", 2, strategy="none")).result
     assert a.max_peak_bytes < b.max_peak_bytes
 
 
@@ -27,7 +28,7 @@ def test_equal_contents_share_a_key_and_a_copy_loaded_again_hits_it():
     topo = tiny_topology(n_gpus=2)
     small, _ = two_traces_with_one_name()
     again, _ = two_traces_with_one_name()
-    ctx_a = make_context(topo, small, "1f1b", 2, None)
-    ctx_b = make_context(tiny_topology(n_gpus=2), again, "1f1b", 2, None)
+    ctx_a = make_context(JobSpec(topo, small, "1f1b", 2))
+    ctx_b = make_context(JobSpec(tiny_topology(n_gpus=2), again, "1f1b", 2))
     assert small is not again and job_key("none", ctx_a) == job_key("none", ctx_b)
-    assert plan_job("none", topo, small, "1f1b", 2) is plan_job("none", tiny_topology(n_gpus=2), again, "1f1b", 2)
+    assert plan_job(JobSpec(topo, small, "1f1b", 2)) is plan_job(JobSpec(tiny_topology(n_gpus=2), again, "1f1b", 2))

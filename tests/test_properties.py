@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 from strategies import Case, Layer, Server, cases
 
 from mpsim.plan import LayerAction, Stripe, make_plan
-from mpsim.sim import Job, simulate_job
+from mpsim.sim import simulate_job
+from mpsim.sim.layout import job_of_plan
 
 MS = 1e-3
 PROPS = settings(max_examples=120, deadline=None, derandomize=True, database=None,
@@ -248,7 +249,7 @@ def test_the_properties_still_read_the_labels_they_rely_on():
     topo = tiny_topology(n_gpus=1, pcie_gbps=0.5, memory_mib=1000 / 2**20)
     trace = tiny_trace([layer("a", 0.1, 0.1, act=1000), layer("b", 0.1, 0.1, act=1000)])
     plan = make_plan(trace, topo, "gpipe", 1, [(0, 2)], [0], "test", {0: [LayerAction(layer=0, action="host")]})
-    r = simulate_job(Job(topo, trace, plan=plan))
+    r = simulate_job(job_of_plan(topo, trace, plan))
     assert frees_in_flight(r, 0, 0.1 * MS + 1e-9)  # layer a's 1000 B swap-out, 0.1 ms to 0.102 ms
     assert backward_ready(r, 0, 0) == pytest.approx(0.202 * MS)  # F0 ends late: layer b waited for it
     # a job whose out-of-memory point is a swap-in (with or without the race it shows)
@@ -273,7 +274,7 @@ def test_a_prefetch_that_queued_for_its_copy_engine_checks_for_room_again():
     topo = tiny_topology(n_gpus=1, pcie_gbps=0.5, memory_mib=75_001 / 2**20)
     trace = tiny_trace([layer("l0", 0.1, 0.1), layer("l1", 0.1, 0.1), layer("l2", 0.1, 0.1, act=75_001)])
     plan = make_plan(trace, topo, "gpipe", 2, [(0, 3)], [0], "test", {0: [LayerAction(layer=2, action="host")]})
-    r = simulate_job(Job(topo, trace, plan=plan))
+    r = simulate_job(job_of_plan(topo, trace, plan))
     assert r.fits, r.oom
 
 
@@ -284,7 +285,7 @@ def stashed_weights_on_a_full_gpu():
                         layer("l2", 0.1, 0.1), layer("l3", 0.1, 0.1)])
     plan = make_plan(trace, topo, "pipedream", 2, [(0, 2), (2, 4)], [0, 1], "test",
                      {0: [LayerAction(layer=1, action="host")]}, optimizer={0: "host-update"}, stash={0: "host"})
-    return simulate_job(Job(topo, trace, plan=plan))
+    return simulate_job(job_of_plan(topo, trace, plan))
 
 
 def test_a_stashed_weight_version_is_not_brought_back_into_a_full_gpu_before_its_backward():
@@ -316,7 +317,7 @@ def test_capacity_raised_by_the_shortfall_makes_room_at_that_point():
         trace = tiny_trace([layer("l0", 4.7, 0.1, act=100_000, inp=100_000, saves_input=True), layer("l1", 0.1, 0.1)])
         plan = make_plan(trace, topo, "gpipe", 2, [(0, 2)], [0], "test",
                          {0: [LayerAction(layer=0, action="host"), LayerAction(layer=1, action="host")]})
-        return simulate_job(Job(topo, trace, plan=plan))
+        return simulate_job(job_of_plan(topo, trace, plan))
     tight = run(199_996).oom
     assert tight["task"] == "backward of microbatch 0 on stage 0: layer 0 (l0) input gradient"
     assert tight["need_bytes"] - tight["free_bytes"] == 4
@@ -336,7 +337,7 @@ def test_a_split_layer_swapped_to_peers_gives_each_peer_back_what_it_took():
     trace = tiny_trace([row, layer("l1", 0.1, 0.1)])
     act = LayerAction(layer=0, action="peer", split=2, peers=[Stripe(gpu=0, fraction=0.5), Stripe(gpu=2, fraction=0.5)])
     plan = make_plan(trace, topo, "gpipe", 1, [(0, 2)], [1], "test", {0: [act]})
-    r = simulate_job(Job(topo, trace, plan=plan))
+    r = simulate_job(job_of_plan(topo, trace, plan))
     assert [last_level(g.memory_used_bytes) for g in r.gpus] == [0, 0, 0]
     assert min(int(np.min(g.memory_used_bytes)) for g in r.gpus) >= 0
 
@@ -352,7 +353,7 @@ def test_pipedream_busy_time_fits_in_the_measured_iteration():
     trace = tiny_trace([layer(f"l{i}", 1.0, 1.0, act=1_000_000 if i == 2 else 0) for i in range(4)])
     plan = make_plan(trace, topo, "pipedream", 2, [(0, 3), (3, 4)], [0, 1], "test",
                      {0: [LayerAction(layer=2, action="host")]}, optimizer={0: "host-update"})
-    r = simulate_job(Job(topo, trace, plan=plan))
+    r = simulate_job(job_of_plan(topo, trace, plan))
     assert r.iteration_s == pytest.approx(12 * MS)
     assert r.gpus[0].compute_s <= r.iteration_s * (1 + 1e-12)
 
@@ -370,7 +371,7 @@ def run_plan(layers: list[dict], actions: list[LayerAction], n_gpus: int = 1,
     stages = stages or [(0, trace.n_layers)]
     gpus = gpus or [0]
     by_stage = {s: [a for a in actions if a0 <= a.layer < b0] for s, (a0, b0) in enumerate(stages)}
-    return simulate_job(Job(topo, trace, plan=make_plan(trace, topo, schedule, m, stages, gpus, "test", by_stage)))
+    return simulate_job(job_of_plan(topo, trace, make_plan(trace, topo, schedule, m, stages, gpus, "test", by_stage)))
 
 
 def test_recompute_can_raise_the_peak():
@@ -424,7 +425,7 @@ def test_a_removed_wait_brings_the_next_oom_earlier():
                             layer("l3", 0.1, 0.1, act=100_001, out=1), layer("l4", 0.1, 0.1, inp=1),
                             layer("l5", 0.1, 0.1, out=2)])
         plan = make_plan(trace, topo, "gpipe", 2, [(0, 6)], [0], "test", {0: [LayerAction(layer=3, action="host")]})
-        return simulate_job(Job(topo, trace, plan=plan)).oom
+        return simulate_job(job_of_plan(topo, trace, plan)).oom
     tight, more = run(100_004), run(100_005)
     assert tight["task"] == "forward of microbatch 1 on stage 0: layer 3 (l3) saved activations"
     assert tight["need_bytes"] - tight["free_bytes"] == 1

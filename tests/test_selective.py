@@ -14,9 +14,11 @@ from helpers import GB, layer, tiny_topology, tiny_trace
 
 from mpsim.catalog import load_topology, load_trace
 from mpsim.errors import SchemaError
+from mpsim.job import JobSpec
 from mpsim.plan import LayerAction, check_plan, make_plan
 from mpsim.planners.registry import plan_job
-from mpsim.sim import Job, simulate_job
+from mpsim.sim import simulate_job
+from mpsim.sim.layout import job_of_plan
 from mpsim.sim.program import attention_core_seconds, build_program
 from mpsim.trace import Trace
 
@@ -43,7 +45,7 @@ def _run(trace: Trace, action: str | None, microbatches: int = 1):
     topo = tiny_topology(n_gpus=1, memory_mib=64 * 1024)
     acts = [] if action is None else [LayerAction(layer=0, action=action)]  # type: ignore[arg-type]
     plan = make_plan(trace, topo, "gpipe", microbatches, [(0, 2)], [0], "test", {0: acts})
-    return simulate_job(Job(topo, trace, plan=plan))
+    return simulate_job(job_of_plan(topo, trace, plan))
 
 
 def _steps(result) -> list[tuple[float, float]]:
@@ -99,7 +101,7 @@ def test_split_runs_the_core_recompute_as_micro_ops():
     topo = tiny_topology(n_gpus=1, memory_mib=64 * 1024)
     plan = make_plan(trace, topo, "gpipe", 1, [(0, 2)], [0], "test",
                      {0: [LayerAction(layer=0, action="selective", split=2)]})
-    r = simulate_job(Job(topo, trace, plan=plan))
+    r = simulate_job(job_of_plan(topo, trace, plan))
     assert r.gpus[0].costs_s["selective_s"] == pytest.approx(0.007 * 1.03)
     assert r.iteration_s == pytest.approx(0.07 + 0.05 + (0.02 + 0.007 + 0.02) * 0.03 + 0.007)
 
@@ -140,7 +142,8 @@ def test_gpt_selective_keeps_34_sbh_per_layer():
 
 def _three(model: str):
     topo, trace = load_topology("dgx1-v100"), load_trace(model)
-    return [plan_job(st, topo, trace, "1f1b", 16).result for st in ("none", "selective", "recompute-all")]
+    strategies = ("none", "selective", "recompute-all")
+    return [plan_job(JobSpec(topo, trace, "1f1b", 16, strategy=st)).result for st in strategies]
 
 
 def test_gpt_selective_lies_between_keep_and_full_recompute():
@@ -165,7 +168,7 @@ def test_selective_strategy_is_listed_and_considered_by_best():
     from mpsim.planners.registry import STRATEGIES
 
     assert "selective" in STRATEGIES and "selective" in SINGLE and "selective" in _STRATEGY_HELP
-    plan = plan_job("selective", load_topology("dgx1-v100"), load_trace("gpt-5.3b"), "1f1b", 16).plan
+    plan = plan_job(JobSpec(load_topology("dgx1-v100"), load_trace("gpt-5.3b"), "1f1b", 16, strategy="selective")).plan
     acts = [a for st in plan.stages for a in st.actions]
     assert {a.action for a in acts} == {"selective"} and len(acts) == 29
 

@@ -4,6 +4,7 @@ import pytest
 from helpers import layer, tiny_topology, tiny_trace
 
 from mpsim.catalog import load_topology, load_trace
+from mpsim.job import JobSpec, pipeline
 from mpsim.planners import plan_job
 from mpsim.planners.context import make_context
 from mpsim.planners.tsplit import _Stage, split_saving, swap_cost_s
@@ -30,7 +31,7 @@ def test_algorithm_2_takes_the_least_time_per_byte_first():
     topo = tiny_topology(n_gpus=1, memory_mib=1024, pcie_gbps=1.0)
     trace = tiny_trace([layer("a", fwd_ms=1, bwd_ms=1, act=400 * MB, out=1),
                         layer("b", fwd_ms=10, bwd_ms=1, act=400 * MB, out=1)])
-    st = _Stage(make_context(topo, trace, "1f1b", 1, 1), 0)
+    st = _Stage(make_context(JobSpec(topo, trace, "1f1b", 1, pipeline(1))), 0)
     best = min(st.candidates(), key=lambda c: c.ratio)
     assert (best.layer, best.action) == (0, "recompute")
     assert st.reduce(300 * MB)
@@ -50,6 +51,7 @@ _SHORT_OF_RECOMPUTE = ("TSPLIT's greedy host swaps (eq. 3 prices each against th
 def test_tsplit_plans_fit_and_beat_recompute_everything(model, schedule, mb):
     topo = load_topology("dgx1-v100")
     trace = load_trace(model).rescale(mb)
-    ts = plan_job("tsplit", topo, trace, schedule, 16)
+    ts = plan_job(JobSpec(topo, trace, schedule, 16, strategy="tsplit"))
     assert ts.result.fits and all(g.peak_bytes <= g.capacity_bytes for g in ts.result.gpus)
-    assert ts.result.samples_per_s > plan_job("recompute-all", topo, trace, schedule, 16).result.samples_per_s
+    recompute_all = plan_job(JobSpec(topo, trace, schedule, 16, strategy="recompute-all")).result
+    assert ts.result.samples_per_s > recompute_all.samples_per_s

@@ -3,7 +3,8 @@
 ``STRATEGIES`` maps the names accepted by ``--strategy`` to planners; ``plan_job`` runs one.
 """
 
-from mpsim.planners.context import PARTITIONS, Planned
+from mpsim.job import PARTITIONS
+from mpsim.planners.context import Planned
 from mpsim.planners.registry import STRATEGIES, plan_job
 
 __all__ = ["PARTITIONS", "STRATEGIES", "Planned", "plan_job"]

@@ -14,14 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import replace
 
-from mpsim.planners.baselines import BASELINES
+from mpsim.job import PARTITIONS
 from mpsim.planners.cache import cached_plan
-from mpsim.planners.context import PARTITIONS, Ctx, Planned, make_context
-from mpsim.planners.mpress import MPRESS_STRATEGIES
-from mpsim.planners.tsplit import plan_tsplit
+from mpsim.planners.context import Ctx, Planned, make_context
+from mpsim.planners.singles import SINGLES
 
-SINGLE = ("none", "recompute", "selective", "cpu-swap", "host-swap", "d2d", "mpress", "tsplit")
-SINGLE_PLANNERS: dict[str, Callable[[Ctx], Planned]] = {**BASELINES, **MPRESS_STRATEGIES, "tsplit": plan_tsplit}
+SINGLE = tuple(name for name, s in SINGLES.items() if s.in_best)
+"""The single planners ``best`` tries (``Strategy.in_best``), in the registry's order."""
+SINGLE_PLANNERS: dict[str, Callable[[Ctx], Planned]] = {name: s.planner for name, s in SINGLES.items()}
 
 
 Part = tuple[str, str]
@@ -37,9 +37,8 @@ def plan_best(ctx: Ctx, known_not_fitting: Collection[Part] = ()) -> Planned:
 
 def plan_part(ctx: Ctx, name: str, partition: str) -> Planned:
     """One single planner's plan for the job of ``ctx`` under ``partition`` (cached)."""
-    sub = make_context(ctx.topo, ctx.trace, ctx.schedule, ctx.microbatches, len(ctx.stages), ctx.record_link_rates,
-                       partition, recompute=name == "recompute", selective=name == "selective")
-    return cached_plan(name, sub, SINGLE_PLANNERS[name])
+    sub = make_context(ctx.job.but(partition=partition, strategy=name), SINGLES[name].keeps)
+    return cached_plan(name, sub, SINGLES[name].planner)
 
 
 def parts(known_not_fitting: Collection[Part] = ()) -> list[Part]:

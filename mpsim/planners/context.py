@@ -6,19 +6,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
-from mpsim.errors import MpsimError
+from mpsim.job import JobSpec
 from mpsim.partition import Stages, compute_balanced
 from mpsim.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, make_plan
 from mpsim.planners.liveness import live_intervals
 from mpsim.planners.mcap import held_microbatches, mcap_partition
-from mpsim.schedule import check_schedule
 from mpsim.sim import SimResult, simulate_layout
 from mpsim.sim.layout import layout_of_plan
 from mpsim.topology import Topology
 from mpsim.trace import Trace
 
 MAX_ROUNDS = 64
-PARTITIONS = ("compute", "memory")
 SIMULATIONS = 64
 """Simulated plans remembered per process (``Ctx.simulate``): ``best`` runs every planner
 under both partitions, and they simulate many of the same plans (keep everything first,
@@ -35,14 +33,36 @@ class Planned:
 
 @dataclass(frozen=True)
 class Ctx:
-    topo: Topology
-    trace: Trace
-    schedule: str
-    microbatches: int
+    """A job with its partition made: what a planner plans."""
+
+    job: JobSpec
     stages: Stages
     gpus: list[int]
-    record_link_rates: bool = False
-    partition: str = "compute"
+    """The GPU of each stage (stage i on GPU i until a planner maps them)."""
+
+    @property
+    def topo(self) -> Topology:
+        return self.job.topology
+
+    @property
+    def trace(self) -> Trace:
+        return self.job.trace
+
+    @property
+    def schedule(self) -> str:
+        return self.job.schedule
+
+    @property
+    def microbatches(self) -> int:
+        return self.job.microbatches
+
+    @property
+    def record_link_rates(self) -> bool:
+        return self.job.record_link_rates
+
+    @property
+    def partition(self) -> str:
+        return self.job.partition
 
     def plan(self, strategy: str, actions: dict[int, list[LayerAction]] | None = None,
              optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None,
@@ -73,27 +93,19 @@ class Ctx:
         return held_microbatches(self.schedule, s, len(self.stages), self.microbatches)
 
 
-def make_context(topo: Topology, trace: Trace, schedule: str, microbatches: int, n_stages: int | None,
-                 record_link_rates: bool = False, partition: str = "compute", recompute: bool = False,
-                 selective: bool = False) -> Ctx:
+def make_context(job: JobSpec, keeps: str = "keep") -> Ctx:
     """The job with its partition: ``compute`` balances per-stage compute time (PipeDream,
-    DAPPLE), ``memory`` the predicted per-GPU peak (mCAP; ``recompute`` predicts it with
-    every recomputable layer checkpointed: ``trace.RECOMPUTABLE``; ``selective`` with every
-    attention core recomputed). Stage i on GPU i."""
-    p = topo.n_gpus if n_stages is None else n_stages
-    if p < 1:
-        raise MpsimError(f"the number of stages must be at least 1, got {p}")
-    if p > topo.n_gpus:
-        raise MpsimError(f"{p} stages need {p} GPUs but {topo.name} has {topo.n_gpus}")
-    check_schedule(schedule, p, microbatches)
-    if partition == "compute":
-        times = trace.layer_times(topo.spec.gpu)
+    DAPPLE), ``memory`` the predicted per-GPU peak (mCAP), predicted as the strategy
+    ``keeps`` its activations (``recompute``: every recomputable layer checkpointed,
+    ``trace.RECOMPUTABLE``; ``selective``: every attention core recomputed). Stage i on GPU i."""
+    p = job.n_stages
+    if job.partition == "compute":
+        times = job.trace.layer_times(job.topology.spec.gpu)
         stages = compute_balanced(times.fwd_s + times.bwd_s, p)
-    elif partition == "memory":
-        stages = mcap_partition(trace, schedule, p, microbatches, recompute, selective)
     else:
-        raise MpsimError(f"unknown partition {partition!r}: expected one of {', '.join(PARTITIONS)}")
-    return Ctx(topo, trace, schedule, microbatches, list(stages), list(range(p)), record_link_rates, partition)
+        stages = mcap_partition(job.trace, job.schedule, p, job.microbatches, keeps == "recompute",
+                                keeps == "selective")
+    return Ctx(job, list(stages), list(range(p)))
 
 
 def over(result: SimResult, gpu: int) -> int:

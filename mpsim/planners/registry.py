@@ -1,39 +1,40 @@
-"""The named strategies and the one entry point that runs them."""
+"""The named strategies (``SINGLES`` and ``best``) and the one entry point that runs them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Collection
 
 from mpsim.errors import MpsimError
-from mpsim.planners.best import SINGLE_PLANNERS, plan_best
+from mpsim.job import JobSpec
+from mpsim.planners.best import Part, plan_best
 from mpsim.planners.cache import cached_plan
 from mpsim.planners.context import Ctx, Planned, make_context
-from mpsim.topology import Topology
-from mpsim.trace import Trace
+from mpsim.planners.singles import SINGLES, Strategy
 
-STRATEGIES: dict[str, Callable[[Ctx], Planned]] = {**SINGLE_PLANNERS, "best": plan_best}
+STRATEGIES: dict[str, Strategy] = {**SINGLES, "best": Strategy("best", plan_best)}
+"""Every name ``--strategy`` accepts, in the order the help and errors list them."""
+
+
+def strategy_named(name: str) -> Strategy:
+    """The registered strategy called ``name``; the one place an unknown name is refused."""
+    strategy = STRATEGIES.get(name)
+    if strategy is None:
+        raise MpsimError(f"unknown strategy {name!r}: expected one of {', '.join(STRATEGIES)}")
+    return strategy
 
 
 def run_planner(strategy: str, ctx: Ctx) -> Planned:
     """Run a named planner on a job, remembering its answer by content (``cache``)."""
-    return cached_plan(strategy, ctx, STRATEGIES[strategy])
+    return cached_plan(strategy, ctx, strategy_named(strategy).planner)
 
 
-def plan_job(strategy: str, topo: Topology, trace: Trace, schedule: str = "1f1b", microbatches: int = 16,
-             n_stages: int | None = None, record_link_rates: bool = False, partition: str = "compute",
-             known_not_fitting: frozenset[tuple[str, str]] = frozenset()) -> Planned:
-    """Plan and simulate ``trace`` on ``topo`` with a named strategy and partition
-    (``record_link_rates``: the simulations keep every change of link rates, for Chrome-trace
-    counters). ``known_not_fitting``: with ``best``, (planner, partition) pairs it need not
-    run (``plan_best``)."""
-    planner = STRATEGIES.get(strategy)
-    if planner is None:
-        raise MpsimError(f"unknown strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
-    ctx = make_context(topo, trace, schedule, microbatches, n_stages, record_link_rates, partition,
-                       recompute=strategy in ("recompute", "recompute-segments", "recompute-all"),
-                       selective=strategy == "selective")
-    if known_not_fitting and strategy == "best":
+def plan_job(job: JobSpec, known_not_fitting: Collection[Part] = ()) -> Planned:
+    """Plan and simulate ``job`` with its strategy and partition. ``known_not_fitting``: with
+    ``best``, (planner, partition) pairs it need not run (``plan_best``)."""
+    strategy = strategy_named(job.strategy)
+    ctx = make_context(job, strategy.keeps)
+    if known_not_fitting and strategy.name == "best":
         # its own cache entry: with planners left out, a plan that does not fit may differ
         return cached_plan(f"best without {sorted(known_not_fitting)}", ctx,
                            lambda c: plan_best(c, known_not_fitting))
-    return run_planner(strategy, ctx)
+    return run_planner(strategy.name, ctx)

@@ -1,7 +1,7 @@
 """What the engine simulates: a job, and the one resolved layout the engine takes as input.
 
-A ``Job`` is what a caller asks for (a server, a trace, and a plan or the fields that make
-a keep-everything one). ``resolve`` checks it once (partition, stage-to-GPU map, schedule,
+A ``Job`` is what a caller asks for (a ``JobSpec``, and a plan or the fields that make a
+keep-everything one). ``resolve`` checks it once (partition, stage-to-GPU map, schedule,
 plan rules) and returns a ``Layout``: stages, GPUs, actions, optimizer and stash
 placement, already valid. Planners that make plans with ``mpsim.plan.make_plan`` build
 layouts with ``layout_of_plan(..., checked=True)`` and skip the checks, so a search that
@@ -16,9 +16,9 @@ from typing import Literal
 import numpy as np
 
 from mpsim.errors import MpsimError
+from mpsim.job import JobSpec, pipeline
 from mpsim.partition import Stages, compute_balanced, validate_stages
 from mpsim.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, check_plan, host_optimizer_layers
-from mpsim.schedule import check_schedule
 from mpsim.topology import Topology
 from mpsim.trace import Trace
 
@@ -27,25 +27,17 @@ Runtime = Literal["mpress", "torch-pipelining"]
 
 @dataclass(frozen=True)
 class Job:
-    """What to simulate. ``trace`` is already at the wanted microbatch size. A ``plan``
-    fixes schedule, microbatches, partition, mapping and actions; without one, every
-    tensor is kept and the fields below say the rest."""
+    """What to simulate: a job (``JobSpec``: server, trace at its microbatch size,
+    schedule, microbatches, stages), and a ``plan`` that fixes schedule, microbatches,
+    partition, mapping and actions; without one, every tensor is kept and the fields below
+    say the rest."""
 
-    topology: Topology
-    trace: Trace
-    schedule: str = "1f1b"
-    microbatches: int = 16
-    n_stages: int | None = None
-    """Pipeline depth; None means one stage per GPU (the papers' setting)."""
+    spec: JobSpec
+    plan: PlanFile | None = None
     stages: Stages | None = None
     """Layer ranges per stage; None means compute-balanced."""
     gpu_of_stage: tuple[int, ...] | None = None
     """Stage-to-GPU map; None means stage i on GPU i."""
-    strategy: str = "none"
-    """Label of what produced the plan."""
-    plan: PlanFile | None = None
-    record_link_rates: bool = False
-    """Keep every change of link rates (for Chrome-trace counters)."""
     runtime: Runtime = "mpress"
     """The training runtime whose buffer and prefetch policies are modelled.
 
@@ -56,6 +48,17 @@ class Job:
     gradient receive buffer per microbatch before the first task and keeps them; a
     swap-in is re-timed from the arrival of its backward's gradient when that comes late
     (the executor restores a layer when the backward reaches the swapped layer above it)."""
+
+
+def job_of_plan(topo: Topology, trace: Trace, plan: PlanFile, record_link_rates: bool = False,
+                runtime: Runtime = "mpress") -> Job:
+    """The job a plan file describes on ``topo``, with ``trace`` rescaled to the plan's
+    microbatch; the plan's own rules are checked when it is resolved (``check_plan``)."""
+    if len(plan.stages) > topo.n_gpus:
+        raise MpsimError(f"{len(plan.stages)} stages need {len(plan.stages)} GPUs but {topo.name} has {topo.n_gpus}")
+    spec = JobSpec(topo, trace.rescale(plan.microbatch), plan.schedule, plan.microbatches,
+                   pipeline(len(plan.stages)), record_link_rates=record_link_rates)
+    return Job(spec, plan, runtime=runtime)
 
 
 @dataclass(frozen=True)
@@ -88,29 +91,23 @@ class Layout:
 
 
 def _keep_everything(job: Job) -> Layout:
-    topo = job.topology
-    n_stages = job.n_stages if job.n_stages is not None else (len(job.stages) if job.stages else topo.n_gpus)
-    if n_stages < 1:
-        raise MpsimError(f"the number of stages must be at least 1, got {n_stages}")
-    if n_stages > topo.n_gpus:
-        raise MpsimError(f"{n_stages} stages need {n_stages} GPUs but {topo.name} has {topo.n_gpus}")
+    spec, topo = job.spec, job.spec.topology
+    n_stages = len(job.stages) if job.stages and spec.parallelism.pipeline is None else spec.n_stages
     if job.stages:
         stages = list(job.stages)
     else:
-        times = job.trace.layer_times(topo.spec.gpu)
+        times = spec.trace.layer_times(topo.spec.gpu)
         stages = compute_balanced(np.asarray(times.fwd_s + times.bwd_s), n_stages)
-    validate_stages(stages, job.trace.n_layers)
+    validate_stages(stages, spec.trace.n_layers)
     if len(stages) != n_stages:
         raise MpsimError(f"the partition has {len(stages)} stages but {n_stages} were asked for")
     gpus = job.gpu_of_stage or tuple(range(n_stages))
     if len(gpus) != n_stages or len(set(gpus)) != n_stages or any(not 0 <= g < topo.n_gpus for g in gpus):
         raise MpsimError(f"the stage-to-GPU map {list(gpus)} must name {n_stages} distinct GPUs of "
                          f"0..{topo.n_gpus - 1}")
-    check_schedule(job.schedule, n_stages, job.microbatches)
-    return Layout(topo, job.trace, job.schedule, job.microbatches, stages, tuple(gpus),
+    return Layout(topo, spec.trace, spec.schedule, spec.microbatches, stages, tuple(gpus),
                   tuple({} for _ in stages), ("gpu",) * n_stages, ("gpu",) * n_stages, ((),) * n_stages,
-                  job.strategy, job.runtime,
-                  job.record_link_rates)
+                  spec.strategy, job.runtime, spec.record_link_rates)
 
 
 def layout_of_plan(plan: PlanFile, topo: Topology, trace: Trace, *, checked: bool = False, strategy: str | None = None,
@@ -133,5 +130,5 @@ def resolve(job: Job) -> Layout:
     """Check a job and resolve it into the layout the engine runs."""
     if job.plan is None:
         return _keep_everything(job)
-    return layout_of_plan(job.plan, job.topology, job.trace, strategy=job.strategy, runtime=job.runtime,
-                          record_link_rates=job.record_link_rates)
+    return layout_of_plan(job.plan, job.spec.topology, job.spec.trace, runtime=job.runtime,
+                          record_link_rates=job.spec.record_link_rates)

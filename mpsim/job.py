@@ -1,0 +1,159 @@
+"""The job as one type: what every study simulates, declared once and checked once.
+
+A ``JobSpec`` is a server, a trace already at its microbatch size, a pipeline schedule, the
+number of microbatches per iteration, a parallel layout (``Parallelism``), the partition
+rule and the memory-saving strategy. ``simulate``, ``plan``, ``fits``, ``sweep``,
+``choose``, ``reproduce``, ``validate`` and the web page each build one and pass it on;
+none of them re-declares these fields or re-checks them.
+
+The parallel layout names every degree the next releases model (Megatron-LM's order:
+tensor-parallel groups innermost, then data parallel, then pipeline; ZeRO's stages of
+sharded model states, Rajbhandari et al. 2020). Today the engine simulates pure pipeline
+parallelism, one stage per GPU: any other layout is refused in one line that says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mpsim.catalog import load_topology, load_trace
+from mpsim.errors import MpsimError
+from mpsim.schedule import check_schedule
+from mpsim.topology import Topology
+from mpsim.trace import Trace
+
+DEFAULT_SERVER = "dgx1-v100"
+"""The server a command uses when none is named: MPress's DGX-1 (papers/mpress.txt IV-A)."""
+DEFAULT_SCHEDULE = "1f1b"
+DEFAULT_MICROBATCHES = 16
+"""Microbatches per iteration when none is given (the papers' pipelines run 16)."""
+PARTITIONS: tuple[str, ...] = ("compute", "memory")
+"""``compute``: stages balance compute time (PipeDream, DAPPLE); ``memory``: they balance
+the predicted per-GPU peak (mCAP)."""
+
+Partition = Literal["compute", "memory"]
+
+
+class Parallelism(BaseModel):
+    """How the job's GPUs share the work. Degrees multiply to the GPUs used:
+    ``data * tensor * pipeline``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data: int = Field(default=1, ge=1, le=65536, description="data-parallel replicas (DDP, ZeRO, FSDP)")
+    tensor: int = Field(default=1, ge=1, le=64, description="tensor-parallel degree (Megatron-LM column/row split)")
+    sequence_parallel: bool = Field(default=False, description="with tensor > 1: norms and dropout split "
+                                                               "along the sequence (Korthikanti et al. 2022)")
+    pipeline: int | None = Field(default=None, ge=1, le=1024,
+                                 description="pipeline stages; None: one per GPU of the server")
+    virtual_stages: int = Field(default=1, ge=1, le=64, description="model chunks per GPU (interleaved 1F1B)")
+    zero_stage: Literal[0, 1, 2, 3] = Field(default=0, description="ZeRO stage: 1 shards optimizer states, "
+                                                                   "2 also gradients, 3 also parameters")
+
+    def unsupported(self) -> str | None:
+        """What of this layout the engine cannot simulate yet, or None."""
+        asked = [f"{name} {value}" for name, value, pure in (
+            ("data parallel degree", self.data, 1), ("tensor parallel degree", self.tensor, 1),
+            ("virtual stages per GPU", self.virtual_stages, 1), ("ZeRO stage", self.zero_stage, 0),
+        ) if value != pure]
+        if self.sequence_parallel:
+            asked.append("sequence parallel")
+        if not asked:
+            return None
+        return f"{', '.join(asked)}: not simulated yet; mpsim models pipeline parallelism only, one stage per GPU"
+
+    def stages_on(self, topo: Topology) -> int:
+        """The pipeline depth on ``topo``, checked: at least one stage, a GPU for each."""
+        p = topo.n_gpus if self.pipeline is None else self.pipeline
+        if p > topo.n_gpus:
+            raise MpsimError(f"{p} stages need {p} GPUs but {topo.name} has {topo.n_gpus}")
+        return p
+
+
+PIPELINE_ONLY = Parallelism()
+
+
+def pipeline(n_stages: int | None) -> Parallelism:
+    """A pure pipeline of ``n_stages`` (None: one stage per GPU), refused in one line when
+    the count is not a positive number."""
+    if n_stages is not None and n_stages < 1:
+        raise MpsimError(f"the number of stages must be at least 1, got {n_stages}")
+    try:
+        return Parallelism(pipeline=n_stages)
+    except ValidationError as exc:
+        raise MpsimError(f"stages: {exc.errors()[0]['msg']}, got {n_stages}") from None
+
+
+def check_microbatch(microbatch: int) -> None:
+    """The one check of a microbatch size (samples per microbatch)."""
+    if isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1:
+        raise MpsimError(f"microbatch must be a positive integer, got {microbatch}")
+
+
+def check_partition(partition: str) -> None:
+    if partition not in PARTITIONS:
+        raise MpsimError(f"unknown partition {partition!r}: expected one of {', '.join(PARTITIONS)}")
+
+
+def check_strategy(strategy: str) -> None:
+    """The one check of a strategy name, against the planners' registry."""
+    from mpsim.planners.registry import strategy_named  # the registry lives with the planners it names
+
+    strategy_named(strategy)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One training job, checked on construction (one-line ``MpsimError`` on bad input).
+
+    ``trace`` is already at the microbatch size the job runs (``Trace.rescale``)."""
+
+    topology: Topology
+    trace: Trace
+    schedule: str = DEFAULT_SCHEDULE
+    """``gpipe``, ``1f1b`` (DAPPLE) or ``pipedream`` (``mpsim.schedule``)."""
+    microbatches: int = DEFAULT_MICROBATCHES
+    """Microbatches per iteration (per pipeline, per data-parallel replica)."""
+    parallelism: Parallelism = field(default=PIPELINE_ONLY)
+    partition: str = "compute"
+    """How layers are cut into stages (``PARTITIONS``)."""
+    strategy: str = "none"
+    """The memory-saving strategy that plans the job (``mpsim.planners.registry``)."""
+    record_link_rates: bool = False
+    """Keep every change of link rates (Chrome-trace counters); does not change results."""
+
+    def __post_init__(self) -> None:
+        why = self.parallelism.unsupported()
+        if why is not None:
+            raise MpsimError(why)
+        check_schedule(self.schedule, self.parallelism.stages_on(self.topology), self.microbatches)
+        check_partition(self.partition)
+        check_strategy(self.strategy)
+
+    @property
+    def n_stages(self) -> int:
+        return self.parallelism.stages_on(self.topology)
+
+    @property
+    def microbatch(self) -> int:
+        return self.trace.microbatch
+
+    def but(self, **changes: object) -> JobSpec:
+        """The same job with some fields changed (checked again)."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def job_of(server: str | Topology, model: str | Trace, *, schedule: str = DEFAULT_SCHEDULE,
+           microbatch: int | None = None, microbatches: int = DEFAULT_MICROBATCHES, n_stages: int | None = None,
+           strategy: str = "none", partition: str = "compute", record_link_rates: bool = False) -> JobSpec:
+    """A job from names or loaded objects: ``microbatch`` rescales the trace (None keeps the
+    traced size); ``n_stages`` None means one stage per GPU."""
+    topo = load_topology(server) if isinstance(server, str) else server
+    trace = load_trace(model) if isinstance(model, str) else model
+    if microbatch is not None:
+        check_microbatch(microbatch)
+        trace = trace.rescale(microbatch)
+    return JobSpec(topo, trace, schedule, microbatches, pipeline(n_stages), partition, strategy, record_link_rates)
