@@ -1,0 +1,76 @@
+"""The job as one type: JobSpec is checked once, in one line, and the planners' registry
+is the one list of strategies."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpsim.catalog import load_topology, load_trace
+from mpsim.errors import MpsimError
+from mpsim.job import JobSpec, Parallelism, check_microbatch, job_of, pipeline
+from mpsim.planners.best import SINGLE
+from mpsim.planners.context import make_context
+from mpsim.planners.mcap import mcap_partition
+from mpsim.planners.registry import STRATEGIES, strategy_named
+
+
+def _job(**fields) -> JobSpec:
+    return JobSpec(load_topology("dgx1-v100"), load_trace("gpt-5.3b"), **fields)
+
+
+def _refusal(make) -> str:
+    with pytest.raises(MpsimError) as info:
+        make()
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_job_holds_its_fields_and_derives_the_stage_count():
+    job = _job(schedule="gpipe", microbatches=8)
+    assert (job.n_stages, job.microbatch, job.schedule, job.strategy) == (8, load_trace("gpt-5.3b").microbatch, "gpipe", "none")
+    assert _job(parallelism=pipeline(4)).n_stages == 4
+    assert job_of("dgx1-v100", "gpt-5.3b", microbatch=3).microbatch == 3
+
+
+@pytest.mark.parametrize("layout, named", [
+    (Parallelism(data=2), "data parallel degree 2"),
+    (Parallelism(tensor=4), "tensor parallel degree 4"),
+    (Parallelism(sequence_parallel=True), "sequence parallel"),
+    (Parallelism(virtual_stages=2), "virtual stages per GPU 2"),
+    (Parallelism(zero_stage=3), "ZeRO stage 3"),
+])
+def test_a_layout_other_than_pure_pipeline_is_refused_in_one_line_that_says_so(layout, named):
+    message = _refusal(lambda: _job(parallelism=layout))
+    assert named in message and "pipeline parallelism only" in message
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda: _job(parallelism=pipeline(9)), "9 stages need 9 GPUs but dgx1-v100 has 8"),
+    (lambda: pipeline(0), "the number of stages must be at least 1, got 0"),
+    (lambda: _job(schedule="zigzag"), "unknown schedule 'zigzag'"),
+    (lambda: _job(microbatches=4), "1f1b needs at least as many microbatches as stages"),
+    (lambda: _job(partition="random"), "unknown partition 'random': expected one of compute, memory"),
+    (lambda: _job(strategy="magic"), "unknown strategy 'magic': expected one of none, recompute,"),
+    (lambda: _job().but(strategy="magic"), "unknown strategy 'magic'"),
+    (lambda: check_microbatch(0), "microbatch must be a positive integer, got 0"),
+    (lambda: check_microbatch(True), "microbatch must be a positive integer, got True"),
+    (lambda: job_of("dgx1-v100", "gpt-5.3b", microbatch=-1), "microbatch must be a positive integer, got -1"),
+])
+def test_bad_jobs_are_refused_in_one_line(make, says):
+    assert says in _refusal(make)
+
+
+def test_the_registry_is_the_one_list_of_strategies_and_best_tries_the_ones_it_marks():
+    assert list(STRATEGIES)[-1] == "best" and strategy_named("tsplit").name == "tsplit"
+    # the order best tried them in before the registry (ties go to the first tried)
+    assert SINGLE == ("none", "recompute", "selective", "cpu-swap", "host-swap", "d2d", "mpress", "tsplit")
+    assert {s.keeps for s in STRATEGIES.values()} == {"keep", "recompute", "selective"}
+
+
+@pytest.mark.parametrize("strategy, recompute, selective", [
+    ("recompute-segments", True, False), ("selective", False, True), ("cpu-swap", False, False)])
+def test_the_memory_partition_predicts_the_peak_as_the_strategy_keeps(strategy, recompute, selective):
+    job = _job(partition="memory", strategy=strategy)
+    expected = mcap_partition(job.trace, job.schedule, job.n_stages, job.microbatches, recompute, selective)
+    assert make_context(job, strategy_named(strategy).keeps).stages == list(expected)
