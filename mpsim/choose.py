@@ -14,22 +14,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from mpsim.catalog import load_topology, load_trace, shipped_topologies
 from mpsim.errors import MpsimError
 from mpsim.job import PARTITIONS, JobSpec
 from mpsim.planners import STRATEGIES, plan_job
-from mpsim.report import _table
 from mpsim.schedule import SCHEDULES, check_schedule
 from mpsim.sim import SimResult
 from mpsim.topology import MAX_USD, Topology
 from mpsim.trace import Trace
 from mpsim.units import GiB
-
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
 
 RANK_BY: tuple[str, ...] = ("cost", "throughput")
 """``cost``: USD per million samples, cheapest first (servers without a price after those
@@ -332,9 +326,10 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
     return ChooseReport(trace.name, schedule, n_microbatches, sizes, tuple(strategies), rank_by, seq_len, rows)
 
 
-# -- the answer in words -----------------------------------------------------------------------
+# -- the answer in words: the report's one line (its tables and chart are in mpsim.views) -----
 
-def _money(usd: float | None) -> str:
+def money(usd: float | None) -> str:
+    """USD as the answer and its tables write it: cents from 10 up, else tenths of a cent."""
     return "-" if usd is None else (f"{usd:,.2f}" if usd >= 10 else f"{usd:.3f}")
 
 
@@ -368,100 +363,13 @@ def recommendation(report: ChooseReport) -> str:
         reasons.append(f"cheapest per {unit}")
     line = f"{top.server}: {' and '.join(reasons) or 'ranked first'}"
     line += f" ({top.samples_per_s:.2f} samples/s, plan {top.technique}, microbatch {top.microbatch}"
-    line += f", USD {_money(_cost(report, top))} per {unit})" if _cost(report, top) is not None else ")"
+    line += f", USD {money(_cost(report, top))} per {unit})" if _cost(report, top) is not None else ")"
     if top is not fastest:
         line += (f"; {fastest.server} is {fastest.samples_per_s / top.samples_per_s:.2f}x faster"
-                 + (f" at USD {_money(_cost(report, fastest))} per {unit}" if _cost(report, fastest) else ""))
+                 + (f" at USD {money(_cost(report, fastest))} per {unit}" if _cost(report, fastest) else ""))
     if cheapest is not None and top is not cheapest:
-        line += f"; {cheapest.server} is cheapest at USD {_money(_cost(report, cheapest))} per {unit}"
+        line += f"; {cheapest.server} is cheapest at USD {money(_cost(report, cheapest))} per {unit}"
     misses = [r for r in report.rows if not r.fits]
     if misses:
         line += f"; does not fit on {', '.join(r.server for r in misses)}"
     return line
-
-
-def choose_text(report: ChooseReport) -> str:
-    """The ranked table, its legend, the prices' sources and the recommendation."""
-    lm = report.seq_len is not None
-    rows = [table_row(report, r) for r in report.rows]
-    strategies = ",".join(report.strategies)
-    lines = [f"{report.model} on {len(report.rows)} server(s): {report.schedule}, {report.n_microbatches} "
-             f"microbatches of {'/'.join(map(str, report.microbatches))}, strategies {strategies}, one stage per GPU; "
-             f"ranked by {report.rank_by}", "", _table(table_header(lm), rows),
-             "(plan: the technique of the fastest plan that fits, else the one that came closest; OOM +x: the "
-             "smallest highest per-GPU peak above capacity, GiB; front: on the Pareto front of throughput against "
-             "USD per hour; M = 10^6; memory in GiB = 2^30 bytes)"]
-    sources = [f"  {r.server}: USD {_money(r.price.usd_per_hour)}/h, "
-               + ("given with --price" if r.price.override else f"{r.price.source} ({r.price.date})")
-               for r in report.rows if r.price.usd_per_hour is not None]
-    if sources:
-        lines += ["", "prices:"] + sources
-    return "\n".join(lines + ["", f"recommendation: {report.recommendation}"])
-
-
-def table_header(lm: bool) -> list[str]:
-    """Columns of the ranked table; ``lm``: with tokens (a language model)."""
-    return ["server", "GPUs", "fits", "plan", "mb", "samples/s"] + (["tokens/s"] if lm else []) + [
-        "max peak GiB", "capacity GiB", "USD/h", "USD/M samples"] + (["USD/M tokens"] if lm else []) + ["front"]
-
-
-def table_row(report: ChooseReport, r: ChooseRow) -> list[str]:
-    """One server's cells under ``table_header``."""
-    lm = report.seq_len is not None
-    fits = "yes" if r.fits else f"OOM +{r.shortfall_bytes / GiB:.2f}"
-    rate = [f"{r.samples_per_s:.2f}" if r.fits else "-"]
-    if lm:
-        rate.append(f"{r.tokens_per_s:,.0f}" if r.fits else "-")
-    cost = [_money(r.usd_per_million_samples)] + ([_money(r.usd_per_million_tokens)] if lm else [])
-    return ([f"{r.rank}. {r.server}", f"{r.n_gpus}", fits, r.technique, str(r.microbatch)] + rate
-            + [f"{r.max_peak_bytes / GiB:.2f}", f"{r.capacity_bytes / GiB:.2f}", _money(r.price.usd_per_hour)]
-            + cost + ["*" if r.pareto else ""])
-
-
-# -- the chart -------------------------------------------------------------------------------------
-
-def choose_figure(report: ChooseReport) -> Figure:
-    """Throughput (tokens/s for language models, else samples/s) against USD per hour, a
-    point per priced server that fits, the Pareto front joined and marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    lm = report.seq_len is not None
-    points = [(r.server, r.price.usd_per_hour, r.samples_per_s * (report.seq_len or 1), r.pareto)
-              for r in report.rows if r.fits and r.price.usd_per_hour is not None]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (server, usd, rate, pareto) in enumerate(sorted(points, key=lambda p: p[1])):
-        ax.scatter([usd], [rate], s=60 if pareto else 30, zorder=3, color="tab:red" if pareto else "tab:gray",
-                   marker="D" if pareto else "o")
-        ax.annotate(server, (usd, rate), xytext=(6, 4 if i % 2 else -12), textcoords="offset points", fontsize=8)
-    front = sorted((usd, rate) for _, usd, rate, pareto in points if pareto)
-    if front:
-        ax.plot([p[0] for p in front], [p[1] for p in front], color="tab:red", linestyle="--", linewidth=1,
-                label="Pareto front (faster or cheaper than the rest)")
-        ax.legend(fontsize=8, loc="upper left")
-    shown = {p[0] for p in points}
-    left_out = [r.server for r in report.rows if r.server not in shown]
-    ax.set_xlabel("USD per hour (on-demand)")
-    ax.set_ylabel("tokens/s" if lm else "samples/s")
-    top_usd = max((p[1] for p in points), default=1.0)
-    top_rate = max((p[2] for p in points), default=1.0)
-    ax.set_xlim(0, top_usd * 1.3)
-    ax.set_ylim(0, top_rate * 1.15)
-    title = f"{report.model}, {report.schedule}: throughput against price"
-    if left_out:
-        title += f"\n(not shown, no fit or no price: {', '.join(left_out)})"
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
-
-
-def plot_choose(report: ChooseReport, path: Path) -> None:
-    """``choose_figure`` to a file (PNG, or SVG by the suffix)."""
-    import matplotlib.pyplot as plt
-
-    fig = choose_figure(report)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -223,7 +223,9 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
     from mpsim.api import simulate as run
     from mpsim.catalog import load_topology, load_trace
     from mpsim.plan import check_plan, read_plan_file
-    from mpsim.report import plot_memory, simulate_text, write_chrome_trace
+    from mpsim.views.chrome import write_chrome_trace
+    from mpsim.views.plots import plot_memory
+    from mpsim.views.text import simulate_text
 
     plan = read_plan_file(plan_path) if plan_path else None
     topo = load_topology(server or (plan.server if plan else "dgx1-v100"))
@@ -242,7 +244,7 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
         plot_memory(result, plot)
     if html_out:
         from mpsim.api import plan as make
-        from mpsim.htmlreport import simulate_page
+        from mpsim.views.html import simulate_page
 
         if plan is None:  # the planner's answer is cached: this does not plan again
             plan = make(topo, trace, schedule, microbatch, microbatches, n_stages=stages, strategy=strategy,
@@ -267,7 +269,7 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
     from mpsim.api import plan as make
     from mpsim.catalog import load_topology, load_trace
     from mpsim.plan import write_plan_file
-    from mpsim.report import plan_text, simulate_text
+    from mpsim.views.text import plan_text, simulate_text
 
     topo, trace = load_topology(server or "dgx1-v100"), load_trace(model or "gpt-5.3b")
     _warn_measured_elsewhere(trace, topo)
@@ -315,8 +317,8 @@ def fits(server: str, family: str, models: str | None, schedule: str, microbatch
     from mpsim.capacity import family_traces, fits_strategies, model_traces
     from mpsim.catalog import load_topology
     from mpsim.planners import STRATEGIES
-    from mpsim.report import fits_strategies_text
     from mpsim.schedule import check_schedule
+    from mpsim.views.text import fits_strategies_text
 
     names = tuple(_list(strategies, option="--strategy"))
     if microbatch is not None and microbatch < 1:
@@ -364,10 +366,9 @@ def reproduce_cmd(out: Path, only: str, html_out: Path | None) -> None:
             texts.append(REPORTS[name](out, lambda what: bar.update(job, description=what)))
             click.echo(f"wrote {out / (name + '.md')}")
     if html_out:
-        from mpsim.htmlreport import markdown_html, page
+        from mpsim.views.markdown import reproduce_page
 
-        html_out.write_text(page("mpsim reproduce: " + ", ".join(names), [markdown_html(t, out) for t in texts]),
-                            encoding="utf-8")
+        html_out.write_text(reproduce_page(names, texts, out), encoding="utf-8")
         click.echo(f"wrote {html_out}")
 
 
@@ -426,7 +427,10 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
       mpsim sweep --model gpt-5.3b,gpt-10.3b --microbatch 1,2,4,8 --backend ray --address auto
     """
     from mpsim.backends import make_backend
-    from mpsim.sweep import SweepInterrupted, grid, plot_sweep, sweep, sweep_text
+    from mpsim.sweep import SweepInterrupted, grid, sweep
+    from mpsim.views.html import sweep_page
+    from mpsim.views.plots import plot_sweep
+    from mpsim.views.text import sweep_text
 
     points = grid(_list(servers, option="--server"), _list(models, option="--model"), schedule,
                   _list(sizes, int, "--microbatch"), _list(counts, int, "--microbatches"),
@@ -458,26 +462,8 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
     if plot:
         plot_sweep(frame, plot)
     if html_out:
-        _write_sweep_html(frame, sweep_text(frame), html_out)
+        html_out.write_text(sweep_page(frame), encoding="utf-8")
     _write_json(json_out, {"rows": frame.to_dict(orient="records")})
-
-
-def _write_sweep_html(frame, text: str, path: Path) -> None:
-    """``sweep --html``: the table as printed, the plot as inline SVG, every row."""
-    import tempfile
-
-    from mpsim.htmlreport import inline_svg, page, pre_html, section, table_html
-    from mpsim.sweep import plot_sweep
-
-    with tempfile.TemporaryDirectory() as tmp:
-        svg_path = Path(tmp) / "sweep.svg"
-        plot_sweep(frame, svg_path)
-        svg = inline_svg(svg_path.read_text(encoding="utf-8"))
-    rows = frame.to_dict(orient="records")
-    parts = [section("Throughput or OOM per microbatch size", pre_html(text)),
-             section("Throughput and peak memory against microbatch size", svg),
-             section("Every point", table_html(list(frame.columns), [[r[c] for c in frame.columns] for r in rows]))]
-    path.write_text(page("mpsim sweep", parts), encoding="utf-8")
 
 
 _ATTENTION_HELP = ("attention kernel whose saved tensors and FLOPs the trace records: eager (written out), "
@@ -664,7 +650,7 @@ def topo_show(name: str, json_out: str | None) -> None:
     """GPUs, the connection matrix (nvidia-smi topo -m style) and route bandwidths of NAME
     (a shipped server or a topology file)."""
     from mpsim.catalog import load_topology
-    from mpsim.report import topo_text
+    from mpsim.views.text import topo_text
 
     t = load_topology(name)
     _emit(json_out, topo_text(t), t.to_dict())
@@ -702,7 +688,7 @@ def topo_probe(output: Path | None, device: str, devices: int, threads: int, mem
 
     from mpsim.probe import probe
     from mpsim.profiler import check_device
-    from mpsim.report import topo_text
+    from mpsim.views.text import topo_text
 
     check_device(device)
     spec, topology = probe(device, devices, threads, memory_mib, name)
@@ -730,10 +716,10 @@ def topo_transfer(server: str, src: str, dst: str | None, stripe: str | None, si
     """
     from mpsim.catalog import load_topology
     from mpsim.plan import stripes_by_bandwidth
-    from mpsim.report import transfer_text
     from mpsim.sim.transfers import Copy, copy_times
     from mpsim.topology import HOST
     from mpsim.units import parse_bytes
+    from mpsim.views.text import transfer_text
 
     t = load_topology(server)
 
@@ -815,8 +801,8 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
     """
     from mpsim.catalog import load_topology, load_trace
     from mpsim.hardware_check import RunSettings, validate_plan, validation_text
-    from mpsim.plan import read_plan_file
     from mpsim.job import JobSpec, pipeline
+    from mpsim.plan import read_plan_file
     from mpsim.planners import plan_job
     from mpsim.probe import probe
     from mpsim.profiler import check_device, measure_trace
@@ -910,7 +896,9 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
     Example:
       mpsim choose --model llama-3-8b --servers dgx1-v100,dgx-a100-80gb,dgx-h100 --price dgx-h100=55
     """
-    from mpsim.choose import choose, choose_text, parse_price, parse_servers, plot_choose
+    from mpsim.choose import choose, parse_price, parse_servers
+    from mpsim.views.plots import plot_choose
+    from mpsim.views.text import choose_text
 
     prices = dict(parse_price(p) for p in price_overrides)
     names = parse_servers(servers, schedule, microbatches)
@@ -923,7 +911,7 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
     if plot:
         plot_choose(report, plot)
     if html_out:
-        from mpsim.htmlreport import choose_page
+        from mpsim.views.html import choose_page
 
         html_out.write_text(choose_page(report), encoding="utf-8")
     if not any(r.fits for r in report.rows):

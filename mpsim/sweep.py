@@ -23,15 +23,12 @@ from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from mpsim.backends import Backend, LocalBackend, run_points
 from mpsim.errors import MpsimError
-
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
+from mpsim.views.plots import plot_sweep as plot_sweep  # a view now; kept here for code that imports it from here
 
 KEY = ("server", "model", "schedule", "microbatch", "microbatches", "strategy", "partition")
 FIELDS = KEY + ("fits", "samples_per_s", "iteration_s", "model_tflops", "max_peak_gib", "max_peak_gpu",
@@ -284,84 +281,3 @@ def _run(todo: list[Point], backend: Backend, emit: Callable[[dict], None],
             else:
                 assert outcome.value is not None  # run_point returns a row
                 emit(outcome.value)
-
-
-def sweep_text(frame: pd.DataFrame) -> str:
-    """Samples/s (or OOM and the highest peak) per microbatch size, one column per strategy."""
-    from mpsim.report import _table
-
-    lines = []
-    for (sv, md, m), part in frame.groupby(["server", "model", "microbatches"], sort=False):
-        strategies = list(dict.fromkeys(part["strategy"]))
-        rows = []
-        for mb in sorted({int(x) for x in part["microbatch"]}):
-            cells = [str(mb)]
-            for st in strategies:
-                r = part[(part["microbatch"].astype(int) == mb) & (part["strategy"] == st)]
-                if r.empty:
-                    cells.append("")
-                    continue
-                r = r.iloc[0]
-                fits = str(r["fits"]) == "True"
-                cells.append(f"{float(r['samples_per_s']):.2f}/s {float(r['max_peak_gib']):.1f}G" if fits
-                             else f"OOM {float(r['max_peak_gib']):.1f}G")
-            rows.append(cells)
-        lines += [f"{md} on {sv}, {m} microbatches: samples/s and highest per-GPU peak (GiB)", "",
-                  _table(["microbatch"] + strategies, rows), ""]
-    return "\n".join(lines).rstrip()
-
-
-def plot_sweep(frame: pd.DataFrame, path: Path) -> Figure:
-    """Throughput and highest per-GPU peak against microbatch size: small multiples, a pair
-    of panels (throughput, peak memory) per server/model/microbatch count, a line per
-    strategy in the same colour in every panel, one legend, shared microbatch axes and a
-    shared memory axis, so a sweep of many models and strategies stays readable. Returns
-    the (closed) figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = list(frame.groupby(["server", "model", "microbatches"], sort=False))
-    strategies = list(dict.fromkeys(frame["strategy"]))
-    cmap = plt.get_cmap("tab10" if len(strategies) <= 10 else "tab20")
-    colour = {st: cmap(i % cmap.N) for i, st in enumerate(strategies)}
-    servers, counts = frame["server"].nunique(), frame["microbatches"].nunique()
-    per_row = 1 if len(groups) == 1 else 2  # pairs of panels per row
-    n_rows = -(-len(groups) // per_row)
-    fig, axes = plt.subplots(n_rows, 2 * per_row, figsize=(5.5 * 2 * per_row, 3.2 * n_rows + 0.8), squeeze=False,
-                             sharex=True)
-    cap = frame["capacity_gib"].astype(float).max()
-    mem_axes = []
-    for i, ((sv, md, m), group) in enumerate(groups):
-        ax_t, ax_m = axes[i // per_row][2 * (i % per_row)], axes[i // per_row][2 * (i % per_row) + 1]
-        mem_axes.append(ax_m)
-        where = ", ".join([str(md)] + ([str(sv)] if servers > 1 else []) + ([f"m={m}"] if counts > 1 else []))
-        for st, part in group.groupby("strategy", sort=False):
-            part = part.assign(mb=part["microbatch"].astype(int)).sort_values("mb")
-            fits = part["fits"].astype(str) == "True"
-            thr = pd.to_numeric(part["samples_per_s"].where(fits), errors="coerce")
-            ax_t.plot(part["mb"], thr, marker="o", markersize=3, color=colour[st], label=st)
-            ax_m.plot(part["mb"], part["max_peak_gib"].astype(float), marker="o", markersize=3, color=colour[st])
-            oom = part[~fits]
-            ax_m.scatter(oom["mb"], oom["max_peak_gib"].astype(float), marker="x", color=colour[st], s=40)
-        ax_m.axhline(float(group["capacity_gib"].astype(float).max()), color="grey", linestyle="--", linewidth=1)
-        ax_t.set_title(f"{where}: samples/s", fontsize=9)
-        ax_m.set_title(f"{where}: peak GiB (x: OOM)", fontsize=9)
-        for ax in (ax_t, ax_m):
-            ax.tick_params(labelsize=8)
-            ax.grid(alpha=0.3)
-    for ax in mem_axes:
-        ax.set_ylim(0, max(cap, float(frame["max_peak_gib"].astype(float).max())) * 1.08)
-    for j in range(len(groups), n_rows * per_row):  # empty slots in the last row
-        axes[j // per_row][2 * (j % per_row)].set_visible(False)
-        axes[j // per_row][2 * (j % per_row) + 1].set_visible(False)
-    for ax in axes[-1]:
-        ax.set_xlabel("microbatch size", fontsize=8)
-    handles = [plt.Line2D([], [], color=colour[st], marker="o", label=st) for st in strategies]
-    handles.append(plt.Line2D([], [], color="grey", linestyle="--", label=f"GPU capacity (max {cap:.1f} GiB)"))
-    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 8), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig.get_figheight()))
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return fig

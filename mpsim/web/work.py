@@ -63,20 +63,19 @@ def run_choose(inputs: JobInputs, uploads: UploadStore, job: Job) -> dict[str, A
     """The choose view: ``mpsim.choose.choose`` over the chosen servers (every shipped one
     the schedule can fill when none is chosen), shown as ``mpsim choose --html`` shows it."""
     from mpsim.choose import choose, parse_servers
-    from mpsim.htmlreport import choose_chart_html, choose_table_html, choose_verdict_html
+    from mpsim.views.html import choose_html
 
     names = list(inputs.servers) or parse_servers("all", inputs.schedule, inputs.microbatches)
     report = choose(model_of(inputs, uploads), [load_topology(n) for n in names], schedule=inputs.schedule,
                     microbatches=[inputs.microbatch] if inputs.microbatch else None,
                     n_microbatches=inputs.microbatches)
-    html = choose_verdict_html(report) + choose_table_html(report) + choose_chart_html(report)
-    return {"report": report.to_dict(), "html": html}
+    return {"report": report.to_dict(), "html": choose_html(report)}
 
 
 def job_payload(outcome: JobOutcome) -> dict:
     """What the page shows of a finished job: the verdict first, the CLI's text, the
     result and plan as their JSON files."""
-    from mpsim.report import plan_text, simulate_text
+    from mpsim.views.text import plan_text, simulate_text
 
     r, plan_file = outcome.planned.result, outcome.planned.plan
     text = simulate_text(r)

@@ -1,0 +1,285 @@
+"""Figures (matplotlib, Agg) of one job and of the studies; each ``plot_*`` writes its
+figure to a file (PNG, or SVG by the suffix). matplotlib is imported when a figure is drawn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from mpsim.units import GiB
+from mpsim.views.text import gib
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from matplotlib.figure import Figure
+
+    from mpsim.choose import ChooseReport
+    from mpsim.sim import SimResult
+
+
+def downsample(times: np.ndarray, used: np.ndarray, max_points: int = 4000) -> tuple[np.ndarray, np.ndarray]:
+    """Keep the last value at each time, then thin evenly while keeping the peak."""
+    if len(times) == 0:
+        return times, used
+    keep = np.append(times[1:] != times[:-1], True)
+    t, u = times[keep], used[keep]
+    if len(t) > max_points:
+        idx = np.unique(np.concatenate([np.linspace(0, len(t) - 1, max_points).astype(int), [int(np.argmax(u))]]))
+        t, u = t[idx], u[idx]
+    return t, u
+
+
+# -- one job -------------------------------------------------------------------------------------
+
+#: Swap lanes of the memory plot: (colour, hatch, label) by target and direction.
+SWAP_STYLES = {("host", "out"): ("tab:red", "", "to host"), ("host", "in"): ("tab:green", "", "from host"),
+               ("peer", "out"): ("tab:purple", "////", "to peer GPU (D2D)"),
+               ("peer", "in"): ("tab:blue", "////", "from peer GPU (D2D)")}
+
+
+def memory_figure(r: SimResult):
+    """The figure of ``plot_memory`` (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    swaps = [s for s in r.spans if s.lane in ("d2h", "h2d") or s.name.startswith("D2D")]
+    fig, axes = plt.subplots(2 if swaps else 1, 1, figsize=(12, 7 if swaps else 5), sharex=True,
+                             gridspec_kw={"height_ratios": [3, 1]} if swaps else None, squeeze=False)
+    ax = axes[0][0]
+    for g in r.gpus:
+        if g.stage is None and not g.breakdown.get("peer_swap") and not (r.oom and r.oom["gpu"] == g.gpu):
+            continue
+        t, u = downsample(g.memory_times_s, g.memory_used_bytes)
+        label = f"GPU {g.gpu}" + (f" (stage {g.stage})" if g.stage is not None else "")
+        ax.step(t * 1e3, u / GiB, where="post", label=label)
+    caps = sorted({g.capacity_bytes for g in r.gpus})
+    for cap_bytes in caps:
+        cap = cap_bytes / GiB
+        ax.axhline(cap, color="k", linestyle="--", linewidth=1, label=f"capacity {cap:.2f} GiB")
+    if r.oom:
+        o = r.oom
+        g = r.gpus[o["gpu"]]
+        used = (g.capacity_bytes - o["free_bytes"]) / GiB
+        x = o["time_s"] * 1e3
+        ax.plot([x, x], [used, used + o["need_bytes"] / GiB], color="tab:red", linewidth=2)
+        ax.plot([x], [used], marker="X", markersize=11, color="tab:red", linestyle="none",
+                label=f"out of memory: GPU {o['gpu']} at {x:.1f} ms")
+        ax.annotate(f"out of memory on GPU {o['gpu']} at {x:.1f} ms:\nneeded {gib(o['need_bytes'])} GiB, "
+                    f"{gib(o['free_bytes'])} GiB free", xy=(x, used), xytext=(14, 14), textcoords="offset points",
+                    fontsize=8, color="tab:red", bbox={"facecolor": "white", "alpha": 0.9, "edgecolor": "tab:red"})
+    ax.set_ylabel("allocated (GiB)")
+    verdict = "DOES NOT FIT" if r.oom else "fits"
+    ax.set_title(f"{verdict}: {r.model} on {r.server}, {r.schedule}, microbatch {r.microbatch} x "
+                 f"{r.microbatches}, strategy {r.strategy}", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if swaps:
+        lane_ax = axes[1][0]
+        used_styles: dict[tuple[str, str], None] = {}
+        for s in swaps:
+            target = "peer" if s.name.startswith("D2D") else "host"
+            way = "out" if s.lane == "d2h" or "swap-out" in s.name else "in"
+            colour, hatch, _ = SWAP_STYLES[target, way]
+            used_styles[target, way] = None
+            lane_ax.broken_barh([(s.start_s * 1e3, (s.end_s - s.start_s) * 1e3)],
+                                (s.gpu - 0.4 + (0 if way == "out" else 0.4), 0.4), facecolor=colour, hatch=hatch,
+                                edgecolor="white" if hatch else colour, linewidth=0)
+        lane_ax.set_yticks(sorted({s.gpu for s in swaps}))
+        lane_ax.set_ylabel("GPU")
+        lane_ax.legend(handles=[Patch(facecolor=SWAP_STYLES[k][0], hatch=SWAP_STYLES[k][1], edgecolor="white",
+                                      label=SWAP_STYLES[k][2]) for k in SWAP_STYLES if k in used_styles],
+                       fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                       title="swaps (out: lower half\nof a GPU's row, in: upper)", title_fontsize=7)
+        lane_ax.set_xlabel("time (ms)")
+    else:
+        ax.set_xlabel("time (ms)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_memory(r: SimResult, path: Path) -> None:
+    """Memory over time per GPU with each capacity as a dashed line and, when the run does
+    not fit, the out-of-memory marked (GPU, time, the demand above what was free); below,
+    the swap-outs and swap-ins of each GPU, to host and to peer GPUs in their own colours."""
+    import matplotlib.pyplot as plt
+
+    fig = memory_figure(r)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+#: Colours of the timeline: compute tasks by kind, then the copy lanes.
+TIMELINE_COLOURS = {"F": "tab:blue", "B": "tab:orange", "U": "tab:green", "copy": "tab:gray",
+                    "d2h": "tab:red", "h2d": "tab:olive"}
+_TIMELINE_LABELS = {"F": "forward", "B": "backward", "U": "optimizer update", "copy": "activation / D2D copy",
+                    "d2h": "swap to host", "h2d": "swap from host"}
+
+
+def _gpu_labels(r: SimResult) -> list[str]:
+    return [f"GPU {g.gpu}" + ("" if g.stage is None else f" (stage {g.stage})") for g in r.gpus]
+
+
+def memory_bars_figure(r: SimResult) -> Figure:
+    """One bar per GPU: bytes by category at its peak, the capacity as a black tick (the web
+    page's chart; ``html.memory_bars_html`` is the same in SVG drawn by hand)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 1.2 + 0.45 * len(r.gpus)))
+    ax = fig.add_subplot()
+    categories = [c for c in r.gpus[0].breakdown if any(g.breakdown.get(c) for g in r.gpus)]
+    left = [0.0] * len(r.gpus)
+    rows = list(range(len(r.gpus)))
+    for cat in categories:
+        widths = [g.breakdown.get(cat, 0) / GiB for g in r.gpus]
+        ax.barh(rows, widths, left=left, label=cat, height=0.6)
+        left = [a + b for a, b in zip(left, widths)]
+    for row, g in zip(rows, r.gpus):
+        cap = g.capacity_bytes / GiB
+        ax.plot([cap, cap], [row - 0.4, row + 0.4], color="black", linewidth=2)
+        colour = "black" if g.fits else "tab:red"
+        ax.annotate(f"{g.peak_bytes / GiB:.1f} / {cap:.1f} GiB", (max(cap, g.peak_bytes / GiB), row),
+                    xytext=(6, 0), textcoords="offset points", va="center", fontsize=7, color=colour)
+    ax.set_yticks(rows, _gpu_labels(r))
+    ax.invert_yaxis()
+    ax.set_xlabel("GiB at the GPU's peak (black tick: capacity)")
+    ax.margins(x=0.12)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def timeline_figure(r: SimResult) -> Figure:
+    """Per GPU a compute row (forward, backward, update) and a thinner copy row (the web
+    page's chart)."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    fig = Figure(figsize=(12, 1.2 + 0.5 * len(r.gpus)))
+    ax = fig.add_subplot()
+    bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for s in r.spans:
+        key = s.name[0] if s.lane == "compute" else s.lane
+        bars.setdefault((s.gpu, key), []).append((s.start_s * 1e3, (s.end_s - s.start_s) * 1e3))
+    for (gpu, key), spans in bars.items():
+        compute = key in ("F", "B", "U")
+        y = gpu - 0.4 if compute else gpu + 0.05
+        ax.broken_barh(spans, (y, 0.45 if compute else 0.3), facecolor=TIMELINE_COLOURS.get(key, "tab:gray"),
+                       edgecolor="white", linewidth=0.3)
+    used = sorted({key for _, key in bars}, key=list(TIMELINE_COLOURS).index)
+    ax.legend(handles=[Patch(facecolor=TIMELINE_COLOURS[k], label=_TIMELINE_LABELS[k]) for k in used],
+              fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_yticks(range(len(r.gpus)), _gpu_labels(r))
+    ax.set_ylim(len(r.gpus) - 0.5, -0.5)
+    ax.set_xlabel("time (ms); upper row of a GPU: compute, lower: copies")
+    fig.tight_layout()
+    return fig
+
+
+# -- studies ------------------------------------------------------------------------------------
+
+def choose_figure(report: ChooseReport) -> Figure:
+    """Throughput (tokens/s for language models, else samples/s) against USD per hour, a
+    point per priced server that fits, the Pareto front joined and marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lm = report.seq_len is not None
+    points = [(r.server, r.price.usd_per_hour, r.samples_per_s * (report.seq_len or 1), r.pareto)
+              for r in report.rows if r.fits and r.price.usd_per_hour is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (server, usd, rate, pareto) in enumerate(sorted(points, key=lambda p: p[1])):
+        ax.scatter([usd], [rate], s=60 if pareto else 30, zorder=3, color="tab:red" if pareto else "tab:gray",
+                   marker="D" if pareto else "o")
+        ax.annotate(server, (usd, rate), xytext=(6, 4 if i % 2 else -12), textcoords="offset points", fontsize=8)
+    front = sorted((usd, rate) for _, usd, rate, pareto in points if pareto)
+    if front:
+        ax.plot([p[0] for p in front], [p[1] for p in front], color="tab:red", linestyle="--", linewidth=1,
+                label="Pareto front (faster or cheaper than the rest)")
+        ax.legend(fontsize=8, loc="upper left")
+    shown = {p[0] for p in points}
+    left_out = [r.server for r in report.rows if r.server not in shown]
+    ax.set_xlabel("USD per hour (on-demand)")
+    ax.set_ylabel("tokens/s" if lm else "samples/s")
+    top_usd = max((p[1] for p in points), default=1.0)
+    top_rate = max((p[2] for p in points), default=1.0)
+    ax.set_xlim(0, top_usd * 1.3)
+    ax.set_ylim(0, top_rate * 1.15)
+    title = f"{report.model}, {report.schedule}: throughput against price"
+    if left_out:
+        title += f"\n(not shown, no fit or no price: {', '.join(left_out)})"
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_choose(report: ChooseReport, path: Path) -> None:
+    """``choose_figure`` to a file (PNG, or SVG by the suffix)."""
+    import matplotlib.pyplot as plt
+
+    fig = choose_figure(report)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(frame: pd.DataFrame, path: Path) -> Figure:
+    """Throughput and highest per-GPU peak against microbatch size: small multiples, a pair
+    of panels (throughput, peak memory) per server/model/microbatch count, a line per
+    strategy in the same colour in every panel, one legend, shared microbatch axes and a
+    shared memory axis, so a sweep of many models and strategies stays readable. Returns
+    the (closed) figure."""
+    import matplotlib
+    import pandas as pd
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(frame.groupby(["server", "model", "microbatches"], sort=False))
+    strategies = list(dict.fromkeys(frame["strategy"]))
+    cmap = plt.get_cmap("tab10" if len(strategies) <= 10 else "tab20")
+    colour = {st: cmap(i % cmap.N) for i, st in enumerate(strategies)}
+    servers, counts = frame["server"].nunique(), frame["microbatches"].nunique()
+    per_row = 1 if len(groups) == 1 else 2  # pairs of panels per row
+    n_rows = -(-len(groups) // per_row)
+    fig, axes = plt.subplots(n_rows, 2 * per_row, figsize=(5.5 * 2 * per_row, 3.2 * n_rows + 0.8), squeeze=False,
+                             sharex=True)
+    cap = frame["capacity_gib"].astype(float).max()
+    mem_axes = []
+    for i, ((sv, md, m), group) in enumerate(groups):
+        ax_t, ax_m = axes[i // per_row][2 * (i % per_row)], axes[i // per_row][2 * (i % per_row) + 1]
+        mem_axes.append(ax_m)
+        where = ", ".join([str(md)] + ([str(sv)] if servers > 1 else []) + ([f"m={m}"] if counts > 1 else []))
+        for st, part in group.groupby("strategy", sort=False):
+            part = part.assign(mb=part["microbatch"].astype(int)).sort_values("mb")
+            fits = part["fits"].astype(str) == "True"
+            thr = pd.to_numeric(part["samples_per_s"].where(fits), errors="coerce")
+            ax_t.plot(part["mb"], thr, marker="o", markersize=3, color=colour[st], label=st)
+            ax_m.plot(part["mb"], part["max_peak_gib"].astype(float), marker="o", markersize=3, color=colour[st])
+            oom = part[~fits]
+            ax_m.scatter(oom["mb"], oom["max_peak_gib"].astype(float), marker="x", color=colour[st], s=40)
+        ax_m.axhline(float(group["capacity_gib"].astype(float).max()), color="grey", linestyle="--", linewidth=1)
+        ax_t.set_title(f"{where}: samples/s", fontsize=9)
+        ax_m.set_title(f"{where}: peak GiB (x: OOM)", fontsize=9)
+        for ax in (ax_t, ax_m):
+            ax.tick_params(labelsize=8)
+            ax.grid(alpha=0.3)
+    for ax in mem_axes:
+        ax.set_ylim(0, max(cap, float(frame["max_peak_gib"].astype(float).max())) * 1.08)
+    for j in range(len(groups), n_rows * per_row):  # empty slots in the last row
+        axes[j // per_row][2 * (j % per_row)].set_visible(False)
+        axes[j // per_row][2 * (j % per_row) + 1].set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("microbatch size", fontsize=8)
+    handles = [plt.Line2D([], [], color=colour[st], marker="o", label=st) for st in strategies]
+    handles.append(plt.Line2D([], [], color="grey", linestyle="--", label=f"GPU capacity (max {cap:.1f} GiB)"))
+    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 8), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig.get_figheight()))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return fig

@@ -1,0 +1,285 @@
+"""Tables and lines a person reads, from results. ``table_text`` is the one table
+formatter; every command's text goes through it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from mpsim.calibrate import calibration_text as calibration_text  # written beside its fit, shown as a view
+from mpsim.choose import ChooseReport, ChooseRow, money
+from mpsim.plan import PlanFile, optimizer_label
+from mpsim.sim.memory import TECHNIQUES
+from mpsim.sim.result import COSTS
+from mpsim.topology import HOST, Topology
+from mpsim.units import GiB
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from mpsim.capacity import FitsReport
+    from mpsim.sim import SimResult
+    from mpsim.trace import Trace
+
+
+def table_text(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Columns padded to their widest cell: the first left-aligned, the others right; a
+    rule of dashes under the header."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB with two decimals, no unit."""
+    return f"{n / GiB:.2f}"
+
+
+def layer_range(layers: tuple[int, int] | list[int] | None) -> str:
+    """A stage's layers as in plan and JSON files, half-open: ``[0, 5)`` is layers 0 to 4."""
+    if not layers:
+        return "-"
+    return f"[{layers[0]}, {layers[1]})"
+
+
+#: The legend under tables with memory and layer columns.
+UNITS_LEGEND = "memory in GiB = 2^30 bytes; layers [a, b) = a to b - 1, as in plan and JSON files"
+
+
+# -- one job ------------------------------------------------------------------------------------
+
+def _verdict_lines(r: SimResult) -> list[str]:
+    job = (f"{r.model} on {r.server}: {r.schedule}, microbatch {r.microbatch} x {r.microbatches}, "
+           f"strategy {r.strategy}")
+    if not r.oom:
+        return [f"FITS on every GPU: {job}"]
+    o = r.oom
+    return [f"DOES NOT FIT: {job}",
+            f"  GPU {o['gpu']} ran out at {o['time_s'] * 1e3:.1f} ms during {o['task']}: "
+            f"needed {gib(o['need_bytes'])} GiB with {gib(o['free_bytes'])} GiB free"]
+
+
+def simulate_text(r: SimResult) -> str:
+    """The verdict first (fits, or where it ran out), then the per-GPU table, the
+    techniques, iteration time and throughput."""
+    cats = ["params", "grads", "optimizer", "activations", "stash", "buffers", "workspace"]
+    header = ["gpu", "stage", "layers", "peak GiB", "capacity GiB", "fits"] + cats
+    rows = [[str(g.gpu), "-" if g.stage is None else str(g.stage), layer_range(g.layers), gib(g.peak_bytes),
+             gib(g.capacity_bytes), "yes" if g.fits else "NO"] + [gib(g.breakdown[c]) for c in cats] for g in r.gpus]
+    lines = _verdict_lines(r) + ["", table_text(header, rows), f"(breakdown at each GPU's peak; {UNITS_LEGEND})", ""]
+    technique = techniques_text(r)
+    if technique:
+        lines += [technique, ""]
+    if r.host_peak_bytes:
+        lines.append(f"host memory   {gib(r.host_peak_bytes)} GiB pinned at the peak of "
+                     f"{gib(r.host_capacity_bytes)} GiB")
+    if r.oom:
+        lines.append("(time and throughput of the whole demand, as if the GPUs had the memory)")
+    lines.append(f"iteration     {r.iteration_s * 1e3:.1f} ms")
+    lines.append(f"throughput    {r.samples_per_s:.2f} samples/s, {r.model_tflops:.1f} model TFLOP/s")
+    utilization = {k: u for k, u in r.link_utilization().items() if r.links[k]["bytes"]}
+    if utilization:
+        name = max(utilization, key=lambda k: (utilization[k], k))
+        lines.append(f"busiest link  {name}: busy {100 * utilization[name]:.1f}% of the run, "
+                     f"{r.links[name]['bytes'] / 1e9:.2f} GB (10^9 bytes) carried")
+    return "\n".join(lines)
+
+
+def techniques_text(r: SimResult) -> str:
+    """Per GPU and technique: GiB kept off the GPU at its peak, and ms it cost per
+    iteration (MPress Table IV). Empty when the plan uses no technique."""
+    saved_cols = [t for t in TECHNIQUES if any(g.saved_at_peak.get(t) for g in r.gpus)]
+    cost_cols = [c for c in COSTS if any(g.costs_s.get(c, 0.0) > 1e-12 for g in r.gpus)]
+    if not saved_cols and not cost_cols:
+        return ""
+    header = ["gpu"] + [f"saved {t} GiB" for t in saved_cols] + [f"{c[:-2].replace('_', ' ')} ms" for c in cost_cols]
+    rows = [[str(g.gpu)] + [gib(g.saved_at_peak.get(t, 0)) for t in saved_cols]
+            + [f"{g.costs_s.get(c, 0.0) * 1e3:.1f}" for c in cost_cols] for g in r.gpus if g.stage is not None
+            or any(g.saved_at_peak.values()) or g.breakdown.get("peer_swap")]
+    return ("what each technique saved at the GPU's peak, and what it cost per iteration\n"
+            + table_text(header, rows))
+
+
+def plan_counts(plan: PlanFile) -> list[list[Any]]:
+    """Per stage: stage, GPU, layers, how many layers take each action (keep, recompute,
+    selective, host, peer), split layers, optimizer, stash (``PLAN_HEADER``)."""
+    rows = []
+    for s, st in enumerate(plan.stages):
+        a, b = st.layers
+        acts = [x.action for x in st.actions]
+        counted = {k: acts.count(k) for k in ("recompute", "selective", "host", "peer")}
+        rows.append([s, st.gpu, layer_range(st.layers), (b - a) - sum(counted.values()), *counted.values(),
+                     sum(1 for x in st.actions if x.split > 1), optimizer_label(st), st.stash])
+    return rows
+
+
+PLAN_HEADER = ["stage", "gpu", "layers", "keep", "recompute", "selective", "host", "peer", "split", "optimizer",
+               "stash"]
+
+
+def plan_text(plan: PlanFile) -> str:
+    """One line per stage: GPU, layers, how many layers take each action, optimizer, stash."""
+    rows = [[str(c) for c in row] for row in plan_counts(plan)]
+    head = (f"plan {plan.strategy} for {plan.model} on {plan.server}: {plan.schedule}, "
+            f"microbatch {plan.microbatch} x {plan.microbatches}")
+    return (head + "\n\n" + table_text(PLAN_HEADER, rows)
+            + "\n(layers [a, b) are a to b - 1, half-open as in the plan file)")
+
+
+def validation_text(report: dict) -> str:
+    """``mpsim validate``'s table: predicted against measured per stage (written beside the
+    run in :mod:`mpsim.hardware_check`, which imports torch, so imported when asked)."""
+    from mpsim.hardware_check import validation_text as text
+
+    return text(report)
+
+
+# -- studies ------------------------------------------------------------------------------------
+
+def fits_strategies_text(reports: list[FitsReport]) -> str:
+    """One column per strategy: samples/s where the size fits, else the highest peak."""
+    first = reports[0]
+    header = ["model", "params (B)"] + [r.strategy for r in reports]
+    rows = []
+    for i, fr in enumerate(first.rows):
+        cells = [fr.model, f"{fr.params / 1e9:.2f}"]
+        for rep in reports:
+            res = rep.rows[i].result
+            cells.append(f"{res.samples_per_s:.2f}/s" if res.fits else f"OOM {gib(res.max_peak_bytes)}G")
+        rows.append(cells)
+    cap = first.rows[0].result.gpus[0].capacity_bytes
+    lines = [f"{first.family} on {first.server}: {first.schedule}, microbatch {first.microbatch} x "
+             f"{first.microbatches}, {first.partition}-balanced partition, capacity {gib(cap)} GiB per GPU",
+             "(samples/s where it fits; OOM and the highest per-GPU peak in GiB where it does not)", "",
+             table_text(header, rows), "", "largest that fits, by strategy:"]
+    for rep in reports:
+        if rep.largest is None:
+            lines.append(f"  {rep.strategy:10s} none, even with one transformer layer per GPU")
+            continue
+        d = rep.largest.to_dict()
+        lines.append(f"  {rep.strategy:10s} {d['params'] / 1e9:6.2f}B ({d['transformer_layers']} layers at the shape "
+                     f"of {rep.largest_template}), {d['samples_per_s']:.2f} samples/s, max peak "
+                     f"{gib(d['max_peak_bytes'])} GiB")
+    return "\n".join(lines)
+
+
+def sweep_text(frame: pd.DataFrame) -> str:
+    """Samples/s (or OOM and the highest peak) per microbatch size, one column per strategy."""
+    lines = []
+    for (sv, md, m), part in frame.groupby(["server", "model", "microbatches"], sort=False):
+        strategies = list(dict.fromkeys(part["strategy"]))
+        rows = []
+        for mb in sorted({int(x) for x in part["microbatch"]}):
+            cells = [str(mb)]
+            for st in strategies:
+                r = part[(part["microbatch"].astype(int) == mb) & (part["strategy"] == st)]
+                if r.empty:
+                    cells.append("")
+                    continue
+                r = r.iloc[0]
+                fits = str(r["fits"]) == "True"
+                cells.append(f"{float(r['samples_per_s']):.2f}/s {float(r['max_peak_gib']):.1f}G" if fits
+                             else f"OOM {float(r['max_peak_gib']):.1f}G")
+            rows.append(cells)
+        lines += [f"{md} on {sv}, {m} microbatches: samples/s and highest per-GPU peak (GiB)", "",
+                  table_text(["microbatch"] + strategies, rows), ""]
+    return "\n".join(lines).rstrip()
+
+
+def choose_header(lm: bool) -> list[str]:
+    """Columns of ``choose``'s ranked table; ``lm``: with tokens (a language model)."""
+    return ["server", "GPUs", "fits", "plan", "mb", "samples/s"] + (["tokens/s"] if lm else []) + [
+        "max peak GiB", "capacity GiB", "USD/h", "USD/M samples"] + (["USD/M tokens"] if lm else []) + ["front"]
+
+
+def choose_row(report: ChooseReport, r: ChooseRow) -> list[str]:
+    """One server's cells under ``choose_header``."""
+    lm = report.seq_len is not None
+    fits = "yes" if r.fits else f"OOM +{r.shortfall_bytes / GiB:.2f}"
+    rate = [f"{r.samples_per_s:.2f}" if r.fits else "-"]
+    if lm:
+        rate.append(f"{r.tokens_per_s:,.0f}" if r.fits else "-")
+    cost = [money(r.usd_per_million_samples)] + ([money(r.usd_per_million_tokens)] if lm else [])
+    return ([f"{r.rank}. {r.server}", f"{r.n_gpus}", fits, r.technique, str(r.microbatch)] + rate
+            + [f"{r.max_peak_bytes / GiB:.2f}", f"{r.capacity_bytes / GiB:.2f}", money(r.price.usd_per_hour)]
+            + cost + ["*" if r.pareto else ""])
+
+
+def choose_text(report: ChooseReport) -> str:
+    """The ranked table, its legend, the prices' sources and the recommendation."""
+    rows = [choose_row(report, r) for r in report.rows]
+    strategies = ",".join(report.strategies)
+    lines = [f"{report.model} on {len(report.rows)} server(s): {report.schedule}, {report.n_microbatches} "
+             f"microbatches of {'/'.join(map(str, report.microbatches))}, strategies {strategies}, one stage per GPU; "
+             f"ranked by {report.rank_by}", "", table_text(choose_header(report.seq_len is not None), rows),
+             "(plan: the technique of the fastest plan that fits, else the one that came closest; OOM +x: the "
+             "smallest highest per-GPU peak above capacity, GiB; front: on the Pareto front of throughput against "
+             "USD per hour; M = 10^6; memory in GiB = 2^30 bytes)"]
+    sources = [f"  {r.server}: USD {money(r.price.usd_per_hour)}/h, "
+               + ("given with --price" if r.price.override else f"{r.price.source} ({r.price.date})")
+               for r in report.rows if r.price.usd_per_hour is not None]
+    if sources:
+        lines += ["", "prices:"] + sources
+    return "\n".join(lines + ["", f"recommendation: {report.recommendation}"])
+
+
+# -- servers and models -------------------------------------------------------------------------
+
+def transfer_text(d: dict) -> str:
+    """The table of ``mpsim topo transfer``."""
+    target = f"striped over GPUs {', '.join(str(g) for g in d['stripe'])}" if d["stripe"] else f"to {d['dst']}"
+    lines = [f"{d['server']}: copy from {d['src']} {target}, alone on an idle server", ""]
+    rows = []
+    for c in d["copies"]:
+        detail = (", ".join(f"gpu{p['dst']} {p['bytes'] / 1e6:.0f} MB" for p in c["parts"]) if "parts" in c
+                  else " > ".join(c["route"]))
+        rows.append([f"{c['bytes'] / 1e6:.4g}", f"{c['seconds'] * 1e3:.3f}", f"{c['effective_gbps']:.2f}", detail])
+    lines.append(table_text(["MB", "ms", "effective GB/s", "parts" if d["stripe"] else "route"], rows))
+    lines.append("(decimal units: MB = 10^6 bytes, GB/s = 10^9 bytes/s)")
+    return "\n".join(lines)
+
+
+def topo_text(t: Topology) -> str:
+    """GPUs, the connection matrix (``nvidia-smi topo -m`` style) and route bandwidths."""
+    n = t.n_gpus
+    d = t.to_dict()
+    g = t.spec.gpu
+    lines = [f"{t.name}: {t.spec.description}",
+             f"{n} x {g.model}, {g.memory_mib / 1024:.2f} GiB each ({gib(t.capacity_bytes)} GiB usable after "
+             f"{g.reserved_mib:.0f} MiB reserved), "
+             f"host {t.spec.host.memory_gib:g} GiB on {t.spec.host.sockets} socket(s)",
+             "", "connections (nvidia-smi topo -m style)"]
+    names = [f"GPU{i}" for i in range(n)]
+    lines.append(table_text([""] + names + ["socket"], [[names[a]] + d["connection"][a] + [str(t.socket_of(a))]
+                                                        for a in range(n)]))
+    lines += ["", "route bandwidth in GB/s = 10^9 bytes/s (row sends to column; host = pinned memory on the "
+                  "local socket)"]
+    rows = []
+    for a in range(n):
+        cells = ["X" if b == a else f"{t.route(a, b).bandwidth / 1e9:.1f}" for b in range(n)]
+        rows.append([names[a]] + cells + [f"{t.route(a, HOST).bandwidth / 1e9:.1f}"])
+    lines.append(table_text([""] + names + ["host"], rows))
+    return "\n".join(lines)
+
+
+def servers_text(servers: Mapping[str, Topology]) -> str:
+    """``mpsim topo list``: a line per server, its shipped name and description."""
+    return "\n".join(f"{name:22s} {t.spec.description}" for name, t in servers.items())
+
+
+def presets_text(presets: dict[str, tuple[Any, int, str]]) -> str:
+    """``mpsim trace --list``: a line per preset (its ``ModelConfig``, microbatch, recipe)."""
+    return "\n".join(f"{preset:12s} {cfg.family:6s} {cfg.param_count() / 1e9:6.2f}B  {cfg.layers:3d} layers, hidden "
+                     f"{cfg.hidden}, seq {cfg.seq_len}, microbatch {mb}, {recipe}, {cfg.attention} attention"
+                     for preset, (cfg, mb, recipe) in presets.items())
+
+
+def trace_line(output: object, trace: Trace) -> str:
+    """What ``mpsim trace`` says of the trace it wrote to ``output``."""
+    attention = trace.spec.model.get("attention", "")
+    return (f"wrote {output}: {trace.name}, {trace.spec.params / 1e9:.2f}B parameters, {trace.n_layers} layers, "
+            f"microbatch {trace.microbatch}, {trace.spec.precision.recipe}"
+            + (f", {attention} attention" if attention else ""))
