@@ -53,16 +53,39 @@ class FitRow:
 
 @dataclass
 class FitsReport:
-    server: str
+    """What fits of one family under one job's strategy: every shipped size, and the
+    largest size that fits (at the shape of ``largest_template``)."""
+
+    job: JobSpec
+    """The job at the smallest size (its server, schedule, microbatch, strategy, partition)."""
     family: str
-    schedule: str
-    microbatch: int
-    microbatches: int
-    strategy: str
-    partition: str
     rows: list[FitRow]
     largest: FitRow | None
     largest_template: str
+
+    @property
+    def server(self) -> str:
+        return self.job.topology.name
+
+    @property
+    def schedule(self) -> str:
+        return self.job.schedule
+
+    @property
+    def microbatch(self) -> int:
+        return self.job.microbatch
+
+    @property
+    def microbatches(self) -> int:
+        return self.job.microbatches
+
+    @property
+    def strategy(self) -> str:
+        return self.job.strategy
+
+    @property
+    def partition(self) -> str:
+        return self.job.partition
 
     def to_dict(self) -> dict:
         return {
@@ -397,6 +420,4 @@ class _Search:
         return lo
 
     def report(self, rows: list[FitRow], largest: FitRow | None) -> FitsReport:
-        j = self.job
-        return FitsReport(j.topology.name, self.family, j.schedule, j.microbatch, j.microbatches, j.strategy,
-                          j.partition, rows, largest, self.template.name)
+        return FitsReport(self.job, self.family, rows, largest, self.template.name)
