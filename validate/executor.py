@@ -186,16 +186,36 @@ class HostAdam:
                 p.grad.zero_()
 
 
-def run(job: dict, out_dir: Path) -> dict:
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
-    plan = PlanFile.model_validate(job["plan"])
-    cfg = ModelConfig(**job["model"])
-    if world != len(plan.stages):
-        raise SystemExit(f"the plan has {len(plan.stages)} stages but {world} processes were started")
-    st = plan.stages[rank]
+Optimizer = torch.optim.Optimizer | HostAdam
+
+
+class Stepper:
+    """One training step of this stage (the pipeline's step, then the optimizer's), and
+    where the run is for an out-of-memory's record: ``step_no`` and ``phase``."""
+
+    def __init__(self, schedule: ScheduleGPipe | Schedule1F1B, opt: Optimizer, tokens: torch.Tensor, rank: int,
+                 world: int) -> None:
+        self.schedule, self.opt, self.tokens = schedule, opt, tokens
+        self.rank, self.world = rank, world
+        self.phase = "setup"
+        self.step_no = 0
+
+    def __call__(self) -> None:
+        self.phase = "pipeline"
+        args = (self.tokens,) if self.rank == 0 else ()
+        target = self.tokens if self.rank == self.world - 1 else None
+        self.schedule.step(*args, target=target, return_outputs=False)
+        self.phase = "optimizer"
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+        self.phase = "between steps"
+
+
+def init_process(job: dict, gpu: int) -> torch.device:
+    """Join the process group on this stage's device (NCCL on GPU ``gpu``, gloo on the CPU
+    with the job's threads), seed torch and cap the device's memory at the job's capacity."""
     use_cuda = job["device"].startswith("cuda")
-    device = torch.device("cuda", st.gpu) if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", gpu) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     else:
@@ -206,77 +226,115 @@ def run(job: dict, out_dir: Path) -> dict:
     if use_cuda and cap:
         device_bytes = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / device_bytes), device)
+    return device
+
+
+def build_pipeline(plan: PlanFile, cfg: ModelConfig, rank: int, world: int,
+                   device: torch.device) -> tuple[nn.Sequential, Optimizer, Stepper]:
+    """This stage's module and optimizer (on the host for ``host-update``), driven by torch's
+    GPipe or 1F1B schedule on synthetic tokens."""
+    use_cuda = device.type == "cuda"
     b, m = plan.microbatch, plan.microbatches
     tokens = torch.randint(0, cfg.vocab, (b * m, cfg.seq_len), generator=torch.Generator().manual_seed(1))
     labels = tokens[:b].to(device)
     peers = {s.gpu: torch.device("cuda", s.gpu) for s in plan.stages} if use_cuda else {}
     module, params = build_stage(cfg, plan, rank, device, labels, peers)
-    if st.optimizer == "host-update":
-        opt: torch.optim.Optimizer | HostAdam = HostAdam(params, lr=1e-4)
+    if plan.stages[rank].optimizer == "host-update":
+        opt: Optimizer = HostAdam(params, lr=1e-4)
     else:
         opt = torch.optim.Adam(params, lr=1e-4, foreach=False)
     stage = PipelineStage(module, rank, world, device)
     schedule_cls = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
     schedule = schedule_cls(stage, n_microbatches=m, loss_fn=lambda out, _target: out)
-    tokens = tokens.to(device)
-    phase = {"name": "setup"}
+    return module, opt, Stepper(schedule, opt, tokens.to(device), rank, world)
 
-    def step() -> None:
-        phase["name"] = "pipeline"
-        args = (tokens,) if rank == 0 else ()
-        target = tokens if rank == world - 1 else None
-        schedule.step(*args, target=target, return_outputs=False)
-        phase["name"] = "optimizer"
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        phase["name"] = "between steps"
 
-    result: dict = {"stage": rank, "gpu": st.gpu, "layers": list(st.layers), "device": str(device), "oom": None}
-    step_no = 0
-    try:
-        step()  # builds the pipeline's buffers, the gradients and Adam's states
-        step_no = 1
-        tracker = CappedMemTracker(device, None if use_cuda else cap)
-        tracker.track_external(module, *([opt] if isinstance(opt, torch.optim.Optimizer) else []))
-        if use_cuda:
-            sync_device(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        dist.barrier()
-        with tracker:
-            step()
+def peak_breakdown(snap: dict) -> dict[str, int]:
+    """A MemTracker snapshot's bytes by our categories (``_CATEGORY``), its total left out."""
+    breakdown: dict[str, int] = {}
+    for key, n in snap.items():
+        name = getattr(key, "value", key)
+        if name != "Total":
+            cat = _CATEGORY.get(name, "activations")
+            breakdown[cat] = breakdown.get(cat, 0) + int(n)
+    return breakdown
+
+
+def measure_peak(step: Stepper, module: nn.Sequential, device: torch.device, cap: int | None) -> dict:
+    """Step 1 under the tracker (capped at ``cap`` bytes on the CPU): the tracker's peak, the
+    peak (the caching allocator's on CUDA) and its breakdown."""
+    use_cuda = device.type == "cuda"
+    opt = step.opt
+    tracker = CappedMemTracker(device, None if use_cuda else cap)
+    tracker.track_external(module, *([opt] if isinstance(opt, torch.optim.Optimizer) else []))
+    if use_cuda:
         sync_device(device)
-        snap = tracker.get_tracker_snapshot("peak")[device]
-        breakdown: dict[str, int] = {}
-        for key, n in snap.items():
-            name = getattr(key, "value", key)
-            if name != "Total":
-                cat = _CATEGORY.get(name, "activations")
-                breakdown[cat] = breakdown.get(cat, 0) + int(n)
-        result["tracker_peak_bytes"] = int(snap["Total"])
-        result["peak_bytes"] = int(torch.cuda.max_memory_allocated(device)) if use_cuda else int(snap["Total"])
-        result["breakdown"] = breakdown
-        del tracker
-        times: list[float] = []
-        for i in range(job["warmup"] + job["steps"]):
-            step_no = 2 + i
-            dist.barrier()
-            sync_device(device)
-            t0 = time.perf_counter()
-            step()
-            sync_device(device)
-            if i >= job["warmup"]:
-                times.append(time.perf_counter() - t0)
-        result["step_times_s"] = times
-        result["step_s"] = statistics.median(times)
+        torch.cuda.reset_peak_memory_stats(device)
+    dist.barrier()
+    with tracker:
+        step()
+    sync_device(device)
+    snap = tracker.get_tracker_snapshot("peak")[device]
+    return {"tracker_peak_bytes": int(snap["Total"]),
+            "peak_bytes": int(torch.cuda.max_memory_allocated(device)) if use_cuda else int(snap["Total"]),
+            "breakdown": peak_breakdown(snap)}
+
+
+def time_steps(step: Stepper, device: torch.device, warmup: int, steps: int) -> list[float]:
+    """``warmup`` untimed steps, then the times of ``steps`` timed ones, all processes
+    starting each step together."""
+    times: list[float] = []
+    for i in range(warmup + steps):
+        step.step_no = 2 + i
+        dist.barrier()
+        sync_device(device)
+        t0 = time.perf_counter()
+        step()
+        sync_device(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def train(job: dict, step: Stepper, module: nn.Sequential, device: torch.device, result: dict) -> None:
+    """The module doc's steps into ``result``: step 0 sets up, step 1 measures the peak,
+    then the timed steps."""
+    step()  # builds the pipeline's buffers, the gradients and Adam's states
+    step.step_no = 1
+    result.update(measure_peak(step, module, device, job.get("capacity_bytes")))
+    times = time_steps(step, device, job["warmup"], job["steps"])
+    result["step_times_s"] = times
+    result["step_s"] = statistics.median(times)
+
+
+def oom_record(oom: BaseException, step: Stepper, gpu: int) -> dict:
+    """Where this stage ran out of memory: its step, phase (with the pass, for the CPU
+    tracker's) and the error's first line."""
+    where = step.phase
+    if where == "pipeline" and isinstance(oom, StageOutOfMemory):
+        where = f"pipeline {str(oom).split()[0]}"
+    return {"stage": step.rank, "gpu": gpu, "step": step.step_no, "phase": where,
+            "message": str(oom).splitlines()[0][:300]}
+
+
+def run(job: dict, out_dir: Path) -> dict:
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    plan = PlanFile.model_validate(job["plan"])
+    cfg = ModelConfig(**job["model"])
+    if world != len(plan.stages):
+        raise SystemExit(f"the plan has {len(plan.stages)} stages but {world} processes were started")
+    st = plan.stages[rank]
+    device = init_process(job, st.gpu)
+    module, _opt, step = build_pipeline(plan, cfg, rank, world, device)
+    result: dict = {"stage": rank, "gpu": st.gpu, "layers": list(st.layers), "device": str(device), "oom": None}
+    try:
+        train(job, step, module, device, result)
     except Exception as exc:
         oom = out_of_memory_in(exc)
         if oom is None:
             raise
-        where = phase["name"]
-        if where == "pipeline" and isinstance(oom, StageOutOfMemory):
-            where = f"pipeline {str(oom).split()[0]}"
-        result["oom"] = {"stage": rank, "gpu": st.gpu, "step": step_no, "phase": where,
-                         "message": str(oom).splitlines()[0][:300]}
+        result["oom"] = oom_record(oom, step, st.gpu)
     (out_dir / f"stage{rank}.json").write_text(json.dumps(result, indent=1) + "\n")
     if result["oom"] is not None:
         os._exit(3)  # the other stages wait on this one; torchrun stops them
