@@ -21,11 +21,11 @@ from itertools import combinations
 
 from mpsim.api import plan
 from mpsim.catalog import load_topology, load_trace
-from mpsim.partition import Stages, brute_force, highest_peak
 from mpsim.job import JobSpec
+from mpsim.partition import Stages, brute_force, highest_peak
 from mpsim.planners.context import make_context
-from mpsim.planners.singles import SINGLES
 from mpsim.planners.mcap import mcap_partition, peak_tables
+from mpsim.planners.singles import SINGLES
 from mpsim.sim import SimResult
 from mpsim.trace import Trace
 
