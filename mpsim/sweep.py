@@ -28,6 +28,7 @@ import pandas as pd
 
 from mpsim.backends import Backend, LocalBackend, run_points
 from mpsim.errors import MpsimError
+from mpsim.job import JobSpec, job_of
 from mpsim.views.plots import plot_sweep as plot_sweep  # a view now; kept here for code that imports it from here
 
 KEY = ("server", "model", "schedule", "microbatch", "microbatches", "strategy", "partition")
@@ -37,6 +38,9 @@ FIELDS = KEY + ("fits", "samples_per_s", "iteration_s", "model_tflops", "max_pea
 
 @dataclass(frozen=True)
 class Point:
+    """One point of the grid by name: the CSV row's key, and what a worker turns into a
+    ``JobSpec`` (``mpsim.job.job_of``) to plan and simulate."""
+
     server: str
     model: str
     schedule: str
@@ -61,24 +65,18 @@ def grid(servers: list[str], models: list[str], schedule: str, microbatch_sizes:
 
 
 def check_points(points: list[Point]) -> None:
-    """Refuse unknown names and impossible sizes before any point runs."""
-    from mpsim.catalog import load_topology, load_trace
-    from mpsim.planners import PARTITIONS, STRATEGIES
-    from mpsim.schedule import check_schedule
-
+    """Refuse unknown names and impossible sizes before any point runs: every distinct job
+    of the grid is built once as a ``JobSpec``, which checks it (a trace is rescaled once
+    per server, model and microbatch size)."""
+    jobs: dict[tuple[str, str, int], JobSpec] = {}
     for p in points:
-        if p.strategy not in STRATEGIES:
-            raise MpsimError(f"unknown strategy {p.strategy!r}: expected one of {', '.join(STRATEGIES)}")
-        if p.partition not in PARTITIONS:
-            raise MpsimError(f"unknown partition {p.partition!r}: expected one of {', '.join(PARTITIONS)}")
-        if p.microbatch < 1:
-            raise MpsimError(f"microbatch must be a positive integer, got {p.microbatch}")
-    for sv in {p.server for p in points}:
-        topo = load_topology(sv)
-        for m in {p.microbatches for p in points}:
-            check_schedule(points[0].schedule, topo.n_gpus, m)
-    for md in {p.model for p in points}:
-        load_trace(md)
+        job = jobs.get((p.server, p.model, p.microbatch))
+        if job is None:
+            jobs[(p.server, p.model, p.microbatch)] = job_of(
+                p.server, p.model, schedule=p.schedule, microbatch=p.microbatch, microbatches=p.microbatches,
+                strategy=p.strategy, partition=p.partition)
+        else:
+            job.but(schedule=p.schedule, microbatches=p.microbatches, strategy=p.strategy, partition=p.partition)
 
 
 def run_point(p: Point) -> dict:
