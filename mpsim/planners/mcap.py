@@ -17,14 +17,16 @@ schedule instead of profiling runs:
 
 Because a stage's predicted peak depends only on its layer range and its position, the
 best partition is found exactly by a min-max dynamic programme (``min_max_partition``),
-in milliseconds, where mCAP enumerates (mCAP-BF) or samples (mCAP-BO) partitions.
+in milliseconds, where mCAP enumerates (mCAP-BF) or samples (mCAP-BO) partitions; each
+stage's peaks are worked out a block of layer ranges at a time, so memory stays linear
+in the layers.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from mpsim.partition import Stages, min_max_partition, stage_peak_table
+from mpsim.partition import PeakCost, Stages, min_max_partition
 from mpsim.schedule import weight_versions
 from mpsim.trace import RECOMPUTABLE, Trace
 
@@ -34,9 +36,10 @@ def held_microbatches(schedule: str, stage: int, n_stages: int, microbatches: in
     return microbatches if schedule == "gpipe" else min(n_stages - stage, microbatches)
 
 
-def peak_tables(trace: Trace, schedule: str, n_stages: int, microbatches: int,
-                recompute: bool = False, selective: bool = False) -> list[np.ndarray]:
-    """Per stage, the predicted peak of every layer range (``stage_peak_table``)."""
+def peak_costs(trace: Trace, schedule: str, n_stages: int, microbatches: int,
+               recompute: bool = False, selective: bool = False) -> list[PeakCost]:
+    """Per stage, the predicted peak of every layer range (``PeakCost``), in memory linear
+    in the layers."""
     rows = trace.layers
     fixed = np.array([r.param_bytes + r.grad_bytes + r.optimizer_bytes for r in rows], dtype=float)
     params = np.array([r.param_bytes for r in rows], dtype=float)
@@ -53,15 +56,23 @@ def peak_tables(trace: Trace, schedule: str, n_stages: int, microbatches: int,
     boundary_in = np.concatenate((inp, [0.0]))
     boundary_out = np.concatenate(([0.0], out))
     boundary_out[-1] = 0.0  # the last stage sends nothing forward
-    tables = []
+    costs = []
     for k in range(n_stages):
         held = held_microbatches(schedule, k, n_stages, microbatches)
         added = fixed + held * saved + (weight_versions(schedule, k, n_stages) - 1) * params
-        tables.append(stage_peak_table(added, transient, boundary_in, boundary_out))
-    return tables
+        costs.append(PeakCost(added, transient, boundary_in, boundary_out))
+    return costs
+
+
+def peak_tables(trace: Trace, schedule: str, n_stages: int, microbatches: int,
+                recompute: bool = False, selective: bool = False) -> list[np.ndarray]:
+    """``peak_costs`` as whole tables, peak[j, i] (quadratic memory: for small cases and checks)."""
+    n = trace.n_layers
+    return [c.block(0, n + 1, n + 1) for c in peak_costs(trace, schedule, n_stages, microbatches, recompute,
+                                                          selective)]
 
 
 def mcap_partition(trace: Trace, schedule: str, n_stages: int, microbatches: int, recompute: bool = False,
                    selective: bool = False) -> Stages:
     """The memory-balanced partition (exact for the prediction)."""
-    return min_max_partition(peak_tables(trace, schedule, n_stages, microbatches, recompute, selective))
+    return min_max_partition(peak_costs(trace, schedule, n_stages, microbatches, recompute, selective))
