@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from mpsim.errors import MpsimError, SchemaError, from_pydantic
+from mpsim.limits import check_trace_data, check_trace_text
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -48,7 +49,19 @@ def _json_no_duplicates(pairs: list[tuple[str, object]]) -> dict:
 
 def read_data_file(path: Path, fmt: Literal["yaml", "json"], what: str) -> object:
     """Parse ``path`` as ``fmt``; a missing file, text that is not UTF-8, a syntax error or a
-    repeated key names the file (and line)."""
+    repeated key names the file (and line). A trace (``what`` "trace") with more layers than
+    ``mpsim.limits.MAX_LAYERS`` is refused before it is parsed, and again, counted exactly,
+    before its rows are validated."""
+    text = _read_text(path, fmt, what)
+    if what == "trace":
+        check_trace_text(text, path)
+    data = _parse(path, text, fmt)
+    if what == "trace":
+        check_trace_data(data, path)
+    return data
+
+
+def _read_text(path: Path, fmt: Literal["yaml", "json"], what: str) -> str:
     try:
         raw = path.read_bytes()
     except OSError as exc:
@@ -59,6 +72,10 @@ def read_data_file(path: Path, fmt: Literal["yaml", "json"], what: str) -> objec
         line = raw[: exc.start].count(b"\n") + 1
         raise SchemaError(path, "", f"not UTF-8 text (byte {exc.start}, line {line}): expected a {what} "
                                     f"file in {fmt.upper()}") from None
+    return text
+
+
+def _parse(path: Path, text: str, fmt: Literal["yaml", "json"]) -> object:
     if fmt == "json":
         try:
             return json.loads(text, object_pairs_hook=_json_no_duplicates)

@@ -31,6 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mpsim import kernels
 from mpsim.kernels import FUSED_ATTENTION_OPS, storage_key
+from mpsim.limits import check_layer_count
 from mpsim.trace import RECIPES, SCHEMA_VERSION, LayerKind, LayerRow, Source, Trace, TraceFile
 from mpsim.workloads import Embedding, LossHead, ModelConfig, TransformerLayer
 
@@ -200,6 +201,8 @@ class compute_dtype:
 
 def trace_model(cfg: ModelConfig, microbatch: int, recipe: str = "mixed-fp16", name: str | None = None) -> Trace:
     """Trace ``cfg`` at ``microbatch`` under FakeTensor mode (see the module docstring)."""
+    check_layer_count(cfg.layers + 2, f"{name or 'the model'} ({cfg.layers} transformer layers, an embedding and "
+                                      "a head)")
     with compute_dtype(recipe) as dtype:
         emb, layer, head = _trace_layers(cfg, microbatch, dtype)
     return _assemble(cfg, microbatch, recipe, name, emb, layer, head)
@@ -229,7 +232,9 @@ def default_source() -> Source:
 def make_trace(name: str, model: dict, params: int, microbatch: int, recipe: str, named: list[NamedFields],
                source: Source | None = None, split_dims: dict[LayerKind, list] | None = None) -> Trace:
     """A trace from measured rows: parameter, gradient and optimizer bytes from the recipe.
-    Layers split along the batch; heads also along the sequence unless ``split_dims`` says."""
+    Layers split along the batch; heads also along the sequence unless ``split_dims`` says.
+    More rows than ``mpsim.limits.MAX_LAYERS`` are refused before any is built."""
+    check_layer_count(len(named), name)
     precision = RECIPES[recipe]
     dims: dict[LayerKind, list] = {"head": ["batch", "sequence"]}
     dims.update(split_dims or {})
