@@ -18,7 +18,7 @@ from mpsim.errors import MpsimError
 from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_microbatch, check_strategy
 from mpsim.planners.best import Part, combine, parts
 from mpsim.planners.context import Planned
-from mpsim.planners.registry import plan_job
+from mpsim.planners.registry import combines, plan_job
 from mpsim.sim import SimResult
 from mpsim.topology import Topology
 from mpsim.trace import Trace
@@ -124,8 +124,8 @@ def fits_strategies(server: str | Topology, family: str, schedule: str = DEFAULT
     if backend is not None:
         return _fits_parallel(base, strategies, backend, on_point)
     done: dict[str, FitsReport] = {}
-    for strategy in sorted(strategies, key=lambda s: s == "best"):
-        best = strategy == "best"
+    for strategy in sorted(strategies, key=combines):
+        best = combines(strategy)
         done[strategy] = fits_job(job.but(strategy=strategy), family, traces,
                                   on_point=None if on_point is None else _prefixed(on_point, strategy),
                                   known_fitting=_known(done.values(), partition) if best else None,
@@ -158,7 +158,7 @@ def _known_failing(reports: Iterable[FitsReport]) -> Failing:
         failing[key] = min(failing.get(key, layers), layers)
 
     for rep in reports:
-        if rep.strategy == "best":
+        if combines(rep.strategy):
             continue
         for row in rep.rows:
             if not row.result.fits:
@@ -216,15 +216,15 @@ def _fits_parallel(base: _FitsUnit, strategies: tuple[str, ...], backend: Backen
     names = list(dict.fromkeys(strategies))
     sized = run([base.under(st, size=i) for st in names for i in range(n_sizes)])
     rows = {st: tuple(_as_row(v) for v in sized[k * n_sizes:(k + 1) * n_sizes]) for k, st in enumerate(names)}
-    singles = [st for st in names if st != "best"]
+    singles = [st for st in names if not combines(st)]
     done = {st: _as_report(v) for st, v in zip(singles, run([base.under(st, rows=rows[st]) for st in singles]))}
-    if "best" in names:
-        done["best"] = fits_job(base.job.but(strategy="best"), base.family, base.traces(),
+    for st in names:
+        if combines(st):
+            done[st] = fits_job(base.job.but(strategy=st), base.family, base.traces(),
                                 known_fitting=_known(done.values(), base.job.partition),
-                                known_failing=_known_failing(done.values()), rows=list(rows["best"]),
-                                backend=backend)
-        if on_point:
-            on_point("best: search")
+                                known_failing=_known_failing(done.values()), rows=list(rows[st]), backend=backend)
+            if on_point:
+                on_point(f"{st}: search")
     return [done[s] for s in strategies]
 
 
@@ -355,7 +355,7 @@ class _Search:
     def run(self, trace: Trace, skip: frozenset[tuple[str, str]] = frozenset()) -> SimResult:
         """One size simulated under the job's strategy (``best``'s parts in parallel on a backend)."""
         job = self.job.but(trace=trace.rescale(self.job.microbatch))
-        if self.backend is not None and job.strategy == "best":
+        if self.backend is not None and combines(job.strategy):
             result = _best_in_parallel(job, skip, self.backend)
         else:
             result = plan_job(job, known_not_fitting=skip).result
@@ -378,7 +378,7 @@ class _Search:
 
     def _skip(self, n: int) -> frozenset[tuple[str, str]]:
         """``best``'s parts known not to fit at ``n`` layers of the template."""
-        if self.job.strategy != "best":
+        if not combines(self.job.strategy):
             return frozenset()
         return frozenset((name, part) for (at, name, part), m in self.known_failing.items()
                          if at == self.template.name and m <= n)

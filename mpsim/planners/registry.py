@@ -11,7 +11,7 @@ from mpsim.planners.cache import cached_plan
 from mpsim.planners.context import Ctx, Planned, make_context
 from mpsim.planners.singles import SINGLES, Strategy
 
-STRATEGIES: dict[str, Strategy] = {**SINGLES, "best": Strategy("best", plan_best)}
+STRATEGIES: dict[str, Strategy] = {**SINGLES, "best": Strategy("best", plan_best, combines=True)}
 """Every name ``--strategy`` accepts, in the order the help and errors list them."""
 
 
@@ -21,6 +21,11 @@ def strategy_named(name: str) -> Strategy:
     if strategy is None:
         raise MpsimError(f"unknown strategy {name!r}: expected one of {', '.join(STRATEGIES)}")
     return strategy
+
+
+def combines(name: str) -> bool:
+    """Whether the strategy ``name`` combines the single planners (``Strategy.combines``)."""
+    return strategy_named(name).combines
 
 
 def run_planner(strategy: str, ctx: Ctx) -> Planned:
@@ -33,7 +38,7 @@ def plan_job(job: JobSpec, known_not_fitting: Collection[Part] = ()) -> Planned:
     ``best``, (planner, partition) pairs it need not run (``plan_best``)."""
     strategy = strategy_named(job.strategy)
     ctx = make_context(job, strategy.keeps)
-    if known_not_fitting and strategy.name == "best":
+    if known_not_fitting and strategy.combines:
         # its own cache entry: with planners left out, a plan that does not fit may differ
         return cached_plan(f"best without {sorted(known_not_fitting)}", ctx,
                            lambda c: plan_best(c, known_not_fitting))

@@ -32,6 +32,10 @@ class Strategy:
     recomputed (``make_context``)."""
     in_best: bool = False
     """Whether the combined planner (``best``) tries it, under both partitions."""
+    combines: bool = False
+    """A planner that combines the single ones (``best``): it runs them under both
+    partitions itself, so studies do not vary its partition; ``fits`` runs it last and
+    starts its search from what they reached, and its parts may run in parallel."""
 
 
 def _table(*strategies: Strategy) -> dict[str, Strategy]:
