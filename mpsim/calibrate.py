@@ -1,6 +1,6 @@
 """``mpsim calibrate``: fit a GPU's per-operation-class efficiencies to a measured trace.
 
-``Trace.layer_times`` derives a layer's time from three op classes,
+The cost model (``mpsim.costs``) derives a layer's time from three op classes,
 
     t = F_matmul / (peak x e_matmul) + F_attention / (peak x e_attention) + bytes / (bandwidth x e_memory),
 
@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from mpsim.costs import peak_rates
 from mpsim.errors import MpsimError
 from mpsim.topology import Dtype, GpuSpec, OpEfficiency, Topology, TopologyFile
 from mpsim.trace import Trace, measured_elsewhere
@@ -85,8 +86,7 @@ class Calibration:
 
 def timed_rows(trace: Trace, gpu: GpuSpec, dtype: Dtype) -> tuple[np.ndarray, np.ndarray, list[tuple[str, str]]]:
     """The equations of a measured trace: x (seconds at peak per class), t (seconds), labels."""
-    peak_flops_per_s = gpu.peak_tflops[dtype] * 1e12
-    bytes_per_s = gpu.memory_bandwidth_gbps * 1e9
+    peak_flops_per_s, bytes_per_s = peak_rates(gpu, dtype)
     xs: list[list[float]] = []
     ts: list[float] = []
     labels: list[tuple[str, str]] = []

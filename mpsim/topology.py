@@ -46,7 +46,7 @@ Dtype = Literal["fp16", "bf16", "fp32", "tf32", "fp8"]
 
 class OpEfficiency(_Strict):
     """Fractions of peak that one operation class reaches at one precision, and where the
-    figures come from. A layer's time is the sum over classes (``Trace.layer_times``):
+    figures come from. A layer's time is the sum over classes (``mpsim.costs``):
     matmul FLOPs at ``matmul`` x peak, FLOPs inside a fused attention kernel (flash,
     memory-efficient) at ``attention`` x peak, bytes moved by non-matmul ops at
     ``memory`` x memory bandwidth."""

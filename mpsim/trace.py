@@ -2,7 +2,7 @@
 
 A trace row is one layer of the pipeline (embedding, transformer layer, loss head). Byte
 counts are exact for the traced shapes; times are either measured (``fwd_ms``/``bwd_ms``)
-or derived for a GPU from FLOPs and bytes moved (``Trace.layer_times``).
+or derived for a GPU from FLOPs and bytes moved (``mpsim.costs``).
 
 Rescaling rule (``scaling.rule = "linear-microbatch"``): activation, output, workspace
 bytes, FLOPs, bytes moved and measured times scale linearly with the microbatch size;
@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Literal, cast
 
-import numpy as np
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mpsim.costs import LayerTimes, cost_model
 from mpsim.datafile import read_data_file, validate
 from mpsim.errors import MpsimError, SchemaError
 from mpsim.schedule import MAX_MICROBATCH
@@ -172,14 +171,6 @@ _BYTE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "act_bytes", "in
                 "workspace_bytes", "bwd_workspace_bytes")
 
 
-@dataclass(frozen=True)
-class LayerTimes:
-    """Per-layer forward and backward seconds on one GPU model."""
-
-    fwd_s: np.ndarray
-    bwd_s: np.ndarray
-
-
 class Trace:
     """A validated trace. Immutable; ``rescale`` and ``with_layers`` return new traces."""
 
@@ -283,29 +274,9 @@ class Trace:
         return cast(Dtype, next((d for d in _RATE_FALLBACK[wanted] if d in gpu.peak_tflops), "fp32"))
 
     def layer_times(self, gpu: GpuSpec) -> LayerTimes:
-        """Seconds per layer on ``gpu``: measured times where the trace has them, else a
-        roofline by op class, summed because a layer's ops run one after another:
-        t = (FLOPs - attention FLOPs) / (peak x e_matmul) + attention FLOPs / (peak x e_attention)
-        + bytes / (bandwidth x e_memory), with peak the datatype's (``rate_dtype``) and the
-        efficiencies the GPU's for that datatype (``GpuSpec.op_efficiency``); backward
-        likewise with the backward FLOPs (about twice the forward) and bytes."""
-        dtype = self.rate_dtype(gpu)
-        eff = gpu.op_efficiency(dtype)
-        peak_flops_per_s = gpu.peak_tflops[dtype] * 1e12
-        matmul_rate, attention_rate = peak_flops_per_s * eff.matmul, peak_flops_per_s * eff.attention
-        mem_rate = gpu.memory_bandwidth_gbps * 1e9 * eff.memory
-
-        def derived_s(flops: float, attention_flops: float, mem_bytes: float) -> float:
-            return (flops - attention_flops) / matmul_rate + attention_flops / attention_rate + mem_bytes / mem_rate
-
-        rows = self.spec.layers
-        fwd = np.array([r.fwd_ms * 1e-3 if r.fwd_ms is not None
-                        else derived_s(r.fwd_flops, r.fwd_attention_flops, r.fwd_mem_bytes) for r in rows])
-        bwd = np.array([r.bwd_ms * 1e-3 if r.bwd_ms is not None
-                        else derived_s(r.bwd_flops, r.bwd_attention_flops, r.bwd_mem_bytes) for r in rows])
-        if not (np.isfinite(fwd).all() and np.isfinite(bwd).all()):
-            raise MpsimError(f"{self.name}: layer times on a {gpu.model} are not finite numbers")
-        return LayerTimes(fwd, bwd)
+        """Seconds per layer on ``gpu`` (``mpsim.costs.CostModel.layer_times``, read-only):
+        delegates to mpsim.costs; kept until the remaining callers move."""
+        return cost_model(self, gpu).layer_times
 
 
 _GENERIC_WORDS = {"NVIDIA", "TESLA", "GEFORCE", "QUADRO", "SXM", "SXM2", "SXM3", "SXM4", "SXM5", "PCIE", "HBM2",

@@ -10,7 +10,7 @@ record, for one forward and backward on a microbatch:
   dropout masks, the attention backend's own saved tensors), not what CPU kernels keep;
 - FLOPs, from ``torch.utils.flop_counter.FlopCounterMode``, with those run inside a fused
   attention kernel also counted on their own (they have their own efficiency);
-- bytes read and written by non-matmul ops (for the roofline in ``Trace.layer_times``);
+- bytes read and written by non-matmul ops (for the roofline in ``mpsim.costs``);
 - the largest transient tensor that is neither saved nor the output (workspace);
 - what the attention core keeps beyond q, k and v, and its forward FLOPs and bytes: what
   selective recompute (Korthikanti et al. 2022, section 4.2) drops and pays.

@@ -13,6 +13,7 @@ from mpsim.sim.layout import Layout
 from mpsim.sim.memory import DeviceMemory, MemoryLog
 from mpsim.sim.network import Network
 from mpsim.sim.result import COSTS, Span
+from mpsim.sim.simpy_fast import events_scheduled
 from mpsim.topology import HOST
 
 
@@ -92,8 +93,9 @@ class RunContext:
 
     def events_scheduled(self) -> int:
         """SimPy events scheduled so far (a measure of simulation work): SimPy numbers
-        every scheduled event from one counter, read here without a per-event hook."""
-        return next(self.env._eid)
+        every scheduled event from one counter, read here without a per-event hook
+        (``simpy_fast.events_scheduled``)."""
+        return events_scheduled(self.env)
 
     @property
     def torch_pipelining(self) -> bool:

@@ -17,31 +17,20 @@ resolves a ``Job`` first.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
-from heapq import heappop
 
-import simpy
-
+from mpsim.costs import CostModel, cost_model
 from mpsim.schedule import PIPEDREAM_MEASURED, weight_versions
 from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
 from mpsim.sim.layout import Job, Layout, resolve
 from mpsim.sim.memory import CATEGORIES, GpuMemory
-from mpsim.sim.program import (
-    StageProgram,
-    SwapIn,
-    attention_core_seconds,
-    build_program,
-    received_bytes,
-    static_bytes,
-)
+from mpsim.sim.program import StageProgram, SwapIn, build_program, received_bytes, static_bytes
 from mpsim.sim.result import GpuResult, SimResult
+from mpsim.sim.simpy_fast import run_until_empty
 from mpsim.sim.stream import ComputeStream
 from mpsim.sim.swapper import STASH, Swapper
 from mpsim.sim.update import Updater
-from mpsim.trace import LayerTimes
 
 __all__ = ["Job", "Layout", "simulate_job", "simulate_layout"]
 
@@ -66,10 +55,10 @@ def simulate_layout(layout: Layout) -> SimResult:
     """Simulate one checked layout and return its result."""
     run = RunContext(layout)
     channels = PeerChannels(run)
-    times = cache(lambda: layout.trace.layer_times(run.topo.spec.gpu))
-    stages = [_build_stage(run, s, channels, times) for s in range(layout.n_stages)]
+    costs = cost_model(layout.trace, run.topo.spec.gpu)
+    stages = [_build_stage(run, s, channels, costs) for s in range(layout.n_stages)]
     processes = [run.env.process(st.stream.process()) for st in stages]
-    _run_to_end(run.env)
+    run_until_empty(run.env)
     stuck = [s for s, proc in enumerate(processes) if proc.is_alive]
     if stuck:  # an engine bug, never a result: say so instead of returning a silent stall
         raise RuntimeError(f"simulation stalled at {run.env.now:.6f} s with stages {stuck} unfinished")
@@ -79,23 +68,6 @@ def simulate_layout(layout: Layout) -> SimResult:
     return _result(run, stages, run.env.now)
 
 
-def _run_to_end(env: simpy.Environment) -> None:
-    """``env.run()`` without a deadline, inlined: the same events in the same order (by
-    time, priority, then scheduling order), each one's callbacks called in turn, and a
-    failed event that nobody defused raised, as ``simpy.Environment.step`` does; without
-    a method call and a ``try`` per event."""
-    queue, pop = env._queue, heappop
-    while queue:
-        env._now, _, _, event = pop(queue)
-        callbacks, event.callbacks = event.callbacks, None  # type: ignore[assignment]
-        for callback in callbacks:
-            callback(event)
-        if not event._ok and not hasattr(event, "_defused"):
-            exc = type(event._value)(*event._value.args)
-            exc.__cause__ = event._value
-            raise exc
-
-
 def _measured_window(updater: Updater, microbatches: int) -> tuple[float, float]:
     """PipeDream's measured iteration on a stage: from the end of its last update of the
     iteration before (``PIPEDREAM_MEASURED``) to the end of the measured one's last."""
@@ -103,7 +75,7 @@ def _measured_window(updater: Updater, microbatches: int) -> tuple[float, float]
     return ends[PIPEDREAM_MEASURED - 1], ends[PIPEDREAM_MEASURED]
 
 
-def _stage_program(run: RunContext, s: int, times: Callable[[], LayerTimes]) -> StageProgram:
+def _stage_program(run: RunContext, s: int, costs: CostModel) -> StageProgram:
     """Stage ``s``'s program (``build_program``), or the one built before in this process
     for the same trace, server, layers, place in the pipeline, runtime and actions: a
     program depends on nothing else, and planners simulate many plans that change the
@@ -120,34 +92,29 @@ def _stage_program(run: RunContext, s: int, times: Callable[[], LayerTimes]) -> 
         _PROGRAMS.move_to_end(key)
         return program
     rows = layout.trace.layers[a:b]
-    gpu = run.topo.spec.gpu
-    memory_rate = gpu.memory_bandwidth_gbps * 1e9 * gpu.memory_efficiency
-    fwd_s, bwd_s = times().fwd_s[a:b], times().bwd_s[a:b]
-    core_s = attention_core_seconds(rows, fwd_s, memory_rate)
-    program = _PROGRAMS[key] = build_program(rows, fwd_s, bwd_s, a, first, last, actions, run.torch_pipelining,
-                                             core_s, segments)
+    times = costs.layer_times
+    program = _PROGRAMS[key] = build_program(rows, times.fwd_s[a:b], times.bwd_s[a:b], a, first, last, actions,
+                                             run.torch_pipelining, costs.attention_core_s[a:b], segments)
     if len(_PROGRAMS) > PROGRAMS:
         _PROGRAMS.popitem(last=False)
     return program
 
 
-def _build_stage(run: RunContext, s: int, channels: PeerChannels, times: Callable[[], LayerTimes]) -> _Stage:
+def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostModel) -> _Stage:
     """A stage's program, its static memory (allocated before the first task) and its
     components."""
     layout = run.layout
     a, b = layout.stages[s]
     rows = layout.trace.layers[a:b]
     first, last = s == 0, s == layout.n_stages - 1
-    gpu = run.topo.spec.gpu
-    memory_rate = gpu.memory_bandwidth_gbps * 1e9 * gpu.memory_efficiency
-    program = _stage_program(run, s, times)
+    program = _stage_program(run, s, costs)
     received = layout.microbatches * received_bytes(rows, first, last) if run.torch_pipelining else 0
     versions = weight_versions(layout.schedule, s, layout.n_stages)
     static = static_bytes(rows, versions, received)
     _allocate_static(run, s, static)
     swapper = Swapper(run, s, {j: act.split for j, act in program.actions.items()},
                       {j: tuple((x.gpu, x.fraction) for x in act.peers) for j, act in program.actions.items()})
-    updater = Updater(run, s, swapper, memory_rate)
+    updater = Updater(run, s, swapper, costs)
     stash_in = None
     if layout.stash[s] == "host" and versions > 1:
         stash_in = SwapIn(STASH, static["params"], 0, "stash", "host", (), 1, 0.0)

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
+from mpsim.sim.simpy_fast import fire_in_place
+
 CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "stash", "buffers", "workspace",
                                "peer_swap")
 """What memory in use is made of; ``peer_swap`` is space a GPU holds for other GPUs' D2D swaps."""
@@ -209,7 +211,7 @@ class DeviceMemory:
         """An event that fires once ``must_wait()`` turns false, checked at every change
         (``poke``) in the waiter's turn, as a process re-checking in a loop would be. A
         waiter that must go on waiting costs one call, not a process resume; the event
-        never enters SimPy's queue: it fires in place (``_fire_in_place``), so the waiter
+        never enters SimPy's queue: it fires in place (``simpy_fast.fire_in_place``), so the waiter
         goes on in the same instant and turn as it did when it woke itself."""
         gate = self.env.event()
 
@@ -217,7 +219,7 @@ class DeviceMemory:
             if must_wait():
                 self._changed.callbacks.append(check)
             else:
-                _fire_in_place(gate)
+                fire_in_place(gate)
 
         self._changed.callbacks.append(check)
         return gate
@@ -281,13 +283,3 @@ class DeviceMemory:
         self.used += n_bytes
         if n_bytes < 0:
             self.poke()
-
-
-def _fire_in_place(event: simpy.Event) -> None:
-    """Succeed ``event`` and run its callbacks now, as SimPy would when processing it,
-    without scheduling it (its waiters resume inside the current callback)."""
-    event._ok = True
-    event._value = None
-    callbacks, event.callbacks = event.callbacks, None  # type: ignore[assignment]
-    for callback in callbacks or ():
-        callback(event)

@@ -26,7 +26,7 @@ Actions (``mpsim.plan``):
 - selective (Korthikanti et al. 2022, section 4.2): only the attention core's kept bytes
   (``attention_core_bytes``, at most own) are freed at the end of the forward; before the
   backward the core's forward re-runs on the compute stream (+ those bytes at its start,
-  for ``attention_core_seconds``), and the backward frees them with the rest of own. The
+  for ``mpsim.costs.attention_core_seconds``), and the backward frees them with the rest of own. The
   core's transient tensors while it re-runs are not modelled (they are its kept ones);
 - host / peer swap: after the forward a swap-out of own (+ in when saved) starts; it frees
   them when it lands (``mpsim.sim.engine``). The backward's piece for the layer starts
@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mpsim.costs import attention_core_seconds as attention_core_seconds  # for tests/test_selective.py
 from mpsim.plan import LayerAction
 from mpsim.sim.memory import Template, make_template
 from mpsim.trace import LayerRow
@@ -248,7 +249,7 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
     ``actions`` keyed by model layer index (missing: keep). With ``keep_received`` the
     received activation (input of the first layer) and gradient (of the last layer's
     output) live in receive buffers allocated once per microbatch, so they are never freed.
-    ``core_s``: per layer, the attention core's forward seconds (``attention_core_seconds``;
+    ``core_s``: per layer, the attention core's forward seconds (``CostModel.attention_core_s``;
     needed only by selective recompute, else zeros). ``segments``: consecutive recomputed
     layers share the first one's checkpoint and re-run together (module doc)."""
     st = _Stage(rows, first, is_first_stage, is_last_stage, actions, keep_received and not is_first_stage,
@@ -460,35 +461,3 @@ def static_bytes(rows: list[LayerRow], weight_versions: int, receive_buffers: in
         "stash": (weight_versions - 1) * params,
         "buffers": receive_buffers,
     }
-
-
-def attention_core_seconds(rows: list[LayerRow], fwd_s: np.ndarray, memory_rate: float) -> np.ndarray:
-    """Per layer, seconds the attention core's forward takes when selective recompute
-    re-runs it (Korthikanti et al. 2022, section 4.2), as a share of the layer's own
-    forward time ``fwd_s`` so that it follows however that time was made (roofline or
-    measured). The layer's time splits into a memory part, its non-matmul bytes at
-    ``memory_rate`` (the rate ``Trace.layer_times`` uses; at most the whole time), and a
-    compute part, the rest; the core takes its bytes' share of the first and its FLOPs'
-    share of the second. On a roofline time this is exactly
-    attention_core_flops / flop rate + attention_core_mem_bytes / memory_rate; with
-    per-op-class efficiencies the core's FLOPs run at the layer's blended rate."""
-    out = np.zeros(len(rows))
-    for k, r in enumerate(rows):
-        if not r.attention_core_bytes:
-            continue
-        t = float(fwd_s[k])
-        mem_s = min(t, r.fwd_mem_bytes / memory_rate)
-        out[k] = (_share(r.attention_core_mem_bytes, r.fwd_mem_bytes) * mem_s
-                  + _share(r.attention_core_flops, r.fwd_flops) * (t - mem_s))
-    return out
-
-
-def _share(part: float, whole: float) -> float:
-    return min(1.0, part / whole) if whole > 0 else 0.0
-
-
-def update_seconds(rows: list[LayerRow], memory_rate: float) -> float:
-    """Adam step, memory bound: read gradients, read and write master weights and moments,
-    write the working weights."""
-    n_bytes = sum(r.grad_bytes + 2 * r.optimizer_bytes + r.param_bytes for r in rows)
-    return n_bytes / memory_rate

@@ -6,15 +6,15 @@ from collections.abc import Generator
 
 import simpy
 
+from mpsim.costs import CostModel
 from mpsim.sim.context import RunContext
-from mpsim.sim.program import update_seconds
 from mpsim.sim.swapper import Swapper
 
 
 class Updater:
     """The optimizer step of one stage on its compute stream.
 
-    Timing: ``gpu``: memory-bound Adam on the GPU (``update_seconds``). ``host-update``:
+    Timing: ``gpu``: memory-bound Adam on the GPU (``CostModel.update_s``). ``host-update``:
     gradients to the host, Adam on the CPU at the host's rate, weights back
     (ZeRO-Offload), the stream idle meanwhile. ``host-stream``: layer by layer, states
     in, Adam on the GPU, states out; the out copy overlaps the next layer's work, the in
@@ -22,7 +22,7 @@ class Updater:
     (``Layout.host_optimizer``) go through the host; the others update on the GPU first.
     Time beyond the GPU update is the optimizer's cost."""
 
-    def __init__(self, run: RunContext, stage: int, swapper: Swapper, memory_rate: float) -> None:
+    def __init__(self, run: RunContext, stage: int, swapper: Swapper, costs: CostModel) -> None:
         self.run = run
         self.stage = stage
         self.gpu = run.layout.gpu_of[stage]
@@ -30,12 +30,12 @@ class Updater:
         a, b = run.layout.stages[stage]
         rows = run.layout.trace.layers
         on_host = set(run.layout.host_optimizer[stage])
-        self.host_rows = [(j, rows[j], update_seconds([rows[j]], memory_rate)) for j in range(a, b) if j in on_host]
+        self.host_rows = [(j, rows[j], costs.update_s([rows[j]])) for j in range(a, b) if j in on_host]
         """The layers whose optimizer states live on the host: index, row, GPU update seconds."""
-        self.gpu_rows_s = update_seconds([rows[j] for j in range(a, b) if j not in on_host], memory_rate)
+        self.gpu_rows_s = costs.update_s([rows[j] for j in range(a, b) if j not in on_host])
         """The update of the layers whose states stay on the GPU."""
         self.swapper = swapper
-        self.gpu_update_s = update_seconds(rows[a:b], memory_rate)
+        self.gpu_update_s = costs.update_s(rows[a:b])
         """The whole stage updated on the GPU (the optimizer's cost is the time beyond it)."""
         self.ends_s: list[float] = []
         """When each update ended (PipeDream's iteration is measured between them)."""

@@ -1,0 +1,145 @@
+"""SimPy's fast path: the one module that touches SimPy's private attributes.
+
+The engine runs tens of thousands of events per simulated iteration; going through
+SimPy's public methods costs a method call and a ``try`` per event. The functions here
+do what those methods do, reading and writing SimPy's internals directly:
+
+- ``Environment._queue`` (a heap of ``(time, priority, id, event)``), ``Environment._now``
+  and ``Environment._eid`` (the counter that numbers scheduled events);
+- ``Event._ok``, ``Event._value`` (set when an event is triggered) and ``Event._defused``
+  (present once a failure has been handled).
+
+They were written against simpy 4.1 (``simpy.Environment.step`` and
+``simpy.events.Process._resume``), and each keeps SimPy's event order exactly. On import
+``check_simpy`` makes sure the installed simpy still has those internals and, if not,
+raises one ``SimpyInternalsError`` naming the version and what is missing, instead of an
+``AttributeError`` deep inside a run.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Generator
+from heapq import heappop
+
+import simpy
+import simpy.events
+
+from mpsim.errors import MpsimError
+
+__all__ = ["Detached", "SimpyInternalsError", "check_simpy", "events_scheduled", "fire_in_place",
+           "missing_internals", "run_until_empty"]
+
+Steps = Generator[simpy.Event, object, None]
+
+
+class SimpyInternalsError(MpsimError):
+    """The installed simpy lacks an internal that mpsim's fast path uses."""
+
+
+def missing_internals(env: object, event: object) -> list[str]:
+    """What of SimPy's internals ``env`` and ``event`` lack; ``event`` must be an event of
+    ``env`` that has succeeded (so it sits in ``env``'s queue) and been marked defused."""
+    missing = [f"Environment.{name}" for name in ("_queue", "_now", "_eid") if not hasattr(env, name)]
+    queue = getattr(env, "_queue", None)
+    if queue is not None and not (isinstance(queue, list)
+                                  and any(isinstance(e, tuple) and len(e) == 4 and e[3] is event for e in queue)):
+        missing.append("Environment._queue as a list of (time, priority, id, event)")
+    eid = getattr(env, "_eid", None)
+    if eid is not None and not hasattr(eid, "__next__"):
+        missing.append("Environment._eid as a counter")
+    missing += [f"Event.{name}" for name in ("_ok", "_value", "_defused") if not hasattr(event, name)]
+    if not hasattr(simpy.events, "URGENT"):
+        missing.append("simpy.events.URGENT")
+    return missing
+
+
+def check_simpy(env: object | None = None, event: object | None = None) -> None:
+    """Raise ``SimpyInternalsError`` (one line) if the installed simpy, or ``env`` and
+    ``event`` when given, lack an internal this module uses."""
+    if env is None or event is None:
+        env = simpy.Environment()
+        event = env.event()
+        event.succeed()
+        event.defused = True
+    missing = missing_internals(env, event)
+    if missing:
+        raise SimpyInternalsError(
+            f"simpy {_simpy_version()} lacks what mpsim's fast path (mpsim.sim.simpy_fast) uses: "
+            f"{', '.join(missing)}; install the simpy release mpsim is tested with (4.1)")
+
+
+def _simpy_version() -> str:
+    try:
+        return importlib.metadata.version("simpy")
+    except importlib.metadata.PackageNotFoundError:
+        return str(getattr(simpy, "__version__", "(unknown version)"))
+
+
+def run_until_empty(env: simpy.Environment) -> None:
+    """``env.run()`` without a deadline, inlined: the same events in the same order (by
+    time, priority, then scheduling order), each one's callbacks called in turn, and a
+    failed event that nobody defused raised, as ``simpy.Environment.step`` does; without
+    a method call and a ``try`` per event."""
+    queue, pop = env._queue, heappop
+    while queue:
+        env._now, _, _, event = pop(queue)
+        callbacks, event.callbacks = event.callbacks, None  # type: ignore[assignment]
+        for callback in callbacks:
+            callback(event)
+        if not event._ok and not hasattr(event, "_defused"):
+            exc = type(event._value)(*event._value.args)
+            exc.__cause__ = event._value
+            raise exc
+
+
+def fire_in_place(event: simpy.Event) -> None:
+    """Succeed ``event`` and run its callbacks now, as SimPy would when processing it,
+    without scheduling it (its waiters resume inside the current callback)."""
+    event._ok = True
+    event._value = None
+    callbacks, event.callbacks = event.callbacks, None  # type: ignore[assignment]
+    for callback in callbacks or ():
+        callback(event)
+
+
+def events_scheduled(env: simpy.Environment) -> int:
+    """Events ``env`` has scheduled so far: SimPy numbers every scheduled event from one
+    counter (this reads it by taking its next number, so call it once, at the end)."""
+    return next(env._eid)
+
+
+class Detached:
+    """A generator run the way ``simpy.Environment.process`` runs one (started through an
+    urgent event scheduled now; resumed on each event it yields, at once when that event
+    has already been processed; a failure thrown in and marked defused), but with no
+    end-of-process event (``mpsim.sim.spawn``)."""
+
+    __slots__ = ("_steps",)
+
+    def __init__(self, env: simpy.Environment, steps: Steps) -> None:
+        self._steps = steps
+        start = simpy.Event(env)
+        start._ok = True
+        start._value = None
+        start.callbacks.append(self._resume)
+        env.schedule(start, simpy.events.URGENT)
+
+    def _resume(self, event: simpy.Event) -> None:
+        """Send the event's value in (throw its failure), and wait on what comes next."""
+        steps = self._steps
+        while True:
+            try:
+                if event._ok:
+                    event = steps.send(event._value)
+                else:
+                    event._defused = True
+                    event = steps.throw(event._value)
+            except StopIteration:
+                return
+            if event.callbacks is not None:  # not processed yet: wait for it
+                event.callbacks.append(self._resume)
+                return
+
+
+check_simpy()
