@@ -21,10 +21,13 @@ import time
 import simpy
 
 from mpsim import load_topology, load_trace
+from mpsim.costs import cost_model
+from mpsim.job import JobSpec
 from mpsim.partition import compute_balanced
 from mpsim.plan import LayerAction, make_plan
 from mpsim.schedule import PIPEDREAM_ITERATIONS
 from mpsim.sim import Job, simulate_job
+from mpsim.sim.layout import job_of_plan
 
 
 def raw_simpy_rate(n_events: int = 200_000, n_procs: int = 16) -> float:
@@ -57,9 +60,9 @@ def main() -> None:
 
     topo = load_topology(args.server)
     trace = load_trace(args.model).rescale(args.microbatch)
-    job = Job(topo, trace, args.schedule, args.microbatches)
+    job = Job(JobSpec(topo, trace, args.schedule, args.microbatches))
     if args.plan != "keep":
-        times = trace.layer_times(topo.spec.gpu)
+        times = cost_model(trace, topo.spec.gpu).layer_times
         stages = compute_balanced(times.fwd_s + times.bwd_s, topo.n_gpus)
         every = 2 if args.plan == "swap-heavy" else 10**9
         actions = {s: [LayerAction(layer=j, action="host" if k % every == 0 else "recompute")
@@ -67,7 +70,7 @@ def main() -> None:
                    for s, (a, b) in enumerate(stages)}
         plan = make_plan(trace, topo, args.schedule, args.microbatches, list(stages), list(range(topo.n_gpus)),
                          args.plan, actions)
-        job = Job(topo, trace, plan=plan)
+        job = job_of_plan(topo, trace, plan)
     simulate_job(job)  # warm caches and imports
     walls, events = [], 0
     for _ in range(args.repeat):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from mpsim.api import plan, simulate
 from mpsim.catalog import load_topology, load_trace
+from mpsim.costs import cost_model
 from mpsim.plan import LayerAction, PlanFile, Stripe, stripes_by_bandwidth
 from mpsim.planners import Planned
 from mpsim.sim import SimResult
@@ -81,7 +82,7 @@ def _layer_over_one_link(server: str) -> tuple[float, float]:
     """A GPT-15.4B layer (microbatch 2) on ``server``: its activations out and back over one
     NVLink, and its forward plus backward, in seconds."""
     topo, trace = load_topology(server), load_trace("gpt-15.4b").rescale(2)
-    times = trace.layer_times(topo.spec.gpu)
+    times = cost_model(trace, topo.spec.gpu).layer_times
     j = trace.n_layers // 2
     link = topo.spec.nvlink.link_bandwidth_gbps * 1e9 if topo.spec.nvlink else float("inf")
     return 2 * trace.layers[j].act_bytes / link, float(times.fwd_s[j] + times.bwd_s[j])

@@ -21,6 +21,7 @@ from itertools import combinations
 
 from mpsim.api import plan
 from mpsim.catalog import load_topology, load_trace
+from mpsim.costs import cost_model
 from mpsim.job import JobSpec
 from mpsim.partition import Stages, brute_force, highest_peak
 from mpsim.planners.context import make_context
@@ -230,7 +231,7 @@ def sizes(stages: Stages) -> str:
 def busiest_share(stages: Stages) -> float:
     """The largest share of VGG-11's forward and backward time one stage of ``stages`` runs."""
     trace = cnn_trace("vgg11", batch=MCAP_MICROBATCH)
-    times = trace.layer_times(load_topology(MCAP_SERVER).spec.gpu)
+    times = cost_model(trace, load_topology(MCAP_SERVER).spec.gpu).layer_times
     cost = times.fwd_s + times.bwd_s
     return max(float(cost[a:b].sum() / cost.sum()) for a, b in stages)
 

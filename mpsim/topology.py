@@ -280,24 +280,36 @@ Endpoint = int | Literal["host"]
 
 def _check(path: str, spec: TopologyFile) -> None:
     """Cross-field rules pydantic cannot state per field; raise the first violation."""
-    n = spec.gpu.count
     if spec.schema_ != SCHEMA_VERSION:
         raise SchemaError(path, "schema", f"expected {SCHEMA_VERSION}, got {spec.schema_}")
     if spec.nvlink and spec.nvswitch:
         raise SchemaError(path, "nvlink", "give either nvlink pairs or an nvswitch fabric, not both")
     if spec.nvlink:
-        seen: set[frozenset[int]] = set()
-        for i, pair in enumerate(spec.nvlink.pairs):
-            a, b = pair.gpus
-            for g in (a, b):
-                if not 0 <= g < n:
-                    raise SchemaError(path, f"nvlink.pairs.{i}.gpus", f"GPU index {g} out of range 0..{n - 1}")
-            if a == b:
-                raise SchemaError(path, f"nvlink.pairs.{i}.gpus", f"a GPU cannot link to itself ({a})")
-            key = frozenset((a, b))
-            if key in seen:
-                raise SchemaError(path, f"nvlink.pairs.{i}.gpus", f"pair {a}-{b} listed twice")
-            seen.add(key)
+        _check_nvlink_pairs(path, spec.nvlink.pairs, spec.gpu.count)
+    _check_pcie(path, spec)
+    if spec.host.sockets > 1 and spec.socket_link is None:
+        raise SchemaError(path, "socket_link", "required when the host has more than one socket")
+
+
+def _check_nvlink_pairs(path: str, pairs: list[NvlinkPair], n: int) -> None:
+    """Each NVLink pair joins two distinct GPUs of the server, and is listed once."""
+    seen: set[frozenset[int]] = set()
+    for i, pair in enumerate(pairs):
+        a, b = pair.gpus
+        for g in (a, b):
+            if not 0 <= g < n:
+                raise SchemaError(path, f"nvlink.pairs.{i}.gpus", f"GPU index {g} out of range 0..{n - 1}")
+        if a == b:
+            raise SchemaError(path, f"nvlink.pairs.{i}.gpus", f"a GPU cannot link to itself ({a})")
+        key = frozenset((a, b))
+        if key in seen:
+            raise SchemaError(path, f"nvlink.pairs.{i}.gpus", f"pair {a}-{b} listed twice")
+        seen.add(key)
+
+
+def _check_pcie(path: str, spec: TopologyFile) -> None:
+    """Every GPU sits below exactly one PCIe switch, and every switch on a host socket."""
+    n = spec.gpu.count
     placed: dict[int, str] = {}
     for i, sw in enumerate(spec.pcie.switches):
         if sw.socket >= spec.host.sockets:
@@ -312,8 +324,6 @@ def _check(path: str, spec: TopologyFile) -> None:
     missing = sorted(set(range(n)) - set(placed))
     if missing:
         raise SchemaError(path, "pcie.switches", f"every GPU must sit below a PCIe switch; missing {missing}")
-    if spec.host.sockets > 1 and spec.socket_link is None:
-        raise SchemaError(path, "socket_link", "required when the host has more than one socket")
 
 
 class Topology:

@@ -22,7 +22,6 @@ from typing import Literal, cast
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mpsim.costs import LayerTimes, cost_model
 from mpsim.datafile import read_data_file, validate
 from mpsim.errors import MpsimError, SchemaError
 from mpsim.schedule import MAX_MICROBATCH
@@ -272,11 +271,6 @@ class Trace:
         runs at its fp16 rate)."""
         wanted = self.spec.precision.compute_dtype
         return cast(Dtype, next((d for d in _RATE_FALLBACK[wanted] if d in gpu.peak_tflops), "fp32"))
-
-    def layer_times(self, gpu: GpuSpec) -> LayerTimes:
-        """Seconds per layer on ``gpu`` (``mpsim.costs.CostModel.layer_times``, read-only):
-        delegates to mpsim.costs; kept until the remaining callers move."""
-        return cost_model(self, gpu).layer_times
 
 
 _GENERIC_WORDS = {"NVIDIA", "TESLA", "GEFORCE", "QUADRO", "SXM", "SXM2", "SXM3", "SXM4", "SXM5", "PCIE", "HBM2",

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from mpsim.calibrate import calibrate, calibrated_topology, nnls_small
 from mpsim.catalog import load_topology, shipped_topologies
 from mpsim.cli import main
+from mpsim.costs import cost_model
 from mpsim.errors import MpsimError
 from mpsim.topology import OpEfficiency, parse_topology
 from mpsim.trace import Trace, parse_trace
@@ -74,7 +75,7 @@ ROWS = [row("embedding", 1e9, 0.0, 4e7), row("layer0", 8e10, 1e10, 2e7), row("la
 def test_layer_times_is_the_formula_for_each_class(flops, att, mem):
     topo = server(efficiency={"fp16": dict(TRUE, source="test")})
     t = parse_trace(trace_dict([row("a", flops, att, mem)]), "t.json")
-    times = t.layer_times(topo.spec.gpu)
+    times = cost_model(t, topo.spec.gpu).layer_times
     assert times.fwd_s[0] == model_s(flops, att, mem, TRUE)
     assert times.bwd_s[0] == model_s(2 * flops, 2.5 * att, 1.5 * mem, TRUE)
 
@@ -82,14 +83,14 @@ def test_layer_times_is_the_formula_for_each_class(flops, att, mem):
 def test_measured_times_win_over_the_formula():
     topo = server(efficiency={"fp16": dict(TRUE, source="test")})
     t = parse_trace(trace_dict([row("a", 1e12, 0.0, 0.0, timed={"fwd_ms": 3.0, "bwd_ms": 4.0})]), "t.json")
-    times = t.layer_times(topo.spec.gpu)
+    times = cost_model(t, topo.spec.gpu).layer_times
     assert (times.fwd_s[0], times.bwd_s[0]) == (3e-3, 4e-3)
 
 
 def test_without_the_block_times_are_todays():
     topo = server(matmul_efficiency=0.5, memory_efficiency=0.8)
     t = parse_trace(trace_dict([row("a", 2e12, 5e11, 7e8)]), "t.json")
-    times = t.layer_times(topo.spec.gpu)
+    times = cost_model(t, topo.spec.gpu).layer_times
     assert times.fwd_s[0] == pytest.approx(2e12 / (PEAK * 0.5) + 7e8 / (BW * 0.8), rel=1e-12)
     assert times.bwd_s[0] == pytest.approx(4e12 / (PEAK * 0.5) + 1.05e9 / (BW * 0.8), rel=1e-12)
 

@@ -28,7 +28,8 @@ def _refusal(make) -> str:
 
 def test_a_job_holds_its_fields_and_derives_the_stage_count():
     job = _job(schedule="gpipe", microbatches=8)
-    assert (job.n_stages, job.microbatch, job.schedule, job.strategy) == (8, load_trace("gpt-5.3b").microbatch, "gpipe", "none")
+    traced = load_trace("gpt-5.3b").microbatch
+    assert (job.n_stages, job.microbatch, job.schedule, job.strategy) == (8, traced, "gpipe", "none")
     assert _job(parallelism=pipeline(4)).n_stages == 4
     assert job_of("dgx1-v100", "gpt-5.3b", microbatch=3).microbatch == 3
 

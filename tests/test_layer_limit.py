@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from mpsim.catalog import load_trace
+from mpsim.costs import cost_model
 from mpsim.errors import MpsimError
 from mpsim.limits import MAX_LAYERS, TooManyLayersError, check_trace_data, count_layer_rows
 from mpsim.partition import compute_balanced
@@ -82,7 +83,7 @@ def test_a_trace_at_the_limit_reads_and_partitions_in_linear_memory(at_limit):
 
     trace = read_trace_file(at_limit)
     assert trace.n_layers == MAX_LAYERS
-    times = trace.layer_times(load_topology("dgx1-v100").spec.gpu)
+    times = cost_model(trace, load_topology("dgx1-v100").spec.gpu).layer_times
     tracemalloc.start()
     stages = compute_balanced(times.fwd_s + times.bwd_s, 8)
     memory = mcap_partition(trace, "1f1b", 2, 4)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mpsim.catalog import load_topology, load_trace
+from mpsim.costs import cost_model
 from mpsim.errors import MpsimError
 from mpsim.job import JobSpec
 from mpsim.partition import brute_force, compute_balanced, highest_peak, min_max_partition
@@ -69,7 +70,7 @@ def test_memory_balanced_lowers_the_highest_peak_of_bert_under_pipedream():
     weight versions); the memory-balanced partition gives it fewer layers."""
     topo = load_topology("dgx1-v100")
     trace = load_trace("bert-1.67b").rescale(12)
-    times = trace.layer_times(topo.spec.gpu)
+    times = cost_model(trace, topo.spec.gpu).layer_times
     compute = compute_balanced(times.fwd_s + times.bwd_s, 8)
     by_compute = simulate_job(Job(JobSpec(topo, trace, "pipedream"), stages=compute))
     stages = mcap_partition(trace, "pipedream", 8, 16)

@@ -3,6 +3,7 @@
 import pytest
 
 from mpsim.catalog import load_topology, load_trace
+from mpsim.costs import cost_model
 from mpsim.job import JobSpec, pipeline
 from mpsim.planners import plan_job
 from mpsim.planners.mapping import is_symmetric, nvlink_bandwidth, search_mapping
@@ -119,7 +120,7 @@ def test_end_slack_grows_by_one_stage_backward_per_stage_under_a_flush():
     ctx = make_context(JobSpec(topo, trace, "1f1b", 16, pipeline(None)))
     keep, _ = keep_first(ctx, "keep")
     slack = end_slack(keep.result, "1f1b")
-    times = trace.layer_times(topo.spec.gpu)
+    times = cost_model(trace, topo.spec.gpu).layer_times
     assert slack[0] == 0.0
     for s in range(1, 8):
         a, b = ctx.stages[s - 1]

@@ -13,6 +13,7 @@ import pytest
 from helpers import GB, layer, tiny_topology, tiny_trace
 
 from mpsim.catalog import load_topology, load_trace
+from mpsim.costs import cost_model
 from mpsim.errors import SchemaError
 from mpsim.job import JobSpec
 from mpsim.plan import LayerAction, check_plan, make_plan
@@ -61,7 +62,7 @@ def _steps(result) -> list[tuple[float, float]]:
 
 def test_core_time_is_the_roofline_of_its_flops_and_bytes():
     trace = _toy()
-    fwd = trace.layer_times(tiny_topology(n_gpus=1).spec.gpu).fwd_s
+    fwd = cost_model(trace, tiny_topology(n_gpus=1).spec.gpu).layer_times.fwd_s
     assert fwd == pytest.approx([0.02, 0.05])
     assert attention_core_seconds(trace.layers, fwd, 0.8e9) == pytest.approx([0.007, 0.0])
 
@@ -120,7 +121,7 @@ def _kept_after_forward(trace: Trace, j: int, action: str) -> int:
     output (sent on), plus its input (allocated before it; held or released): what it
     keeps for its backward."""
     row = trace.layers[j]
-    fwd = trace.layer_times(load_topology("dgx1-v100").spec.gpu).fwd_s[j: j + 1]
+    fwd = cost_model(trace, load_topology("dgx1-v100").spec.gpu).layer_times.fwd_s[j: j + 1]
     acts = {} if action == "keep" else {j: LayerAction(layer=j, action=action)}  # type: ignore[arg-type]
     prog = build_program([row], fwd, fwd, j, False, False, acts, core_s=fwd * 0.1)
     net = sum(p.template.net_bytes for p in prog.forward)

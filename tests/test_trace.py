@@ -4,6 +4,7 @@ import pytest
 from helpers import layer, tiny_trace
 
 from mpsim import load_topology, load_trace
+from mpsim.costs import cost_model
 from mpsim.tracer import trace_model
 from mpsim.workloads import ZOO, ModelConfig
 
@@ -65,7 +66,7 @@ def test_a_rescaled_trace_moves_the_bytes_of_one_traced_at_that_batch(traced, wa
     conv7 = small.layers[[r.name for r in small.layers].index("conv7")]
     weight_bytes = 512 * 512 * 3 * 3 * 4  # read, and its gradient written (the bias's gradient too)
     assert 2 * weight_bytes < conv7.bwd_fixed_mem_bytes < 2 * conv7.param_bytes
-    times, fresh = rescaled.layer_times(gpu), large.layer_times(gpu)
+    times, fresh = cost_model(rescaled, gpu).layer_times, cost_model(large, gpu).layer_times
     assert times.bwd_s.sum() == pytest.approx(fresh.bwd_s.sum(), rel=1e-3)
 
 
@@ -129,7 +130,7 @@ def test_roofline_times_follow_flops_and_bytes():
     spec = t.spec.model_copy(update={"layers": [t.layers[0].model_copy(update={"fwd_ms": None, "bwd_ms": None,
                                                                               "fwd_mem_bytes": 7.2e8})]})
     from mpsim.trace import Trace
-    times = Trace(spec).layer_times(gpu)
+    times = cost_model(Trace(spec), gpu).layer_times
     eff = gpu.op_efficiency("fp16")
     rate = 125e12 * eff.matmul
     assert times.fwd_s[0] == pytest.approx(1e12 / rate + 7.2e8 / (900e9 * eff.memory))

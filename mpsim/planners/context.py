@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
+from mpsim.costs import cost_model
 from mpsim.job import JobSpec
 from mpsim.partition import Stages, compute_balanced
 from mpsim.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, make_plan
@@ -100,7 +101,7 @@ def make_context(job: JobSpec, keeps: str = "keep") -> Ctx:
     ``trace.RECOMPUTABLE``; ``selective``: every attention core recomputed). Stage i on GPU i."""
     p = job.n_stages
     if job.partition == "compute":
-        times = job.trace.layer_times(job.topology.spec.gpu)
+        times = cost_model(job.trace, job.topology.spec.gpu).layer_times
         stages = compute_balanced(times.fwd_s + times.bwd_s, p)
     else:
         stages = mcap_partition(job.trace, job.schedule, p, job.microbatches, keeps == "recompute",
@@ -118,4 +119,4 @@ def keep_first(ctx: Ctx, strategy: str) -> tuple[Planned, dict[int, float]]:
     """The plan that keeps everything, simulated, and the live intervals it shows."""
     plan = ctx.plan(strategy)
     result = ctx.simulate(plan)
-    return Planned(plan, result), live_intervals(result, ctx.trace.layer_times(ctx.topo.spec.gpu))
+    return Planned(plan, result), live_intervals(result, cost_model(ctx.trace, ctx.topo.spec.gpu).layer_times)

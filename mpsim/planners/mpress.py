@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+from mpsim.costs import cost_model
 from mpsim.plan import LayerAction, PlanFile, Stripe, fit_stripes
 from mpsim.planners.baselines import BASELINES
 from mpsim.planners.cache import cached_plan
@@ -109,7 +110,7 @@ class _Planner:
         self.ctx, self.opts, self.name = ctx, opts, name
         self.slack_s = slack_s
         """Per stage, the end-of-iteration slack its optimizer streaming may hide in (``end_slack``)."""
-        self.times = ctx.trace.layer_times(ctx.topo.spec.gpu)
+        self.times = cost_model(ctx.trace, ctx.topo.spec.gpu).layer_times
         self.actions: dict[int, dict[int, LayerAction]] = {s: {} for s in range(len(ctx.stages))}
         self.host_optimizer: dict[int, set[int]] = {}
         """Per stage, the layers whose optimizer states stream from the host."""

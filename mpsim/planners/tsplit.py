@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpsim.costs import cost_model
 from mpsim.plan import LayerAction
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
 from mpsim.trace import RECOMPUTABLE
@@ -68,7 +69,7 @@ class _Stage:
         self.ctx, self.s = ctx, s
         a, b = ctx.stages[s]
         self.layers = range(a, b)
-        times = ctx.trace.layer_times(ctx.topo.spec.gpu)
+        times = cost_model(ctx.trace, ctx.topo.spec.gpu).layer_times
         self.fwd, self.bwd = times.fwd_s, times.bwd_s
         self.bw = ctx.topo.route(ctx.gpus[s], "host").bandwidth
         self.period_s = float(self.fwd[a:b].sum() + self.bwd[a:b].sum())

@@ -15,6 +15,7 @@ from typing import Literal
 
 import numpy as np
 
+from mpsim.costs import cost_model
 from mpsim.errors import MpsimError
 from mpsim.job import JobSpec, pipeline
 from mpsim.partition import Stages, compute_balanced, validate_stages
@@ -96,7 +97,7 @@ def _keep_everything(job: Job) -> Layout:
     if job.stages:
         stages = list(job.stages)
     else:
-        times = spec.trace.layer_times(topo.spec.gpu)
+        times = cost_model(spec.trace, topo.spec.gpu).layer_times
         stages = compute_balanced(np.asarray(times.fwd_s + times.bwd_s), n_stages)
     validate_stages(stages, spec.trace.n_layers)
     if len(stages) != n_stages:
