@@ -17,9 +17,8 @@ import hashlib
 import json
 from functools import cached_property
 from pathlib import Path
-from typing import Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
-import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mpsim.datafile import read_data_file, validate
@@ -27,6 +26,9 @@ from mpsim.errors import MpsimError, SchemaError
 from mpsim.schedule import MAX_MICROBATCH
 from mpsim.topology import Dtype, GpuSpec
 from mpsim.units import MAX_BYTES
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 SCHEMA_VERSION = 1
 
@@ -215,6 +217,8 @@ class Trace:
 
     def to_frame(self) -> pd.DataFrame:
         """One row per layer, columns as in the file."""
+        import pandas as pd  # here only: importing it took half of `import mpsim`
+
         return pd.DataFrame([r.model_dump() for r in self.spec.layers])
 
     def to_json(self) -> str:
