@@ -29,6 +29,7 @@ import pandas as pd
 from mpsim.backends import Backend, LocalBackend, run_points
 from mpsim.errors import MpsimError
 from mpsim.job import JobSpec, job_of
+from mpsim.planners import plan_job
 from mpsim.views.plots import plot_sweep as plot_sweep  # a view now; kept here for code that imports it from here
 
 KEY = ("server", "model", "schedule", "microbatch", "microbatches", "strategy", "partition")
@@ -81,11 +82,9 @@ def check_points(points: list[Point]) -> None:
 
 def run_point(p: Point) -> dict:
     """Plan and simulate one point; the CSV row."""
-    from mpsim.api import plan
-
     t0 = time.perf_counter()
-    planned = plan(p.server, p.model, p.schedule, p.microbatch, p.microbatches, strategy=p.strategy,
-                   partition=p.partition)
+    planned = plan_job(job_of(p.server, p.model, schedule=p.schedule, microbatch=p.microbatch,
+                              microbatches=p.microbatches, strategy=p.strategy, partition=p.partition))
     r = planned.result
     worst = max(r.gpus, key=lambda g: g.peak_bytes)
     oom = r.oom or {}

@@ -1,0 +1,85 @@
+"""The importable front door, and the one entry the command line and the web page call:
+load servers and models, plan and simulate one job, run the studies, trace models, look
+at servers. Each function returns data; :mod:`mpsim.views` shows it.
+
+>>> from mpsim import simulate
+>>> r = simulate("dgx1-v100", "gpt-10.3b", schedule="1f1b", microbatch=2, strategy="cpu-swap")
+>>> r.fits, round(r.iteration_s, 2)
+
+A name is imported from its module when it is first used (``__getattr__``), so importing
+this, or ``mpsim``, costs nothing until something runs: ``mpsim --help`` loads no
+simulator, and torch is imported only by what traces, measures, probes or validates.
+"""
+
+# ruff: noqa: F401  (the imports under TYPE_CHECKING are this module's names, handed out by __getattr__)
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
+    from mpsim.api.jobs import DEFAULT_MODEL, load_job, measured_warning, plan, simulate, validate
+    from mpsim.api.models import (
+        DEFAULT_PRESET,
+        Measure,
+        default_attention,
+        hf_config,
+        model_config,
+        presets,
+        trace_hf,
+        trace_module,
+        trace_shape,
+    )
+    from mpsim.api.servers import probe_server, shipped_servers, transfer
+    from mpsim.api.studies import FitsRequest, fits_request, reproduce, sweep_warnings
+    from mpsim.backends import make_backend
+    from mpsim.calibrate import Calibration, calibrate, calibrated_yaml
+    from mpsim.capacity import FitsReport, fits
+    from mpsim.catalog import load_topology, load_trace, shipped_topologies, shipped_traces
+    from mpsim.choose import ChooseReport, choose, parse_price, parse_servers
+    from mpsim.job import DEFAULT_SERVER, PARTITIONS
+    from mpsim.plan import PlanFile, read_plan_file, write_plan_file
+    from mpsim.planners import STRATEGIES, Planned
+    from mpsim.sim import SimResult
+    from mpsim.sim.progress import reporting
+    from mpsim.sweep import Point, SweepInterrupted, grid, sweep
+    from mpsim.topology import Topology, read_topology_file
+    from mpsim.trace import RECIPE_HELP, Trace, read_trace_file
+
+#: Where each name lives (the same imports as above, made on first use).
+_HOMES: dict[str, tuple[str, ...]] = {
+    "mpsim.api.jobs": ("DEFAULT_MODEL", "load_job", "measured_warning", "plan", "simulate", "validate"),
+    "mpsim.api.models": ("DEFAULT_PRESET", "Measure", "default_attention", "hf_config", "model_config", "presets",
+                         "trace_hf", "trace_module", "trace_shape"),
+    "mpsim.api.servers": ("probe_server", "shipped_servers", "transfer"),
+    "mpsim.api.studies": ("FitsRequest", "fits_request", "reproduce", "sweep_warnings"),
+    "mpsim.backends": ("make_backend",),
+    "mpsim.calibrate": ("Calibration", "calibrate", "calibrated_yaml"),
+    "mpsim.capacity": ("FitsReport", "fits"),
+    "mpsim.catalog": ("load_topology", "load_trace", "shipped_topologies", "shipped_traces"),
+    "mpsim.choose": ("ChooseReport", "choose", "parse_price", "parse_servers"),
+    "mpsim.job": ("DEFAULT_SERVER", "PARTITIONS"),
+    "mpsim.plan": ("PlanFile", "read_plan_file", "write_plan_file"),
+    "mpsim.planners": ("STRATEGIES", "Planned"),
+    "mpsim.sim": ("SimResult",),
+    "mpsim.sim.progress": ("reporting",),
+    "mpsim.sweep": ("Point", "SweepInterrupted", "grid", "sweep"),
+    "mpsim.topology": ("Topology", "read_topology_file"),
+    "mpsim.trace": ("RECIPE_HELP", "Trace", "read_trace_file"),
+}
+_HOME = {name: module for module, names in _HOMES.items() for name in names}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next use is a plain lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

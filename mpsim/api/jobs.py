@@ -1,0 +1,108 @@
+"""One job: load a server and a model, plan and simulate, read and write plan files, and
+validate a plan on this machine (torch, imported when asked)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mpsim.catalog import load_topology, load_trace
+from mpsim.errors import MpsimError
+from mpsim.job import DEFAULT_SERVER, JobSpec, job_of, pipeline
+from mpsim.plan import PlanFile, check_plan, read_plan_file
+from mpsim.planners import Planned, plan_job
+from mpsim.sim import SimResult, simulate_job
+from mpsim.sim.layout import job_of_plan
+from mpsim.topology import Topology
+from mpsim.trace import Trace, measured_elsewhere
+
+DEFAULT_MODEL = "gpt-5.3b"
+"""The model a command simulates when none is named: MPress's GPT-5.3B."""
+
+
+def plan(server: str | Topology, model: str | Trace, schedule: str = "1f1b", microbatch: int | None = None,
+         microbatches: int = 16, n_stages: int | None = None, strategy: str = "none",
+         partition: str = "compute") -> Planned:
+    """Make a plan with a named strategy; returns it with its simulated result."""
+    return plan_job(job_of(server, model, schedule=schedule, microbatch=microbatch, microbatches=microbatches,
+                           n_stages=n_stages, strategy=strategy, partition=partition))
+
+
+def simulate(server: str | Topology, model: str | Trace, schedule: str = "1f1b", microbatch: int | None = None,
+             microbatches: int = 16, n_stages: int | None = None, strategy: str = "none",
+             plan_file: PlanFile | None = None, record_link_rates: bool = False,
+             partition: str = "compute") -> SimResult:
+    """Simulate one training iteration of ``model`` on ``server``.
+
+    With ``plan_file`` the plan says schedule, microbatches, partition, mapping and
+    actions (the trace is rescaled to its microbatch). Otherwise ``strategy`` makes the
+    plan: ``microbatch`` rescales the trace (None keeps the traced size); one stage per
+    GPU unless ``n_stages`` says otherwise; ``partition`` ``compute`` (balanced compute
+    time, as PipeDream and DAPPLE) or ``memory`` (balanced predicted peak, mCAP).
+    """
+    if plan_file is not None:
+        topo = load_topology(server) if isinstance(server, str) else server
+        trace = load_trace(model) if isinstance(model, str) else model
+        return simulate_job(job_of_plan(topo, trace, plan_file, record_link_rates))
+    return plan_job(job_of(server, model, schedule=schedule, microbatch=microbatch, microbatches=microbatches,
+                           n_stages=n_stages, strategy=strategy, partition=partition,
+                           record_link_rates=record_link_rates)).result
+
+
+def load_job(server: str | None, model: str | None, plan_path: Path | None = None
+             ) -> tuple[Topology, Trace, PlanFile | None]:
+    """The server, model and plan file a command names: each as given, else the plan's,
+    else ``DEFAULT_SERVER`` and ``DEFAULT_MODEL``. With a plan the trace is at its
+    microbatch and the plan is checked against both (errors name its file)."""
+    plan_file = read_plan_file(plan_path) if plan_path else None
+    topo = load_topology(server or (plan_file.server if plan_file else DEFAULT_SERVER))
+    trace = load_trace(model or (plan_file.model if plan_file else DEFAULT_MODEL))
+    if plan_file is not None:
+        trace = trace.rescale(plan_file.microbatch)
+        check_plan(plan_file, topo, trace, str(plan_path))
+    return topo, trace, plan_file
+
+
+def measured_warning(trace: Trace, topo: Topology) -> str | None:
+    """One line when ``trace`` holds times measured on another kind of device than
+    ``topo``'s GPUs (they are used as they are); else None."""
+    return measured_elsewhere(trace, topo.spec.gpu.model, topo.name)
+
+
+def _measured_model(model: str, microbatch: int | None, device: str, threads: int) -> Trace:
+    """``validate --model``: a preset's layers measured here, or a measured trace file."""
+    from mpsim.profiler import measure_trace
+    from mpsim.workloads import ZOO
+
+    if model in ZOO:
+        cfg, mb, recipe = ZOO[model]
+        if device.startswith("cpu") and recipe != "fp32":
+            raise MpsimError(f"--model {model} trains in {recipe}; on CPU validate an fp32 preset such as gpt-tiny")
+        return measure_trace(cfg, microbatch or mb, recipe, device, threads, name=model)
+    trace = load_trace(model)
+    if trace.spec.source.kind != "measured":
+        raise MpsimError(f"--model {model}: a derived trace predicts no measured run; give a preset or a trace "
+                         "made with `mpsim trace --measure`")
+    return trace
+
+
+def validate(model: str, plan_path: Path | None = None, server: str | None = None, *, strategy: str = "none",
+             schedule: str = "1f1b", microbatches: int = 4, stages: int = 2, device: str = "cpu", threads: int = 1,
+             memory_mib: float | None = None, steps: int = 5, warmup: int = 2) -> dict:
+    """Run a plan on this machine with the PyTorch executor and compare it with the
+    simulator (:func:`mpsim.hardware_check.validate_plan`): the plan file, else one made
+    with ``strategy``; ``server``'s topology, else this machine probed; ``model`` a preset
+    measured here or a measured trace. Returns the report (``oom`` set when a run ran out)."""
+    from mpsim.hardware_check import RunSettings, validate_plan
+    from mpsim.probe import probe
+    from mpsim.profiler import check_device
+
+    check_device(device)
+    plan_file = read_plan_file(plan_path) if plan_path else None
+    trace = _measured_model(model, plan_file.microbatch if plan_file else None, device, threads)
+    n_devices = len(plan_file.stages) if plan_file else stages
+    topo = load_topology(server) if server else probe(device, n_devices, threads, memory_mib)[1]
+    if plan_file is None:
+        plan_file = plan_job(JobSpec(topo, trace, schedule, microbatches, pipeline(stages), strategy=strategy)).plan
+    settings = RunSettings(device=device, threads=threads, warmup=warmup, steps=steps,
+                           capacity_bytes=int(memory_mib * 2**20) if memory_mib else None)
+    return validate_plan(plan_file, topo, trace, settings, str(plan_path) if plan_path else "<plan>")

@@ -1,0 +1,99 @@
+"""Servers: the shipped ones, a topology file for the machine at hand (probed with torch,
+imported when asked), and the time of a copy alone on an idle server."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import yaml
+
+from mpsim.catalog import load_topology, shipped_topologies
+from mpsim.errors import MpsimError
+from mpsim.plan import stripes_by_bandwidth
+from mpsim.sim.transfers import Copy, copy_times
+from mpsim.topology import HOST, Endpoint, Topology
+from mpsim.units import parse_bytes
+
+
+def shipped_servers() -> dict[str, Topology]:
+    """Every shipped server by its name."""
+    return {name: load_topology(name) for name in shipped_topologies()}
+
+
+def probe_server(device: str = "cpu", devices: int = 1, threads: int = 1, memory_mib: float | None = None,
+                 name: str | None = None) -> tuple[str, Topology]:
+    """A topology of this machine from measurements (``mpsim.probe``): on ``cuda`` its GPUs,
+    on ``cpu`` ``devices`` processes of ``threads`` threads; as the text of a topology
+    file and checked."""
+    from mpsim.probe import probe
+    from mpsim.profiler import check_device
+
+    check_device(device)
+    spec, topology = probe(device, devices, threads, memory_mib, name)
+    return f"# Measured by mpsim topo probe.\n{yaml.safe_dump(spec, sort_keys=False)}", topology
+
+
+def _endpoint(t: Topology, text: str, what: str) -> Endpoint:
+    """``host``, or a GPU of ``t`` as ``gpuN`` or ``N``."""
+    word = text.strip().lower()
+    if word == HOST:
+        return HOST
+    num = word[3:] if word.startswith("gpu") else word
+    if not num.isdigit() or int(num) >= t.n_gpus:
+        raise MpsimError(f"{what} {text!r}: expected host or a GPU of {t.name} (gpu0..gpu{t.n_gpus - 1})")
+    return int(num)
+
+
+def _peers(t: Topology, source: Endpoint, stripe: Sequence[str]) -> list[int]:
+    """The GPUs a striped copy from ``source`` goes to."""
+    if source == HOST:
+        raise MpsimError("--stripe copies go from a GPU to its peers; --src must be a GPU")
+    peers = [_endpoint(t, x, "--stripe") for x in stripe]
+    gpus = [p for p in peers if p != HOST]
+    if source in peers or len(gpus) != len(peers) or len(set(peers)) != len(peers):
+        raise MpsimError("--stripe peers must be distinct GPUs other than --src")
+    return gpus
+
+
+def _striped(t: Topology, source: int, peers: list[int], n: int) -> dict[str, object]:
+    """``n`` bytes from ``source`` split over ``peers`` by route bandwidth (MPress data
+    striping); the copy lands with its last part."""
+    parts = [(x.gpu, round(n * x.fraction)) for x in stripes_by_bandwidth(t, source, peers)]
+    parts[-1] = (parts[-1][0], n - sum(p for _, p in parts[:-1]))
+    landed = copy_times(t, [Copy(source, g, part) for g, part in parts]).landed_s
+    return {"bytes": n, "seconds": max(landed),
+            "parts": [{"dst": g, "bytes": part, "seconds": s} for (g, part), s in zip(parts, landed)],
+            "effective_gbps": n / max(landed) / 1e9}
+
+
+def _direct(t: Topology, source: Endpoint, target: Endpoint, n: int) -> dict[str, object]:
+    """``n`` bytes from ``source`` to ``target`` over their route."""
+    if target == source:
+        raise MpsimError("--src and --dst are the same")
+    seconds = copy_times(t, [Copy(source, target, n)]).landed_s[0]
+    return {"bytes": n, "seconds": seconds, "route": [link.name for link in t.route(source, target).links],
+            "effective_gbps": n / seconds / 1e9}
+
+
+def transfer(server: str | Topology, src: str, sizes: Sequence[str], dst: str | None = None,
+             stripe: Sequence[str] | None = None) -> dict:
+    """One-way time and effective bandwidth of each copy of ``sizes`` (``216MB``, ``1.5GiB``)
+    alone on an idle server, from ``src`` to ``dst`` (``host``, ``gpuN`` or ``N``) or
+    striped over the ``stripe`` peers. Each copy pays its route's setup latency once."""
+    t = load_topology(server) if isinstance(server, str) else server
+    if (dst is None) == (stripe is None):
+        raise MpsimError("give exactly one of --dst and --stripe")
+    source = _endpoint(t, src, "--src")
+    try:
+        byte_sizes = [parse_bytes(x) for x in sizes]
+    except ValueError as exc:
+        raise MpsimError(f"--size: {exc}") from None
+    if stripe is not None:
+        peers = _peers(t, source, stripe)
+        assert source != HOST  # _peers refuses it
+        copies = [_striped(t, source, peers, n) for n in byte_sizes]
+        return {"server": t.name, "src": source, "dst": None, "stripe": peers, "copies": copies}
+    assert dst is not None  # exactly one of the two
+    target = _endpoint(t, dst, "--dst")
+    return {"server": t.name, "src": source, "dst": target, "stripe": None,
+            "copies": [_direct(t, source, target, n) for n in byte_sizes]}

@@ -1,0 +1,98 @@
+"""Studies, each many simulations: what fits (``fits``), grids (``sweep``), which server to
+buy or rent (``choose``), the papers' comparisons (``reproduce``), and efficiencies fitted
+to a measured trace (``calibrate``). They return data; :mod:`mpsim.views` shows it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpsim.api.jobs import measured_warning
+from mpsim.backends import Backend, make_backend
+from mpsim.capacity import FitsReport, family_job, family_traces, fits_strategies, model_traces
+from mpsim.catalog import load_topology, load_trace
+from mpsim.errors import MpsimError
+from mpsim.job import check_microbatch, check_strategy
+from mpsim.sweep import Point
+
+SEARCH_PROBES = 10
+"""About how many sizes one strategy's largest-size search simulates in one process."""
+
+
+@dataclass(frozen=True)
+class FitsRequest:
+    """``fits`` under several strategies, checked before any simulation: the family (the
+    named models' own), the backend the work runs on (None: this process), and how many
+    points ``run``'s ``on_point`` hears."""
+
+    server: str
+    family: str
+    models: tuple[str, ...]
+    schedule: str
+    microbatch: int | None
+    microbatches: int
+    strategies: tuple[str, ...]
+    partition: str
+    backend: Backend | None
+    points: int
+
+    def run(self, on_point: Callable[[str], None] | None = None) -> list[FitsReport]:
+        """One report per strategy, in the order asked (:func:`mpsim.capacity.fits_strategies`)."""
+        return fits_strategies(self.server, self.family, self.schedule, self.microbatch, self.microbatches,
+                               self.strategies, on_point, self.partition, self.models, self.backend)
+
+
+def fits_request(server: str, family: str, models: Sequence[str] = (), schedule: str = "1f1b",
+                 microbatch: int | None = None, microbatches: int = 16, strategies: Sequence[str] = ("none",),
+                 partition: str = "compute", workers: int | None = None, backend: str = "local",
+                 address: str | None = None) -> FitsRequest:
+    """Check a ``fits`` over ``strategies`` of ``family``'s shipped sizes (or of ``models``)
+    and pick where it runs: one process when ``backend`` is local with one worker, else
+    ``workers`` local processes (default: one per core) or a Ray cluster at ``address``."""
+    if microbatch is not None:
+        check_microbatch(microbatch)
+    for name in strategies:
+        check_strategy(name)
+    if not strategies:
+        raise MpsimError("--strategy needs at least one strategy")
+    traces = model_traces(tuple(models)) if models else family_traces(family)
+    if models:
+        family = str(traces[-1].spec.model.get("family", family))
+    family_job(server, traces, schedule, microbatch, microbatches, "none", partition)  # the job's own checks
+    workers = workers or os.cpu_count() or 1
+    runner = None if backend == "local" and workers == 1 else make_backend(backend, workers, address)
+    # in one process a point is a simulated size (the searches' count estimated); in
+    # parallel, a shipped size under a strategy, or one strategy's search
+    points = (len(traces) + (SEARCH_PROBES if runner is None else 1)) * len(strategies)
+    return FitsRequest(server, family, tuple(models), schedule, microbatch, microbatches, tuple(strategies),
+                       partition, runner, points)
+
+
+def sweep_warnings(points: Sequence[Point]) -> Iterator[str]:
+    """A line for each server and model of a sweep whose trace holds times measured on
+    another kind of device (``measured_warning``), as each pair is loaded."""
+    for server, model in dict.fromkeys((p.server, p.model) for p in points):
+        line = measured_warning(load_trace(model), load_topology(server))
+        if line:
+            yield line
+
+
+def reproduce(papers: Sequence[str], out: Path, on_step: Callable[[str], None] | None = None,
+              on_written: Callable[[Path], None] | None = None) -> list[str]:
+    """Simulate each paper's comparisons (``mpress``, ``mcap``, ``tsplit``) and write its
+    markdown report with plots into ``out``; returns the reports. ``on_step`` hears what
+    runs, ``on_written`` each report's file."""
+    from mpsim.reproduce import REPORTS  # it plans and simulates through this facade
+
+    for name in papers:
+        if name not in REPORTS:
+            raise MpsimError(f"unknown paper {name!r}: expected one of {', '.join(REPORTS)}")
+    out.mkdir(parents=True, exist_ok=True)
+    texts = []
+    for name in papers:
+        texts.append(REPORTS[name](out, on_step or (lambda what: None)))
+        if on_written:
+            on_written(out / f"{name}.md")
+    return texts
