@@ -1,0 +1,129 @@
+"""One job: ``simulate``, ``plan`` and ``validate``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from mpsim import api
+from mpsim.cli.options import STRATEGY_HELP, emit, html_option, job_options, json_option, warn, write_json
+from mpsim.cli.progress import tasks_progress
+
+
+@click.command()
+@job_options
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="run this plan file (it fixes schedule, microbatches, partition, mapping and actions)")
+@json_option
+@click.option("--chrome-trace", type=click.Path(dir_okay=False, path_type=Path),
+              help="write a timeline for Perfetto / chrome://tracing to this file (copy-engine lanes, link rates)")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
+              help="plot memory over time per GPU, with swap-outs and swap-ins, to this PNG")
+@html_option
+def simulate(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
+             stages: int | None, strategy: str, partition: str, plan_path: Path | None, json_out: str | None,
+             chrome_trace: Path | None, plot: Path | None, html_out: Path | None) -> None:
+    """Simulate one training iteration: per-GPU peak memory, iteration time, throughput,
+    and what each memory-saving technique saved and cost.
+
+    Either a --strategy makes the plan (none, recompute, cpu-swap, d2d), or --plan runs a
+    plan file written by `mpsim plan` or by hand. Exits 1 when the job does not fit (the
+    result still names where it ran out).
+    """
+    from mpsim.views.chrome import write_chrome_trace
+    from mpsim.views.html import simulate_page
+    from mpsim.views.plots import plot_memory
+    from mpsim.views.text import simulate_text
+
+    topo, trace, plan_file = api.load_job(server, model, plan_path)
+    warn(api.measured_warning(trace, topo))
+    with tasks_progress("simulate"):
+        result = api.simulate(topo, trace, schedule, microbatch, microbatches, n_stages=stages, strategy=strategy,
+                              plan_file=plan_file, record_link_rates=chrome_trace is not None, partition=partition)
+    emit(json_out, simulate_text(result), result.to_dict())
+    if chrome_trace:
+        write_chrome_trace(result, chrome_trace)
+    if plot:
+        plot_memory(result, plot)
+    if html_out:
+        if plan_file is None:  # the planner's answer is cached: this does not plan again
+            plan_file = api.plan(topo, trace, schedule, microbatch, microbatches, n_stages=stages,
+                                 strategy=strategy, partition=partition).plan
+        html_out.write_text(simulate_page(result, plan_file), encoding="utf-8")
+    if not result.fits:
+        sys.exit(1)
+
+
+@click.command("plan")
+@job_options
+@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="plan JSON file to write")
+@json_option
+def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
+             stages: int | None, strategy: str, partition: str, output: Path, json_out: str | None) -> None:
+    """Make a memory-saving plan with a strategy and write it as a plan file.
+
+    Prints the plan per stage and its simulated result; `mpsim simulate --plan FILE`
+    runs it again, and the file can be edited by hand. Exits 1 when the plan does not fit.
+    """
+    from mpsim.views.text import plan_text, simulate_text
+
+    topo, trace, _ = api.load_job(server, model)
+    warn(api.measured_warning(trace, topo))
+    with tasks_progress("plan"):
+        planned = api.plan(topo, trace, schedule, microbatch, microbatches, n_stages=stages,
+                           strategy=strategy, partition=partition)
+    api.write_plan_file(planned.plan, output)
+    if json_out != "-":
+        click.echo(plan_text(planned.plan))
+        click.echo("")
+        click.echo(simulate_text(planned.result))
+        click.echo(f"wrote {output} ({planned.simulations} simulation(s) to plan)")
+    write_json(json_out, {"plan": json.loads(planned.plan.to_json()), "result": planned.result.to_dict()})
+    if not planned.result.fits:
+        sys.exit(1)
+
+
+@click.command("validate")
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="plan JSON file to run  [default: make one with --strategy]")
+@click.option("--model", "-m", default="gpt-tiny", show_default=True,
+              help="model preset to build and measure (see `mpsim trace --preset`), or a measured trace JSON file")
+@click.option("--server", "-s", help="topology file of this machine  [default: probe it]")
+@click.option("--strategy", default="none", show_default=True, help="without --plan: " + STRATEGY_HELP)
+@click.option("--schedule", type=click.Choice(["gpipe", "1f1b"]), default="1f1b", show_default=True,
+              help="without --plan: pipeline schedule")
+@click.option("--microbatches", type=click.IntRange(min=1), default=4, show_default=True,
+              help="without --plan: microbatches per iteration")
+@click.option("--stages", type=click.IntRange(min=1), default=2, show_default=True,
+              help="without --plan: pipeline stages (processes)")
+@click.option("--device", default="cpu", show_default=True, help="cpu (gloo) or cuda (NCCL)")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="on CPU: threads per process")
+@click.option("--memory-mib", type=click.FloatRange(min=1),
+              help="memory each stage may use, enforced  [default: the device's; on CPU RAM / stages]")
+@click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True, help="timed steps (median)")
+@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="untimed steps before them")
+@json_option
+def validate_cmd(plan_path: Path | None, model: str, server: str | None, strategy: str, schedule: str,
+                 microbatches: int, stages: int, device: str, threads: int, memory_mib: float | None, steps: int,
+                 warmup: int, json_out: str | None) -> None:
+    """Run a plan on this machine and compare it with the simulator.
+
+    Measures the model's layers here (or takes a measured trace), probes this machine
+    (or takes --server), simulates the plan, runs it with the PyTorch executor
+    (validate/executor.py, one process per stage under torchrun) and prints per stage the
+    predicted and measured peak memory with its breakdown, and the iteration time, with
+    the errors in percent. An out-of-memory during the run is reported as a result
+    (stage, step, phase) under either schedule, and exits 1.
+    """
+    from mpsim.views.text import validation_text
+
+    report = api.validate(model, plan_path, server, strategy=strategy, schedule=schedule, microbatches=microbatches,
+                          stages=stages, device=device, threads=threads, memory_mib=memory_mib, steps=steps,
+                          warmup=warmup)
+    emit(json_out, validation_text(report), report)
+    if report["oom"]:
+        sys.exit(1)

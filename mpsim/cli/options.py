@@ -1,0 +1,121 @@
+"""What the commands share: option declarations and help strings, comma-separated lists,
+and the way a result is printed (text for a person, JSON on request)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from mpsim.errors import MpsimError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+SERVER_HELP = "shipped server name (see `mpsim topo list`) or a topology YAML file"
+SCHEDULE_HELP = "gpipe, 1f1b (DAPPLE, PipeDream-Flush) or pipedream (asynchronous, weight stashing)"
+MICROBATCHES_HELP = ("microbatches per iteration, at most 4096; 1f1b and pipedream need at least one per "
+                     "stage")
+STRATEGY_HELP = ("memory-saving strategy: none; recompute (checkpoint transformer layers or module blocks, "
+                 "fewest first, until each GPU fits); recompute-segments (the same layers, a run of consecutive ones "
+                 "keeping one checkpoint and re-run whole, as Chen et al. 2016 and GPipe); recompute-all (every "
+                 "one); "
+                 "selective (recompute only the attention core of every transformer layer, Korthikanti et al. "
+                 "2022); cpu-swap (MPress's GPU-CPU swap baseline: to host memory until it fits, each copy on "
+                 "demand, the compute waiting for it); host-swap (the same, overlapped and prefetched); "
+                 "d2d (swap to spare memory of NVLink peers); mpress "
+                 "(host swap, recompute and D2D with device mapping; ablations mpress-no-mapping, "
+                 "mpress-no-striping, mpress-d2d-only); tsplit (swap, recompute and tensor splitting by "
+                 "TSPLIT's cost model); best (every planner under both partitions, the fastest that fits)")
+PARTITION_HELP = ("layers to stages: compute (balance compute time, as PipeDream/DAPPLE) or memory "
+                  "(balance predicted peak memory, mCAP)")
+
+
+def _apply(f: F, options: list[Callable[[F], F]]) -> F:
+    for opt in reversed(options):
+        f = opt(f)
+    return f
+
+
+def job_options(f: F) -> F:
+    """Options shared by simulate and plan."""
+    return _apply(f, [
+        click.option("--server", "-s", help=SERVER_HELP + "  [default: the plan's, else dgx1-v100]"),
+        click.option("--model", "-m", help="shipped model name (see traces/) or a trace JSON file"
+                                           "  [default: the plan's, else gpt-5.3b]"),
+        click.option("--schedule", default="1f1b", show_default=True, help=SCHEDULE_HELP),
+        click.option("--microbatch", type=int, help="samples per microbatch  [default: the trace's]"),
+        click.option("--microbatches", type=int, default=16, show_default=True, help=MICROBATCHES_HELP),
+        click.option("--stages", type=int, help="pipeline stages  [default: one per GPU]"),
+        click.option("--strategy", default="none", show_default=True, help=STRATEGY_HELP),
+        click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP),
+    ])
+
+
+def backend_options(f: F) -> F:
+    """--backend, --address: where the points run (local processes or a Ray cluster)."""
+    return _apply(f, [
+        click.option("--backend", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+                     help="local worker processes, or tasks on a Ray cluster (pip install 'mpsim[ray]')"),
+        click.option("--address", help="Ray cluster: auto (the one `ray start` joined this machine to) or "
+                                       "HOST:PORT of its head  [default: a Ray instance started here, -j CPUs]"),
+    ])
+
+
+def json_option(f: F) -> F:
+    return click.option("--json", "json_out", metavar="FILE",
+                        help="write the result as JSON to FILE ('-' for stdout)")(f)
+
+
+def html_option(f: F) -> F:
+    return click.option("--html", "html_out", type=click.Path(dir_okay=False, path_type=Path),
+                        help="write the same views as one self-contained HTML file (inline CSS and SVG charts, "
+                             "nothing fetched)")(f)
+
+
+def comma_list(text: str, option: str = "") -> list[str]:
+    """A comma-separated option value; an empty item (``1,,2``, a trailing comma) is refused."""
+    items = [x.strip() for x in text.split(",")]
+    if not all(items):
+        raise MpsimError(f"{_where(option)}expected a comma-separated list without empty items, got {text!r}")
+    return items
+
+
+def int_list(text: str, option: str = "") -> list[int]:
+    """A comma-separated option value of integers."""
+    items = comma_list(text, option)
+    try:
+        return [int(x) for x in items]
+    except ValueError:
+        raise MpsimError(f"{_where(option)}expected a comma-separated list of integers, got {text!r}") from None
+
+
+def _where(option: str) -> str:
+    return f"{option}: " if option else ""
+
+
+def emit(json_out: str | None, text: str, data: dict) -> None:
+    """A command's result: ``text`` for a person (unless the JSON goes to stdout) and
+    ``data`` as JSON where ``--json`` says."""
+    if json_out != "-":
+        click.echo(text)
+    write_json(json_out, data)
+
+
+def write_json(target: str | None, data: dict) -> None:
+    """``data`` as JSON to ``target`` (``-``: standard output; None: nowhere)."""
+    if not target:
+        return
+    text = json.dumps(data, indent=1)
+    if target == "-":
+        click.echo(text)
+    else:
+        Path(target).write_text(text + "\n")
+
+
+def warn(line: str | None) -> None:
+    """A warning line on standard error (nothing for None)."""
+    if line:
+        click.echo(f"mpsim: warning: {line}", err=True)

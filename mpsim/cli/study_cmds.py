@@ -1,0 +1,237 @@
+"""Many simulations: ``fits``, ``sweep``, ``reproduce``, ``choose`` and ``calibrate``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from mpsim import api
+from mpsim.cli.options import (
+    MICROBATCHES_HELP,
+    PARTITION_HELP,
+    SCHEDULE_HELP,
+    SERVER_HELP,
+    backend_options,
+    comma_list,
+    emit,
+    html_option,
+    int_list,
+    json_option,
+    warn,
+    write_json,
+)
+from mpsim.cli.progress import points_progress, steps_progress
+
+
+@click.command()
+@click.option("--server", "-s", default="dgx1-v100", show_default=True, help=SERVER_HELP)
+@click.option("--family", default="gpt", show_default=True,
+              help="size series of shipped traces: gpt (MPress's GPT-5.3B to 25.5B), bert, llama")
+@click.option("--model", "-m", "models",
+              help="instead of a family: comma-separated shipped models or trace files (llama-3-8b,my.json)")
+@click.option("--schedule", default="1f1b", show_default=True, help=SCHEDULE_HELP)
+@click.option("--microbatch", type=int, help="samples per microbatch  [default: the traces']")
+@click.option("--microbatches", type=int, default=16, show_default=True, help=MICROBATCHES_HELP)
+@click.option("--strategy", "strategies", default="none,recompute,cpu-swap,d2d,mpress,tsplit,best", show_default=True,
+              help="comma-separated strategies, one column each")
+@click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP)
+@click.option("--workers", "-j", type=click.IntRange(min=1),
+              help="worker processes (sizes and strategies in parallel; 1: all in this process)  "
+                   "[default: one per core]")
+@backend_options
+@json_option
+def fits(server: str, family: str, models: str | None, schedule: str, microbatch: int | None, microbatches: int,
+         strategies: str, partition: str, workers: int | None, backend: str, address: str | None,
+         json_out: str | None) -> None:
+    """Which shipped sizes of a family (or which --model) fit under each strategy, and the
+    largest that does.
+
+    The size knob is the number of transformer layers at the shape of the largest
+    size that fits; the search doubles, then bisects.
+    """
+    from mpsim.views.text import fits_strategies_text
+
+    names = comma_list(strategies, "--strategy")
+    chosen = comma_list(models, "--model") if models else []
+    request = api.fits_request(server, family, chosen, schedule, microbatch, microbatches, names, partition,
+                               workers, backend, address)
+    with points_progress(f"fits {request.family}", request.points) as bar:
+        reps = request.run(on_point=bar.point_done)
+    emit(json_out, fits_strategies_text(reps), {"reports": [r.to_dict() for r in reps]})
+
+
+@click.command("reproduce")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"), show_default=True,
+              help="folder for the markdown reports and plots")
+@click.option("--only", default="mpress,mcap,tsplit", show_default=True, help="comma-separated papers")
+@html_option
+def reproduce_cmd(out: Path, only: str, html_out: Path | None) -> None:
+    """Simulate the papers' comparisons from the shipped data and write a markdown report
+    with plots per paper (mpress.md, mcap.md, tsplit.md), our numbers beside theirs."""
+    from mpsim.views.markdown import reproduce_page
+
+    names = comma_list(only, "--only")
+    with steps_progress("reproduce") as step:
+        texts = api.reproduce(names, out, step, lambda path: click.echo(f"wrote {path}"))
+    if html_out:
+        html_out.write_text(reproduce_page(names, texts, out), encoding="utf-8")
+        click.echo(f"wrote {html_out}")
+
+
+@click.command("sweep")
+@click.option("--server", "-s", "servers", default="dgx1-v100", show_default=True,
+              help="comma-separated servers (" + SERVER_HELP + ")")
+@click.option("--model", "-m", "models", default="gpt-5.3b", show_default=True, help="comma-separated models")
+@click.option("--schedule", default="1f1b", show_default=True, help=SCHEDULE_HELP)
+@click.option("--microbatch", "sizes", default="1,2,4,8", show_default=True, help="comma-separated microbatch sizes")
+@click.option("--microbatches", "counts", default="16", show_default=True,
+              help="comma-separated microbatches per iteration (each at most 4096)")
+@click.option("--strategy", "strategies", default="none,recompute,cpu-swap,mpress,best", show_default=True,
+              help="comma-separated strategies")
+@click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP)
+@click.option("--workers", "-j", type=click.IntRange(min=1), default=1, show_default=True,
+              help="points run in parallel worker processes (--backend ray without --address: the CPUs of "
+                   "the Ray instance started here)")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path), default=Path("sweep.csv"),
+              show_default=True, help="rows are appended here as points finish; points already in it are skipped")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
+              help="PNG of throughput and peak memory against microbatch size")
+@backend_options
+@click.option("--batch", type=click.IntRange(min=1),
+              help="points per task  [default: about four tasks per worker, at most 8 points each]")
+@json_option
+@html_option
+def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str, strategies: str, partition: str,
+              workers: int, csv_path: Path, plot: Path | None, backend: str, address: str | None,
+              batch: int | None, json_out: str | None, html_out: Path | None) -> None:
+    """Throughput and peak memory over a grid of microbatch sizes, microbatch counts,
+    strategies, models and servers.
+
+    One row per point in the CSV, written as each point finishes, so an interrupted
+    sweep run again with the same --csv resumes without redoing finished points. Ctrl-C
+    or SIGTERM stops at once (exit 130 or 143), keeping the finished rows; a last line cut
+    short by a kill is dropped on resume. A point that does not fit is a row with its
+    first out-of-memory point. With --backend ray the points run as tasks on a Ray
+    cluster (every node needs mpsim installed); Ctrl-C cancels the outstanding tasks.
+
+    \b
+    Example:
+      mpsim sweep --server dgx1-v100 --model bert-1.67b --schedule pipedream \\
+        --microbatch 1,2,4,8,12,16 --strategy none,recompute,cpu-swap,mpress,best -j 2 --plot sweep.png
+      mpsim sweep --model gpt-5.3b,gpt-10.3b --microbatch 1,2,4,8 --backend ray --address auto
+    """
+    from mpsim.views.html import sweep_page
+    from mpsim.views.plots import plot_sweep
+    from mpsim.views.text import sweep_text
+
+    points = api.grid(comma_list(servers, "--server"), comma_list(models, "--model"), schedule,
+                      int_list(sizes, "--microbatch"), int_list(counts, "--microbatches"),
+                      comma_list(strategies, "--strategy"), partition)
+    for line in api.sweep_warnings(points):
+        warn(line)
+    runner = api.make_backend(backend, workers, address)
+    stopped: api.SweepInterrupted | None = None
+    with points_progress("sweep", len(points)) as bar:
+
+        def advance(row: dict, resumed: bool) -> None:
+            what = "already in the CSV" if resumed else ("fits" if str(row["fits"]) == "True" else "OOM")
+            bar.point_done(f"{row['model']} mb {row['microbatch']} {row['strategy']}: {what}", resumed)
+
+        try:
+            frame = api.sweep(points, csv_path, workers, advance, backend=runner, batch=batch,
+                              on_failed=lambda p, error: bar.point_failed(f"{p.model} mb {p.microbatch} "
+                                                                          f"{p.strategy}: failed"))
+        except api.SweepInterrupted as exc:
+            stopped = exc
+    if stopped:  # after the progress bar is gone: one line, and the shell's code for the signal
+        click.echo(f"mpsim: {stopped}", err=True)
+        sys.exit(stopped.exit_code)
+    if json_out != "-":
+        click.echo(sweep_text(frame))
+        click.echo(f"\n{len(frame)} points in {csv_path}")
+    if plot:
+        plot_sweep(frame, plot)
+    if html_out:
+        html_out.write_text(sweep_page(frame), encoding="utf-8")
+    write_json(json_out, {"rows": frame.to_dict(orient="records")})
+
+
+@click.command("calibrate")
+@click.option("--trace", "trace_paths", required=True, multiple=True,
+              help="measured trace JSON (`mpsim trace --measure`); repeat for several shapes of one precision, "
+                   "measured on one device, fitted together")
+@click.option("--server", "-s", required=True, help=SERVER_HELP)
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
+              help="write the topology YAML with the fitted efficiency block to this file")
+@click.option("--force", is_flag=True, help="fit even when the trace was measured on another kind of device")
+@json_option
+def calibrate_cmd(trace_paths: tuple[str, ...], server: str, output: Path | None, force: bool,
+                  json_out: str | None) -> None:
+    """Fit the server GPU's matmul, attention-kernel and memory efficiencies for the trace's
+    precision to the measured layer times (non-negative least squares), print them with
+    each row's residual, and optionally write the topology with them."""
+    from mpsim.views.text import calibration_text
+
+    topo = api.load_topology(server)
+    cal = api.calibrate([api.load_trace(p) for p in trace_paths], topo, force)
+    if output:
+        output.write_text(api.calibrated_yaml(topo, cal))
+    if json_out != "-":
+        click.echo(calibration_text(cal))
+        if output:
+            click.echo(f"wrote {output}")
+    write_json(json_out, cal.to_dict())
+
+
+@click.command("choose")
+@click.option("--model", "-m", required=True, help="shipped model name (see traces/) or a trace JSON file")
+@click.option("--servers", "-s", default="all", show_default=True,
+              help="comma-separated shipped servers or topology files; all: every shipped server with at least "
+                   "two GPUs that the schedule can fill with one stage each")
+@click.option("--schedule", default="1f1b", show_default=True, help=SCHEDULE_HELP)
+@click.option("--microbatch", "sizes", help="comma-separated microbatch sizes to try  [default: the trace's]")
+@click.option("--microbatches", type=int, default=16, show_default=True, help=MICROBATCHES_HELP)
+@click.option("--strategy", "strategies", default="best", show_default=True,
+              help="comma-separated strategies allowed (each single one under both partitions; best: all of them)")
+@click.option("--price", "price_overrides", multiple=True, metavar="SERVER=USD/h",
+              help="on-demand USD per hour of a server, instead of its file's price; repeat for several")
+@click.option("--rank-by", type=click.Choice(["cost", "throughput"]), default="cost", show_default=True,
+              help="cost: USD per million samples, cheapest first; throughput: fastest first")
+@json_option
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
+              help="PNG of throughput against USD per hour, the Pareto front marked")
+@html_option
+def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, microbatches: int, strategies: str,
+               price_overrides: tuple[str, ...], rank_by: str, json_out: str | None, plot: Path | None,
+               html_out: Path | None) -> None:
+    """Which server to buy or rent for a model: per server the fastest plan that fits, its
+    samples/s (tokens/s for language models), peak memory, and USD per hour and per
+    million samples (tokens), ranked, with a one-line recommendation.
+
+    Prices come from each topology file's `price` block; --price overrides them. Where
+    nothing fits, the row says by how much it falls short and which technique came
+    closest. Exits 1 when the model fits on none of the servers.
+
+    \b
+    Example:
+      mpsim choose --model llama-3-8b --servers dgx1-v100,dgx-a100-80gb,dgx-h100 --price dgx-h100=55
+    """
+    from mpsim.views.html import choose_page
+    from mpsim.views.plots import plot_choose
+    from mpsim.views.text import choose_text
+
+    prices = dict(api.parse_price(p) for p in price_overrides)
+    names = api.parse_servers(servers, schedule, microbatches)
+    mb_sizes = int_list(sizes, "--microbatch") if sizes else None
+    with steps_progress("choose") as step:
+        report = api.choose(model, names, schedule, mb_sizes, tuple(comma_list(strategies, "--strategy")),
+                            microbatches, prices, rank_by, on_point=step)
+    emit(json_out, choose_text(report), report.to_dict())
+    if plot:
+        plot_choose(report, plot)
+    if html_out:
+        html_out.write_text(choose_page(report), encoding="utf-8")
+    if not any(r.fits for r in report.rows):
+        sys.exit(1)

@@ -1,0 +1,92 @@
+"""``topo``: the shipped servers, a topology file checked or probed, a copy's time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from mpsim import api
+from mpsim.cli.options import SERVER_HELP, comma_list, emit, json_option
+
+
+@click.group()
+def topo() -> None:
+    """Servers: list, show, check a topology file."""
+
+
+@topo.command("list")
+def topo_list() -> None:
+    """The shipped servers."""
+    from mpsim.views.text import servers_text
+
+    click.echo(servers_text(api.shipped_servers()))
+
+
+@topo.command("show")
+@click.argument("name")
+@json_option
+def topo_show(name: str, json_out: str | None) -> None:
+    """GPUs, the connection matrix (nvidia-smi topo -m style) and route bandwidths of NAME
+    (a shipped server or a topology file)."""
+    from mpsim.views.text import topo_text
+
+    t = api.load_topology(name)
+    emit(json_out, topo_text(t), t.to_dict())
+
+
+@topo.command("check")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+def topo_check(file: Path) -> None:
+    """Validate a topology file and print a one-line summary."""
+    t = api.read_topology_file(file)
+    click.echo(f"{file}: ok ({t.name}, {t.n_gpus} x {t.spec.gpu.model}, {len(t.links)} directed links)")
+
+
+@topo.command("probe")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), help="topology YAML file to write")
+@click.option("--device", default="cpu", show_default=True, help="cuda: the GPUs here; cpu: CPU processes as devices")
+@click.option("--devices", type=click.IntRange(min=1), default=1, show_default=True,
+              help="on CPU: how many devices (one pipeline process each)")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="on CPU: threads per device")
+@click.option("--memory-mib", type=click.FloatRange(min=1),
+              help="on CPU: memory of each device  [default: RAM / devices]")
+@click.option("--name", help="name stored in the file  [default: from what was found]")
+def topo_probe(output: Path | None, device: str, devices: int, threads: int, memory_mib: float | None,
+               name: str | None) -> None:
+    """Write a topology file for the machine at hand, from measurements.
+
+    On GPUs: count, model and memory, NVLink and PCIe layout from `nvidia-smi topo -m`,
+    measured host-device and device-device copy bandwidth, device memory bandwidth and
+    matmul throughput. On CPU: DEVICES processes with THREADS threads each, with measured
+    matmul and memory-copy rates (what `mpsim validate --device cpu` simulates).
+    """
+    from mpsim.views.text import topo_text
+
+    text, topology = api.probe_server(device, devices, threads, memory_mib, name)
+    if output:
+        output.write_text(text)
+        click.echo(f"wrote {output}")
+    click.echo(topo_text(topology))
+
+
+@topo.command("transfer")
+@click.option("--server", "-s", default="dgx1-v100", show_default=True, help=SERVER_HELP)
+@click.option("--src", required=True, help="sending GPU (gpu0, 0) or host")
+@click.option("--dst", help="receiving GPU or host")
+@click.option("--stripe", help="comma-separated peer GPUs for a striped D2D copy, parts sized by route bandwidth")
+@click.option("--size", "sizes", required=True,
+              help="bytes to move, e.g. 216MB or 1.5GiB, at most 1 PiB; comma-separated for several")
+@json_option
+def topo_transfer(server: str, src: str, dst: str | None, stripe: str | None, sizes: str, json_out: str | None) -> None:
+    """One-way time of a copy alone on an idle server, and its effective bandwidth.
+
+    Each copy pays its route's setup latency once, so effective bandwidth rises with the
+    size (as MPress Fig. 4 measures). With --stripe the copy is split over the peers in
+    proportion to each route's bandwidth (MPress data striping) and lands with its last part.
+    """
+    from mpsim.views.text import transfer_text
+
+    peers = None if stripe is None else comma_list(stripe, "--stripe")
+    data = api.transfer(server, src, comma_list(sizes, "--size"), dst, peers)
+    emit(json_out, transfer_text(data), data)

@@ -1,0 +1,114 @@
+"""``trace``: a model as a trace file, from a preset or a shape, any PyTorch module, or a
+Hugging Face config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from mpsim import api
+from mpsim.errors import MpsimError
+
+ATTENTION_HELP = ("attention kernel whose saved tensors and FLOPs the trace records: eager (written out), "
+                  "fused-softmax (Megatron), mem-efficient (xFormers/CUTLASS), flash (FlashAttention-2)  "
+                  "[default: the preset's; otherwise what PyTorch picks on --server's GPU: flash from A100 on, "
+                  "mem-efficient before; flash without --server]")
+
+
+def _list_presets(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value:
+        from mpsim.views.text import presets_text
+
+        click.echo(presets_text(api.presets()))
+        ctx.exit(0)
+
+
+@click.command()
+@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="trace JSON file to write")
+@click.option("--preset", help="start from a shipped configuration (gpt-5.3b, llama-3-8b ...; "
+                               "see `mpsim trace --list`); other options override it")
+@click.option("--list", "list_presets", is_flag=True, is_eager=True, expose_value=False, callback=_list_presets,
+              help="list the presets and exit")
+@click.option("--module", "module_spec", metavar="SPEC",
+              help="trace your own model: package.module:build or file.py:build returning (blocks, example input); "
+                   "shipped CNNs: mpsim.cnn:resnet50, vgg16, inception_v3 ... (README); --recipe defaults to fp32")
+@click.option("--family", type=click.Choice(["gpt", "bert", "llama"]),
+              help="model family: gpt (GPT-2), bert, llama (RMSNorm, SwiGLU, RoPE, GQA: Llama, Mistral, Qwen2)  "
+                   "[default: gpt]")
+@click.option("--layers", type=click.IntRange(min=1), help="transformer layers  [default: 16]")
+@click.option("--hidden", type=click.IntRange(min=1), help="hidden size  [default: 5120]")
+@click.option("--heads", type=click.IntRange(min=1), help="attention heads, dividing hidden  [default: 40]")
+@click.option("--kv-heads", type=click.IntRange(min=1), help="key/value heads (grouped-query attention), "
+                                                            "dividing heads  [default: heads]")
+@click.option("--ffn-hidden", type=click.IntRange(min=1), help="MLP inner size  [default: 4 x hidden]")
+@click.option("--seq-len", type=click.IntRange(min=1), help="sequence length  [default: 1024]")
+@click.option("--vocab", type=click.IntRange(min=1), help="vocabulary size  [default: 50257]")
+@click.option("--dropout", type=click.FloatRange(min=0, max=1, max_open=True),
+              help="dropout probability; 0 keeps no masks  [default: the preset's]")
+@click.option("--attention", type=click.Choice(["eager", "fused-softmax", "mem-efficient", "flash"]),
+              help=ATTENTION_HELP)
+@click.option("--server", "-s", help="with no --attention: pick the kernel PyTorch uses on this server's GPUs")
+@click.option("--microbatch", type=click.IntRange(min=1), help="samples per microbatch  [default: the preset's]")
+@click.option("--recipe", type=click.Choice(["mixed-fp16", "mixed-bf16", "mixed-fp16-fp32grad", "mixed-bf16-fp32grad",
+                                             "fp32", "tf32"]),
+              help="training precision: " + api.RECIPE_HELP + "  [default: the preset's]")
+@click.option("--name", help="name stored in the trace  [default: the preset's, else from the shape]")
+@click.option("--measure", is_flag=True, help="run the layers for real on --device and record measured times and bytes")
+@click.option("--device", default="cpu", show_default=True, help="with --measure: cpu, cuda or cuda:N")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="with --measure on CPU: intra-op threads (as each pipeline process will have)")
+@click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True,
+              help="with --measure: timed runs per layer (the median is kept)")
+@click.option("--hf", "hf_source", metavar="SOURCE",
+              help="trace a Hugging Face model with its own modules: a folder with config.json, a config.json or "
+                   "a shipped one (llama-2-7b, llama-3-70b, mistral-7b, qwen2.5-7b, gpt2-xl ...); takes --layers, "
+                   "--hidden, --heads, --seq-len, --microbatch, --recipe, --attention, --server, --name")
+def trace(output: Path, preset: str | None, family: str | None, layers: int | None, hidden: int | None,
+          heads: int | None, kv_heads: int | None, ffn_hidden: int | None, seq_len: int | None, vocab: int | None,
+          dropout: float | None, attention: str | None, server: str | None, microbatch: int | None,
+          recipe: str | None, name: str | None, measure: bool, device: str, threads: int, repeats: int,
+          module_spec: str | None = None, hf_source: str | None = None) -> None:
+    """Trace a model: a preset or a GPT, BERT or Llama-style shape.
+
+    By default under FakeTensor mode (no memory allocated): per layer the saved-for-backward
+    bytes the CUDA kernels keep, parameters, FLOPs and bytes moved; times are derived per
+    GPU when simulated. `--preset llama-3-8b -o llama.json` traces a public model;
+    `--preset gpt-5.3b -o traces/gpt-5.3b.json` regenerates a shipped trace.
+
+    With --measure the layers run on --device: measured forward and backward times, real
+    saved bytes and the backward's transient memory go into the trace, with the device
+    named (`--preset gpt-tiny --measure --device cpu -o tiny.json`).
+
+    With --module any PyTorch model cut into pipeline layers is traced, one row per layer
+    (`--module mpsim.cnn:resnet50 -o resnet50.json`).
+
+    With --hf a Hugging Face model is traced with its own modules from its config.json
+    (`--hf llama-3-70b -o llama.json`; no weights, no network).
+    """
+    from mpsim.views.text import trace_line
+
+    if module_spec is not None and hf_source is not None:
+        raise MpsimError("--module and --hf each name a whole model: give one of them")
+    if module_spec is not None:
+        if measure:
+            raise MpsimError("--module traces under FakeTensor mode; --measure is for the GPT, BERT and Llama shapes")
+        result = api.trace_module(module_spec, microbatch, recipe, name)
+    elif hf_source is not None:
+        kernel = attention or api.default_attention(server, recipe)
+        others = {"--preset": preset, "--family": family, "--kv-heads": kv_heads, "--ffn-hidden": ffn_hidden,
+                  "--vocab": vocab, "--dropout": dropout, "--measure": measure or None}
+        unsupported = [k for k, v in others.items() if v is not None]
+        if unsupported:
+            raise MpsimError(f"--hf does not take {', '.join(unsupported)}: set them in the config.json")
+        overrides = {k: v for k, v in {"layers": layers, "hidden": hidden, "heads": heads, "seq_len": seq_len}.items()
+                     if v is not None}
+        result = api.trace_hf(hf_source, microbatch, recipe, kernel, overrides, name)
+    else:
+        shape = {"family": family, "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
+                 "ffn_hidden": ffn_hidden, "seq_len": seq_len, "vocab": vocab, "dropout": dropout}
+        measured = api.Measure(device, threads, repeats) if measure else None
+        result = api.trace_shape(preset, shape, attention, server, microbatch, recipe, name, measured)
+    output.write_text(result.to_json() + "\n")
+    click.echo(trace_line(output, result))
