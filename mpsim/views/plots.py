@@ -3,6 +3,7 @@ figure to a file (PNG, or SVG by the suffix). matplotlib is imported when a figu
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,16 @@ def downsample(times: np.ndarray, used: np.ndarray, max_points: int = 4000) -> t
         t, u = t[idx], u[idx]
     return t, u
 
+
+
+def figure_bytes(fig: Figure, fmt: str, dpi: int = 110) -> bytes:
+    """``fig`` as a ``fmt`` file's bytes (``svg``, ``png``), the figure closed."""
+    import matplotlib.pyplot as plt
+
+    out = io.BytesIO()
+    fig.savefig(out, format=fmt, dpi=dpi)
+    plt.close(fig)  # a pyplot figure is let go; closing a plain Figure is harmless
+    return out.getvalue()
 
 # -- one job -------------------------------------------------------------------------------------
 

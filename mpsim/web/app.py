@@ -18,6 +18,7 @@ from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from mpsim import api
 from mpsim.errors import MpsimError
 from mpsim.web import charts
 from mpsim.web.inputs import MAX_UPLOAD_BYTES, UPLOAD_KINDS, JobInputs, UploadStore, check_size, from_query
@@ -48,11 +49,8 @@ class App:
         self.jobs = JobRunner()
 
     def catalog(self) -> dict:
-        from mpsim.catalog import shipped_topologies, shipped_traces
-        from mpsim.planners.registry import STRATEGIES
-
-        return {"servers": list(shipped_topologies()), "models": list(shipped_traces()),
-                "schedules": ["1f1b", "gpipe", "pipedream"], "strategies": list(STRATEGIES),
+        return {"servers": list(api.shipped_topologies()), "models": list(api.shipped_traces()),
+                "schedules": ["1f1b", "gpipe", "pipedream"], "strategies": list(api.STRATEGIES),
                 "partitions": ["compute", "memory"], "upload_kinds": list(UPLOAD_KINDS),
                 "max_upload_bytes": MAX_UPLOAD_BYTES}
 

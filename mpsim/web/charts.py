@@ -4,10 +4,9 @@ pipeline timeline. Each renders as SVG for the page or PNG to download."""
 
 from __future__ import annotations
 
-import io
 from typing import TYPE_CHECKING
 
-from mpsim.views.plots import memory_bars_figure, memory_figure, timeline_figure
+from mpsim.views.plots import figure_bytes, memory_bars_figure, memory_figure, timeline_figure
 
 if TYPE_CHECKING:
     from mpsim.api import SimResult
@@ -18,10 +17,4 @@ FORMATS = {"svg": "image/svg+xml", "png": "image/png"}
 
 def render(r: SimResult, chart: str, fmt: str) -> bytes:
     """``chart`` of ``CHARTS`` as ``fmt`` of ``FORMATS``."""
-    import matplotlib.pyplot as plt
-
-    fig = CHARTS[chart](r)
-    out = io.BytesIO()
-    fig.savefig(out, format=fmt, dpi=110)
-    plt.close(fig)  # memory_figure's figure is pyplot's; closing one of ours is harmless
-    return out.getvalue()
+    return figure_bytes(CHARTS[chart](r), fmt)

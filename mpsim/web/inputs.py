@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
-from mpsim.catalog import shipped_topologies, shipped_traces
+from mpsim import api
+from mpsim.api import Topology, Trace
 from mpsim.errors import MpsimError
-from mpsim.topology import Topology, read_topology_file
-from mpsim.trace import Trace, read_trace_file
 
 MAX_UPLOAD_BYTES = 4 * 2**20
 """Largest upload accepted (the biggest shipped trace is about 64 kB)."""
@@ -126,7 +125,7 @@ def from_query(query: Mapping[str, list[str]]) -> JobInputs:
 
 def check_shipped(inputs: JobInputs) -> None:
     """Shipped names must be in the catalog (the server never reads a path from a request)."""
-    topologies, traces = shipped_topologies(), shipped_traces()
+    topologies, traces = api.shipped_topologies(), api.shipped_traces()
     named = [inputs.server] if inputs.view == "job" and inputs.server_upload is None else []
     for name in [*named, *inputs.servers]:
         if name not in topologies:
@@ -210,10 +209,8 @@ def check_size(name: str, n_bytes: int) -> None:
 
 def _read_upload(kind: str, path: Path) -> Topology | Trace | Path:
     if kind == "server":
-        return read_topology_file(path)
+        return api.read_topology_file(path)
     if kind == "trace":
-        return read_trace_file(path)
-    from mpsim.hf import load_config
-
-    load_config(str(path))  # the checks of `mpsim trace --hf`; tracing is the job's work
+        return api.read_trace_file(path)
+    api.hf_config(str(path))  # the checks of `mpsim trace --hf`; tracing is the job's work
     return path

@@ -1,6 +1,6 @@
 """Runs in a background thread, one at a time, with progress and cancelling.
 
-Progress is the count of simulated tasks (``mpsim.sim.progress.reporting``, as the CLI's
+Progress is the count of simulated tasks (``mpsim.api.reporting``, as the CLI's
 bar); cancelling sets a flag that the same callback checks after every task, raising
 ``Cancelled`` out of the simulation, so a run stops within one task of the request.
 """
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mpsim import api
 from mpsim.errors import MpsimError
-from mpsim.sim.progress import reporting
 
 MAX_JOBS = 32
 """Finished runs kept for their downloads; the oldest is dropped beyond this."""
@@ -96,7 +96,7 @@ class JobRunner:
                 return
             job.state = "running"
             try:
-                with reporting(job.on_task):
+                with api.reporting(job.on_task):
                     job.outcome = work(job)
                 job.state = "done"
             except Cancelled:

@@ -1,6 +1,6 @@
 """What a run does, through the same API as the CLI: ``mpsim.api.plan`` (whose result is
 what ``mpsim simulate`` prints for the same inputs) and, for the choose view,
-``mpsim.choose.choose``."""
+``mpsim.api.choose``; shown by the CLI's views (``mpsim.views``)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mpsim.catalog import load_topology, load_trace
+from mpsim import api
+from mpsim.api import Planned, Topology, Trace
 from mpsim.errors import MpsimError
-from mpsim.planners import Planned
-from mpsim.topology import Topology
-from mpsim.trace import Trace, measured_elsewhere
+from mpsim.views.html import choose_html
+from mpsim.views.text import plan_text, simulate_text
 from mpsim.web.inputs import JobInputs, UploadStore
 from mpsim.web.jobs import Job
 
@@ -29,44 +29,37 @@ def server_of(inputs: JobInputs, uploads: UploadStore) -> Topology:
         value = uploads.get(inputs.server_upload, ("server",)).value
         assert isinstance(value, Topology)
         return value
-    return load_topology(inputs.server)  # a catalog name, checked by inputs.check_shipped
+    return api.load_topology(inputs.server)  # a catalog name, checked by inputs.check_shipped
 
 
 def model_of(inputs: JobInputs, uploads: UploadStore) -> Trace:
     """A shipped trace, an uploaded one, or an uploaded Hugging Face config traced as
     ``mpsim trace --hf`` does."""
     if inputs.model_upload is None:
-        return load_trace(inputs.model)
+        return api.load_trace(inputs.model)
     upload = uploads.get(inputs.model_upload, ("trace", "hf"))
     if isinstance(upload.value, Trace):
         return upload.value
-    from mpsim.hf import trace_hf
-
     assert isinstance(upload.value, Path)
     try:
-        return trace_hf(str(upload.value), microbatch=inputs.microbatch)
+        return api.trace_hf(str(upload.value), microbatch=inputs.microbatch)
     except MpsimError as exc:
         raise MpsimError(str(exc).replace(f"{upload.path.parent}/", "")) from None
 
 
 def run_job(inputs: JobInputs, uploads: UploadStore, job: Job) -> JobOutcome:
-    from mpsim.api import plan
-
     topo, trace = server_of(inputs, uploads), model_of(inputs, uploads)
-    warning = measured_elsewhere(trace, topo.spec.gpu.model, topo.name)
-    planned = plan(topo, trace, inputs.schedule, inputs.microbatch, inputs.microbatches, strategy=inputs.strategy,
+    warning = api.measured_warning(trace, topo)
+    planned = api.plan(topo, trace, inputs.schedule, inputs.microbatch, inputs.microbatches, strategy=inputs.strategy,
                    partition=inputs.partition)
     return JobOutcome(planned, warning)
 
 
 def run_choose(inputs: JobInputs, uploads: UploadStore, job: Job) -> dict[str, Any]:
-    """The choose view: ``mpsim.choose.choose`` over the chosen servers (every shipped one
+    """The choose view: ``mpsim.api.choose`` over the chosen servers (every shipped one
     the schedule can fill when none is chosen), shown as ``mpsim choose --html`` shows it."""
-    from mpsim.choose import choose, parse_servers
-    from mpsim.views.html import choose_html
-
-    names = list(inputs.servers) or parse_servers("all", inputs.schedule, inputs.microbatches)
-    report = choose(model_of(inputs, uploads), [load_topology(n) for n in names], schedule=inputs.schedule,
+    names = list(inputs.servers) or api.parse_servers("all", inputs.schedule, inputs.microbatches)
+    report = api.choose(model_of(inputs, uploads), [api.load_topology(n) for n in names], schedule=inputs.schedule,
                     microbatches=[inputs.microbatch] if inputs.microbatch else None,
                     n_microbatches=inputs.microbatches)
     return {"report": report.to_dict(), "html": choose_html(report)}
@@ -75,8 +68,6 @@ def run_choose(inputs: JobInputs, uploads: UploadStore, job: Job) -> dict[str, A
 def job_payload(outcome: JobOutcome) -> dict:
     """What the page shows of a finished job: the verdict first, the CLI's text, the
     result and plan as their JSON files."""
-    from mpsim.views.text import plan_text, simulate_text
-
     r, plan_file = outcome.planned.result, outcome.planned.plan
     text = simulate_text(r)
     return {"verdict": text.splitlines()[0], "oom": text.splitlines()[1].strip() if r.oom else None,
