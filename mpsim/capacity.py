@@ -9,7 +9,7 @@ then bisects, so it costs O(log n) simulations.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from mpsim.backends import Backend, run_points
@@ -18,8 +18,9 @@ from mpsim.errors import MpsimError
 from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_microbatch, check_strategy
 from mpsim.planners.best import Part, combine, parts
 from mpsim.planners.context import Planned
-from mpsim.planners.registry import combines, plan_job
+from mpsim.planners.registry import plan_job
 from mpsim.sim import SimResult
+from mpsim.strategies import combines
 from mpsim.topology import Topology
 from mpsim.trace import Trace
 
@@ -118,9 +119,17 @@ def fits_strategies(server: str | Topology, family: str, schedule: str = DEFAULT
     backend."""
     traces = model_traces(models) if models else family_traces(family)
     job = family_job(server, traces, schedule, microbatch, microbatches, "none", partition)
+    return fits_all(job, family, traces, strategies, models, on_point, backend)
+
+
+def fits_all(job: JobSpec, family: str, traces: list[Trace], strategies: Sequence[str], models: tuple[str, ...] = (),
+             on_point: Callable[[str], None] | None = None, backend: Backend | None = None) -> list[FitsReport]:
+    """``fits_strategies`` for a checked ``job`` (``family_job``; its strategy is set per
+    report) over ``traces`` (those of ``family``, or of the named ``models``)."""
     for strategy in strategies:
         check_strategy(strategy)
-    base = _FitsUnit(job, family, models)
+    strategies = tuple(strategies)
+    base = _FitsUnit(job, family, tuple(models))
     if backend is not None:
         return _fits_parallel(base, strategies, backend, on_point)
     done: dict[str, FitsReport] = {}
@@ -128,7 +137,7 @@ def fits_strategies(server: str | Topology, family: str, schedule: str = DEFAULT
         best = combines(strategy)
         done[strategy] = fits_job(job.but(strategy=strategy), family, traces,
                                   on_point=None if on_point is None else _prefixed(on_point, strategy),
-                                  known_fitting=_known(done.values(), partition) if best else None,
+                                  known_fitting=_known(done.values(), job.partition) if best else None,
                                   known_failing=_known_failing(done.values()) if best else None)
     return [done[s] for s in strategies]
 

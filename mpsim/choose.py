@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 from mpsim.catalog import load_topology, load_trace, shipped_topologies
 from mpsim.errors import MpsimError
-from mpsim.job import PARTITIONS, JobSpec
-from mpsim.planners import STRATEGIES, plan_job
-from mpsim.schedule import SCHEDULES, check_schedule
+from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PARTITIONS, JobSpec, check_microbatch
+from mpsim.planners.registry import plan_job
 from mpsim.sim import SimResult
+from mpsim.strategies import combines
 from mpsim.topology import MAX_USD, Topology
 from mpsim.trace import Trace
 from mpsim.units import GiB
@@ -146,8 +146,9 @@ class ChooseRow:
 class ChooseReport:
     model: str
     schedule: str
-    n_microbatches: int
-    microbatches: tuple[int, ...]
+    microbatches: int
+    """Microbatches per iteration, as in every job."""
+    microbatch_sizes: tuple[int, ...]
     strategies: tuple[str, ...]
     rank_by: str
     seq_len: int | None
@@ -159,29 +160,29 @@ class ChooseReport:
         return recommendation(self)
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "schedule": self.schedule, "n_microbatches": self.n_microbatches,
-                "microbatches": list(self.microbatches), "strategies": list(self.strategies),
+        return {"model": self.model, "schedule": self.schedule, "n_microbatches": self.microbatches,
+                "microbatches": list(self.microbatch_sizes), "strategies": list(self.strategies),
                 "rank_by": self.rank_by, "seq_len": self.seq_len, "recommendation": self.recommendation,
                 "rows": [r.to_dict() for r in self.rows]}
 
 
 # -- inputs ---------------------------------------------------------------------------------
 
-def all_servers(schedule: str, n_microbatches: int) -> list[str]:
+def all_servers(schedule: str, microbatches: int) -> list[str]:
     """``--servers all``: every shipped server with at least two GPUs (a pipeline) whose
     GPUs the schedule can fill with one stage each."""
     names = []
     for name in shipped_topologies():
         n = load_topology(name).n_gpus
-        if n >= 2 and (schedule == "gpipe" or n_microbatches >= n):
+        if n >= 2 and (schedule == "gpipe" or microbatches >= n):
             names.append(name)
     return names
 
 
-def parse_servers(text: str, schedule: str = "1f1b", n_microbatches: int = 16) -> list[str]:
+def parse_servers(text: str, schedule: str = DEFAULT_SCHEDULE, microbatches: int = DEFAULT_MICROBATCHES) -> list[str]:
     """``all`` or a comma-separated list of shipped names and topology files."""
     if text.strip() == "all":
-        return all_servers(schedule, n_microbatches)
+        return all_servers(schedule, microbatches)
     items = [x.strip() for x in text.split(",")]
     if not all(items):
         raise MpsimError(f"--servers: expected 'all' or a comma-separated list without empty items, got {text!r}")
@@ -214,20 +215,15 @@ def _price_of(topo: Topology, key: str, overrides: Mapping[str, float]) -> Price
     return Price(spec.on_demand.usd_per_hour, spec.on_demand.source, spec.on_demand.date, purchase)
 
 
-def _check_inputs(servers: Sequence[str | Topology], strategies: Sequence[str], microbatches: Sequence[int],
-                  schedule: str, prices: Mapping[str, float]) -> None:
+def _check_inputs(servers: Sequence[str | Topology], strategies: Sequence[str], microbatch_sizes: Sequence[int],
+                  prices: Mapping[str, float]) -> None:
+    """What no job checks: a server and a strategy to choose from, the prices."""
     if not servers:
         raise MpsimError("--servers: no server to choose from")
     if not strategies:
         raise MpsimError("--strategy needs at least one strategy")
-    for name in strategies:
-        if name not in STRATEGIES:
-            raise MpsimError(f"unknown strategy {name!r}: expected one of {', '.join(STRATEGIES)}")
-    if schedule not in SCHEDULES:
-        raise MpsimError(f"unknown schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
-    for mb in microbatches:
-        if mb < 1:
-            raise MpsimError(f"--microbatch: sizes must be positive integers, got {mb}")
+    for mb in microbatch_sizes:
+        check_microbatch(mb)
     for key, usd in prices.items():
         if not (math.isfinite(usd) and 0 < usd <= MAX_USD):
             raise MpsimError(f"--price {key}: USD per hour must be above 0 and at most {MAX_USD:g}, got {usd:g}")
@@ -244,20 +240,20 @@ def _shortfall(r: SimResult) -> int:
     return max(0, max(g.peak_bytes - g.capacity_bytes for g in r.gpus))
 
 
-def _server_plans(topo: Topology, trace: Trace, schedule: str, microbatches: Sequence[int],
-                  strategies: Sequence[str], n_microbatches: int,
+def _server_plans(job: JobSpec, microbatch_sizes: Sequence[int], strategies: Sequence[str],
                   on_point: Callable[[str], None] | None) -> list[tuple[Tried, SimResult]]:
+    """Every plan ``choose`` tries on the job's server: each size, each strategy, each
+    single planner under both partitions (a combining one, ``best``, varies them itself)."""
     out = []
-    for mb in microbatches:
-        scaled = trace.rescale(mb)
+    for mb in microbatch_sizes:
+        scaled = job.but(trace=job.trace.rescale(mb))
         for strategy in strategies:
-            for partition in ("compute",) if strategy == "best" else PARTITIONS:
-                job = JobSpec(topo, scaled, schedule, n_microbatches, partition=partition, strategy=strategy)
-                r = plan_job(job).result
+            for partition in ("compute",) if combines(strategy) else PARTITIONS:
+                r = plan_job(scaled.but(partition=partition, strategy=strategy)).result
                 out.append((Tried(mb, r.strategy, partition, r.fits, r.samples_per_s, r.max_peak_bytes,
                                   _shortfall(r)), r))
                 if on_point:
-                    on_point(f"{topo.name} mb {mb} {r.strategy}: {'fits' if r.fits else 'OOM'}")
+                    on_point(f"{job.topology.name} mb {mb} {r.strategy}: {'fits' if r.fits else 'OOM'}")
     return out
 
 
@@ -291,39 +287,49 @@ def _mark_pareto(rows: list[ChooseRow]) -> None:
                            and (o.price.usd_per_hour < p or o.samples_per_s > s) for o in priced)  # type: ignore[operator]
 
 
-def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", schedule: str = "1f1b",
-           microbatches: Sequence[int] | None = None, strategies: Sequence[str] = ("best",), n_microbatches: int = 16,
-           prices: Mapping[str, float] | None = None, rank_by: str = "cost",
-           on_point: Callable[[str], None] | None = None) -> ChooseReport:
+def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", schedule: str = DEFAULT_SCHEDULE,
+           microbatch_sizes: Sequence[int] | None = None, strategies: Sequence[str] = ("best",),
+           microbatches: int = DEFAULT_MICROBATCHES, prices: Mapping[str, float] | None = None,
+           rank_by: str = "cost", on_point: Callable[[str], None] | None = None) -> ChooseReport:
     """Rank ``servers`` for training ``model``: per server the fastest plan that fits over
     ``strategies`` (each single planner under both partitions; ``best`` tries them all) and
-    ``microbatches`` (sizes; None: the trace's own), one stage per GPU, ``n_microbatches``
-    per iteration. ``prices`` maps a server (as given, or its name) to USD per hour and
+    ``microbatch_sizes`` (None: the trace's own), one stage per GPU, ``microbatches`` per
+    iteration. ``prices`` maps a server (as given, or its name) to USD per hour and
     overrides its file's ``price``. ``on_point`` hears a line after each plan."""
     if rank_by not in RANK_BY:
         raise MpsimError(f"--rank-by: expected one of {', '.join(RANK_BY)}, got {rank_by!r}")
+    if not isinstance(microbatches, int):
+        raise MpsimError(f"microbatches is the count per iteration, got {microbatches!r}; "
+                         "the sizes go in microbatch_sizes")
     trace = load_trace(model) if isinstance(model, str) else model
-    server_list = parse_servers(servers, schedule, n_microbatches) if isinstance(servers, str) else list(servers)
-    sizes = tuple(microbatches) if microbatches else (trace.microbatch,)
+    server_list = parse_servers(servers, schedule, microbatches) if isinstance(servers, str) else list(servers)
+    sizes = tuple(microbatch_sizes) if microbatch_sizes else (trace.microbatch,)
     overrides = dict(prices or {})
-    _check_inputs(server_list, strategies, sizes, schedule, overrides)
+    _check_inputs(server_list, strategies, sizes, overrides)
     topos = [(s, load_topology(s)) if isinstance(s, str) else (s.name, s) for s in server_list]
     unknown = set(overrides) - {k for k, _ in topos} - {t.name for _, t in topos}
     if unknown:
         raise MpsimError(f"--price: no server {sorted(unknown)[0]!r} among {', '.join(k for k, _ in topos)}")
-    for _, topo in topos:
-        check_schedule(schedule, topo.n_gpus, n_microbatches)
+    jobs = [(key, _job_on(topo, trace, schedule, microbatches, strategies)) for key, topo in topos]
     seq_len = _seq_len(trace)
     rows = []
-    for key, topo in topos:
-        tried = _server_plans(topo, trace, schedule, sizes, strategies, n_microbatches, on_point)
+    for key, job in jobs:
+        topo, tried = job.topology, _server_plans(job, sizes, strategies, on_point)
         rows.append(ChooseRow(topo.name, topo.source or key, topo.n_gpus, topo.spec.gpu.model, topo.capacity_bytes,
                               _standing(tried), [t for t, _ in tried], _price_of(topo, key, overrides), seq_len))
     rows.sort(key=_rank_key(rank_by))
     for i, row in enumerate(rows, 1):
         row.rank = i
     _mark_pareto(rows)
-    return ChooseReport(trace.name, schedule, n_microbatches, sizes, tuple(strategies), rank_by, seq_len, rows)
+    return ChooseReport(trace.name, schedule, microbatches, sizes, tuple(strategies), rank_by, seq_len, rows)
+
+
+def _job_on(topo: Topology, trace: Trace, schedule: str, microbatches: int, strategies: Sequence[str]) -> JobSpec:
+    """The job on one server, checked under every strategy before any is planned."""
+    job = JobSpec(topo, trace, schedule, microbatches)
+    for strategy in strategies:
+        job.but(strategy=strategy)
+    return job
 
 
 # -- the answer in words: the report's one line (its tables and chart are in mpsim.views) -----

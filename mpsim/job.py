@@ -19,9 +19,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mpsim.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
 from mpsim.schedule import check_schedule
+from mpsim.strategies import strategy_named
 from mpsim.topology import Topology
 from mpsim.trace import Trace
 
@@ -99,9 +99,7 @@ def check_partition(partition: str) -> None:
 
 
 def check_strategy(strategy: str) -> None:
-    """The one check of a strategy name, against the planners' registry."""
-    from mpsim.planners.registry import strategy_named  # the registry lives with the planners it names
-
+    """The one check of a strategy name, against the registry (``mpsim.strategies``)."""
     strategy_named(strategy)
 
 
@@ -151,6 +149,8 @@ def job_of(server: str | Topology, model: str | Trace, *, schedule: str = DEFAUL
            strategy: str = "none", partition: str = "compute", record_link_rates: bool = False) -> JobSpec:
     """A job from names or loaded objects: ``microbatch`` rescales the trace (None keeps the
     traced size); ``n_stages`` None means one stage per GPU."""
+    from mpsim.catalog import load_topology, load_trace  # here: `mpsim --help` reads the defaults above only
+
     topo = load_topology(server) if isinstance(server, str) else server
     trace = load_trace(model) if isinstance(model, str) else model
     if microbatch is not None:

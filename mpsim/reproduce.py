@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from mpsim.api import plan, simulate
 from mpsim.catalog import load_topology, load_trace
 from mpsim.costs import cost_model
+from mpsim.job import job_of
 from mpsim.plan import LayerAction, PlanFile, Stripe, stripes_by_bandwidth
-from mpsim.planners import Planned
-from mpsim.sim import SimResult
+from mpsim.planners import Planned, plan_job
+from mpsim.sim import SimResult, simulate_job
+from mpsim.sim.layout import job_of_plan
 from mpsim.topology import Topology, with_faster_peer_links
 
 GiB = 2**30
@@ -23,7 +24,13 @@ _Progress = Callable[[str], None]
 
 
 def _run(server: str, model: str, schedule: str, mb: int, strategy: str, partition: str = "compute") -> SimResult:
-    return plan(server, model, schedule, mb, 16, strategy=strategy, partition=partition).result
+    return plan_job(job_of(server, model, schedule=schedule, microbatch=mb, strategy=strategy,
+                           partition=partition)).result
+
+
+def _replay(topo: Topology, model: str, plan: PlanFile) -> SimResult:
+    """A plan made elsewhere, simulated on ``topo`` (Fig. 9's changed servers)."""
+    return simulate_job(job_of_plan(topo, load_trace(model), plan))
 
 
 PEER_LINK_FACTOR = 100.0
@@ -33,9 +40,9 @@ PEER_LINK_FACTOR = 100.0
 def _peer_link_headroom(server: str) -> tuple[Planned, SimResult]:
     """Fig. 9's default MPress plan, and its result on ``server`` with the peer links
     ``PEER_LINK_FACTOR`` times faster: what any mapping or striping of it could gain."""
-    planned = plan(server, "gpt-15.4b", "1f1b", 2, 16, strategy="mpress-no-mapping-no-striping")
+    planned = plan_job(job_of(server, "gpt-15.4b", microbatch=2, strategy="mpress-no-mapping-no-striping"))
     spec = with_faster_peer_links(load_topology(server).spec, PEER_LINK_FACTOR)
-    fast = simulate(Topology(spec, f"{server}, peer links x{PEER_LINK_FACTOR:g}"), "gpt-15.4b", plan_file=planned.plan)
+    fast = _replay(Topology(spec, f"{server}, peer links x{PEER_LINK_FACTOR:g}"), "gpt-15.4b", planned.plan)
     return planned, fast
 
 
@@ -72,9 +79,9 @@ def _unbounded_d2d_bound(server: str, planned: Planned) -> dict[str, SimResult]:
     spec = load_topology(server).spec
     spec = spec.model_copy(update={"gpu": spec.gpu.model_copy(update={"memory_mib": UNBOUNDED_MEMORY_MIB})})
     topo = Topology(spec, f"{server}, unbounded memory")
-    out = {"as planned": simulate(topo, "gpt-15.4b", plan_file=planned.plan)}
+    out = {"as planned": _replay(topo, "gpt-15.4b", planned.plan)}
     for route in D2D_BOUND_ROUTES:
-        out[route] = simulate(topo, "gpt-15.4b", plan_file=_every_saving_to_peers(planned, topo, route))
+        out[route] = _replay(topo, "gpt-15.4b", _every_saving_to_peers(planned, topo, route))
     return out
 
 

@@ -19,15 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import combinations
 
-from mpsim.api import plan
 from mpsim.catalog import load_topology, load_trace
 from mpsim.costs import cost_model
-from mpsim.job import JobSpec
+from mpsim.job import JobSpec, job_of
 from mpsim.partition import Stages, brute_force, highest_peak
 from mpsim.planners.context import make_context
 from mpsim.planners.mcap import mcap_partition, peak_tables
-from mpsim.planners.singles import SINGLES
+from mpsim.planners.registry import plan_job
 from mpsim.sim import SimResult
+from mpsim.strategies import strategy_named
 from mpsim.trace import Trace
 
 GiB = 2**30
@@ -89,7 +89,7 @@ def cnn_trace(name: str, width: int = 1, batch: int = TRACE_BATCH) -> Trace:
 
 def trains(trace: Trace, strategy: str, batch: int, server: str = SERVER) -> bool:
     """Whether ``trace`` at ``batch`` samples trains on one GPU of ``server`` under ``strategy``."""
-    return plan(server, trace, "1f1b", batch, 1, n_stages=1, strategy=strategy).result.fits
+    return plan_job(job_of(server, trace, microbatch=batch, microbatches=1, n_stages=1, strategy=strategy)).result.fits
 
 
 def largest(fits: Callable[[int], bool], limit: int) -> int:
@@ -193,7 +193,7 @@ def simulate_partition(trace: Trace, stages: Stages) -> SimResult:
     """VGG-11 as torchgpipe runs it (GPipe, every layer checkpointed) on ``stages``."""
     topo = load_topology(MCAP_SERVER)
     ctx = replace(make_context(JobSpec(topo, trace, "gpipe", MCAP_MICROBATCHES)), stages=list(stages))
-    return SINGLES["recompute-all"].planner(ctx).result
+    return strategy_named("recompute-all").planner_fn()(ctx).result
 
 
 def all_partitions(n_layers: int, n_stages: int) -> list[Stages]:

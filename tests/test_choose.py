@@ -50,7 +50,7 @@ SERVERS = {"fast": (100.0, 4096.0, 3.0), "slow": (0.1, 4096.0, 1.0), "small": (1
 def report():
     topos = [parse_topology(_server(n, *spec), f"{n}.yaml") for n, spec in SERVERS.items()]
     return choose(parse_trace(_trace_dict(), "toy.json"), topos, strategies=("none", "recompute"),
-                  n_microbatches=4)
+                  microbatches=4)
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_ranking_by_throughput_and_the_pareto_front(report):
     fast, slow, small = report.rows
     assert fast.pareto and slow.pareto and not small.pareto  # slow is the cheapest per hour
     topos = [parse_topology(_server(n, *spec), f"{n}.yaml") for n, spec in SERVERS.items() if n != "small"]
-    cheap_fast = choose(parse_trace(_trace_dict(), "toy.json"), topos, strategies=("none",), n_microbatches=4,
+    cheap_fast = choose(parse_trace(_trace_dict(), "toy.json"), topos, strategies=("none",), microbatches=4,
                         prices={"fast": 0.5}, rank_by="throughput")
     assert [r.server for r in cheap_fast.rows] == ["fast", "slow"]
     assert cheap_fast.rows[0].price.override and not cheap_fast.rows[1].pareto
@@ -109,8 +109,8 @@ def test_ranking_by_throughput_and_the_pareto_front(report):
 
 def test_every_microbatch_size_is_tried(report):
     topos = [parse_topology(_server("fast", *SERVERS["fast"]), "fast.yaml")]
-    r = choose(parse_trace(_trace_dict(), "toy.json"), topos, strategies=("none",), microbatches=(1, 2),
-               n_microbatches=4)
+    r = choose(parse_trace(_trace_dict(), "toy.json"), topos, strategies=("none",), microbatch_sizes=(1, 2),
+               microbatches=4)
     assert sorted({t.microbatch for t in r.rows[0].tried}) == [1, 2]
     assert r.rows[0].microbatch == max(r.rows[0].tried, key=lambda t: t.samples_per_s).microbatch
 
@@ -265,3 +265,8 @@ def test_html_escapes_text(files, tmp_path):
     assert "<b>" not in table_html(["<b>"], [["<i>x</i>"]])
     html_text = markdown_html("# a <script>\n![plot](http://example.com/x.png)\n| a |\n|---|\n| <b> |", tmp_path)
     assert "<script>" not in html_text and "example.com/x.png not found" in html_text and "&lt;b&gt;" in html_text
+
+
+def test_the_count_of_microbatches_is_not_taken_for_their_sizes():
+    with pytest.raises(MpsimError, match="microbatches is the count per iteration"):
+        choose(parse_trace(_trace_dict(), "toy.json"), [], microbatches=[2])  # type: ignore[arg-type]

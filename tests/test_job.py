@@ -3,6 +3,9 @@ is the one list of strategies."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from mpsim.catalog import load_topology, load_trace
@@ -75,3 +78,10 @@ def test_the_memory_partition_predicts_the_peak_as_the_strategy_keeps(strategy, 
     job = _job(partition="memory", strategy=strategy)
     expected = mcap_partition(job.trace, job.schedule, job.n_stages, job.microbatches, recompute, selective)
     assert make_context(job, strategy_named(strategy).keeps).stages == list(expected)
+
+
+def test_every_registered_planner_imports_and_checking_a_name_imports_none():
+    assert all(callable(s.planner_fn()) for s in STRATEGIES.values())
+    code = "import sys, mpsim.job as j; j.check_strategy('mpress'); print('mpsim.planners' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"

@@ -252,7 +252,7 @@ def test_choose_view_ranks_the_servers_as_mpsim_choose_does(server):
     job = run_job(server, view="choose", model="gpt-5.3b", servers="dgx1-v100,dgx-a100-80gb", microbatch=2)
     assert job["state"] == "done", job
     status, answer = call_json(server, "GET", f"/api/jobs/{job['id']}/result.json")
-    direct = choose("gpt-5.3b", ["dgx1-v100", "dgx-a100-80gb"], microbatches=[2]).to_dict()
+    direct = choose("gpt-5.3b", ["dgx1-v100", "dgx-a100-80gb"], microbatch_sizes=[2]).to_dict()
     assert status == 200
     assert [r["server"] for r in answer["report"]["rows"]] == [r["server"] for r in direct["rows"]]
     assert "<svg" in answer["html"] and "dgx-a100-80gb" in answer["html"]

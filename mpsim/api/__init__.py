@@ -38,11 +38,20 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     from mpsim.capacity import FitsReport, fits
     from mpsim.catalog import load_topology, load_trace, shipped_topologies, shipped_traces
     from mpsim.choose import ChooseReport, choose, parse_price, parse_servers
-    from mpsim.job import DEFAULT_SERVER, PARTITIONS
+    from mpsim.job import (
+        DEFAULT_MICROBATCHES,
+        DEFAULT_SCHEDULE,
+        DEFAULT_SERVER,
+        PARTITIONS,
+        JobSpec,
+        Parallelism,
+        job_of,
+    )
     from mpsim.plan import PlanFile, read_plan_file, write_plan_file
-    from mpsim.planners import STRATEGIES, Planned
+    from mpsim.planners import Planned, plan_job
     from mpsim.sim import SimResult
     from mpsim.sim.progress import reporting
+    from mpsim.strategies import STRATEGIES
     from mpsim.sweep import Point, SweepInterrupted, grid, sweep
     from mpsim.topology import Topology, read_topology_file
     from mpsim.trace import RECIPE_HELP, Trace, read_trace_file
@@ -59,11 +68,13 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.capacity": ("FitsReport", "fits"),
     "mpsim.catalog": ("load_topology", "load_trace", "shipped_topologies", "shipped_traces"),
     "mpsim.choose": ("ChooseReport", "choose", "parse_price", "parse_servers"),
-    "mpsim.job": ("DEFAULT_SERVER", "PARTITIONS"),
+    "mpsim.job": ("DEFAULT_MICROBATCHES", "DEFAULT_SCHEDULE", "DEFAULT_SERVER", "JobSpec", "PARTITIONS", "Parallelism",
+                  "job_of"),
     "mpsim.plan": ("PlanFile", "read_plan_file", "write_plan_file"),
-    "mpsim.planners": ("STRATEGIES", "Planned"),
+    "mpsim.planners": ("Planned", "plan_job"),
     "mpsim.sim": ("SimResult",),
     "mpsim.sim.progress": ("reporting",),
+    "mpsim.strategies": ("STRATEGIES",),
     "mpsim.sweep": ("Point", "SweepInterrupted", "grid", "sweep"),
     "mpsim.topology": ("Topology", "read_topology_file"),
     "mpsim.trace": ("RECIPE_HELP", "Trace", "read_trace_file"),

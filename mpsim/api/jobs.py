@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mpsim.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
-from mpsim.job import DEFAULT_SERVER, JobSpec, job_of, pipeline
+from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, DEFAULT_SERVER, JobSpec, job_of, pipeline
 from mpsim.plan import PlanFile, check_plan, read_plan_file
 from mpsim.planners import Planned, plan_job
 from mpsim.sim import SimResult, simulate_job
@@ -19,16 +19,17 @@ DEFAULT_MODEL = "gpt-5.3b"
 """The model a command simulates when none is named: MPress's GPT-5.3B."""
 
 
-def plan(server: str | Topology, model: str | Trace, schedule: str = "1f1b", microbatch: int | None = None,
-         microbatches: int = 16, n_stages: int | None = None, strategy: str = "none",
+def plan(server: str | Topology, model: str | Trace, schedule: str = DEFAULT_SCHEDULE, microbatch: int | None = None,
+         microbatches: int = DEFAULT_MICROBATCHES, n_stages: int | None = None, strategy: str = "none",
          partition: str = "compute") -> Planned:
     """Make a plan with a named strategy; returns it with its simulated result."""
     return plan_job(job_of(server, model, schedule=schedule, microbatch=microbatch, microbatches=microbatches,
                            n_stages=n_stages, strategy=strategy, partition=partition))
 
 
-def simulate(server: str | Topology, model: str | Trace, schedule: str = "1f1b", microbatch: int | None = None,
-             microbatches: int = 16, n_stages: int | None = None, strategy: str = "none",
+def simulate(server: str | Topology, model: str | Trace, schedule: str = DEFAULT_SCHEDULE,
+             microbatch: int | None = None, microbatches: int = DEFAULT_MICROBATCHES, n_stages: int | None = None,
+             strategy: str = "none",
              plan_file: PlanFile | None = None, record_link_rates: bool = False,
              partition: str = "compute") -> SimResult:
     """Simulate one training iteration of ``model`` on ``server``.

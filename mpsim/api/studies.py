@@ -11,11 +11,12 @@ from pathlib import Path
 
 from mpsim.api.jobs import measured_warning
 from mpsim.backends import Backend, make_backend
-from mpsim.capacity import FitsReport, family_job, family_traces, fits_strategies, model_traces
+from mpsim.capacity import FitsReport, family_job, family_traces, fits_all, model_traces
 from mpsim.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
-from mpsim.job import check_microbatch, check_strategy
+from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_microbatch, check_strategy
 from mpsim.sweep import Point
+from mpsim.trace import Trace
 
 SEARCH_PROBES = 10
 """About how many sizes one strategy's largest-size search simulates in one process."""
@@ -23,29 +24,27 @@ SEARCH_PROBES = 10
 
 @dataclass(frozen=True)
 class FitsRequest:
-    """``fits`` under several strategies, checked before any simulation: the family (the
-    named models' own), the backend the work runs on (None: this process), and how many
-    points ``run``'s ``on_point`` hears."""
+    """``fits`` under several strategies, checked before any simulation: the job at the
+    family's smallest size, the family (the named models' own) and its traces, the backend
+    the work runs on (None: this process), and how many points ``run``'s ``on_point`` hears."""
 
-    server: str
+    job: JobSpec
     family: str
+    traces: tuple[Trace, ...]
     models: tuple[str, ...]
-    schedule: str
-    microbatch: int | None
-    microbatches: int
     strategies: tuple[str, ...]
-    partition: str
     backend: Backend | None
     points: int
 
     def run(self, on_point: Callable[[str], None] | None = None) -> list[FitsReport]:
-        """One report per strategy, in the order asked (:func:`mpsim.capacity.fits_strategies`)."""
-        return fits_strategies(self.server, self.family, self.schedule, self.microbatch, self.microbatches,
-                               self.strategies, on_point, self.partition, self.models, self.backend)
+        """One report per strategy, in the order asked (:func:`mpsim.capacity.fits_all`)."""
+        return fits_all(self.job, self.family, list(self.traces), self.strategies, self.models, on_point,
+                        self.backend)
 
 
-def fits_request(server: str, family: str, models: Sequence[str] = (), schedule: str = "1f1b",
-                 microbatch: int | None = None, microbatches: int = 16, strategies: Sequence[str] = ("none",),
+def fits_request(server: str, family: str, models: Sequence[str] = (), schedule: str = DEFAULT_SCHEDULE,
+                 microbatch: int | None = None, microbatches: int = DEFAULT_MICROBATCHES,
+                 strategies: Sequence[str] = ("none",),
                  partition: str = "compute", workers: int | None = None, backend: str = "local",
                  address: str | None = None) -> FitsRequest:
     """Check a ``fits`` over ``strategies`` of ``family``'s shipped sizes (or of ``models``)
@@ -60,14 +59,13 @@ def fits_request(server: str, family: str, models: Sequence[str] = (), schedule:
     traces = model_traces(tuple(models)) if models else family_traces(family)
     if models:
         family = str(traces[-1].spec.model.get("family", family))
-    family_job(server, traces, schedule, microbatch, microbatches, "none", partition)  # the job's own checks
+    job = family_job(server, traces, schedule, microbatch, microbatches, "none", partition)
     workers = workers or os.cpu_count() or 1
     runner = None if backend == "local" and workers == 1 else make_backend(backend, workers, address)
     # in one process a point is a simulated size (the searches' count estimated); in
     # parallel, a shipped size under a strategy, or one strategy's search
     points = (len(traces) + (SEARCH_PROBES if runner is None else 1)) * len(strategies)
-    return FitsRequest(server, family, tuple(models), schedule, microbatch, microbatches, tuple(strategies),
-                       partition, runner, points)
+    return FitsRequest(job, family, tuple(traces), tuple(models), tuple(strategies), runner, points)
 
 
 def sweep_warnings(points: Sequence[Point]) -> Iterator[str]:

@@ -94,7 +94,8 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
               help="model preset to build and measure (see `mpsim trace --preset`), or a measured trace JSON file")
 @click.option("--server", "-s", help="topology file of this machine  [default: probe it]")
 @click.option("--strategy", default="none", show_default=True, help="without --plan: " + STRATEGY_HELP)
-@click.option("--schedule", type=click.Choice(["gpipe", "1f1b"]), default="1f1b", show_default=True,
+@click.option("--schedule", type=click.Choice(["gpipe", "1f1b"]), default=api.DEFAULT_SCHEDULE,
+              show_default=True,
               help="without --plan: pipeline schedule")
 @click.option("--microbatches", type=click.IntRange(min=1), default=4, show_default=True,
               help="without --plan: microbatches per iteration")

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import click
 
+from mpsim import api
 from mpsim.errors import MpsimError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -45,9 +46,10 @@ def job_options(f: F) -> F:
         click.option("--server", "-s", help=SERVER_HELP + "  [default: the plan's, else dgx1-v100]"),
         click.option("--model", "-m", help="shipped model name (see traces/) or a trace JSON file"
                                            "  [default: the plan's, else gpt-5.3b]"),
-        click.option("--schedule", default="1f1b", show_default=True, help=SCHEDULE_HELP),
+        click.option("--schedule", default=api.DEFAULT_SCHEDULE, show_default=True, help=SCHEDULE_HELP),
         click.option("--microbatch", type=int, help="samples per microbatch  [default: the trace's]"),
-        click.option("--microbatches", type=int, default=16, show_default=True, help=MICROBATCHES_HELP),
+        click.option("--microbatches", type=int, default=api.DEFAULT_MICROBATCHES, show_default=True,
+                     help=MICROBATCHES_HELP),
         click.option("--stages", type=int, help="pipeline stages  [default: one per GPU]"),
         click.option("--strategy", default="none", show_default=True, help=STRATEGY_HELP),
         click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP),

@@ -26,14 +26,15 @@ from mpsim.cli.progress import points_progress, steps_progress
 
 
 @click.command()
-@click.option("--server", "-s", default="dgx1-v100", show_default=True, help=SERVER_HELP)
+@click.option("--server", "-s", default=api.DEFAULT_SERVER, show_default=True, help=SERVER_HELP)
 @click.option("--family", default="gpt", show_default=True,
               help="size series of shipped traces: gpt (MPress's GPT-5.3B to 25.5B), bert, llama")
 @click.option("--model", "-m", "models",
               help="instead of a family: comma-separated shipped models or trace files (llama-3-8b,my.json)")
-@click.option("--schedule", default="1f1b", show_default=True, help=SCHEDULE_HELP)
+@click.option("--schedule", default=api.DEFAULT_SCHEDULE, show_default=True, help=SCHEDULE_HELP)
 @click.option("--microbatch", type=int, help="samples per microbatch  [default: the traces']")
-@click.option("--microbatches", type=int, default=16, show_default=True, help=MICROBATCHES_HELP)
+@click.option("--microbatches", type=int, default=api.DEFAULT_MICROBATCHES, show_default=True,
+              help=MICROBATCHES_HELP)
 @click.option("--strategy", "strategies", default="none,recompute,cpu-swap,d2d,mpress,tsplit,best", show_default=True,
               help="comma-separated strategies, one column each")
 @click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP)
@@ -81,10 +82,10 @@ def reproduce_cmd(out: Path, only: str, html_out: Path | None) -> None:
 
 
 @click.command("sweep")
-@click.option("--server", "-s", "servers", default="dgx1-v100", show_default=True,
+@click.option("--server", "-s", "servers", default=api.DEFAULT_SERVER, show_default=True,
               help="comma-separated servers (" + SERVER_HELP + ")")
 @click.option("--model", "-m", "models", default="gpt-5.3b", show_default=True, help="comma-separated models")
-@click.option("--schedule", default="1f1b", show_default=True, help=SCHEDULE_HELP)
+@click.option("--schedule", default=api.DEFAULT_SCHEDULE, show_default=True, help=SCHEDULE_HELP)
 @click.option("--microbatch", "sizes", default="1,2,4,8", show_default=True, help="comma-separated microbatch sizes")
 @click.option("--microbatches", "counts", default="16", show_default=True,
               help="comma-separated microbatches per iteration (each at most 4096)")
@@ -190,9 +191,10 @@ def calibrate_cmd(trace_paths: tuple[str, ...], server: str, output: Path | None
 @click.option("--servers", "-s", default="all", show_default=True,
               help="comma-separated shipped servers or topology files; all: every shipped server with at least "
                    "two GPUs that the schedule can fill with one stage each")
-@click.option("--schedule", default="1f1b", show_default=True, help=SCHEDULE_HELP)
+@click.option("--schedule", default=api.DEFAULT_SCHEDULE, show_default=True, help=SCHEDULE_HELP)
 @click.option("--microbatch", "sizes", help="comma-separated microbatch sizes to try  [default: the trace's]")
-@click.option("--microbatches", type=int, default=16, show_default=True, help=MICROBATCHES_HELP)
+@click.option("--microbatches", type=int, default=api.DEFAULT_MICROBATCHES, show_default=True,
+              help=MICROBATCHES_HELP)
 @click.option("--strategy", "strategies", default="best", show_default=True,
               help="comma-separated strategies allowed (each single one under both partitions; best: all of them)")
 @click.option("--price", "price_overrides", multiple=True, metavar="SERVER=USD/h",

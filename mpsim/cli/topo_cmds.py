@@ -71,7 +71,7 @@ def topo_probe(output: Path | None, device: str, devices: int, threads: int, mem
 
 
 @topo.command("transfer")
-@click.option("--server", "-s", default="dgx1-v100", show_default=True, help=SERVER_HELP)
+@click.option("--server", "-s", default=api.DEFAULT_SERVER, show_default=True, help=SERVER_HELP)
 @click.option("--src", required=True, help="sending GPU (gpu0, 0) or host")
 @click.option("--dst", help="receiving GPU or host")
 @click.option("--stripe", help="comma-separated peer GPUs for a striped D2D copy, parts sized by route bandwidth")

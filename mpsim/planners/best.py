@@ -17,11 +17,10 @@ from dataclasses import replace
 from mpsim.job import PARTITIONS
 from mpsim.planners.cache import cached_plan
 from mpsim.planners.context import Ctx, Planned, make_context
-from mpsim.planners.singles import SINGLES
+from mpsim.strategies import IN_BEST, strategy_named
 
-SINGLE = tuple(name for name, s in SINGLES.items() if s.in_best)
+SINGLE = IN_BEST
 """The single planners ``best`` tries (``Strategy.in_best``), in the registry's order."""
-SINGLE_PLANNERS: dict[str, Callable[[Ctx], Planned]] = {name: s.planner for name, s in SINGLES.items()}
 
 
 Part = tuple[str, str]
@@ -37,8 +36,9 @@ def plan_best(ctx: Ctx, known_not_fitting: Collection[Part] = ()) -> Planned:
 
 def plan_part(ctx: Ctx, name: str, partition: str) -> Planned:
     """One single planner's plan for the job of ``ctx`` under ``partition`` (cached)."""
-    sub = make_context(ctx.job.but(partition=partition, strategy=name), SINGLES[name].keeps)
-    return cached_plan(name, sub, SINGLES[name].planner)
+    strategy = strategy_named(name)
+    sub = make_context(ctx.job.but(partition=partition, strategy=name), strategy.keeps)
+    return cached_plan(name, sub, strategy.planner_fn())
 
 
 def parts(known_not_fitting: Collection[Part] = ()) -> list[Part]:

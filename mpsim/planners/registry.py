@@ -1,36 +1,21 @@
-"""The named strategies (``SINGLES`` and ``best``) and the one entry point that runs them."""
+"""The one entry point that runs a job's strategy (``mpsim.strategies``) through the cache."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
 
-from mpsim.errors import MpsimError
 from mpsim.job import JobSpec
 from mpsim.planners.best import Part, plan_best
 from mpsim.planners.cache import cached_plan
 from mpsim.planners.context import Ctx, Planned, make_context
-from mpsim.planners.singles import SINGLES, Strategy
+from mpsim.strategies import STRATEGIES, combines, strategy_named
 
-STRATEGIES: dict[str, Strategy] = {**SINGLES, "best": Strategy("best", plan_best, combines=True)}
-"""Every name ``--strategy`` accepts, in the order the help and errors list them."""
-
-
-def strategy_named(name: str) -> Strategy:
-    """The registered strategy called ``name``; the one place an unknown name is refused."""
-    strategy = STRATEGIES.get(name)
-    if strategy is None:
-        raise MpsimError(f"unknown strategy {name!r}: expected one of {', '.join(STRATEGIES)}")
-    return strategy
-
-
-def combines(name: str) -> bool:
-    """Whether the strategy ``name`` combines the single planners (``Strategy.combines``)."""
-    return strategy_named(name).combines
+__all__ = ["STRATEGIES", "combines", "plan_job", "run_planner", "strategy_named"]
 
 
 def run_planner(strategy: str, ctx: Ctx) -> Planned:
     """Run a named planner on a job, remembering its answer by content (``cache``)."""
-    return cached_plan(strategy, ctx, strategy_named(strategy).planner)
+    return cached_plan(strategy, ctx, strategy_named(strategy).planner_fn())
 
 
 def plan_job(job: JobSpec, known_not_fitting: Collection[Part] = ()) -> Planned:

@@ -245,7 +245,7 @@ def choose_table_html(report: ChooseReport) -> str:
     rows = [choose_row(report, r) for r in report.rows]
     sources = [[r.server, r.price.usd_per_hour, "given with --price" if r.price.override else r.price.source,
                 r.price.date] for r in report.rows if r.price.usd_per_hour is not None]
-    note = (f"<p class=\"note\">{esc(report.model)}, {esc(report.schedule)}, {report.n_microbatches} microbatches, "
+    note = (f"<p class=\"note\">{esc(report.model)}, {esc(report.schedule)}, {report.microbatches} microbatches, "
             f"strategies {esc(', '.join(report.strategies))}, ranked by {esc(report.rank_by)}. OOM +x: GiB per GPU "
             "short (the smallest over the plans tried); front: on the Pareto front of throughput against USD per "
             "hour.</p>")

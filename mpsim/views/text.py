@@ -212,8 +212,9 @@ def choose_text(report: ChooseReport) -> str:
     """The ranked table, its legend, the prices' sources and the recommendation."""
     rows = [choose_row(report, r) for r in report.rows]
     strategies = ",".join(report.strategies)
-    lines = [f"{report.model} on {len(report.rows)} server(s): {report.schedule}, {report.n_microbatches} "
-             f"microbatches of {'/'.join(map(str, report.microbatches))}, strategies {strategies}, one stage per GPU; "
+    sizes = "/".join(map(str, report.microbatch_sizes))
+    lines = [f"{report.model} on {len(report.rows)} server(s): {report.schedule}, {report.microbatches} "
+             f"microbatches of {sizes}, strategies {strategies}, one stage per GPU; "
              f"ranked by {report.rank_by}", "", table_text(choose_header(report.seq_len is not None), rows),
              "(plan: the technique of the fastest plan that fits, else the one that came closest; OOM +x: the "
              "smallest highest per-GPU peak above capacity, GiB; front: on the Pareto front of throughput against "

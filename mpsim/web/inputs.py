@@ -46,13 +46,13 @@ class JobInputs:
     """One run as the page asks for it; ``query()`` and ``from_query`` round-trip."""
 
     view: str = "job"
-    server: str = "dgx1-v100"
-    model: str = "gpt-5.3b"
+    server: str = api.DEFAULT_SERVER
+    model: str = api.DEFAULT_MODEL
     servers: tuple[str, ...] = ()
     """The servers a ``choose`` view compares (empty: every shipped one)."""
-    schedule: str = "1f1b"
+    schedule: str = api.DEFAULT_SCHEDULE
     microbatch: int | None = None
-    microbatches: int = 16
+    microbatches: int = api.DEFAULT_MICROBATCHES
     strategy: str = "none"
     partition: str = "compute"
     server_upload: str | None = None

@@ -60,8 +60,8 @@ def run_choose(inputs: JobInputs, uploads: UploadStore, job: Job) -> dict[str, A
     the schedule can fill when none is chosen), shown as ``mpsim choose --html`` shows it."""
     names = list(inputs.servers) or api.parse_servers("all", inputs.schedule, inputs.microbatches)
     report = api.choose(model_of(inputs, uploads), [api.load_topology(n) for n in names], schedule=inputs.schedule,
-                    microbatches=[inputs.microbatch] if inputs.microbatch else None,
-                    n_microbatches=inputs.microbatches)
+                        microbatch_sizes=[inputs.microbatch] if inputs.microbatch else None,
+                        microbatches=inputs.microbatches)
     return {"report": report.to_dict(), "html": choose_html(report)}
 
 

@@ -1,0 +1,92 @@
+"""The registry of strategies: every name ``--strategy`` accepts, in the order the help,
+the errors and ``best`` list them, and what each one is.
+
+Adding a strategy is one planner (a function ``Ctx -> Planned`` in its own module under
+``mpsim/planners/``, citing the paper it follows) and one ``Strategy`` line below. Nothing
+else in the package names a strategy: a ``JobSpec`` checks its name here, ``best`` tries
+those with ``in_best``, mCAP's memory-balanced partition predicts each stage's peak as the
+strategy ``keeps``, ``fits`` and ``choose`` ask ``combines``, and the CLI, the page and the
+studies take their lists from here.
+
+The registry is data: a planner is named by its import path and imported when it first
+runs, so checking a job's strategy imports no planner (and the job type stays upstream of
+the planners that plan it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from mpsim.errors import MpsimError
+
+Keeps = Literal["keep", "recompute", "selective"]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    planner: str
+    """``module:attribute`` of the planner: a function ``Ctx -> Planned``, or a table of
+    them by strategy name (one module's variants)."""
+    keeps: Keeps = "keep"
+    """What the memory-balanced partition (mCAP) assumes of the activations when it predicts
+    a stage's peak: kept, every recomputable layer checkpointed, or every attention core
+    recomputed (``mpsim.planners.context.make_context``)."""
+    in_best: bool = False
+    """Whether the combined planner (``best``) tries it, under both partitions."""
+    combines: bool = False
+    """A planner that combines the single ones (``best``): it runs them under both
+    partitions itself, so studies do not vary its partition; ``fits`` runs it last and
+    starts its search from what they reached, and its parts may run in parallel."""
+
+    def planner_fn(self) -> Callable[[Any], Any]:
+        """The planner itself (imported on first use)."""
+        module, _, attribute = self.planner.partition(":")
+        found = getattr(importlib.import_module(module), attribute)
+        return found[self.name] if isinstance(found, Mapping) else found
+
+
+def _table(*strategies: Strategy) -> dict[str, Strategy]:
+    return {s.name: s for s in strategies}
+
+
+_BASELINES = "mpsim.planners.baselines:BASELINES"
+_MPRESS = "mpsim.planners.mpress:MPRESS_STRATEGIES"
+
+STRATEGIES: dict[str, Strategy] = _table(
+    Strategy("none", _BASELINES, in_best=True),
+    Strategy("recompute", _BASELINES, keeps="recompute", in_best=True),
+    Strategy("recompute-segments", _BASELINES, keeps="recompute"),
+    Strategy("recompute-all", _BASELINES, keeps="recompute"),
+    Strategy("selective", _BASELINES, keeps="selective", in_best=True),
+    Strategy("cpu-swap", _BASELINES, in_best=True),
+    Strategy("host-swap", _BASELINES, in_best=True),
+    Strategy("d2d", _BASELINES, in_best=True),
+    Strategy("mpress", _MPRESS, in_best=True),
+    Strategy("mpress-no-mapping", _MPRESS),
+    Strategy("mpress-no-striping", _MPRESS),
+    Strategy("mpress-no-mapping-no-striping", _MPRESS),
+    Strategy("mpress-d2d-only", _MPRESS),
+    Strategy("tsplit", "mpsim.planners.tsplit:plan_tsplit", in_best=True),
+    Strategy("best", "mpsim.planners.best:plan_best", combines=True),
+)
+"""Every strategy, in the order ``--help``, the errors and ``best`` list them."""
+
+IN_BEST: tuple[str, ...] = tuple(name for name, s in STRATEGIES.items() if s.in_best)
+"""The single planners ``best`` tries, in the registry's order (ties go to the first)."""
+
+
+def strategy_named(name: str) -> Strategy:
+    """The registered strategy called ``name``; the one place an unknown name is refused."""
+    strategy = STRATEGIES.get(name)
+    if strategy is None:
+        raise MpsimError(f"unknown strategy {name!r}: expected one of {', '.join(STRATEGIES)}")
+    return strategy
+
+
+def combines(name: str) -> bool:
+    """Whether the strategy ``name`` combines the single planners (``Strategy.combines``)."""
+    return strategy_named(name).combines
