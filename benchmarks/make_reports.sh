@@ -28,6 +28,7 @@ taskset -c 0,1 python benchmarks/bench_simulate.py --model bert-1.67b --schedule
   > reports/bench_simulate_pipedream.txt
 mpsim simulate --model gpt-15.4b --microbatch 2 --strategy cpu-swap --plot reports/memory_gpt-15.4b_dgx1_cpu-swap.png > reports/simulate_gpt-15.4b_dgx1_cpu-swap.txt || true
 taskset -c 0,1 python benchmarks/bench_planners.py > reports/bench_planners.txt
+taskset -c 0,1 python benchmarks/bench_layers.py > reports/bench_layers.txt
 rm -f reports/sweep_bert-1.67b_dgx1.csv  # a sweep resumes from the rows it finds: start afresh
 mpsim sweep --server dgx1-v100 --model bert-1.67b --schedule pipedream --microbatch 1,2,4,8,12,16 \
   --strategy none,recompute,cpu-swap,mpress,best -j 2 --csv reports/sweep_bert-1.67b_dgx1.csv \

@@ -1,0 +1,30 @@
+"""The README quotes figures from reports that commands regenerate; these tests hold the
+quotes to the reports, so a regenerated report with other figures fails here until the
+README follows."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _paragraph(text: str, mark: str) -> str:
+    """The README paragraph that names ``mark``, on one line."""
+    return next(" ".join(p.split()) for p in text.split("\n\n") if mark in p)
+
+
+def test_the_layer_figures_in_the_readme_are_those_of_reports_bench_layers():
+    rows = {}
+    for line in (ROOT / "reports" / "bench_layers.txt").read_text().splitlines()[2:]:
+        layers, wall_s, peak_mb, *_ = line.split()
+        rows[int(layers.replace(",", ""))] = (wall_s, peak_mb)
+    quote = _paragraph((ROOT / "README.md").read_text(), "reports/bench_layers.txt")
+    grown = re.findall(r"([\d,]+) layers[^;]*? at (\d+) MB in ([\d.]+) s", quote)
+    assert len(grown) == 2
+    for layers, peak_mb, wall_s in grown:
+        assert rows[int(layers.replace(",", ""))] == (wall_s, peak_mb)
+    refused = re.search(r"([\d,]+)-layer file is refused in one line in ([\d.]+) s", quote)
+    assert refused is not None and rows[int(refused[1].replace(",", ""))][0] == refused[2]
+    assert "refused in 1 line" in (ROOT / "reports" / "bench_layers.txt").read_text()
