@@ -64,12 +64,10 @@ def job_of_plan(topo: Topology, trace: Trace, plan: PlanFile, record_link_rates:
 
 @dataclass(frozen=True)
 class Layout:
-    """A job resolved and checked: the engine's only input."""
+    """A job resolved and checked: the engine's only input. ``job`` says the server, the
+    trace, the schedule and the microbatches; the rest is the plan, resolved per stage."""
 
-    topology: Topology
-    trace: Trace
-    schedule: str
-    microbatches: int
+    job: JobSpec
     stages: Stages
     gpu_of: tuple[int, ...]
     actions: tuple[dict[int, LayerAction], ...]
@@ -78,9 +76,9 @@ class Layout:
     stash: tuple[str, ...]
     host_optimizer: tuple[tuple[int, ...], ...]
     """Per stage, the layers whose optimizer states live on the host (``host_optimizer_layers``)."""
-    strategy: str = "none"
+    label: str = "none"
+    """What produced the plan (``PlanFile.strategy``: a strategy's name, or any label)."""
     runtime: Runtime = "mpress"
-    record_link_rates: bool = False
     swap_timing: SwapTiming = "prefetch"
     """``PlanFile.swap_timing``."""
     recompute_checkpoints: Checkpoints = "layer"
@@ -89,6 +87,26 @@ class Layout:
     @property
     def n_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def topology(self) -> Topology:
+        return self.job.topology
+
+    @property
+    def trace(self) -> Trace:
+        return self.job.trace
+
+    @property
+    def schedule(self) -> str:
+        return self.job.schedule
+
+    @property
+    def microbatches(self) -> int:
+        return self.job.microbatches
+
+    @property
+    def record_link_rates(self) -> bool:
+        return self.job.record_link_rates
 
 
 def _keep_everything(job: Job) -> Layout:
@@ -106,9 +124,10 @@ def _keep_everything(job: Job) -> Layout:
     if len(gpus) != n_stages or len(set(gpus)) != n_stages or any(not 0 <= g < topo.n_gpus for g in gpus):
         raise MpsimError(f"the stage-to-GPU map {list(gpus)} must name {n_stages} distinct GPUs of "
                          f"0..{topo.n_gpus - 1}")
-    return Layout(topo, spec.trace, spec.schedule, spec.microbatches, stages, tuple(gpus),
-                  tuple({} for _ in stages), ("gpu",) * n_stages, ("gpu",) * n_stages, ((),) * n_stages,
-                  spec.strategy, job.runtime, spec.record_link_rates)
+    if spec.parallelism.pipeline != n_stages:
+        spec = spec.but(parallelism=pipeline(n_stages))
+    return Layout(spec, stages, tuple(gpus), tuple({} for _ in stages), ("gpu",) * n_stages, ("gpu",) * n_stages,
+                  ((),) * n_stages, spec.strategy, job.runtime)
 
 
 def layout_of_plan(plan: PlanFile, topo: Topology, trace: Trace, *, checked: bool = False, strategy: str | None = None,
@@ -119,11 +138,13 @@ def layout_of_plan(plan: PlanFile, topo: Topology, trace: Trace, *, checked: boo
         if plan.microbatch != trace.microbatch:
             raise MpsimError(f"the plan is for microbatch {plan.microbatch} but the trace is at {trace.microbatch}")
         check_plan(plan, topo, trace)
-    return Layout(topo, trace, plan.schedule, plan.microbatches, [st.layers for st in plan.stages],
-                  tuple(st.gpu for st in plan.stages), tuple(plan.action_of(s) for s in range(len(plan.stages))),
+    job = JobSpec(topo, trace, plan.schedule, plan.microbatches, pipeline(len(plan.stages)),
+                  record_link_rates=record_link_rates)
+    return Layout(job, [st.layers for st in plan.stages], tuple(st.gpu for st in plan.stages),
+                  tuple(plan.action_of(s) for s in range(len(plan.stages))),
                   tuple(st.optimizer for st in plan.stages), tuple(st.stash for st in plan.stages),
                   tuple(host_optimizer_layers(st) for st in plan.stages),
-                  plan.strategy if strategy is None else strategy, runtime, record_link_rates, plan.swap_timing,
+                  plan.strategy if strategy is None else strategy, runtime, plan.swap_timing,
                   plan.recompute_checkpoints)
 
 
