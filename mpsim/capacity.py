@@ -15,10 +15,11 @@ from dataclasses import dataclass, replace
 from mpsim.backends import Backend, run_points
 from mpsim.catalog import load_topology, load_trace, shipped_traces
 from mpsim.errors import MpsimError
-from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_microbatch, check_strategy
+from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_strategy
 from mpsim.planners.best import Part, combine, parts
 from mpsim.planners.context import Planned
 from mpsim.planners.registry import plan_job
+from mpsim.schedule import check_microbatch
 from mpsim.sim import SimResult
 from mpsim.strategies import combines
 from mpsim.topology import Topology

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 from mpsim.catalog import load_topology, load_trace, shipped_topologies
 from mpsim.errors import MpsimError
-from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PARTITIONS, JobSpec, check_microbatch
+from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PARTITIONS, JobSpec
 from mpsim.planners.registry import plan_job
+from mpsim.schedule import check_microbatch
 from mpsim.sim import SimResult
 from mpsim.strategies import combines
 from mpsim.topology import MAX_USD, Topology

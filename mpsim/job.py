@@ -34,9 +34,6 @@ PARTITIONS: tuple[str, ...] = ("compute", "memory")
 """``compute``: stages balance compute time (PipeDream, DAPPLE); ``memory``: they balance
 the predicted per-GPU peak (mCAP)."""
 
-Partition = Literal["compute", "memory"]
-
-
 class Parallelism(BaseModel):
     """How the job's GPUs share the work. Degrees multiply to the GPUs used:
     ``data * tensor * pipeline``."""
@@ -87,12 +84,6 @@ def pipeline(n_stages: int | None) -> Parallelism:
         raise MpsimError(f"stages: {exc.errors()[0]['msg']}, got {n_stages}") from None
 
 
-def check_microbatch(microbatch: int) -> None:
-    """The one check of a microbatch size (samples per microbatch)."""
-    if isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1:
-        raise MpsimError(f"microbatch must be a positive integer, got {microbatch}")
-
-
 def check_partition(partition: str) -> None:
     if partition not in PARTITIONS:
         raise MpsimError(f"unknown partition {partition!r}: expected one of {', '.join(PARTITIONS)}")
@@ -119,7 +110,7 @@ class JobSpec:
     partition: str = "compute"
     """How layers are cut into stages (``PARTITIONS``)."""
     strategy: str = "none"
-    """The memory-saving strategy that plans the job (``mpsim.planners.registry``)."""
+    """The memory-saving strategy that plans the job (``mpsim.strategies``)."""
     record_link_rates: bool = False
     """Keep every change of link rates (Chrome-trace counters); does not change results."""
 
@@ -154,6 +145,5 @@ def job_of(server: str | Topology, model: str | Trace, *, schedule: str = DEFAUL
     topo = load_topology(server) if isinstance(server, str) else server
     trace = load_trace(model) if isinstance(model, str) else model
     if microbatch is not None:
-        check_microbatch(microbatch)
-        trace = trace.rescale(microbatch)
+        trace = trace.rescale(microbatch)  # checks it (check_microbatch)
     return JobSpec(topo, trace, schedule, microbatches, pipeline(n_stages), partition, strategy, record_link_rates)

@@ -16,6 +16,7 @@ A task is (kind, microbatch): ``F`` forward, ``B`` backward, ``U`` optimizer upd
 
 from __future__ import annotations
 
+from numbers import Integral
 from typing import Literal, NamedTuple
 
 from mpsim.errors import MpsimError
@@ -31,6 +32,14 @@ gigabytes without telling more."""
 MAX_MICROBATCH = 65536
 """The largest microbatch size (samples) a trace is rescaled to."""
 """The measured PipeDream iteration: the third of four, past the fill and before the drain."""
+
+
+def check_microbatch(microbatch: int) -> None:
+    """The one check of a microbatch size (samples per microbatch)."""
+    if isinstance(microbatch, bool) or not isinstance(microbatch, Integral) or microbatch < 1:
+        raise MpsimError(f"microbatch must be a positive integer, got {microbatch}")
+    if microbatch > MAX_MICROBATCH:
+        raise MpsimError(f"microbatch must be at most {MAX_MICROBATCH} samples, got {microbatch}")
 
 
 class Task(NamedTuple):

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mpsim.datafile import read_data_file, validate
 from mpsim.errors import MpsimError, SchemaError
-from mpsim.schedule import MAX_MICROBATCH
+from mpsim.schedule import MAX_MICROBATCH, check_microbatch
 from mpsim.topology import Dtype, GpuSpec
 from mpsim.units import MAX_BYTES
 
@@ -226,10 +226,7 @@ class Trace:
 
     def rescale(self, microbatch: int) -> Trace:
         """The same model at another microbatch size, by the linear rule in the module doc."""
-        if microbatch <= 0:
-            raise MpsimError(f"microbatch must be a positive integer, got {microbatch}")
-        if microbatch > MAX_MICROBATCH:
-            raise MpsimError(f"microbatch must be at most {MAX_MICROBATCH} samples, got {microbatch}")
+        check_microbatch(microbatch)
         if microbatch == self.microbatch:
             return self
         f = microbatch / self.microbatch

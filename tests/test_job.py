@@ -10,11 +10,12 @@ import pytest
 
 from mpsim.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
-from mpsim.job import JobSpec, Parallelism, check_microbatch, job_of, pipeline
+from mpsim.job import JobSpec, Parallelism, job_of, pipeline
 from mpsim.planners.best import SINGLE
 from mpsim.planners.context import make_context
 from mpsim.planners.mcap import mcap_partition
 from mpsim.planners.registry import STRATEGIES, strategy_named
+from mpsim.schedule import check_microbatch
 
 
 def _job(**fields) -> JobSpec:

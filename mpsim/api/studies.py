@@ -14,7 +14,8 @@ from mpsim.backends import Backend, make_backend
 from mpsim.capacity import FitsReport, family_job, family_traces, fits_all, model_traces
 from mpsim.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
-from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_microbatch, check_strategy
+from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_strategy
+from mpsim.schedule import check_microbatch
 from mpsim.sweep import Point
 from mpsim.trace import Trace
 
