@@ -216,19 +216,3 @@ def calibrated_topology(topo: Topology, cal: Calibration) -> dict[str, Any]:
 def calibrated_yaml(topo: Topology, cal: Calibration) -> str:
     header = f"# {topo.name} with {cal.dtype} efficiencies calibrated by mpsim calibrate from {cal.trace_name}.\n"
     return header + yaml.safe_dump(calibrated_topology(topo, cal), sort_keys=False)
-
-
-def calibration_text(cal: Calibration) -> str:
-    """The fitted values and one line per timed row with its residual."""
-    e = cal.efficiency
-    lines = [f"{cal.trace_name} on {cal.server} ({cal.dtype}): matmul {e.matmul:.3f}, attention {e.attention:.3f}, "
-             f"memory {e.memory:.3f}",
-             f"fitted: {', '.join(cal.fitted)}"]
-    if cal.kept:
-        lines.append("kept (no such work in the trace): " + ", ".join(f"{k} {v:.3f}" for k, v in cal.kept.items()))
-    lines.append(f"source: {e.source}")
-    lines.append(f"{'layer':<16} {'phase':<5} {'measured ms':>12} {'fitted ms':>12} {'residual':>9}")
-    for r in cal.rows:
-        lines.append(f"{r.layer:<16} {r.phase:<5} {r.measured_ms:12.4f} {r.fitted_ms:12.4f} {r.residual_pct:8.2f}%")
-    lines.append(f"rms residual {cal.rms_residual_pct:.2f}% over {len(cal.rows)} timed rows")
-    return "\n".join(lines)

@@ -37,13 +37,14 @@ from mpsim.plan import PlanFile, StagePlan, check_plan
 from mpsim.profiler import check_device
 from mpsim.sim import SimResult, simulate_job
 from mpsim.sim.layout import job_of_plan
+from mpsim.sim.memory import MODEL_STATES
 from mpsim.topology import Topology
 from mpsim.trace import Trace
 from mpsim.workloads import FAMILIES, ModelConfig
 
 #: Categories of the comparison; the simulator's others (activations, buffers, workspace,
 #: stash, peer swap space) are "activations" in the executor's tracker too.
-STATIC = ("params", "grads", "optimizer")
+STATIC = MODEL_STATES
 
 
 @dataclass(frozen=True)
@@ -236,36 +237,3 @@ def validate_plan(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSet
     report["torch_version"] = torch.__version__
     report["cuda_version"] = torch.version.cuda
     return report
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:9.1f}"
-
-
-def validation_text(report: dict) -> str:
-    """The report as a table a person reads."""
-    lines = [f"{report['model']} on {report['server']} ({report['device']}), {report['schedule']}, "
-             f"{report['microbatches']} x {report['microbatch']} samples, plan {report['strategy']}", ""]
-    head = (f"{'stage':>5} {'layers':>8}  {'peak MiB':>20} {'error':>7}   "
-            f"{'weights':>17} {'grads':>17} {'optimizer':>17} {'other':>17}")
-    lines += [head, f"{'':>5} {'':>8}  {'predicted  measured':>20} {'':>7}   " + "   pred / meas    " * 4]
-    for row in report["stages"]:
-        a, b = row["layers"]  # half-open, as in the plan
-        pb = row["predicted_breakdown"]
-        if "measured_peak_bytes" in row:
-            mb = row["measured_breakdown"]
-            cells = "".join(f" {_mib(pb[k]).strip():>8}/{_mib(mb[k]).strip():<8}" for k in (*STATIC, "activations"))
-            lines.append(f"{row['stage']:>5} {f'[{a}, {b})':>8}  {_mib(row['predicted_peak_bytes'])} "
-                         f"{_mib(row['measured_peak_bytes'])} {row['peak_error_pct']:+6.1f}%  {cells}")
-        else:
-            lines.append(f"{row['stage']:>5} {f'[{a}, {b})':>8}  {_mib(row['predicted_peak_bytes'])} {'-':>9}")
-    lines += ["(memory in MiB = 2^20 bytes; layers [a, b) = a to b - 1, as in the plan)", ""]
-    if report["oom"]:
-        o = report["oom"]
-        pred = "predicted it" if not report["predicted_fits"] else "the simulator predicted it fits"
-        lines.append(f"OUT OF MEMORY: stage {o['stage']} (GPU {o['gpu']}) at step {o['step']}, {o['phase']} "
-                     f"({o['message']}); {pred}")
-    else:
-        lines.append(f"iteration: predicted {report['predicted_iteration_s'] * 1e3:.1f} ms, measured "
-                     f"{report['measured_iteration_s'] * 1e3:.1f} ms ({report['iteration_error_pct']:+.1f}%)")
-    return "\n".join(lines)

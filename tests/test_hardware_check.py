@@ -12,12 +12,13 @@ from __future__ import annotations
 import pytest
 
 from mpsim.errors import MpsimError, SchemaError
-from mpsim.hardware_check import RunSettings, check_runnable, validate_plan, validation_text
+from mpsim.hardware_check import RunSettings, check_runnable, validate_plan
 from mpsim.plan import LayerAction, make_plan
 from mpsim.probe import probe
 from mpsim.profiler import measure_trace
 from mpsim.sim import simulate_job
 from mpsim.sim.layout import job_of_plan
+from mpsim.views.measured import validation_text
 from mpsim.workloads import ZOO
 
 SETTINGS = RunSettings(device="cpu", threads=1, warmup=1, steps=3)

@@ -120,7 +120,7 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
     the errors in percent. An out-of-memory during the run is reported as a result
     (stage, step, phase) under either schedule, and exits 1.
     """
-    from mpsim.views.text import validation_text
+    from mpsim.views.measured import validation_text
 
     report = api.validate(model, plan_path, server, strategy=strategy, schedule=schedule, microbatches=microbatches,
                           stages=stages, device=device, threads=threads, memory_mib=memory_mib, steps=steps,

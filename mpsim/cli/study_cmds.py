@@ -173,7 +173,7 @@ def calibrate_cmd(trace_paths: tuple[str, ...], server: str, output: Path | None
     """Fit the server GPU's matmul, attention-kernel and memory efficiencies for the trace's
     precision to the measured layer times (non-negative least squares), print them with
     each row's residual, and optionally write the topology with them."""
-    from mpsim.views.text import calibration_text
+    from mpsim.views.measured import calibration_text
 
     topo = api.load_topology(server)
     cal = api.calibrate([api.load_trace(p) for p in trace_paths], topo, force)

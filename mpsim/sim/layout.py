@@ -55,8 +55,6 @@ def job_of_plan(topo: Topology, trace: Trace, plan: PlanFile, record_link_rates:
                 runtime: Runtime = "mpress") -> Job:
     """The job a plan file describes on ``topo``, with ``trace`` rescaled to the plan's
     microbatch; the plan's own rules are checked when it is resolved (``check_plan``)."""
-    if len(plan.stages) > topo.n_gpus:
-        raise MpsimError(f"{len(plan.stages)} stages need {len(plan.stages)} GPUs but {topo.name} has {topo.n_gpus}")
     spec = JobSpec(topo, trace.rescale(plan.microbatch), plan.schedule, plan.microbatches,
                    pipeline(len(plan.stages)), record_link_rates=record_link_rates)
     return Job(spec, plan, runtime=runtime)

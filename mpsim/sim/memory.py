@@ -38,6 +38,8 @@ from mpsim.sim.simpy_fast import fire_in_place
 CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "stash", "buffers", "workspace",
                                "peer_swap")
 """What memory in use is made of; ``peer_swap`` is space a GPU holds for other GPUs' D2D swaps."""
+MODEL_STATES: tuple[str, ...] = CATEGORIES[:3]
+"""The categories that do not depend on the batch: parameters, gradients, optimizer states."""
 TECHNIQUES: tuple[str, ...] = ("recompute", "selective", "host", "peer", "split", "optimizer", "stash")
 """Ledger categories, logged as ``saved:<technique>``."""
 CAT = {name: i for i, name in enumerate(CATEGORIES)}

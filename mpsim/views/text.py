@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from mpsim.calibrate import calibration_text as calibration_text  # written beside its fit, shown as a view
 from mpsim.choose import ChooseReport, ChooseRow, money
 from mpsim.plan import PlanFile, optimizer_label
 from mpsim.sim.memory import TECHNIQUES
@@ -127,14 +126,6 @@ def plan_text(plan: PlanFile) -> str:
             f"microbatch {plan.microbatch} x {plan.microbatches}")
     return (head + "\n\n" + table_text(PLAN_HEADER, rows)
             + "\n(layers [a, b) are a to b - 1, half-open as in the plan file)")
-
-
-def validation_text(report: dict) -> str:
-    """``mpsim validate``'s table: predicted against measured per stage (written beside the
-    run in :mod:`mpsim.hardware_check`, which imports torch, so imported when asked)."""
-    from mpsim.hardware_check import validation_text as text
-
-    return text(report)
 
 
 # -- studies ------------------------------------------------------------------------------------
