@@ -41,6 +41,9 @@ class Strategy:
     """A planner that combines the single ones (``best``): it runs them under both
     partitions itself, so studies do not vary its partition; ``fits`` runs it last and
     starts its search from what they reached, and its parts may run in parallel."""
+    help: str | None = ""
+    """What ``--strategy``'s help says of it, after its name ("": the name alone; None: said
+    with another, as MPress's ablations are)."""
 
     def planner_fn(self) -> Callable[[Any], Any]:
         """The planner itself (imported on first use)."""
@@ -58,25 +61,40 @@ _MPRESS = "mpsim.planners.mpress:MPRESS_STRATEGIES"
 
 STRATEGIES: dict[str, Strategy] = _table(
     Strategy("none", _BASELINES, in_best=True),
-    Strategy("recompute", _BASELINES, keeps="recompute", in_best=True),
-    Strategy("recompute-segments", _BASELINES, keeps="recompute"),
-    Strategy("recompute-all", _BASELINES, keeps="recompute"),
-    Strategy("selective", _BASELINES, keeps="selective", in_best=True),
-    Strategy("cpu-swap", _BASELINES, in_best=True),
-    Strategy("host-swap", _BASELINES, in_best=True),
-    Strategy("d2d", _BASELINES, in_best=True),
-    Strategy("mpress", _MPRESS, in_best=True),
-    Strategy("mpress-no-mapping", _MPRESS),
-    Strategy("mpress-no-striping", _MPRESS),
-    Strategy("mpress-no-mapping-no-striping", _MPRESS),
-    Strategy("mpress-d2d-only", _MPRESS),
-    Strategy("tsplit", "mpsim.planners.tsplit:plan_tsplit", in_best=True),
-    Strategy("best", "mpsim.planners.best:plan_best", combines=True),
+    Strategy("recompute", _BASELINES, keeps="recompute", in_best=True,
+             help="checkpoint transformer layers or module blocks, fewest first, until each GPU fits"),
+    Strategy("recompute-segments", _BASELINES, keeps="recompute",
+             help="the same layers, a run of consecutive ones keeping one checkpoint and re-run whole, as Chen "
+                  "et al. 2016 and GPipe"),
+    Strategy("recompute-all", _BASELINES, keeps="recompute", help="every one"),
+    Strategy("selective", _BASELINES, keeps="selective", in_best=True,
+             help="recompute only the attention core of every transformer layer, Korthikanti et al. 2022"),
+    Strategy("cpu-swap", _BASELINES, in_best=True,
+             help="MPress's GPU-CPU swap baseline: to host memory until it fits, each copy on demand, the "
+                  "compute waiting for it"),
+    Strategy("host-swap", _BASELINES, in_best=True, help="the same, overlapped and prefetched"),
+    Strategy("d2d", _BASELINES, in_best=True, help="swap to spare memory of NVLink peers"),
+    Strategy("mpress", _MPRESS, in_best=True,
+             help="host swap, recompute and D2D with device mapping; ablations mpress-no-mapping, "
+                  "mpress-no-striping, mpress-d2d-only"),
+    Strategy("mpress-no-mapping", _MPRESS, help=None),
+    Strategy("mpress-no-striping", _MPRESS, help=None),
+    Strategy("mpress-no-mapping-no-striping", _MPRESS, help=None),
+    Strategy("mpress-d2d-only", _MPRESS, help=None),
+    Strategy("tsplit", "mpsim.planners.tsplit:plan_tsplit", in_best=True,
+             help="swap, recompute and tensor splitting by TSPLIT's cost model"),
+    Strategy("best", "mpsim.planners.best:plan_best", combines=True,
+             help="every planner under both partitions, the fastest that fits"),
 )
 """Every strategy, in the order ``--help``, the errors and ``best`` list them."""
 
 IN_BEST: tuple[str, ...] = tuple(name for name, s in STRATEGIES.items() if s.in_best)
 """The single planners ``best`` tries, in the registry's order (ties go to the first)."""
+
+
+STRATEGY_HELP = "memory-saving strategy: " + "; ".join(
+    s.name + (f" ({s.help})" if s.help else "") for s in STRATEGIES.values() if s.help is not None)
+"""``--strategy``'s help, from the registry."""
 
 
 def strategy_named(name: str) -> Strategy:

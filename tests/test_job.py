@@ -86,3 +86,13 @@ def test_every_registered_planner_imports_and_checking_a_name_imports_none():
     code = "import sys, mpsim.job as j; j.check_strategy('mpress'); print('mpsim.planners' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+
+
+def test_the_strategy_help_is_the_registry_s():
+    from mpsim.strategies import STRATEGY_HELP
+
+    described = [s for s in STRATEGIES.values() if s.help is not None]
+    assert [s.name for s in described][:3] == ["none", "recompute", "recompute-segments"]
+    positions = [STRATEGY_HELP.index(f"; {s.name}" if i else f": {s.name}") for i, s in enumerate(described)]
+    assert positions == sorted(positions)  # in the registry's order
+    assert all(f"{s.name} ({s.help})" in STRATEGY_HELP for s in described if s.help)

@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     from mpsim.planners import Planned, plan_job
     from mpsim.sim import SimResult
     from mpsim.sim.progress import reporting
-    from mpsim.strategies import STRATEGIES
+    from mpsim.strategies import STRATEGIES, STRATEGY_HELP
     from mpsim.sweep import Point, SweepInterrupted, grid, sweep
     from mpsim.topology import Topology, read_topology_file
     from mpsim.trace import RECIPE_HELP, Trace, read_trace_file
@@ -74,7 +74,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.planners": ("Planned", "plan_job"),
     "mpsim.sim": ("SimResult",),
     "mpsim.sim.progress": ("reporting",),
-    "mpsim.strategies": ("STRATEGIES",),
+    "mpsim.strategies": ("STRATEGIES", "STRATEGY_HELP"),
     "mpsim.sweep": ("Point", "SweepInterrupted", "grid", "sweep"),
     "mpsim.topology": ("Topology", "read_topology_file"),
     "mpsim.trace": ("RECIPE_HELP", "Trace", "read_trace_file"),

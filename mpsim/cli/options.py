@@ -19,17 +19,7 @@ SERVER_HELP = "shipped server name (see `mpsim topo list`) or a topology YAML fi
 SCHEDULE_HELP = "gpipe, 1f1b (DAPPLE, PipeDream-Flush) or pipedream (asynchronous, weight stashing)"
 MICROBATCHES_HELP = ("microbatches per iteration, at most 4096; 1f1b and pipedream need at least one per "
                      "stage")
-STRATEGY_HELP = ("memory-saving strategy: none; recompute (checkpoint transformer layers or module blocks, "
-                 "fewest first, until each GPU fits); recompute-segments (the same layers, a run of consecutive ones "
-                 "keeping one checkpoint and re-run whole, as Chen et al. 2016 and GPipe); recompute-all (every "
-                 "one); "
-                 "selective (recompute only the attention core of every transformer layer, Korthikanti et al. "
-                 "2022); cpu-swap (MPress's GPU-CPU swap baseline: to host memory until it fits, each copy on "
-                 "demand, the compute waiting for it); host-swap (the same, overlapped and prefetched); "
-                 "d2d (swap to spare memory of NVLink peers); mpress "
-                 "(host swap, recompute and D2D with device mapping; ablations mpress-no-mapping, "
-                 "mpress-no-striping, mpress-d2d-only); tsplit (swap, recompute and tensor splitting by "
-                 "TSPLIT's cost model); best (every planner under both partitions, the fastest that fits)")
+STRATEGY_HELP = api.STRATEGY_HELP
 PARTITION_HELP = ("layers to stages: compute (balance compute time, as PipeDream/DAPPLE) or memory "
                   "(balance predicted peak memory, mCAP)")
 
