@@ -135,6 +135,37 @@ class JobSpec:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
+class OfJob:
+    """Read-through fields for a type that holds a ``job`` (a planner's context, the
+    engine's layout): it reads the job's fields instead of declaring them again."""
+
+    job: JobSpec
+
+    @property
+    def topology(self) -> Topology:
+        return self.job.topology
+
+    @property
+    def trace(self) -> Trace:
+        return self.job.trace
+
+    @property
+    def schedule(self) -> str:
+        return self.job.schedule
+
+    @property
+    def microbatches(self) -> int:
+        return self.job.microbatches
+
+    @property
+    def partition(self) -> str:
+        return self.job.partition
+
+    @property
+    def record_link_rates(self) -> bool:
+        return self.job.record_link_rates
+
+
 def job_of(server: str | Topology, model: str | Trace, *, schedule: str = DEFAULT_SCHEDULE,
            microbatch: int | None = None, microbatches: int = DEFAULT_MICROBATCHES, n_stages: int | None = None,
            strategy: str = "none", partition: str = "compute", record_link_rates: bool = False) -> JobSpec:

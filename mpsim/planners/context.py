@@ -7,7 +7,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from mpsim.costs import cost_model
-from mpsim.job import JobSpec
+from mpsim.job import JobSpec, OfJob
 from mpsim.partition import Stages, compute_balanced
 from mpsim.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, make_plan
 from mpsim.planners.liveness import live_intervals
@@ -15,7 +15,6 @@ from mpsim.planners.mcap import held_microbatches, mcap_partition
 from mpsim.sim import SimResult, simulate_layout
 from mpsim.sim.layout import layout_of_plan
 from mpsim.topology import Topology
-from mpsim.trace import Trace
 
 MAX_ROUNDS = 64
 SIMULATIONS = 64
@@ -33,7 +32,7 @@ class Planned:
 
 
 @dataclass(frozen=True)
-class Ctx:
+class Ctx(OfJob):
     """A job with its partition made: what a planner plans."""
 
     job: JobSpec
@@ -44,26 +43,6 @@ class Ctx:
     @property
     def topo(self) -> Topology:
         return self.job.topology
-
-    @property
-    def trace(self) -> Trace:
-        return self.job.trace
-
-    @property
-    def schedule(self) -> str:
-        return self.job.schedule
-
-    @property
-    def microbatches(self) -> int:
-        return self.job.microbatches
-
-    @property
-    def record_link_rates(self) -> bool:
-        return self.job.record_link_rates
-
-    @property
-    def partition(self) -> str:
-        return self.job.partition
 
     def plan(self, strategy: str, actions: dict[int, list[LayerAction]] | None = None,
              optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None,

@@ -17,7 +17,7 @@ import numpy as np
 
 from mpsim.costs import cost_model
 from mpsim.errors import MpsimError
-from mpsim.job import JobSpec, pipeline
+from mpsim.job import JobSpec, OfJob, pipeline
 from mpsim.partition import Stages, compute_balanced, validate_stages
 from mpsim.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, check_plan, host_optimizer_layers
 from mpsim.topology import Topology
@@ -61,7 +61,7 @@ def job_of_plan(topo: Topology, trace: Trace, plan: PlanFile, record_link_rates:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Layout(OfJob):
     """A job resolved and checked: the engine's only input. ``job`` says the server, the
     trace, the schedule and the microbatches; the rest is the plan, resolved per stage."""
 
@@ -85,26 +85,6 @@ class Layout:
     @property
     def n_stages(self) -> int:
         return len(self.stages)
-
-    @property
-    def topology(self) -> Topology:
-        return self.job.topology
-
-    @property
-    def trace(self) -> Trace:
-        return self.job.trace
-
-    @property
-    def schedule(self) -> str:
-        return self.job.schedule
-
-    @property
-    def microbatches(self) -> int:
-        return self.job.microbatches
-
-    @property
-    def record_link_rates(self) -> bool:
-        return self.job.record_link_rates
 
 
 def _keep_everything(job: Job) -> Layout:
