@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
         trace_module,
         trace_shape,
     )
-    from mpsim.api.servers import probe_server, shipped_servers, transfer
+    from mpsim.api.servers import collective, probe_server, shipped_servers, transfer
     from mpsim.api.studies import FitsRequest, fits_request, reproduce, sweep_warnings
     from mpsim.backends import make_backend
     from mpsim.calibrate import Calibration, calibrate, calibrated_yaml
@@ -61,7 +61,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.api.jobs": ("DEFAULT_MODEL", "load_job", "measured_warning", "plan", "simulate", "validate"),
     "mpsim.api.models": ("DEFAULT_PRESET", "Measure", "default_attention", "hf_config", "model_config", "presets",
                          "trace_hf", "trace_module", "trace_shape"),
-    "mpsim.api.servers": ("probe_server", "shipped_servers", "transfer"),
+    "mpsim.api.servers": ("collective", "probe_server", "shipped_servers", "transfer"),
     "mpsim.api.studies": ("FitsRequest", "fits_request", "reproduce", "sweep_warnings"),
     "mpsim.backends": ("make_backend",),
     "mpsim.calibrate": ("Calibration", "calibrate", "calibrated_yaml"),

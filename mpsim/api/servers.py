@@ -1,5 +1,5 @@
 """Servers: the shipped ones, a topology file for the machine at hand (probed with torch,
-imported when asked), and the time of a copy alone on an idle server."""
+imported when asked), and the time of a copy or a collective alone on an idle server."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import yaml
 from mpsim.catalog import load_topology, shipped_topologies
 from mpsim.errors import MpsimError
 from mpsim.plan import stripes_by_bandwidth
+from mpsim.sim.collectives import OPS, check_group, check_op, collective_time, ring_bottleneck
 from mpsim.sim.transfers import Copy, copy_times
 from mpsim.topology import HOST, Endpoint, Topology
 from mpsim.units import parse_bytes
@@ -97,3 +98,44 @@ def transfer(server: str | Topology, src: str, sizes: Sequence[str], dst: str | 
     target = _endpoint(t, dst, "--dst")
     return {"server": t.name, "src": source, "dst": target, "stripe": None,
             "copies": [_direct(t, source, target, n) for n in byte_sizes]}
+
+
+def _gpu_group(t: Topology, text: str) -> list[int]:
+    """``0-7``, ``0,2,4,6`` or a mix (``0-3,6``) as GPU indices of ``t``, in the order given."""
+    gpus: list[int] = []
+    for item in text.split(","):
+        lo, sep, hi = item.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise MpsimError(f"--gpus {text!r}: expected GPU indices like 0-7 or 0,2,4,6")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise MpsimError(f"--gpus {text!r}: range {item.strip()} runs backwards")
+        gpus += range(first, last + 1)
+    return gpus
+
+
+def collective(server: str | Topology, op: str, sizes: Sequence[str], gpus: str | None = None) -> dict:
+    """Time, algorithm and bus bandwidth (nccl-tests' definitions) of ``op`` (all-reduce,
+    reduce-scatter, all-gather or broadcast) on each of ``sizes`` over ``gpus`` (``0-7``,
+    ``0,2,4,6``; default every GPU), alone on an idle server, as NCCL's ring algorithm
+    runs it over the group's best ring (``mpsim.sim.collectives``)."""
+    t = load_topology(server) if isinstance(server, str) else server
+    try:
+        check_op(op)
+    except MpsimError:
+        raise MpsimError(f"--op {op!r}: expected one of {', '.join(OPS)}") from None
+    group = list(range(t.n_gpus)) if gpus is None else _gpu_group(t, gpus)
+    try:
+        check_group(t, group)
+    except MpsimError as exc:
+        raise MpsimError(f"--gpus: {exc}" if gpus is not None else str(exc)) from None
+    try:
+        byte_sizes = [parse_bytes(x) for x in sizes]
+    except ValueError as exc:
+        raise MpsimError(f"--size: {exc}") from None
+    results = [collective_time(t, op, n, group) for n in byte_sizes]
+    ring = results[0].ring
+    return {"server": t.name, "op": op, "gpus": group, "ring": list(ring),
+            "ring_bottleneck_gbps": ring_bottleneck(t, ring) / 1e9,
+            "sizes": [{"bytes": r.n_bytes, "seconds": r.time_s, "algbw_gbps": r.algbw / 1e9,
+                       "busbw_gbps": r.busbw / 1e9} for r in results]}

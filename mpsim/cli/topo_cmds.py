@@ -90,3 +90,26 @@ def topo_transfer(server: str, src: str, dst: str | None, stripe: str | None, si
     peers = None if stripe is None else comma_list(stripe, "--stripe")
     data = api.transfer(server, src, comma_list(sizes, "--size"), dst, peers)
     emit(json_out, transfer_text(data), data)
+
+
+@topo.command("collective")
+@click.option("--server", "-s", default=api.DEFAULT_SERVER, show_default=True, help=SERVER_HELP)
+@click.option("--op", required=True, help="all-reduce, reduce-scatter, all-gather or broadcast")
+@click.option("--size", "sizes", required=True,
+              help="buffer bytes, e.g. 1GB or 256MiB, at most 1 PiB; comma-separated for several")
+@click.option("--gpus", help="the group, e.g. 0-7 or 0,2,4,6 (broadcast's root is the first)  [default: every GPU]")
+@json_option
+def topo_collective(server: str, op: str, sizes: str, gpus: str | None, json_out: str | None) -> None:
+    """Time, algorithm and bus bandwidth of a collective alone on an idle server, as
+    NCCL's ring algorithm runs it (nccl-tests' columns).
+
+    The ring is the order of the group with the highest bottleneck bandwidth (every order
+    tried for up to 8 GPUs). All-reduce is 2(n-1) steps and reduce-scatter, all-gather
+    n-1 steps of SIZE/n bytes per GPU; broadcast is a pipelined chain. Each step pays the
+    routes' setup latency. busbw = algbw x 2(n-1)/n (all-reduce), (n-1)/n (reduce-scatter,
+    all-gather), 1 (broadcast).
+    """
+    from mpsim.views.text import collective_text
+
+    data = api.collective(server, op, comma_list(sizes, "--size"), gpus)
+    emit(json_out, collective_text(data), data)

@@ -275,3 +275,16 @@ def trace_line(output: object, trace: Trace) -> str:
     return (f"wrote {output}: {trace.name}, {trace.spec.params / 1e9:.2f}B parameters, {trace.n_layers} layers, "
             f"microbatch {trace.microbatch}, {trace.spec.precision.recipe}"
             + (f", {attention} attention" if attention else ""))
+
+
+def collective_text(d: dict) -> str:
+    """The table of ``mpsim topo collective``: nccl-tests' columns (size, time, algbw,
+    busbw) per size, and the ring the collective ran over."""
+    ring = " > ".join(str(g) for g in d["ring"])
+    lines = [f"{d['server']}: {d['op']} over GPUs {', '.join(str(g) for g in d['gpus'])}, alone on an idle server",
+             f"ring {ring} > {d['ring'][0]} (bottleneck {d['ring_bottleneck_gbps']:.1f} GB/s per hop)", ""]
+    rows = [[f"{s['bytes']}", f"{s['bytes'] / 1e6:.4g}", f"{s['seconds'] * 1e3:.3f}", f"{s['algbw_gbps']:.2f}",
+             f"{s['busbw_gbps']:.2f}"] for s in d["sizes"]]
+    lines.append(table_text(["bytes", "MB", "ms", "algbw GB/s", "busbw GB/s"], rows))
+    lines.append("(decimal units: MB = 10^6 bytes, GB/s = 10^9 bytes/s; busbw as nccl-tests defines it)")
+    return "\n".join(lines)

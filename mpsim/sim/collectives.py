@@ -1,0 +1,187 @@
+"""Collectives over a group of GPUs as NCCL's ring algorithm runs them, as flows on the
+fair-share :class:`~mpsim.sim.network.Network` (so they contend with swaps and sends).
+
+The model (NCCL's ring algorithm; the step counts and the bus-bandwidth factors are the
+ones nccl-tests' ``doc/PERFORMANCE.md`` gives):
+
+- The buffer of ``n_bytes`` is cut into n chunks (n = GPUs in the group). In every step
+  each GPU of the ring sends one chunk to its successor, so a step is n concurrent flows.
+- all-reduce: 2(n-1) steps (n-1 of reduce-scatter, then n-1 of all-gather).
+  reduce-scatter and all-gather: n-1 steps. ``n_bytes`` is the whole buffer, as
+  nccl-tests counts it (for all-gather the gathered output, for reduce-scatter the input).
+- broadcast: a pipelined chain from the ring's first GPU along n-1 hops of the ring. The
+  buffer is cut into k chunks of about ``BROADCAST_CHUNK_BYTES`` (at most
+  ``MAX_BROADCAST_CHUNKS``, which bounds the simulated events); in step s hop j forwards
+  chunk s-j, so the chain takes k + n - 2 steps.
+- Steps synchronize: a step starts when every send of the previous one has landed (NCCL
+  only waits on its neighbour; this is the usual bulk-synchronous approximation). Each
+  send pays its route's setup latency (``Route.latency_s``, charged by ``Network.transfer``).
+
+Alone on an idle server where every ring hop has its own links of B bytes/s and latency
+L, all-reduce therefore takes 2(n-1) (L + n_bytes/(n B)), reduce-scatter and all-gather
+(n-1) (L + n_bytes/(n B)), broadcast (k + n - 2) (L + n_bytes/(k B)).
+
+Algorithm bandwidth is n_bytes / time; bus bandwidth is algbw x 2(n-1)/n for all-reduce,
+x (n-1)/n for reduce-scatter and all-gather, x 1 for broadcast (nccl-tests'
+PERFORMANCE notes): on an idle ring it equals the ring's bottleneck link bandwidth, less
+the latency.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal, get_args
+
+import simpy
+
+from mpsim.errors import MpsimError
+from mpsim.sim.network import Network
+from mpsim.topology import Topology
+from mpsim.units import MiB
+
+Op = Literal["all-reduce", "reduce-scatter", "all-gather", "broadcast"]
+OPS: Final[tuple[str, ...]] = get_args(Op)
+
+BROADCAST_CHUNK_BYTES: Final = 4 * MiB
+"""Target chunk of the pipelined broadcast: NCCL's default ``NCCL_BUFFSIZE`` (4 MiB)."""
+MAX_BROADCAST_CHUNKS: Final = 64
+"""Above 64 x 4 MiB the chunks grow instead of multiplying (bounds the simulated events)."""
+EXHAUSTIVE_RING_MAX: Final = 8
+"""Groups up to this size get the best ring over all orders; larger ones keep their order."""
+
+_BUS_FACTOR_NUM: Final = {"all-reduce": 2, "reduce-scatter": 1, "all-gather": 1}
+
+
+@dataclass(frozen=True)
+class CollectiveTime:
+    """One collective alone on an idle server."""
+
+    op: str
+    n_bytes: int
+    ring: tuple[int, ...]
+    """The GPUs in ring order (each sends to the next, the last to the first)."""
+    time_s: float
+    algbw: float
+    """Algorithm bandwidth, bytes/s: ``n_bytes / time_s``."""
+    busbw: float
+    """Bus bandwidth, bytes/s: ``algbw`` times the op's factor (nccl-tests' definition)."""
+
+
+def bus_factor(op: str, n: int) -> float:
+    """busbw / algbw of ``op`` on ``n`` GPUs: 2(n-1)/n for all-reduce, (n-1)/n for
+    reduce-scatter and all-gather, 1 for broadcast (nccl-tests, doc/PERFORMANCE.md)."""
+    check_op(op)
+    if op == "broadcast":
+        return 1.0
+    return _BUS_FACTOR_NUM[op] * (n - 1) / n
+
+
+def check_op(op: str) -> None:
+    if op not in OPS:
+        raise MpsimError(f"unknown collective {op!r}: expected one of {', '.join(OPS)}")
+
+
+def check_group(topo: Topology, gpus: Sequence[int]) -> None:
+    """A group is at least two distinct GPUs of ``topo``."""
+    for g in gpus:
+        if not 0 <= g < topo.n_gpus:
+            raise MpsimError(f"GPU {g} is not a GPU of {topo.name} (0..{topo.n_gpus - 1})")
+    if len(set(gpus)) != len(gpus):
+        raise MpsimError(f"GPUs of a collective must be distinct, got {list(gpus)}")
+    if len(gpus) < 2:
+        raise MpsimError(f"a collective needs at least 2 GPUs, got {list(gpus)}")
+
+
+def ring_bottleneck(topo: Topology, ring: Sequence[int]) -> float:
+    """Bytes/s each hop of ``ring`` gets when all n hops send at once on an idle server:
+    the smallest, over the links the hops' routes cross, of the link's bandwidth over the
+    number of hops crossing it (progressive filling's first share, as ``Network`` runs it).
+    Without shared links it is the narrowest route's bandwidth."""
+    load: dict[str, int] = {}
+    width: dict[str, float] = {}
+    for a, b in zip(ring, (*ring[1:], ring[0])):
+        for link in topo.route(a, b).links:
+            load[link.name] = load.get(link.name, 0) + 1
+            width[link.name] = link.bandwidth
+    return min(width[name] / count for name, count in load.items())
+
+
+def best_ring(topo: Topology, gpus: Sequence[int]) -> tuple[int, ...]:
+    """The ring order of ``gpus`` with the highest :func:`ring_bottleneck`, searched over
+    every order (the first GPU fixed: rotations are the same ring) for groups up to
+    ``EXHAUSTIVE_RING_MAX``; larger groups keep the order given. Ties keep the earliest
+    order in the enumeration, so a group already in a best order keeps it."""
+    check_group(topo, gpus)
+    first, rest = gpus[0], list(gpus[1:])
+    if len(gpus) > EXHAUSTIVE_RING_MAX:
+        return tuple(gpus)
+    route_bw = {(a, b): topo.route(a, b).bandwidth for a in gpus for b in gpus if a != b}
+    best: tuple[int, ...] = tuple(gpus)
+    best_bw = -1.0
+    for order in itertools.permutations(rest):
+        ring = (first, *order)
+        hops = zip(ring, (*ring[1:], first))
+        if min(route_bw[h] for h in hops) <= best_bw:
+            continue  # its narrowest route alone cannot beat the best ring so far
+        bw = ring_bottleneck(topo, ring)
+        if bw > best_bw:
+            best, best_bw = ring, bw
+    return best
+
+
+def split_bytes(n_bytes: int, k: int) -> list[int]:
+    """``n_bytes`` in ``k`` whole chunks that differ by at most one byte."""
+    base, extra = divmod(n_bytes, k)
+    return [base + (1 if i < extra else 0) for i in range(k)]
+
+
+def broadcast_chunks(n_bytes: int) -> int:
+    """How many chunks the pipelined broadcast cuts ``n_bytes`` into (see module doc)."""
+    return max(1, min(MAX_BROADCAST_CHUNKS, -(-n_bytes // BROADCAST_CHUNK_BYTES)))
+
+
+def ring_collective(env: simpy.Environment, network: Network, topo: Topology, ring: Sequence[int], op: str,
+                    n_bytes: int) -> Generator[simpy.Event, Any, None]:
+    """A SimPy process body running ``op`` on ``n_bytes`` over ``ring`` (GPUs in ring
+    order; for broadcast the first is the root). Ends when the last step's sends land."""
+    check_op(op)
+    n = len(ring)
+    if op == "broadcast":
+        yield from _chain_broadcast(env, network, topo, ring, n_bytes)
+        return
+    routes = [topo.route(a, b) for a, b in zip(ring, (*ring[1:], ring[0]))]
+    chunks = split_bytes(n_bytes, n)
+    steps = 2 * (n - 1) if op == "all-reduce" else n - 1
+    for step in range(steps):
+        # GPU i sends chunk (i - step) mod n: the chunk it reduced (or received) last step
+        sends = [network.transfer(routes[i], chunks[(i - step) % n]) for i in range(n)]
+        yield simpy.AllOf(env, sends)
+
+
+def _chain_broadcast(env: simpy.Environment, network: Network, topo: Topology, ring: Sequence[int],
+                     n_bytes: int) -> Generator[simpy.Event, Any, None]:
+    """Pipelined chain from ``ring[0]``: in step s hop j forwards chunk s - j."""
+    hops = [topo.route(a, b) for a, b in zip(ring[:-1], ring[1:])]
+    chunks = split_bytes(n_bytes, broadcast_chunks(n_bytes))
+    k = len(chunks)
+    for step in range(k + len(hops) - 1):
+        sends = [network.transfer(route, chunks[step - j]) for j, route in enumerate(hops) if 0 <= step - j < k]
+        yield simpy.AllOf(env, sends)
+
+
+def collective_time(topo: Topology, op: str, n_bytes: int, gpus: Sequence[int] | None = None) -> CollectiveTime:
+    """``op`` on ``n_bytes`` over ``gpus`` (default: every GPU) alone on an idle server,
+    over the best ring (:func:`best_ring`); bandwidths as nccl-tests defines them."""
+    check_op(op)
+    group = list(range(topo.n_gpus)) if gpus is None else list(gpus)
+    if n_bytes <= 0:
+        raise MpsimError(f"a collective's size must be positive, got {n_bytes} bytes")
+    ring = best_ring(topo, group)
+    env = simpy.Environment()
+    env.process(ring_collective(env, Network(env), topo, ring, op, n_bytes))
+    env.run()
+    time_s = float(env.now)
+    algbw = n_bytes / time_s if time_s > 0 else float("inf")
+    return CollectiveTime(op, n_bytes, ring, time_s, algbw, algbw * bus_factor(op, len(ring)))
