@@ -28,3 +28,14 @@ def test_the_layer_figures_in_the_readme_are_those_of_reports_bench_layers():
     refused = re.search(r"([\d,]+)-layer file is refused in one line in ([\d.]+) s", quote)
     assert refused is not None and rows[int(refused[1].replace(",", ""))][0] == refused[2]
     assert "refused in 1 line" in (ROOT / "reports" / "bench_layers.txt").read_text()
+
+
+def test_the_collective_figure_in_the_readme_is_what_the_simulator_gives():
+    from mpsim.catalog import load_topology
+    from mpsim.sim.collectives import collective_time
+
+    quote = _paragraph((ROOT / "README.md").read_text(), "mpsim topo collective`) run as one")
+    found = re.search(r"\(([\d.]+) GB/s for 1 GB all-reduce on the DGX-1\)", quote)
+    assert found is not None
+    t = collective_time(load_topology("dgx1-v100"), "all-reduce", 10**9, list(range(8)))
+    assert f"{t.busbw / 1e9:.1f}" == found[1]
