@@ -15,11 +15,10 @@ from dataclasses import dataclass, replace
 from mpsim.backends import Backend, run_points
 from mpsim.catalog import load_topology, load_trace, shipped_traces
 from mpsim.errors import MpsimError
-from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_strategy
+from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec
 from mpsim.planners.best import Part, combine, parts
 from mpsim.planners.context import Planned
 from mpsim.planners.registry import plan_job
-from mpsim.schedule import check_microbatch
 from mpsim.sim import SimResult
 from mpsim.strategies import combines
 from mpsim.topology import Topology
@@ -127,9 +126,7 @@ def fits_all(job: JobSpec, family: str, traces: list[Trace], strategies: Sequenc
              on_point: Callable[[str], None] | None = None, backend: Backend | None = None) -> list[FitsReport]:
     """``fits_strategies`` for a checked ``job`` (``family_job``; its strategy is set per
     report) over ``traces`` (those of ``family``, or of the named ``models``)."""
-    for strategy in strategies:
-        check_strategy(strategy)
-    strategies = tuple(strategies)
+    strategies = tuple(strategies)  # each checked as the job's strategy below, before any runs
     base = _FitsUnit(job, family, tuple(models))
     if backend is not None:
         return _fits_parallel(base, strategies, backend, on_point)
@@ -301,7 +298,6 @@ def family_job(server: str | Topology, traces: list[Trace], schedule: str, micro
     (None: its traced one), checked once before any size is simulated."""
     topo = load_topology(server) if isinstance(server, str) else server
     mb = traces[0].microbatch if microbatch is None else microbatch
-    check_microbatch(mb)
     return JobSpec(topo, traces[0].rescale(mb), schedule, microbatches, partition=partition, strategy=strategy)
 
 

@@ -15,7 +15,6 @@ from mpsim.capacity import FitsReport, family_job, family_traces, fits_all, mode
 from mpsim.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
 from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_strategy
-from mpsim.schedule import check_microbatch
 from mpsim.sweep import Point
 from mpsim.trace import Trace
 
@@ -51,8 +50,6 @@ def fits_request(server: str, family: str, models: Sequence[str] = (), schedule:
     """Check a ``fits`` over ``strategies`` of ``family``'s shipped sizes (or of ``models``)
     and pick where it runs: one process when ``backend`` is local with one worker, else
     ``workers`` local processes (default: one per core) or a Ray cluster at ``address``."""
-    if microbatch is not None:
-        check_microbatch(microbatch)
     for name in strategies:
         check_strategy(name)
     if not strategies:
