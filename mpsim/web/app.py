@@ -3,12 +3,35 @@ and its script from the installed package, and a small JSON API over ``work`` an
 
 Every request is answered, errors included: a bad input is a 4xx with the CLI's one-line
 message as ``{"error": ...}``, anything unexpected a 500 with one line; the server goes on.
+
+Cross-site protection: another page open in the user's browser must not run jobs or store
+uploads here, and a rebound DNS name must not reach the server at all.
+
+* Host, every request: exactly one ``Host`` header of the form ``name[:port]``, else 400.
+  Bound to loopback, the name must be one this address answers to (``localhost`` and
+  ``127.0.0.1``, or ``[::1]``) and the port this server's (no port only on port 80, as a
+  browser writes it), else 403 (DNS rebinding). Bound elsewhere, any name is answered.
+* Any method but GET and HEAD (state-changing): ``Sec-Fetch-Site``, where sent, must be
+  ``same-origin`` and ``Origin``, where sent, exactly ``http://`` + the request's Host, so
+  ``null`` and other ports are refused too; then the per-server token (``secrets``, new at
+  each start) must come in ``X-Mpsim-Token``, compared with ``hmac.compare_digest``. All
+  three refusals are 403. The token lives only in the page: ``GET /`` serves index.html
+  with it in ``<meta name="mpsim-token">``, and app.js sends it on every POST. Another
+  origin cannot read that page (the same-origin policy, with the Host check against
+  rebinding), cannot send the header without a CORS preflight this server never grants,
+  and a plain form post has no way to add it.
+* A request with none of ``Origin``, ``Sec-Fetch-Site`` and the token is not from a
+  browser (browsers send ``Origin`` on every POST, ``null`` where they hide it): a script
+  or curl on this machine, which could read the token from ``GET /`` anyway, so it is
+  answered without one. Anything carrying browser headers must carry the token.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import re
+import secrets
 import sys
 import threading
 from collections.abc import Callable
@@ -30,7 +53,13 @@ from mpsim.web.work import JobOutcome, job_payload, run_choose, run_job
 STATIC = {"/": ("index.html", "text/html; charset=utf-8"),
           "/static/app.js": ("app.js", "text/javascript; charset=utf-8"),
           "/static/app.css": ("app.css", "text/css; charset=utf-8")}
-LOOPBACK_NAMES = {"127.0.0.1", "localhost", "::1"}
+#: The names a browser may use for a server bound to a loopback address, in Host and Origin.
+LOOPBACK_NAMES = {"127.0.0.1": ("localhost", "127.0.0.1"), "::1": ("localhost", "[::1]")}
+SAFE_METHODS = ("GET", "HEAD")
+TOKEN_HEADER = "X-Mpsim-Token"
+TOKEN_PLACEHOLDER = b"__MPSIM_TOKEN__"
+"""Where index.html takes this server's token (a ``secrets.token_urlsafe``: HTML-safe)."""
+_HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[0-9A-Za-z.-]+)(?::([0-9]{1,5}))?")
 _DRAIN_LIMIT_BYTES = 64 * 2**20
 """An oversized upload is read and dropped up to this, so the browser sees the answer."""
 
@@ -103,11 +132,15 @@ class Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         try:
-            self._check_host()
+            host = self._check_host()
+            if method not in SAFE_METHODS:
+                self._check_same_origin(host)
             url = urlsplit(self.path)
             route = self._route(method, url.path)
             route(parse_qs(url.query, keep_blank_values=True))
         except HttpError as exc:
+            if exc.status in (HTTPStatus.BAD_REQUEST, HTTPStatus.FORBIDDEN):
+                self.close_connection = True  # refused before its body was read: no next request on it
             self._send_json({"error": str(exc)}, exc.status)
         except MpsimError as exc:
             self._send_json({"error": str(exc)}, HTTPStatus.BAD_REQUEST)
@@ -119,13 +152,43 @@ class Handler(BaseHTTPRequestHandler):
             print(f"mpsim serve: {method} {self.path}: {type(exc).__name__}: {exc}", file=sys.stderr)
             self._send_json({"error": f"internal error: {type(exc).__name__}"}, HTTPStatus.INTERNAL_SERVER_ERROR)
 
-    def _check_host(self) -> None:
-        """Bound to loopback, answer only requests addressed to it (no DNS rebinding)."""
-        if self.server.server_address[0] not in ("127.0.0.1", "::1"):
+    def _check_host(self) -> str:
+        """The request's one ``Host``, checked (see the module docstring); 400 or 403 if not."""
+        values = self.headers.get_all("Host") or []
+        if len(values) != 1:
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"expected one Host header, got {len(values)}")
+        host = values[0].strip().lower()
+        match = _HOST.fullmatch(host)
+        if match is None:
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"Host {values[0][:100]!r} refused: not a host name and port")
+        names = self.server.host_names
+        if not names:  # bound to a non-loopback address: any name
+            return host
+        name, port = match.groups()
+        if name not in names:
+            raise HttpError(HTTPStatus.FORBIDDEN,
+                            f"Host {name!r} refused: this server answers {' and '.join(names)} only")
+        server_port = self.server.server_address[1]
+        if port != str(server_port) and not (port is None and server_port == 80):
+            raise HttpError(HTTPStatus.FORBIDDEN, f"Host {host!r} refused: this server is on port {server_port}")
+        return host
+
+    def _check_same_origin(self, host: str) -> None:
+        """A state-changing request comes from this server's own page, with its token, or from no browser."""
+        sites = self.headers.get_all("Sec-Fetch-Site") or []
+        if any(site.strip().lower() != "same-origin" for site in sites):
+            raise HttpError(HTTPStatus.FORBIDDEN, f"request from another site or port refused "
+                            f"(Sec-Fetch-Site: {sites[0][:40]})")
+        origins = self.headers.get_all("Origin") or []
+        if len(origins) > 1 or (origins and origins[0].strip().lower() != f"http://{host}"):
+            raise HttpError(HTTPStatus.FORBIDDEN, f"Origin {origins[0][:100]!r} refused: only this server's page "
+                            "may change anything")
+        tokens = self.headers.get_all(TOKEN_HEADER) or []
+        if not (tokens or origins or sites):  # not a browser: see the module docstring
             return
-        host = (self.headers.get("Host") or "").rsplit(":", 1)[0].strip("[]")
-        if host not in LOOPBACK_NAMES:
-            raise HttpError(HTTPStatus.FORBIDDEN, f"Host {host!r} refused: this server answers 127.0.0.1 only")
+        if len(tokens) != 1 or not hmac.compare_digest(tokens[0].encode(), self.server.token.encode()):
+            raise HttpError(HTTPStatus.FORBIDDEN, f"missing or wrong {TOKEN_HEADER}: reload the page "
+                            "(the token changes each time the server starts)")
 
     def _route(self, method: str, path: str) -> Callable[[dict[str, list[str]]], None]:
         if method == "GET" and path in STATIC:
@@ -139,6 +202,8 @@ class Handler(BaseHTTPRequestHandler):
     def _static(self, path: str) -> None:
         name, content_type = STATIC[path]
         body = resources.files("mpsim.web").joinpath("static", name).read_bytes()
+        if name == "index.html":
+            body = body.replace(TOKEN_PLACEHOLDER, self.server.token.encode())
         self._send(body, content_type)
 
     def _send(self, body: bytes, content_type: str, status: HTTPStatus = HTTPStatus.OK,
@@ -147,7 +212,10 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("X-Frame-Options", "DENY")  # no clicking Run through another site's frame
         if download:
             self.send_header("Content-Disposition", f'attachment; filename="{download}"')
         self.end_headers()
@@ -240,7 +308,13 @@ class MpsimServer(ThreadingHTTPServer):
     def __init__(self, host: str, port: int, verbose: bool = False) -> None:
         self.app = App()
         self.verbose = verbose
+        self.token = secrets.token_urlsafe(32)  # the page's X-Mpsim-Token, new at each start
         super().__init__((host, port), Handler)
+
+    @property
+    def host_names(self) -> tuple[str, ...]:
+        """The names a request's Host may use: those of the loopback address bound, or () for any."""
+        return LOOPBACK_NAMES.get(str(self.server_address[0]), ())
 
     @property
     def url(self) -> str:

@@ -6,12 +6,16 @@
 const $ = (id) => document.getElementById(id);
 const UPLOADED = "__upload__";
 const FIELDS = ["server", "model", "schedule", "microbatch", "microbatches", "strategy", "partition"];
+// This server's token, put in the page by the server: sent on every request that changes
+// anything, so that no other site's page can (it cannot read this page to learn it).
+const TOKEN = document.querySelector('meta[name="mpsim-token"]').content;
 const state = { view: "job", job: null, timer: null, maxUploadBytes: 0, uploads: { server: null, model: null } };
 
 async function api(method, url, body) {
   let response;
   try {
-    response = await fetch(url, { method, body });
+    const headers = method === "GET" ? {} : { "X-Mpsim-Token": TOKEN };
+    response = await fetch(url, { method, body, headers });
   } catch (err) {
     throw new Error("no answer from the mpsim server (is it still running?)");
   }
