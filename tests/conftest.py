@@ -1,4 +1,26 @@
+import os
+import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+# -- a headless Chromium for the page's browser tests (test_serve, test_serve_security) ------
+
+CHROMIUM = os.environ.get("MPSIM_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).is_file():
+        pytest.skip(f"no chromium binary at {CHROMIUM} (apt-get install chromium; .ci/run installs it)")
+    playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extra")
+    with playwright_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()

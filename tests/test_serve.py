@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -27,9 +26,6 @@ from mpsim.web.app import MpsimServer, make_server, serve_in_thread
 from mpsim.web.inputs import MAX_UPLOAD_BYTES, JobInputs, from_query
 
 SCREENSHOTS = Path(os.environ["MPSIM_SCREENSHOTS"]).resolve() if os.environ.get("MPSIM_SCREENSHOTS") else None
-CHROMIUM = os.environ.get("MPSIM_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 TOPOLOGY_WITH_SCHEMA_ERROR = "name: my-box\ngpu: {count: 2}\n"
 
 
@@ -274,17 +270,6 @@ def test_mpsim_serve_prints_its_address_and_answers(tmp_path):
 
 
 # --- the page in a real browser ----------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).is_file():
-        pytest.skip(f"no chromium binary at {CHROMIUM} (apt-get install chromium; .ci/run installs it)")
-    playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extra")
-    with playwright_api.sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
-
 
 @pytest.fixture
 def page(browser, server):

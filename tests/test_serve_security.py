@@ -9,10 +9,8 @@ import json
 import re
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from test_serve import CHROMIUM, CHROMIUM_ARGS
 
 from mpsim.catalog import data_dir
 from mpsim.web.app import TOKEN_HEADER, MpsimServer, make_server, serve_in_thread
@@ -212,17 +210,6 @@ def test_this_servers_own_names_are_answered(server, host):
 
 
 # --- what a real browser sends ----------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).is_file():
-        pytest.skip(f"no chromium binary at {CHROMIUM} (apt-get install chromium; .ci/run installs it)")
-    playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extra")
-    with playwright_api.sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
-
 
 FORM_POST = """url => { const f = document.createElement("form"); f.method = "POST"; f.action = url;
                         document.body.append(f); f.submit(); }"""
