@@ -1,9 +1,16 @@
+from __future__ import annotations
+
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from mpsim.web.app import MpsimServer
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -24,3 +31,15 @@ def browser():
         chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield chromium
         chromium.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[MpsimServer]:
+    """``mpsim serve`` on a free loopback port, in a thread of this process."""
+    from mpsim.web.app import make_server, serve_in_thread
+
+    srv = make_server("127.0.0.1", 0)
+    serve_in_thread(srv)
+    yield srv
+    srv.shutdown()
+    srv.server_close()

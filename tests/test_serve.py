@@ -13,7 +13,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import parse_qs, urlencode
 
@@ -22,20 +21,11 @@ import pytest
 from mpsim import api
 from mpsim.catalog import load_trace
 from mpsim.cli import main
-from mpsim.web.app import MpsimServer, make_server, serve_in_thread
+from mpsim.web.app import MpsimServer
 from mpsim.web.inputs import MAX_UPLOAD_BYTES, JobInputs, from_query
 
 SCREENSHOTS = Path(os.environ["MPSIM_SCREENSHOTS"]).resolve() if os.environ.get("MPSIM_SCREENSHOTS") else None
 TOPOLOGY_WITH_SCHEMA_ERROR = "name: my-box\ngpu: {count: 2}\n"
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[MpsimServer]:
-    srv = make_server("127.0.0.1", 0)
-    serve_in_thread(srv)
-    yield srv
-    srv.shutdown()
-    srv.server_close()
 
 
 def call(srv: MpsimServer, method: str, path: str, body: bytes | None = None,

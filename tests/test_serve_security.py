@@ -8,7 +8,6 @@ import http.client
 import json
 import re
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -18,15 +17,6 @@ from mpsim.web.app import TOKEN_HEADER, MpsimServer, make_server, serve_in_threa
 JOB_QUERY = "/api/jobs?server=dgx1-v100&model=gpt-5.3b&microbatch=2"
 UPLOAD_QUERY = "/api/upload?kind=server&name=mine.yaml"
 TOPOLOGY = (data_dir("topologies") / "dgx1-v100.yaml").read_bytes()  # a good upload: stored where accepted
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[MpsimServer]:
-    srv = make_server("127.0.0.1", 0)
-    serve_in_thread(srv)
-    yield srv
-    srv.shutdown()
-    srv.server_close()
 
 
 @pytest.fixture
