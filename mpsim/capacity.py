@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from mpsim.backends import Backend, run_points
 from mpsim.catalog import load_topology, load_trace, shipped_traces
 from mpsim.errors import MpsimError
-from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec
+from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, OfJob
 from mpsim.planners.best import Part, combine, parts
 from mpsim.planners.context import Planned
 from mpsim.planners.registry import plan_job
@@ -53,7 +53,7 @@ class FitRow:
 
 
 @dataclass
-class FitsReport:
+class FitsReport(OfJob):
     """What fits of one family under one job's strategy: every shipped size, and the
     largest size that fits (at the shape of ``largest_template``)."""
 
@@ -67,26 +67,6 @@ class FitsReport:
     @property
     def server(self) -> str:
         return self.job.topology.name
-
-    @property
-    def schedule(self) -> str:
-        return self.job.schedule
-
-    @property
-    def microbatch(self) -> int:
-        return self.job.microbatch
-
-    @property
-    def microbatches(self) -> int:
-        return self.job.microbatches
-
-    @property
-    def strategy(self) -> str:
-        return self.job.strategy
-
-    @property
-    def partition(self) -> str:
-        return self.job.partition
 
     def to_dict(self) -> dict:
         return {

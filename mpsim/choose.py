@@ -19,7 +19,6 @@ from mpsim.catalog import load_topology, load_trace, shipped_topologies
 from mpsim.errors import MpsimError
 from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PARTITIONS, JobSpec
 from mpsim.planners.registry import plan_job
-from mpsim.schedule import check_microbatch
 from mpsim.sim import SimResult
 from mpsim.strategies import combines
 from mpsim.topology import MAX_USD, Topology
@@ -216,15 +215,12 @@ def _price_of(topo: Topology, key: str, overrides: Mapping[str, float]) -> Price
     return Price(spec.on_demand.usd_per_hour, spec.on_demand.source, spec.on_demand.date, purchase)
 
 
-def _check_inputs(servers: Sequence[str | Topology], strategies: Sequence[str], microbatch_sizes: Sequence[int],
-                  prices: Mapping[str, float]) -> None:
+def _check_inputs(servers: Sequence[str | Topology], strategies: Sequence[str], prices: Mapping[str, float]) -> None:
     """What no job checks: a server and a strategy to choose from, the prices."""
     if not servers:
         raise MpsimError("--servers: no server to choose from")
     if not strategies:
         raise MpsimError("--strategy needs at least one strategy")
-    for mb in microbatch_sizes:
-        check_microbatch(mb)
     for key, usd in prices.items():
         if not (math.isfinite(usd) and 0 < usd <= MAX_USD):
             raise MpsimError(f"--price {key}: USD per hour must be above 0 and at most {MAX_USD:g}, got {usd:g}")
@@ -241,16 +237,17 @@ def _shortfall(r: SimResult) -> int:
     return max(0, max(g.peak_bytes - g.capacity_bytes for g in r.gpus))
 
 
-def _server_plans(job: JobSpec, microbatch_sizes: Sequence[int], strategies: Sequence[str],
+def _server_plans(job: JobSpec, scaled: Sequence[Trace], strategies: Sequence[str],
                   on_point: Callable[[str], None] | None) -> list[tuple[Tried, SimResult]]:
-    """Every plan ``choose`` tries on the job's server: each size, each strategy, each
-    single planner under both partitions (a combining one, ``best``, varies them itself)."""
+    """Every plan ``choose`` tries on the job's server: each size (``scaled``: the trace at
+    each), each strategy, each single planner under both partitions (a combining one,
+    ``best``, varies them itself)."""
     out = []
-    for mb in microbatch_sizes:
-        scaled = job.but(trace=job.trace.rescale(mb))
+    for trace in scaled:
+        mb = trace.microbatch
         for strategy in strategies:
             for partition in ("compute",) if combines(strategy) else PARTITIONS:
-                r = plan_job(scaled.but(partition=partition, strategy=strategy)).result
+                r = plan_job(job.but(trace=trace, partition=partition, strategy=strategy)).result
                 out.append((Tried(mb, r.strategy, partition, r.fits, r.samples_per_s, r.max_peak_bytes,
                                   _shortfall(r)), r))
                 if on_point:
@@ -306,7 +303,8 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
     server_list = parse_servers(servers, schedule, microbatches) if isinstance(servers, str) else list(servers)
     sizes = tuple(microbatch_sizes) if microbatch_sizes else (trace.microbatch,)
     overrides = dict(prices or {})
-    _check_inputs(server_list, strategies, sizes, overrides)
+    _check_inputs(server_list, strategies, overrides)
+    scaled = [trace.rescale(mb) for mb in sizes]  # each size checked and rescaled once
     topos = [(s, load_topology(s)) if isinstance(s, str) else (s.name, s) for s in server_list]
     unknown = set(overrides) - {k for k, _ in topos} - {t.name for _, t in topos}
     if unknown:
@@ -315,7 +313,7 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
     seq_len = _seq_len(trace)
     rows = []
     for key, job in jobs:
-        topo, tried = job.topology, _server_plans(job, sizes, strategies, on_point)
+        topo, tried = job.topology, _server_plans(job, scaled, strategies, on_point)
         rows.append(ChooseRow(topo.name, topo.source or key, topo.n_gpus, topo.spec.gpu.model, topo.capacity_bytes,
                               _standing(tried), [t for t, _ in tried], _price_of(topo, key, overrides), seq_len))
     rows.sort(key=_rank_key(rank_by))

@@ -137,7 +137,8 @@ class JobSpec:
 
 class OfJob:
     """Read-through fields for a type that holds a ``job`` (a planner's context, the
-    engine's layout): it reads the job's fields instead of declaring them again."""
+    engine's layout, a ``fits`` report): it reads the job's fields instead of declaring
+    them again."""
 
     job: JobSpec
 
@@ -154,12 +155,20 @@ class OfJob:
         return self.job.schedule
 
     @property
+    def microbatch(self) -> int:
+        return self.job.microbatch
+
+    @property
     def microbatches(self) -> int:
         return self.job.microbatches
 
     @property
     def partition(self) -> str:
         return self.job.partition
+
+    @property
+    def strategy(self) -> str:
+        return self.job.strategy
 
     @property
     def record_link_rates(self) -> bool:

@@ -59,8 +59,7 @@ class Ctx(OfJob):
                plan.model_dump_json(exclude={"strategy"}))
         result = _SIMULATED.get(key)
         if result is None:
-            result = simulate_layout(layout_of_plan(plan, self.topo, self.trace, checked=True,
-                                                    record_link_rates=self.record_link_rates))
+            result = simulate_layout(layout_of_plan(plan, self.job, checked=True))
             _SIMULATED[key] = result
             if len(_SIMULATED) > SIMULATIONS:
                 _SIMULATED.popitem(last=False)

@@ -108,21 +108,20 @@ def _keep_everything(job: Job) -> Layout:
                   ((),) * n_stages, spec.strategy, job.runtime)
 
 
-def layout_of_plan(plan: PlanFile, topo: Topology, trace: Trace, *, checked: bool = False, strategy: str | None = None,
-                   runtime: Runtime = "mpress", record_link_rates: bool = False) -> Layout:
-    """The layout a plan describes; ``checked`` says the plan is known valid for this
-    server and trace (made by ``make_plan``), otherwise its rules are checked here."""
+def layout_of_plan(plan: PlanFile, job: JobSpec, *, checked: bool = False, runtime: Runtime = "mpress") -> Layout:
+    """The layout a plan describes for ``job`` (its server, trace, schedule and
+    microbatches: the plan's); ``checked`` says the plan is known valid for them (made by
+    ``make_plan``), otherwise its rules are checked here."""
     if not checked:
-        if plan.microbatch != trace.microbatch:
-            raise MpsimError(f"the plan is for microbatch {plan.microbatch} but the trace is at {trace.microbatch}")
-        check_plan(plan, topo, trace)
-    job = JobSpec(topo, trace, plan.schedule, plan.microbatches, pipeline(len(plan.stages)),
-                  record_link_rates=record_link_rates)
+        if plan.microbatch != job.trace.microbatch:
+            raise MpsimError(f"the plan is for microbatch {plan.microbatch} but the trace is at "
+                             f"{job.trace.microbatch}")
+        check_plan(plan, job.topology, job.trace)
     return Layout(job, [st.layers for st in plan.stages], tuple(st.gpu for st in plan.stages),
                   tuple(plan.action_of(s) for s in range(len(plan.stages))),
                   tuple(st.optimizer for st in plan.stages), tuple(st.stash for st in plan.stages),
                   tuple(host_optimizer_layers(st) for st in plan.stages),
-                  plan.strategy if strategy is None else strategy, runtime, plan.swap_timing,
+                  plan.strategy, runtime, plan.swap_timing,
                   plan.recompute_checkpoints)
 
 
@@ -130,5 +129,4 @@ def resolve(job: Job) -> Layout:
     """Check a job and resolve it into the layout the engine runs."""
     if job.plan is None:
         return _keep_everything(job)
-    return layout_of_plan(job.plan, job.spec.topology, job.spec.trace, runtime=job.runtime,
-                          record_link_rates=job.spec.record_link_rates)
+    return layout_of_plan(job.plan, job.spec, runtime=job.runtime)
