@@ -24,7 +24,8 @@ from mpsim.strategies import combines
 from mpsim.topology import Topology
 from mpsim.trace import Trace
 
-MAX_LAYERS = 4096
+MAX_SEARCH_LAYERS = 4096
+"""Where the largest-size search stops (``limits.MAX_LAYERS`` bounds any trace)."""
 
 
 @dataclass
@@ -67,6 +68,10 @@ class FitsReport(OfJob):
     @property
     def server(self) -> str:
         return self.job.topology.name
+
+    @property
+    def strategy(self) -> str:
+        return self.job.strategy
 
     def to_dict(self) -> dict:
         return {
@@ -376,8 +381,8 @@ class _Search:
             lo, step = hint, 1
         while True:
             cand = lo + step
-            if cand > MAX_LAYERS:
-                raise MpsimError(f"{self.family} still fits with {lo} layers; stopped searching at {MAX_LAYERS}")
+            if cand > MAX_SEARCH_LAYERS:
+                raise MpsimError(f"{self.family} still fits with {lo} layers; stopped searching at {MAX_SEARCH_LAYERS}")
             if not self.probe(cand).result.fits:
                 return lo, cand
             lo, step = cand, step * 2

@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from mpsim.errors import MpsimError, SchemaError, from_pydantic
-from mpsim.limits import check_trace_data, check_trace_text
+from mpsim.limits import check_trace_text
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -50,15 +50,12 @@ def _json_no_duplicates(pairs: list[tuple[str, object]]) -> dict:
 def read_data_file(path: Path, fmt: Literal["yaml", "json"], what: str) -> object:
     """Parse ``path`` as ``fmt``; a missing file, text that is not UTF-8, a syntax error or a
     repeated key names the file (and line). A trace (``what`` "trace") with more layers than
-    ``mpsim.limits.MAX_LAYERS`` is refused before it is parsed, and again, counted exactly,
-    before its rows are validated."""
+    ``mpsim.limits.MAX_LAYERS`` is refused before it is parsed (``parse_trace`` counts its
+    rows exactly before validating them)."""
     text = _read_text(path, fmt, what)
     if what == "trace":
         check_trace_text(text, path)
-    data = _parse(path, text, fmt)
-    if what == "trace":
-        check_trace_data(data, path)
-    return data
+    return _parse(path, text, fmt)
 
 
 def _read_text(path: Path, fmt: Literal["yaml", "json"], what: str) -> str:

@@ -44,7 +44,6 @@ from mpsim.workloads import FAMILIES, ModelConfig
 
 #: Categories of the comparison; the simulator's others (activations, buffers, workspace,
 #: stash, peer swap space) are "activations" in the executor's tracker too.
-STATIC = MODEL_STATES
 
 
 @dataclass(frozen=True)
@@ -200,13 +199,13 @@ def compare(plan: PlanFile, predicted: SimResult, measured: list[dict | None]) -
     oom = next((r["oom"] for r in measured if r is not None and r.get("oom")), None)
     for s, st in enumerate(plan.stages):
         g = predicted.gpus[st.gpu]
-        pred_bd = {k: g.breakdown.get(k, 0) for k in STATIC}
+        pred_bd = {k: g.breakdown.get(k, 0) for k in MODEL_STATES}
         pred_bd["activations"] = g.peak_bytes - sum(pred_bd.values())
         m = measured[s]
         row: dict = {"stage": s, "gpu": st.gpu, "layers": list(st.layers), "predicted_peak_bytes": g.peak_bytes,
                      "predicted_breakdown": pred_bd, "predicted_fits": g.fits}
         if m is not None and not m.get("oom"):
-            bd = {k: m["breakdown"].get(k, 0) for k in (*STATIC, "activations")}
+            bd = {k: m["breakdown"].get(k, 0) for k in (*MODEL_STATES, "activations")}
             row.update(measured_peak_bytes=m["peak_bytes"], measured_breakdown=bd, measured_step_s=m["step_s"],
                        peak_error_pct=_error_pct(g.peak_bytes, m["peak_bytes"]))
         stages.append(row)

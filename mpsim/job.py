@@ -167,10 +167,6 @@ class OfJob:
         return self.job.partition
 
     @property
-    def strategy(self) -> str:
-        return self.job.strategy
-
-    @property
     def record_link_rates(self) -> bool:
         return self.job.record_link_rates
 

@@ -44,7 +44,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpsim.errors import MpsimError
-from mpsim.schedule import MAX_MICROBATCH
+from mpsim.schedule import check_microbatch
 from mpsim.trace import Trace
 from mpsim.tracer import NamedFields, compute_dtype, make_trace, trace_layer
 
@@ -213,8 +213,8 @@ def trace_builder(spec: str, microbatch: int | None = None, recipe: str = "fp32"
     """Trace the model SPEC builds, one row per block (module doc). ``builder``, when
     given, is called instead of the function SPEC names (SPEC still labels the trace):
     a builder with arguments bound, e.g. ``functools.partial(cnn.vgg, "vgg16", width=4)``."""
-    if microbatch is not None and not 1 <= microbatch <= MAX_MICROBATCH:
-        raise MpsimError(f"microbatch must be between 1 and {MAX_MICROBATCH}, got {microbatch}")
+    if microbatch is not None:
+        check_microbatch(microbatch)
     builder = builder or load_builder(spec)
     where, function = parse_spec(spec)
     with compute_dtype(recipe) as dtype, FakeTensorMode():

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mpsim.datafile import read_data_file, validate
 from mpsim.errors import MpsimError, SchemaError
+from mpsim.limits import MAX_LAYERS, check_trace_data
 from mpsim.schedule import MAX_MICROBATCH, check_microbatch
 from mpsim.topology import Dtype, GpuSpec
 from mpsim.units import MAX_BYTES
@@ -159,7 +160,7 @@ class TraceFile(_Strict):
     precision: Precision = Precision()
     source: Source
     scaling: Scaling = Scaling()
-    layers: list[LayerRow] = Field(min_length=1, max_length=100_000)
+    layers: list[LayerRow] = Field(min_length=1, max_length=MAX_LAYERS)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
@@ -308,6 +309,7 @@ def measured_elsewhere(trace: Trace, gpu_model: str, server: str) -> str | None:
 
 
 def parse_trace(data: object, source: str = "<trace>") -> Trace:
+    check_trace_data(data, source)  # a layer count over the limit in one line, before validating every row
     return Trace(validate(TraceFile, data, source), source)
 
 

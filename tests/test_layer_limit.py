@@ -116,3 +116,9 @@ def test_compute_balanced_memory_is_linear():
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 50 * 2**20
+    # signed costs take the blocked programme, not the bisection: 5,000 layers, old table 200 MB
+    tracemalloc.start()
+    compute_balanced(np.random.default_rng(1).random(5_000) - 0.5, 8)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 50 * 2**20

@@ -13,14 +13,14 @@ import pytest
 from helpers import GB, layer, tiny_topology, tiny_trace
 
 from mpsim.catalog import load_topology, load_trace
-from mpsim.costs import cost_model
+from mpsim.costs import attention_core_seconds, cost_model
 from mpsim.errors import SchemaError
 from mpsim.job import JobSpec
 from mpsim.plan import LayerAction, check_plan, make_plan
 from mpsim.planners.registry import plan_job
 from mpsim.sim import simulate_job
 from mpsim.sim.layout import job_of_plan
-from mpsim.sim.program import attention_core_seconds, build_program
+from mpsim.sim.program import build_program
 from mpsim.trace import Trace
 
 

@@ -230,7 +230,7 @@ def init_process(job: dict, gpu: int) -> torch.device:
 
 
 def build_pipeline(plan: PlanFile, cfg: ModelConfig, rank: int, world: int,
-                   device: torch.device) -> tuple[nn.Sequential, Optimizer, Stepper]:
+                   device: torch.device) -> tuple[nn.Sequential, Stepper]:
     """This stage's module and optimizer (on the host for ``host-update``), driven by torch's
     GPipe or 1F1B schedule on synthetic tokens."""
     use_cuda = device.type == "cuda"
@@ -246,7 +246,7 @@ def build_pipeline(plan: PlanFile, cfg: ModelConfig, rank: int, world: int,
     stage = PipelineStage(module, rank, world, device)
     schedule_cls = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
     schedule = schedule_cls(stage, n_microbatches=m, loss_fn=lambda out, _target: out)
-    return module, opt, Stepper(schedule, opt, tokens.to(device), rank, world)
+    return module, Stepper(schedule, opt, tokens.to(device), rank, world)
 
 
 def peak_breakdown(snap: dict) -> dict[str, int]:
@@ -326,7 +326,7 @@ def run(job: dict, out_dir: Path) -> dict:
         raise SystemExit(f"the plan has {len(plan.stages)} stages but {world} processes were started")
     st = plan.stages[rank]
     device = init_process(job, st.gpu)
-    module, _opt, step = build_pipeline(plan, cfg, rank, world, device)
+    module, step = build_pipeline(plan, cfg, rank, world, device)
     result: dict = {"stage": rank, "gpu": st.gpu, "layers": list(st.layers), "device": str(device), "oom": None}
     try:
         train(job, step, module, device, result)

@@ -117,6 +117,10 @@ def layout_of_plan(plan: PlanFile, job: JobSpec, *, checked: bool = False, runti
             raise MpsimError(f"the plan is for microbatch {plan.microbatch} but the trace is at "
                              f"{job.trace.microbatch}")
         check_plan(plan, job.topology, job.trace)
+        if (plan.schedule, plan.microbatches, len(plan.stages)) != (job.schedule, job.microbatches, job.n_stages):
+            raise MpsimError(f"the plan is for {plan.schedule}, {plan.microbatches} microbatches and "
+                             f"{len(plan.stages)} stages but the job is {job.schedule}, {job.microbatches} and "
+                             f"{job.n_stages}")
     return Layout(job, [st.layers for st in plan.stages], tuple(st.gpu for st in plan.stages),
                   tuple(plan.action_of(s) for s in range(len(plan.stages))),
                   tuple(st.optimizer for st in plan.stages), tuple(st.stash for st in plan.stages),

@@ -51,7 +51,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpsim.costs import attention_core_seconds as attention_core_seconds  # for tests/test_selective.py
 from mpsim.plan import LayerAction
 from mpsim.sim.memory import Template, make_template
 from mpsim.trace import LayerRow

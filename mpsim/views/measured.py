@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mpsim.sim.memory import MODEL_STATES as STATIC
+from mpsim.sim.memory import MODEL_STATES
 
 if TYPE_CHECKING:
     from mpsim.calibrate import Calibration
@@ -43,7 +43,8 @@ def validation_text(report: dict) -> str:
         pb = row["predicted_breakdown"]
         if "measured_peak_bytes" in row:
             mb = row["measured_breakdown"]
-            cells = "".join(f" {_mib(pb[k]).strip():>8}/{_mib(mb[k]).strip():<8}" for k in (*STATIC, "activations"))
+            kinds = (*MODEL_STATES, "activations")
+            cells = "".join(f" {_mib(pb[k]).strip():>8}/{_mib(mb[k]).strip():<8}" for k in kinds)
             lines.append(f"{row['stage']:>5} {f'[{a}, {b})':>8}  {_mib(row['predicted_peak_bytes'])} "
                          f"{_mib(row['measured_peak_bytes'])} {row['peak_error_pct']:+6.1f}%  {cells}")
         else:
