@@ -111,14 +111,15 @@ def fits_all(job: JobSpec, family: str, traces: list[Trace], strategies: Sequenc
              on_point: Callable[[str], None] | None = None, backend: Backend | None = None) -> list[FitsReport]:
     """``fits_strategies`` for a checked ``job`` (``family_job``; its strategy is set per
     report) over ``traces`` (those of ``family``, or of the named ``models``)."""
-    strategies = tuple(strategies)  # each checked as the job's strategy below, before any runs
+    strategies = tuple(strategies)
+    jobs = {s: job.but(strategy=s) for s in strategies}  # each strategy checked before anything runs
     base = _FitsUnit(job, family, tuple(models))
     if backend is not None:
         return _fits_parallel(base, strategies, backend, on_point)
     done: dict[str, FitsReport] = {}
     for strategy in sorted(strategies, key=combines):
         best = combines(strategy)
-        done[strategy] = fits_job(job.but(strategy=strategy), family, traces,
+        done[strategy] = fits_job(jobs[strategy], family, traces,
                                   on_point=None if on_point is None else _prefixed(on_point, strategy),
                                   known_fitting=_known(done.values(), job.partition) if best else None,
                                   known_failing=_known_failing(done.values()) if best else None)

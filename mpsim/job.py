@@ -27,6 +27,9 @@ from mpsim.trace import Trace
 
 DEFAULT_SERVER = "dgx1-v100"
 """The server a command uses when none is named: MPress's DGX-1 (papers/mpress.txt IV-A)."""
+DEFAULT_MODEL = "gpt-5.3b"
+"""The model a command simulates, and a trace preset starts from, when none is named:
+MPress's GPT-5.3B."""
 DEFAULT_SCHEDULE = "1f1b"
 DEFAULT_MICROBATCHES = 16
 """Microbatches per iteration when none is given (the papers' pipelines run 16)."""

@@ -19,7 +19,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
-    from mpsim.api.jobs import DEFAULT_MODEL, load_job, measured_warning, plan, simulate, validate
+    from mpsim.api.jobs import load_job, measured_warning, plan, simulate, validate
     from mpsim.api.models import (
         DEFAULT_PRESET,
         Measure,
@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     from mpsim.choose import ChooseReport, choose, parse_price, parse_servers
     from mpsim.job import (
         DEFAULT_MICROBATCHES,
+        DEFAULT_MODEL,
         DEFAULT_SCHEDULE,
         DEFAULT_SERVER,
         PARTITIONS,
@@ -58,7 +59,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
 
 #: Where each name lives (the same imports as above, made on first use).
 _HOMES: dict[str, tuple[str, ...]] = {
-    "mpsim.api.jobs": ("DEFAULT_MODEL", "load_job", "measured_warning", "plan", "simulate", "validate"),
+    "mpsim.api.jobs": ("load_job", "measured_warning", "plan", "simulate", "validate"),
     "mpsim.api.models": ("DEFAULT_PRESET", "Measure", "default_attention", "hf_config", "model_config", "presets",
                          "trace_hf", "trace_module", "trace_shape"),
     "mpsim.api.servers": ("collective", "probe_server", "shipped_servers", "transfer"),
@@ -68,8 +69,8 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.capacity": ("FitsReport", "fits"),
     "mpsim.catalog": ("load_topology", "load_trace", "shipped_topologies", "shipped_traces"),
     "mpsim.choose": ("ChooseReport", "choose", "parse_price", "parse_servers"),
-    "mpsim.job": ("DEFAULT_MICROBATCHES", "DEFAULT_SCHEDULE", "DEFAULT_SERVER", "JobSpec", "PARTITIONS", "Parallelism",
-                  "job_of"),
+    "mpsim.job": ("DEFAULT_MICROBATCHES", "DEFAULT_MODEL", "DEFAULT_SCHEDULE", "DEFAULT_SERVER", "JobSpec",
+                  "PARTITIONS", "Parallelism", "job_of"),
     "mpsim.plan": ("PlanFile", "read_plan_file", "write_plan_file"),
     "mpsim.planners": ("Planned", "plan_job"),
     "mpsim.sim": ("SimResult",),

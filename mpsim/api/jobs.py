@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mpsim.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
-from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, DEFAULT_SERVER, JobSpec, job_of, pipeline
+from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_MODEL, DEFAULT_SCHEDULE, DEFAULT_SERVER, JobSpec, job_of, pipeline
 from mpsim.plan import PlanFile, check_plan, read_plan_file
 from mpsim.planners import Planned, plan_job
 from mpsim.sim import SimResult, simulate_job
@@ -15,16 +15,15 @@ from mpsim.sim.layout import job_of_plan
 from mpsim.topology import Topology
 from mpsim.trace import Trace, measured_elsewhere
 
-DEFAULT_MODEL = "gpt-5.3b"
-"""The model a command simulates when none is named: MPress's GPT-5.3B."""
-
 
 def plan(server: str | Topology, model: str | Trace, schedule: str = DEFAULT_SCHEDULE, microbatch: int | None = None,
          microbatches: int = DEFAULT_MICROBATCHES, n_stages: int | None = None, strategy: str = "none",
-         partition: str = "compute") -> Planned:
-    """Make a plan with a named strategy; returns it with its simulated result."""
+         partition: str = "compute", record_link_rates: bool = False) -> Planned:
+    """Make a plan with a named strategy; returns it with its simulated result
+    (``record_link_rates``: every change of link rates kept, for Chrome-trace counters)."""
     return plan_job(job_of(server, model, schedule=schedule, microbatch=microbatch, microbatches=microbatches,
-                           n_stages=n_stages, strategy=strategy, partition=partition))
+                           n_stages=n_stages, strategy=strategy, partition=partition,
+                           record_link_rates=record_link_rates))
 
 
 def simulate(server: str | Topology, model: str | Trace, schedule: str = DEFAULT_SCHEDULE,
@@ -44,9 +43,8 @@ def simulate(server: str | Topology, model: str | Trace, schedule: str = DEFAULT
         topo = load_topology(server) if isinstance(server, str) else server
         trace = load_trace(model) if isinstance(model, str) else model
         return simulate_job(job_of_plan(topo, trace, plan_file, record_link_rates))
-    return plan_job(job_of(server, model, schedule=schedule, microbatch=microbatch, microbatches=microbatches,
-                           n_stages=n_stages, strategy=strategy, partition=partition,
-                           record_link_rates=record_link_rates)).result
+    return plan(server, model, schedule, microbatch, microbatches, n_stages, strategy, partition,
+                record_link_rates).result
 
 
 def load_job(server: str | None, model: str | None, plan_path: Path | None = None

@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from mpsim.catalog import load_topology
 from mpsim.errors import MpsimError
+from mpsim.job import DEFAULT_MODEL
 from mpsim.trace import RECIPES, Trace
 
 if TYPE_CHECKING:
     from mpsim.workloads import ModelConfig
 
-DEFAULT_PRESET = "gpt-5.3b"
+DEFAULT_PRESET = DEFAULT_MODEL
 """The shape a trace starts from when no preset is named."""
 
 

@@ -41,17 +41,18 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
     topo, trace, plan_file = api.load_job(server, model, plan_path)
     warn(api.measured_warning(trace, topo))
     with tasks_progress("simulate"):
-        result = api.simulate(topo, trace, schedule, microbatch, microbatches, n_stages=stages, strategy=strategy,
-                              plan_file=plan_file, record_link_rates=chrome_trace is not None, partition=partition)
+        if plan_file is None:  # the plan too, for --html
+            planned = api.plan(topo, trace, schedule, microbatch, microbatches, n_stages=stages, strategy=strategy,
+                               partition=partition, record_link_rates=chrome_trace is not None)
+            result, plan_file = planned.result, planned.plan
+        else:
+            result = api.simulate(topo, trace, plan_file=plan_file, record_link_rates=chrome_trace is not None)
     emit(json_out, simulate_text(result), result.to_dict())
     if chrome_trace:
         write_chrome_trace(result, chrome_trace)
     if plot:
         plot_memory(result, plot)
     if html_out:
-        if plan_file is None:  # the planner's answer is cached: this does not plan again
-            plan_file = api.plan(topo, trace, schedule, microbatch, microbatches, n_stages=stages,
-                                 strategy=strategy, partition=partition).plan
         html_out.write_text(simulate_page(result, plan_file), encoding="utf-8")
     if not result.fits:
         sys.exit(1)

@@ -84,7 +84,7 @@ def reproduce_cmd(out: Path, only: str, html_out: Path | None) -> None:
 @click.command("sweep")
 @click.option("--server", "-s", "servers", default=api.DEFAULT_SERVER, show_default=True,
               help="comma-separated servers (" + SERVER_HELP + ")")
-@click.option("--model", "-m", "models", default="gpt-5.3b", show_default=True, help="comma-separated models")
+@click.option("--model", "-m", "models", default=api.DEFAULT_MODEL, show_default=True, help="comma-separated models")
 @click.option("--schedule", default=api.DEFAULT_SCHEDULE, show_default=True, help=SCHEDULE_HELP)
 @click.option("--microbatch", "sizes", default="1,2,4,8", show_default=True, help="comma-separated microbatch sizes")
 @click.option("--microbatches", "counts", default="16", show_default=True,

@@ -58,8 +58,7 @@ def run_job(inputs: JobInputs, uploads: UploadStore, job: Job) -> JobOutcome:
 def run_choose(inputs: JobInputs, uploads: UploadStore, job: Job) -> dict[str, Any]:
     """The choose view: ``mpsim.api.choose`` over the chosen servers (every shipped one
     the schedule can fill when none is chosen), shown as ``mpsim choose --html`` shows it."""
-    names = list(inputs.servers) or api.parse_servers("all", inputs.schedule, inputs.microbatches)
-    report = api.choose(model_of(inputs, uploads), [api.load_topology(n) for n in names], schedule=inputs.schedule,
+    report = api.choose(model_of(inputs, uploads), list(inputs.servers) or "all", schedule=inputs.schedule,
                         microbatch_sizes=[inputs.microbatch] if inputs.microbatch else None,
                         microbatches=inputs.microbatches)
     return {"report": report.to_dict(), "html": choose_html(report)}
