@@ -8,8 +8,9 @@ none of them re-declares these fields or re-checks them.
 
 The parallel layout names every degree the next releases model (Megatron-LM's order:
 tensor-parallel groups innermost, then data parallel, then pipeline; ZeRO's stages of
-sharded model states, Rajbhandari et al. 2020). Today the engine simulates pure pipeline
-parallelism, one stage per GPU: any other layout is refused in one line that says so.
+sharded model states, Rajbhandari et al. 2020). The engine simulates data parallelism
+(DDP, ZeRO-1/2/3, FSDP2) times a pipeline, one stage per GPU; tensor parallelism, sequence
+parallelism and interleaved stages are refused in one line that says so.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ MPress's GPT-5.3B."""
 DEFAULT_SCHEDULE = "1f1b"
 DEFAULT_MICROBATCHES = 16
 """Microbatches per iteration when none is given (the papers' pipelines run 16)."""
+DEFAULT_BUCKET_MIB = 25.0
+"""DDP's default gradient bucket (``bucket_cap_mb``)."""
+DP_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}
+"""How outputs name data parallelism by ZeRO stage (ZeRO-3 as PyTorch's FSDP runs it)."""
 PARTITIONS: tuple[str, ...] = ("compute", "memory")
 """``compute``: stages balance compute time (PipeDream, DAPPLE); ``memory``: they balance
 the predicted per-GPU peak (mCAP)."""
@@ -52,28 +57,53 @@ class Parallelism(BaseModel):
     virtual_stages: int = Field(default=1, ge=1, le=64, description="model chunks per GPU (interleaved 1F1B)")
     zero_stage: Literal[0, 1, 2, 3] = Field(default=0, description="ZeRO stage: 1 shards optimizer states, "
                                                                    "2 also gradients, 3 also parameters")
+    bucket_mib: float = Field(default=DEFAULT_BUCKET_MIB, gt=0, le=65536,
+                              description="gradient bucket size of DDP and ZeRO-1/2, MiB")
+    reshard_after_forward: bool = Field(default=True, description="ZeRO-3 / FSDP2: free gathered parameters "
+                                                                  "after each unit's forward")
 
     def unsupported(self) -> str | None:
         """What of this layout the engine cannot simulate yet, or None."""
         asked = [f"{name} {value}" for name, value, pure in (
-            ("data parallel degree", self.data, 1), ("tensor parallel degree", self.tensor, 1),
-            ("virtual stages per GPU", self.virtual_stages, 1), ("ZeRO stage", self.zero_stage, 0),
+            ("tensor parallel degree", self.tensor, 1), ("virtual stages per GPU", self.virtual_stages, 1),
         ) if value != pure]
         if self.sequence_parallel:
             asked.append("sequence parallel")
         if not asked:
             return None
-        return f"{', '.join(asked)}: not simulated yet; mpsim models pipeline parallelism only, one stage per GPU"
+        return (f"{', '.join(asked)}: not simulated yet; mpsim models data parallelism (DDP, ZeRO, FSDP) "
+                "times a pipeline, one stage per GPU")
 
     def stages_on(self, topo: Topology) -> int:
-        """The pipeline depth on ``topo``, checked: at least one stage, a GPU for each."""
-        p = topo.n_gpus if self.pipeline is None else self.pipeline
-        if p > topo.n_gpus:
-            raise MpsimError(f"{p} stages need {p} GPUs but {topo.name} has {topo.n_gpus}")
+        """The pipeline depth on ``topo``, checked: at least one stage, a GPU for each
+        stage of each data-parallel replica (None: the GPUs left per replica)."""
+        p = max(1, topo.n_gpus // self.data) if self.pipeline is None else self.pipeline
+        if p * self.data > topo.n_gpus:
+            what = f"{p} stages" if self.data == 1 else f"{self.data} replicas of {p} stages"
+            raise MpsimError(f"{what} need {p * self.data} GPUs but {topo.name} has {topo.n_gpus}")
         return p
+
+    def describe(self, n_stages: int) -> str:
+        """The layout of ``n_stages`` as outputs name it: ``pipeline x4``, ``DDP x8``,
+        ``ZeRO-2 x4 x pipeline x2``, ``FSDP x8`` (ZeRO-3)."""
+        if self.data == 1 and self.zero_stage == 0:
+            return f"pipeline x{n_stages}"
+        text = f"{DP_NAMES[self.zero_stage]} x{self.data}"
+        return text if n_stages == 1 else f"{text} x pipeline x{n_stages}"
 
 
 PIPELINE_ONLY = Parallelism()
+
+
+def data_parallel(data: int, zero_stage: int = 0, n_stages: int | None = 1, **options: object) -> Parallelism:
+    """``data`` replicas of a pipeline of ``n_stages`` (None: the GPUs left per replica),
+    states sharded by ZeRO ``zero_stage``; refused in one line when out of range."""
+    try:
+        return Parallelism(data=data, zero_stage=zero_stage, pipeline=n_stages, **options)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise MpsimError(f"{where}: {err['msg']}, got {err.get('input')!r}") from None
 
 
 def pipeline(n_stages: int | None) -> Parallelism:
@@ -132,6 +162,11 @@ class JobSpec:
     @property
     def microbatch(self) -> int:
         return self.trace.microbatch
+
+    @property
+    def layout_name(self) -> str:
+        """``DDP x8``, ``FSDP x2 x pipeline x4``, ``pipeline x8`` (``Parallelism.describe``)."""
+        return self.parallelism.describe(self.n_stages)
 
     def but(self, **changes: object) -> JobSpec:
         """The same job with some fields changed (checked again)."""

@@ -49,7 +49,9 @@ from mpsim.schedule import MAX_MICROBATCH, MAX_MICROBATCHES, SCHEDULES, check_sc
 from mpsim.topology import Topology
 from mpsim.trace import LayerRow, Trace
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+SCHEMA_VERSIONS = (1, 2)
+"""Versions read; 1 has no ``data_parallel``."""
 STRIPE_TOLERANCE = 1e-6
 DEFAULT_SPLIT_SLOWDOWN_PER_EXTRA_OP = 0.03
 """Default cost of a split: each micro-op beyond the first adds 3% of the layer's time
@@ -100,6 +102,23 @@ class StagePlan(_Strict):
     actions: list[LayerAction] = Field(default_factory=list, description="layers not listed are kept")
 
 
+class DataParallelPlan(_Strict):
+    """Data-parallel replicas of the plan's pipeline (schema 2)."""
+
+    degree: int = Field(ge=1, le=1024, description="replicas of the pipeline")
+    zero_stage: Literal[0, 1, 2, 3] = Field(default=0, description="0: DDP; 1: optimizer states sharded; "
+                                                                   "2: and gradients; 3 (FSDP): and parameters")
+    bucket_mib: float = Field(default=25.0, gt=0, le=65536, description="gradient bucket, MiB (ZeRO 0-2)")
+    reshard_after_forward: bool = Field(default=True, description="ZeRO-3: free gathered parameters after "
+                                                                  "each layer's forward")
+    replicas: list[list[int]] = Field(min_length=1, max_length=1024,
+                                      description="per replica, the GPU of each stage; replica 0 is the stages' own")
+
+    def group(self, stage: int) -> tuple[int, ...]:
+        """Stage ``stage``'s data-parallel group: its GPU in every replica."""
+        return tuple(r[stage] for r in self.replicas)
+
+
 SwapTiming = Literal["prefetch", "on-demand"]
 """When swaps run: ``PlanFile.swap_timing``."""
 Checkpoints = Literal["layer", "segment"]
@@ -109,7 +128,7 @@ Checkpoints = Literal["layer", "segment"]
 class PlanFile(_Strict):
     """The on-disk schema of a plan."""
 
-    schema_: int = Field(alias="schema", description="format version, currently 1")
+    schema_: int = Field(alias="schema", description="format version, currently 2 (1 still reads)")
     model: str = Field(description="trace the plan was made for")
     server: str = Field(description="topology the plan was made for")
     microbatch: int = Field(gt=0, le=MAX_MICROBATCH)
@@ -128,11 +147,24 @@ class PlanFile(_Strict):
                     "keep only the first one's input and re-run together before the last one's backward "
                     "(Chen et al. 2016; GPipe's and DAPPLE's re-materialization of a stage)")
     stages: list[StagePlan] = Field(min_length=1, max_length=1024)
+    data_parallel: DataParallelPlan | None = Field(
+        default=None, description="schema 2: replicas of this pipeline and how they shard model states "
+                                  "[default: one replica]")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(by_alias=True, exclude_defaults=False), indent=1)
+
+    @property
+    def replicas(self) -> int:
+        return 1 if self.data_parallel is None else self.data_parallel.degree
+
+    def gpus_used(self) -> set[int]:
+        """Every GPU the job runs on, in any replica."""
+        if self.data_parallel is None:
+            return {st.gpu for st in self.stages}
+        return {g for r in self.data_parallel.replicas for g in r}
 
     def action_of(self, stage: int) -> dict[int, LayerAction]:
         return {a.layer: a for a in self.stages[stage].actions}
@@ -147,8 +179,10 @@ def check_plan(plan: PlanFile, topo: Topology, trace: Trace, source: str = "") -
     def bad(field: str, expected: str) -> SchemaError:
         return SchemaError(source, field, expected)
 
-    if plan.schema_ != SCHEMA_VERSION:
-        raise bad("schema", f"expected {SCHEMA_VERSION}, got {plan.schema_}")
+    if plan.schema_ not in SCHEMA_VERSIONS:
+        raise bad("schema", f"expected one of {', '.join(map(str, SCHEMA_VERSIONS))}, got {plan.schema_}")
+    if plan.data_parallel is not None and plan.schema_ < 2:
+        raise bad("data_parallel", "needs schema 2")
     if plan.schedule not in SCHEDULES:
         raise bad("schedule", f"expected one of {', '.join(SCHEDULES)}")
     n, L, p = topo.n_gpus, trace.n_layers, len(plan.stages)
@@ -169,6 +203,30 @@ def check_plan(plan: PlanFile, topo: Topology, trace: Trace, source: str = "") -
     if expected_first != L:
         raise bad("stages", f"the stages end at layer {expected_first} but {trace.name} has {L} layers")
     check_schedule(plan.schedule, p, plan.microbatches)
+    _check_data_parallel(plan, topo, bad)
+
+
+def _check_data_parallel(plan: PlanFile, topo: Topology, bad: _Bad) -> None:
+    """Schema 2's replicas: one GPU per stage each, replica 0 the stages' own, no GPU
+    twice; a peer swap of a replicated pipeline goes to GPUs the job does not run on."""
+    dp = plan.data_parallel
+    if dp is None:
+        return
+    if len(dp.replicas) != dp.degree:
+        raise bad("data_parallel.replicas", f"expected {dp.degree} replicas (degree), got {len(dp.replicas)}")
+    own = [st.gpu for st in plan.stages]
+    if dp.replicas[0] != own:
+        raise bad("data_parallel.replicas.0", f"expected the stages' own GPUs {own}, got {dp.replicas[0]}")
+    seen: set[int] = set()
+    for r, gpus in enumerate(dp.replicas):
+        _check_replica(gpus, f"data_parallel.replicas.{r}", len(own), topo, seen, bad)
+    if dp.degree > 1:
+        for s, st in enumerate(plan.stages):
+            for k, act in enumerate(st.actions):
+                busy = [x.gpu for x in act.peers if x.gpu in seen]
+                if busy:
+                    raise bad(f"stages.{s}.actions.{k}.peers", f"GPU {busy[0]} runs a replica; a replicated "
+                              "pipeline swaps to GPUs it does not run on")
 
 
 def _check_stage_gpu(st: StagePlan, s: int, topo: Topology, gpus_seen: dict[int, int], bad: _Bad) -> None:
@@ -262,6 +320,18 @@ def _check_optimizer_layers(st: StagePlan, where: str, bad: _Bad) -> None:
         raise bad(f"{where}.optimizer_layers", "a layer is listed twice")
 
 
+def _check_replica(gpus: list[int], at: str, n_stages: int, topo: Topology, seen: set[int], bad: _Bad) -> None:
+    """One replica: a GPU of ``topo`` for each stage, none in ``seen`` (recorded there)."""
+    if len(gpus) != n_stages:
+        raise bad(at, f"expected a GPU for each of {n_stages} stages, got {gpus}")
+    for g in gpus:
+        if not 0 <= g < topo.n_gpus:
+            raise bad(at, f"GPU {g} does not exist on {topo.name} (0..{topo.n_gpus - 1})")
+        if g in seen:
+            raise bad(at, f"GPU {g} runs another stage or replica already")
+        seen.add(g)
+
+
 def host_optimizer_layers(st: StagePlan) -> tuple[int, ...]:
     """The layers of a stage whose optimizer states live on the host."""
     if st.optimizer == "gpu":
@@ -296,7 +366,8 @@ def make_plan(trace: Trace, topo: Topology, schedule: str, microbatches: int,
               actions: dict[int, list[LayerAction]] | None = None,
               optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None,
               swap_timing: SwapTiming = "prefetch", optimizer_layers: dict[int, list[int]] | None = None,
-              recompute_checkpoints: Checkpoints = "layer") -> PlanFile:
+              recompute_checkpoints: Checkpoints = "layer",
+              data_parallel: DataParallelPlan | None = None) -> PlanFile:
     """A plan from its parts; ``actions``/``optimizer``/``stash``/``optimizer_layers``
     are keyed by stage."""
     actions = actions or {}
@@ -306,7 +377,7 @@ def make_plan(trace: Trace, topo: Topology, schedule: str, microbatches: int,
     return PlanFile(
         schema=SCHEMA_VERSION, model=trace.name, server=topo.name, microbatch=trace.microbatch,
         microbatches=microbatches, schedule=schedule, strategy=strategy,  # type: ignore[arg-type]
-        swap_timing=swap_timing, recompute_checkpoints=recompute_checkpoints,
+        swap_timing=swap_timing, recompute_checkpoints=recompute_checkpoints, data_parallel=data_parallel,
         stages=[StagePlan(gpu=g, layers=(a, b), optimizer=optimizer.get(s, "gpu"),  # type: ignore[arg-type]
                           optimizer_layers=optimizer_layers.get(s),
                           stash=stash.get(s, "gpu"), actions=actions.get(s, []))  # type: ignore[arg-type]

@@ -39,15 +39,28 @@ def test_a_job_holds_its_fields_and_derives_the_stage_count():
 
 
 @pytest.mark.parametrize("layout, named", [
-    (Parallelism(data=2), "data parallel degree 2"),
     (Parallelism(tensor=4), "tensor parallel degree 4"),
     (Parallelism(sequence_parallel=True), "sequence parallel"),
     (Parallelism(virtual_stages=2), "virtual stages per GPU 2"),
-    (Parallelism(zero_stage=3), "ZeRO stage 3"),
 ])
-def test_a_layout_other_than_pure_pipeline_is_refused_in_one_line_that_says_so(layout, named):
+def test_a_layout_the_engine_cannot_simulate_is_refused_in_one_line_that_says_so(layout, named):
     message = _refusal(lambda: _job(parallelism=layout))
-    assert named in message and "pipeline parallelism only" in message
+    assert named in message and "not simulated yet" in message
+
+
+@pytest.mark.parametrize("layout, stages, name", [
+    (Parallelism(data=8), 1, "DDP x8"),
+    (Parallelism(data=2, zero_stage=3), 4, "FSDP x2 x pipeline x4"),
+    (Parallelism(data=4, zero_stage=2, pipeline=2), 2, "ZeRO-2 x4 x pipeline x2"),
+])
+def test_data_parallel_replicas_share_the_gpus_with_the_pipeline(layout, stages, name):
+    job = _job(parallelism=layout, microbatches=8)
+    assert (job.n_stages, job.layout_name) == (stages, name)
+
+
+def test_more_replicas_than_gpus_are_refused_in_one_line():
+    message = _refusal(lambda: _job(parallelism=Parallelism(data=4, pipeline=4)))
+    assert message == "4 replicas of 4 stages need 16 GPUs but dgx1-v100 has 8"
 
 
 @pytest.mark.parametrize("make, says", [
