@@ -38,13 +38,14 @@ def one(job: tuple[str, str, str, str]) -> tuple[str, dict]:
     except MpsimError as exc:
         return key, {"error": str(exc)}
     r = planned.result
-    plan_json = planned.plan.model_dump_json()
+    # the schema number and an absent data_parallel block (schema 2) say nothing of the plan
+    plan_json = planned.plan.model_dump_json(exclude={"schema_", "data_parallel"}, exclude_none=True)
     return key, {
         "iteration_s": repr(r.iteration_s), "makespan_s": repr(r.makespan_s), "fits": r.fits,
         "oom": json.dumps(r.oom, sort_keys=True, default=repr), "host_peak_bytes": r.host_peak_bytes,
         "simulations": planned.simulations, "plan_sha": hashlib.sha256(plan_json.encode()).hexdigest()[:16],
         "gpus": [{"peak_bytes": g.peak_bytes, "breakdown": g.breakdown, "saved": g.saved_at_peak,
-                  "costs_s": {k: repr(v) for k, v in g.costs_s.items()}, "compute_s": repr(g.compute_s)}
+                  "costs_s": {k: repr(v) for k, v in g.costs_s.items() if v}, "compute_s": repr(g.compute_s)}
                  for g in r.gpus],
         "links": {k: {"bytes": v["bytes"], "busy_s": repr(v["busy_s"])} for k, v in r.links.items()},
     }

@@ -152,6 +152,10 @@ class JobSpec:
         if why is not None:
             raise MpsimError(why)
         check_schedule(self.schedule, self.parallelism.stages_on(self.topology), self.microbatches)
+        par = self.parallelism
+        if self.schedule == "pipedream" and (par.data > 1 or par.zero_stage):
+            raise MpsimError(f"{par.describe(self.n_stages)} with pipedream: not simulated yet (PipeDream updates "
+                             "every microbatch); use gpipe or 1f1b")
         check_partition(self.partition)
         check_strategy(self.strategy)
 
@@ -211,13 +215,18 @@ class OfJob:
 
 def job_of(server: str | Topology, model: str | Trace, *, schedule: str = DEFAULT_SCHEDULE,
            microbatch: int | None = None, microbatches: int = DEFAULT_MICROBATCHES, n_stages: int | None = None,
-           strategy: str = "none", partition: str = "compute", record_link_rates: bool = False) -> JobSpec:
+           strategy: str = "none", partition: str = "compute", record_link_rates: bool = False,
+           parallelism: Parallelism | None = None) -> JobSpec:
     """A job from names or loaded objects: ``microbatch`` rescales the trace (None keeps the
-    traced size); ``n_stages`` None means one stage per GPU."""
+    traced size); ``n_stages`` None means one stage per GPU of each replica;
+    ``parallelism`` the data parallelism (its pipeline depth is ``n_stages``)."""
     from mpsim.catalog import load_topology, load_trace  # here: `mpsim --help` reads the defaults above only
 
     topo = load_topology(server) if isinstance(server, str) else server
     trace = load_trace(model) if isinstance(model, str) else model
     if microbatch is not None:
         trace = trace.rescale(microbatch)  # checks it (check_microbatch)
-    return JobSpec(topo, trace, schedule, microbatches, pipeline(n_stages), partition, strategy, record_link_rates)
+    layout = pipeline(n_stages)
+    if parallelism is not None:
+        layout = parallelism.model_copy(update={"pipeline": layout.pipeline})
+    return JobSpec(topo, trace, schedule, microbatches, layout, partition, strategy, record_link_rates)

@@ -19,6 +19,7 @@ from mpsim.sim.collectives import (
     broadcast_chunks,
     bus_factor,
     collective_time,
+    hop_bytes,
     ring_bottleneck,
     ring_collective,
 )
@@ -63,10 +64,12 @@ def test_ring_ops_take_their_closed_form(make, n):
     assert collective_time(topo, "all-gather", size).time_s == pytest.approx((n - 1) * step, rel=1e-12)
 
 
-def test_uneven_chunks_wait_for_the_largest():
-    """7 bytes on 4 GPUs: chunks 2,2,2,1; every step lasts as long as a 2-byte send."""
+def test_uneven_chunks_wait_for_the_hop_that_sends_most():
+    """7 bytes on 4 GPUs: chunks 2,2,2,1. Over the 6 steps GPU i sends chunks i, i-1, ...
+    (mod 4): 10, 11, 11 and 10 bytes; the fused ring ends when the 11-byte hop lands."""
     topo = nvswitch_topology(4, gbps=1e-6)  # 1000 bytes/s
-    assert collective_time(topo, "all-reduce", 7).time_s == pytest.approx(6 * 2 / 1000, rel=1e-12)
+    assert hop_bytes("all-reduce", 7, 4) == [10, 11, 11, 10]
+    assert collective_time(topo, "all-reduce", 7).time_s == pytest.approx(11 / 1000, rel=1e-12)
 
 
 @pytest.mark.parametrize("size, k", [(10**6, 1), (2 * MAX_BROADCAST_CHUNKS * BROADCAST_CHUNK_BYTES, 64),

@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
         PARTITIONS,
         JobSpec,
         Parallelism,
+        data_parallel,
         job_of,
     )
     from mpsim.plan import PlanFile, read_plan_file, write_plan_file
@@ -70,7 +71,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.catalog": ("load_topology", "load_trace", "shipped_topologies", "shipped_traces"),
     "mpsim.choose": ("ChooseReport", "choose", "parse_price", "parse_servers"),
     "mpsim.job": ("DEFAULT_MICROBATCHES", "DEFAULT_MODEL", "DEFAULT_SCHEDULE", "DEFAULT_SERVER", "JobSpec",
-                  "PARTITIONS", "Parallelism", "job_of"),
+                  "PARTITIONS", "Parallelism", "data_parallel", "job_of"),
     "mpsim.plan": ("PlanFile", "read_plan_file", "write_plan_file"),
     "mpsim.planners": ("Planned", "plan_job"),
     "mpsim.sim": ("SimResult",),

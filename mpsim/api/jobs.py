@@ -7,7 +7,16 @@ from pathlib import Path
 
 from mpsim.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
-from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_MODEL, DEFAULT_SCHEDULE, DEFAULT_SERVER, JobSpec, job_of, pipeline
+from mpsim.job import (
+    DEFAULT_MICROBATCHES,
+    DEFAULT_MODEL,
+    DEFAULT_SCHEDULE,
+    DEFAULT_SERVER,
+    JobSpec,
+    Parallelism,
+    job_of,
+    pipeline,
+)
 from mpsim.plan import PlanFile, check_plan, read_plan_file
 from mpsim.planners import Planned, plan_job
 from mpsim.sim import SimResult, simulate_job
@@ -18,19 +27,21 @@ from mpsim.trace import Trace, measured_elsewhere
 
 def plan(server: str | Topology, model: str | Trace, schedule: str = DEFAULT_SCHEDULE, microbatch: int | None = None,
          microbatches: int = DEFAULT_MICROBATCHES, n_stages: int | None = None, strategy: str = "none",
-         partition: str = "compute", record_link_rates: bool = False) -> Planned:
+         partition: str = "compute", record_link_rates: bool = False,
+         parallelism: Parallelism | None = None) -> Planned:
     """Make a plan with a named strategy; returns it with its simulated result
-    (``record_link_rates``: every change of link rates kept, for Chrome-trace counters)."""
+    (``record_link_rates``: every change of link rates kept, for Chrome-trace counters;
+    ``parallelism``: data-parallel replicas and ZeRO stage, ``mpsim.job.data_parallel``)."""
     return plan_job(job_of(server, model, schedule=schedule, microbatch=microbatch, microbatches=microbatches,
                            n_stages=n_stages, strategy=strategy, partition=partition,
-                           record_link_rates=record_link_rates))
+                           record_link_rates=record_link_rates, parallelism=parallelism))
 
 
 def simulate(server: str | Topology, model: str | Trace, schedule: str = DEFAULT_SCHEDULE,
              microbatch: int | None = None, microbatches: int = DEFAULT_MICROBATCHES, n_stages: int | None = None,
              strategy: str = "none",
              plan_file: PlanFile | None = None, record_link_rates: bool = False,
-             partition: str = "compute") -> SimResult:
+             partition: str = "compute", parallelism: Parallelism | None = None) -> SimResult:
     """Simulate one training iteration of ``model`` on ``server``.
 
     With ``plan_file`` the plan says schedule, microbatches, partition, mapping and
@@ -44,7 +55,7 @@ def simulate(server: str | Topology, model: str | Trace, schedule: str = DEFAULT
         trace = load_trace(model) if isinstance(model, str) else model
         return simulate_job(job_of_plan(topo, trace, plan_file, record_link_rates))
     return plan(server, model, schedule, microbatch, microbatches, n_stages, strategy, partition,
-                record_link_rates).result
+                record_link_rates, parallelism).result
 
 
 def load_job(server: str | None, model: str | None, plan_path: Path | None = None

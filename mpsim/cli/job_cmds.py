@@ -9,12 +9,22 @@ from pathlib import Path
 import click
 
 from mpsim import api
-from mpsim.cli.options import STRATEGY_HELP, emit, html_option, job_options, json_option, warn, write_json
+from mpsim.cli.options import (
+    STRATEGY_HELP,
+    emit,
+    html_option,
+    job_options,
+    json_option,
+    layout_options,
+    warn,
+    write_json,
+)
 from mpsim.cli.progress import tasks_progress
 
 
 @click.command()
 @job_options
+@layout_options
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
               help="run this plan file (it fixes schedule, microbatches, partition, mapping and actions)")
 @json_option
@@ -24,13 +34,15 @@ from mpsim.cli.progress import tasks_progress
               help="plot memory over time per GPU, with swap-outs and swap-ins, to this PNG")
 @html_option
 def simulate(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
-             stages: int | None, strategy: str, partition: str, plan_path: Path | None, json_out: str | None,
-             chrome_trace: Path | None, plot: Path | None, html_out: Path | None) -> None:
+             stages: int | None, strategy: str, partition: str, layout: api.Parallelism, plan_path: Path | None,
+             json_out: str | None, chrome_trace: Path | None, plot: Path | None, html_out: Path | None) -> None:
     """Simulate one training iteration: per-GPU peak memory, iteration time, throughput,
     and what each memory-saving technique saved and cost.
 
     Either a --strategy makes the plan (none, recompute, cpu-swap, d2d), or --plan runs a
-    plan file written by `mpsim plan` or by hand. Exits 1 when the job does not fit (the
+    plan file written by `mpsim plan` or by hand. --dp and --zero replicate the pipeline
+    (DDP, ZeRO-1/2, FSDP): `mpsim simulate --server dgx-a100-80gb --model llama-3-8b --dp 8
+    --zero 3 --microbatch 1` is FSDP on eight GPUs. Exits 1 when the job does not fit (the
     result still names where it ran out).
     """
     from mpsim.views.chrome import write_chrome_trace
@@ -43,7 +55,7 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
     with tasks_progress("simulate"):
         if plan_file is None:  # the plan too, for --html
             planned = api.plan(topo, trace, schedule, microbatch, microbatches, n_stages=stages, strategy=strategy,
-                               partition=partition, record_link_rates=chrome_trace is not None)
+                               partition=partition, record_link_rates=chrome_trace is not None, parallelism=layout)
             result, plan_file = planned.result, planned.plan
         else:
             result = api.simulate(topo, trace, plan_file=plan_file, record_link_rates=chrome_trace is not None)
@@ -60,11 +72,13 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
 
 @click.command("plan")
 @job_options
+@layout_options
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="plan JSON file to write")
 @json_option
 def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
-             stages: int | None, strategy: str, partition: str, output: Path, json_out: str | None) -> None:
+             stages: int | None, strategy: str, partition: str, layout: api.Parallelism, output: Path,
+             json_out: str | None) -> None:
     """Make a memory-saving plan with a strategy and write it as a plan file.
 
     Prints the plan per stage and its simulated result; `mpsim simulate --plan FILE`
@@ -76,7 +90,7 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
     warn(api.measured_warning(trace, topo))
     with tasks_progress("plan"):
         planned = api.plan(topo, trace, schedule, microbatch, microbatches, n_stages=stages,
-                           strategy=strategy, partition=partition)
+                           strategy=strategy, partition=partition, parallelism=layout)
     api.write_plan_file(planned.plan, output)
     if json_out != "-":
         click.echo(plan_text(planned.plan))

@@ -3,6 +3,7 @@ and the way a result is printed (text for a person, JSON on request)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +44,30 @@ def job_options(f: F) -> F:
         click.option("--stages", type=int, help="pipeline stages  [default: one per GPU]"),
         click.option("--strategy", default="none", show_default=True, help=STRATEGY_HELP),
         click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP),
+    ])
+
+
+def layout_options(f: F) -> F:
+    """--dp, --zero, --bucket-mib, --reshard/--no-reshard, handed to the command as one
+    ``layout`` (a ``Parallelism``; its pipeline depth comes from --stages)."""
+
+    @functools.wraps(f)
+    def with_layout(*args: Any, dp: int, zero: int, bucket_mib: float, reshard: bool, **kwargs: Any) -> Any:
+        return f(*args, layout=api.data_parallel(dp, zero, None, bucket_mib=bucket_mib,
+                                                 reshard_after_forward=reshard), **kwargs)
+
+    return _apply(with_layout, [  # type: ignore[return-value]
+        click.option("--dp", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="data-parallel replicas of the pipeline (DDP; ZeRO or FSDP with --zero); the pipeline "
+                          "takes the GPUs left per replica unless --stages says"),
+        click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True,
+                     help="ZeRO stage of the replicas: 1 shards optimizer states, 2 also gradients, 3 also "
+                          "parameters (FSDP)"),
+        click.option("--bucket-mib", type=click.FloatRange(min=0, min_open=True), default=25.0, show_default=True,
+                     help="gradient bucket of DDP and ZeRO-1/2, MiB"),
+        click.option("--reshard/--no-reshard", default=True, show_default=True,
+                     help="ZeRO-3 / FSDP: free each layer's gathered parameters after its forward "
+                          "(reshard_after_forward)"),
     ])
 
 

@@ -198,7 +198,7 @@ def _d2d(ctx: Ctx) -> Planned:
         return planned
     topo = ctx.topo
     rows = ctx.trace.layers
-    spare = {g.gpu: max(0, g.capacity_bytes - g.peak_bytes) for g in planned.result.gpus}
+    spare = ctx.spare(planned.result)
     queues = [sorted((j for j in range(a, b) if rows[j].act_bytes), key=lambda j: (-interval[j], j))
               for a, b in ctx.stages]
     actions: dict[int, list[LayerAction]] = {s: [] for s in range(len(ctx.stages))}

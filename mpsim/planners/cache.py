@@ -16,7 +16,7 @@ def job_key(strategy: str, ctx: Ctx) -> tuple[object, ...]:
     """What a planner's answer depends on: the server's and the trace's contents (hashes,
     so two different traces with one name never share an answer) and the job."""
     return (strategy, ctx.partition, ctx.topo.content_hash, ctx.trace.content_hash, ctx.schedule, ctx.microbatches,
-            tuple(ctx.stages), tuple(ctx.gpus), ctx.record_link_rates)
+            tuple(ctx.stages), tuple(ctx.gpus), ctx.record_link_rates, ctx.job.parallelism)
 
 
 def cached_plan(strategy: str, ctx: Ctx, planner: Callable[[Ctx], Planned]) -> Planned:

@@ -13,7 +13,8 @@ from mpsim.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, make_plan
 from mpsim.planners.liveness import live_intervals
 from mpsim.planners.mcap import held_microbatches, mcap_partition
 from mpsim.sim import SimResult, simulate_layout
-from mpsim.sim.layout import layout_of_plan
+from mpsim.sim.layout import data_parallel_plan, layout_of_plan
+from mpsim.sim.placement import Replicas, place_replicas
 from mpsim.topology import Topology
 
 MAX_ROUNDS = 64
@@ -39,17 +40,33 @@ class Ctx(OfJob):
     stages: Stages
     gpus: list[int]
     """The GPU of each stage (stage i on GPU i until a planner maps them)."""
+    replicas: Replicas = ()
+    """With data parallelism, the GPU of each stage per replica (``placement``; replica 0
+    is ``gpus``, and mappings are not searched); empty for one replica."""
 
     @property
     def topo(self) -> Topology:
         return self.job.topology
+
+    @property
+    def replicated(self) -> bool:
+        return len(self.replicas) > 1
+
+    def spare(self, result: SimResult, margin: float = 1.0) -> dict[int, float]:
+        """Bytes each GPU could take from other GPUs' swaps (capacity over the peak, times
+        ``margin``); a replicated pipeline's replicas need their own room, so only GPUs
+        it does not run on have any."""
+        busy = {g for r in self.replicas for g in r} if self.replicated else set()
+        return {g.gpu: 0.0 if g.gpu in busy else max(0.0, (g.capacity_bytes - g.peak_bytes) * margin)
+                for g in result.gpus}
 
     def plan(self, strategy: str, actions: dict[int, list[LayerAction]] | None = None,
              optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None,
              swap_timing: SwapTiming = "prefetch", optimizer_layers: dict[int, list[int]] | None = None,
              recompute_checkpoints: Checkpoints = "layer") -> PlanFile:
         return make_plan(self.trace, self.topo, self.schedule, self.microbatches, self.stages, self.gpus, strategy,
-                         actions, optimizer, stash, swap_timing, optimizer_layers, recompute_checkpoints)
+                         actions, optimizer, stash, swap_timing, optimizer_layers, recompute_checkpoints,
+                         data_parallel_plan(self.job.parallelism, self.replicas or (tuple(self.gpus),)))
 
     def simulate(self, plan: PlanFile) -> SimResult:
         """Simulate a plan this context made (``make_plan`` output is valid by construction,
@@ -76,7 +93,8 @@ def make_context(job: JobSpec, keeps: str = "keep") -> Ctx:
     """The job with its partition: ``compute`` balances per-stage compute time (PipeDream,
     DAPPLE), ``memory`` the predicted per-GPU peak (mCAP), predicted as the strategy
     ``keeps`` its activations (``recompute``: every recomputable layer checkpointed,
-    ``trace.RECOMPUTABLE``; ``selective``: every attention core recomputed). Stage i on GPU i."""
+    ``trace.RECOMPUTABLE``; ``selective``: every attention core recomputed). Stage i on GPU i,
+    or with data parallelism where ``place_replicas`` puts replica 0."""
     p = job.n_stages
     if job.partition == "compute":
         times = cost_model(job.trace, job.topology.spec.gpu).layer_times
@@ -84,7 +102,8 @@ def make_context(job: JobSpec, keeps: str = "keep") -> Ctx:
     else:
         stages = mcap_partition(job.trace, job.schedule, p, job.microbatches, keeps == "recompute",
                                 keeps == "selective")
-    return Ctx(job, list(stages), list(range(p)))
+    replicas = place_replicas(job.topology, job.parallelism.data, p)
+    return Ctx(job, list(stages), list(replicas[0]), replicas if len(replicas) > 1 else ())
 
 
 def over(result: SimResult, gpu: int) -> int:

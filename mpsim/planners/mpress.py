@@ -331,7 +331,7 @@ class _Planner:
         return c
 
     def spare_of(self, result: SimResult) -> dict[int, float]:
-        return {g.gpu: max(0.0, (g.capacity_bytes - g.peak_bytes) * SPARE_MARGIN) for g in result.gpus}
+        return self.ctx.spare(result, SPARE_MARGIN)
 
     def fit(self, result: SimResult, plan: PlanFile, intervals: dict[int, float]) -> tuple[SimResult, PlanFile]:
         """Step 4: rounds of the initial assignment until every GPU fits."""
@@ -481,7 +481,7 @@ def plan_mpress(ctx: Ctx, opts: Options, name: str) -> Planned:
         return planned
     slack = end_slack(planned.result, ctx.schedule)
     maps = [(ctx, planned, intervals, slack)]
-    if opts.mapping:
+    if opts.mapping and not ctx.replicated:  # replicas are placed by their rings (``placement``)
         mapping = _mapping(_Planner(ctx, opts, name, slack), planned.result)
         if list(mapping.gpus) != ctx.gpus:
             mapped_ctx = replace(ctx, gpus=list(mapping.gpus))

@@ -13,9 +13,16 @@ ones nccl-tests' ``doc/PERFORMANCE.md`` gives):
   buffer is cut into k chunks of about ``BROADCAST_CHUNK_BYTES`` (at most
   ``MAX_BROADCAST_CHUNKS``, which bounds the simulated events); in step s hop j forwards
   chunk s-j, so the chain takes k + n - 2 steps.
-- Steps synchronize: a step starts when every send of the previous one has landed (NCCL
-  only waits on its neighbour; this is the usual bulk-synchronous approximation). Each
-  send pays its route's setup latency (``Route.latency_s``, charged by ``Network.transfer``).
+- All-reduce, reduce-scatter and all-gather run fused: each hop of the ring is one flow
+  carrying every chunk it sends over all steps, the n flows start together after the
+  steps' latency (steps x the ring's largest route latency, ``Route.latency_s``) and the
+  collective ends when the last lands. On an idle ring this is the step-by-step time
+  exactly (every step is bounded by the same bottleneck hop); under contention a hop
+  that another transfer slows finishes later on its own instead of holding back each
+  step of the others. It costs n flows per collective, not n per step, which keeps
+  bucketed and per-layer collectives cheap to simulate inside searches.
+- Broadcast steps synchronize: a step starts when every send of the previous one has
+  landed; each send pays its route's setup latency (charged by ``Network.transfer``).
 
 Alone on an idle server where every ring hop has its own links of B bytes/s and latency
 L, all-reduce therefore takes 2(n-1) (L + n_bytes/(n B)), reduce-scatter and all-gather
@@ -152,12 +159,23 @@ def ring_collective(env: simpy.Environment, network: Network, topo: Topology, ri
         yield from _chain_broadcast(env, network, topo, ring, n_bytes)
         return
     routes = [topo.route(a, b) for a, b in zip(ring, (*ring[1:], ring[0]))]
+    per_hop = max(hop_bytes(op, n_bytes, n))  # hops differ by under n bytes: equal flows land in one event
+    yield network.transfer_all(routes, [per_hop] * n, ring_steps(op, n) * max(r.latency_s for r in routes))
+
+
+def ring_steps(op: str, n: int) -> int:
+    """Steps of ``op`` on a ring of ``n``: 2(n-1) for all-reduce, n-1 for the others."""
+    return 2 * (n - 1) if op == "all-reduce" else n - 1
+
+
+def hop_bytes(op: str, n_bytes: int, n: int) -> list[int]:
+    """Bytes each GPU of the ring sends to its successor over all steps: in step ``t``
+    GPU i sends chunk (i - t) mod n, the chunk it reduced (or received) last step. (Hops
+    differ by under n bytes; ``ring_collective`` sends the largest on every hop, so that
+    equal flows land in one simulation event.)"""
     chunks = split_bytes(n_bytes, n)
-    steps = 2 * (n - 1) if op == "all-reduce" else n - 1
-    for step in range(steps):
-        # GPU i sends chunk (i - step) mod n: the chunk it reduced (or received) last step
-        sends = [network.transfer(routes[i], chunks[(i - step) % n]) for i in range(n)]
-        yield simpy.AllOf(env, sends)
+    steps = ring_steps(op, n)
+    return [sum(chunks[(i - t) % n] for t in range(steps)) for i in range(n)]
 
 
 def _chain_broadcast(env: simpy.Environment, network: Network, topo: Topology, ring: Sequence[int],

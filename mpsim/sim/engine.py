@@ -17,15 +17,16 @@ resolves a ``Job`` first.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mpsim.costs import CostModel, cost_model
 from mpsim.schedule import PIPEDREAM_MEASURED, weight_versions
 from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
+from mpsim.sim.data_parallel import DataParallel
 from mpsim.sim.layout import Job, Layout, resolve
 from mpsim.sim.memory import CATEGORIES, GpuMemory
-from mpsim.sim.program import StageProgram, SwapIn, build_program, received_bytes, static_bytes
+from mpsim.sim.program import Sharding, StageProgram, SwapIn, build_program, received_bytes, static_bytes
 from mpsim.sim.result import GpuResult, SimResult
 from mpsim.sim.simpy_fast import run_until_empty
 from mpsim.sim.stream import ComputeStream
@@ -85,8 +86,9 @@ def _stage_program(run: RunContext, s: int, costs: CostModel) -> StageProgram:
     first, last = s == 0, s == layout.n_stages - 1
     actions = layout.actions[s]
     segments = layout.recompute_checkpoints == "segment"
+    sharding = sharding_of(layout)
     key = (layout.trace.content_hash, run.topo.content_hash, a, b, first, last, run.torch_pipelining, segments,
-           tuple((j, actions[j].model_dump_json()) for j in sorted(actions)))
+           sharding, tuple((j, actions[j].model_dump_json()) for j in sorted(actions)))
     program = _PROGRAMS.get(key)
     if program is not None:
         _PROGRAMS.move_to_end(key)
@@ -94,10 +96,19 @@ def _stage_program(run: RunContext, s: int, costs: CostModel) -> StageProgram:
     rows = layout.trace.layers[a:b]
     times = costs.layer_times
     program = _PROGRAMS[key] = build_program(rows, times.fwd_s[a:b], times.bwd_s[a:b], a, first, last, actions,
-                                             run.torch_pipelining, costs.attention_core_s[a:b], segments)
+                                             run.torch_pipelining, costs.attention_core_s[a:b], segments, sharding)
     if len(_PROGRAMS) > PROGRAMS:
         _PROGRAMS.popitem(last=False)
     return program
+
+
+def sharding_of(layout: Layout) -> Sharding | None:
+    """The layout's data parallelism as a stage program sees it; None for one GPU per
+    stage without ZeRO (the program then has no gradient hand-off at all)."""
+    par = layout.parallelism
+    if par.data == 1 and par.zero_stage == 0:
+        return None
+    return Sharding(par.data, par.zero_stage, par.reshard_after_forward)
 
 
 def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostModel) -> _Stage:
@@ -110,24 +121,32 @@ def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostMod
     program = _stage_program(run, s, costs)
     received = layout.microbatches * received_bytes(rows, first, last) if run.torch_pipelining else 0
     versions = weight_versions(layout.schedule, s, layout.n_stages)
-    static = static_bytes(rows, versions, received)
-    _allocate_static(run, s, static)
+    sharding = sharding_of(layout)
+    static = static_bytes(rows, versions, received) if sharding is None else \
+        static_bytes(rows, versions, received, sharding)
+    _allocate_static(run, s, static, sharding)
     swapper = Swapper(run, s, {j: act.split for j, act in program.actions.items()},
                       {j: tuple((x.gpu, x.fraction) for x in act.peers) for j, act in program.actions.items()})
-    updater = Updater(run, s, swapper, costs)
+    shards = sharding.replicas if sharding is not None and sharding.zero_stage >= 1 else 1
+    updater = Updater(run, s, swapper, costs, shards)
     stash_in = None
     if layout.stash[s] == "host" and versions > 1:
         stash_in = SwapIn(STASH, static["params"], 0, "stash", "host", (), 1, 0.0)
-    stream = ComputeStream(run, s, program, swapper, updater, channels, stash_in)
+    dp = DataParallel(run, s, sharding) if sharding is not None else None
+    stream = ComputeStream(run, s, program, swapper, updater, channels, stash_in, dp)
     return _Stage(program, stream, updater)
 
 
-def _allocate_static(run: RunContext, s: int, static: dict[str, int]) -> None:
+def _allocate_static(run: RunContext, s: int, static: dict[str, int], sharding: Sharding | None) -> None:
     """Weights, gradients, optimizer states, stashes and preallocated buffers at time 0;
-    what the plan keeps on the host goes to host memory and the GPU's ledger."""
+    what the plan keeps on the host goes to host memory and the GPU's ledger (this GPU's
+    shard of it under ZeRO)."""
     layout, g = run.layout, run.layout.gpu_of[s]
     rows = layout.trace.layers
-    moved = {"optimizer": sum(rows[j].optimizer_bytes for j in layout.host_optimizer[s]),
+    on_host = sum(rows[j].optimizer_bytes for j in layout.host_optimizer[s])
+    if sharding is not None and sharding.zero_stage >= 1:
+        on_host = sharding.shard(on_host)
+    moved = {"optimizer": on_host,
              "stash": static["stash"] if layout.stash[s] == "host" else 0}
     for cat, n in static.items():
         on_host = moved.get(cat, 0)
@@ -140,8 +159,9 @@ def _allocate_static(run: RunContext, s: int, static: dict[str, int]) -> None:
 
 def _result(run: RunContext, stages: list[_Stage], iteration_s: float) -> SimResult:
     layout, topo, trace, m = run.layout, run.topo, run.layout.trace, run.layout.microbatches
+    replicas = layout.parallelism.data
     analyses = [run.log.analyse(g, topo.capacity_bytes) for g in range(topo.n_gpus)]
-    gpus = [_gpu_result(run, stages, g, analyses[g]) for g in range(topo.n_gpus)]
+    gpus = _replicated([_gpu_result(run, stages, g, analyses[g]) for g in range(topo.n_gpus)], layout)
     ooms = [a.oom for a in analyses if a.oom]
     host = run.log.analyse(topo.n_gpus, topo.host_memory_bytes)
     if host.oom:
@@ -152,12 +172,21 @@ def _result(run: RunContext, stages: list[_Stage], iteration_s: float) -> SimRes
     return SimResult(
         server=topo.name, model=trace.name, schedule=layout.schedule, strategy=layout.label,
         microbatch=trace.microbatch, microbatches=m, stages=list(layout.stages), gpu_of_stage=list(layout.gpu_of),
-        iteration_s=iteration_s, samples_per_s=m * trace.microbatch / iteration_s,
-        model_tflops=3.0 * trace.fwd_flops_total * m / iteration_s / 1e12,
+        iteration_s=iteration_s, samples_per_s=replicas * m * trace.microbatch / iteration_s,
+        model_tflops=3.0 * trace.fwd_flops_total * m * replicas / iteration_s / 1e12,
         gpus=gpus, oom=oom, links=links, spans=run.spans, makespan_s=run.env.now, sim_events=run.events_scheduled(),
         host_peak_bytes=host.peak_bytes, host_capacity_bytes=topo.host_memory_bytes,
         host_memory_times_s=host.times_s, host_memory_used_bytes=host.used_bytes, link_rates=run.net.rate_log,
+        layout=layout.job.layout_name, replicas=replicas,
     )
+
+
+def _replicated(gpus: list[GpuResult], layout: Layout) -> list[GpuResult]:
+    """Every replica's GPUs as replica 0's (replicas are symmetric: ``data_parallel``)."""
+    for replica in layout.replicas[1:]:
+        for s, g in enumerate(replica):
+            gpus[g] = replace(gpus[layout.gpu_of[s]], gpu=g)
+    return gpus
 
 
 def _gpu_result(run: RunContext, stages: list[_Stage], g: int, analysis: GpuMemory) -> GpuResult:

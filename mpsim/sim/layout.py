@@ -17,9 +17,18 @@ import numpy as np
 
 from mpsim.costs import cost_model
 from mpsim.errors import MpsimError
-from mpsim.job import JobSpec, OfJob, pipeline
+from mpsim.job import JobSpec, OfJob, Parallelism, pipeline
 from mpsim.partition import Stages, compute_balanced, validate_stages
-from mpsim.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, check_plan, host_optimizer_layers
+from mpsim.plan import (
+    Checkpoints,
+    DataParallelPlan,
+    LayerAction,
+    PlanFile,
+    SwapTiming,
+    check_plan,
+    host_optimizer_layers,
+)
+from mpsim.sim.placement import Replicas, place_replicas
 from mpsim.topology import Topology
 from mpsim.trace import Trace
 
@@ -56,8 +65,26 @@ def job_of_plan(topo: Topology, trace: Trace, plan: PlanFile, record_link_rates:
     """The job a plan file describes on ``topo``, with ``trace`` rescaled to the plan's
     microbatch; the plan's own rules are checked when it is resolved (``check_plan``)."""
     spec = JobSpec(topo, trace.rescale(plan.microbatch), plan.schedule, plan.microbatches,
-                   pipeline(len(plan.stages)), record_link_rates=record_link_rates)
+                   parallelism_of_plan(plan), record_link_rates=record_link_rates)
     return Job(spec, plan, runtime=runtime)
+
+
+def parallelism_of_plan(plan: PlanFile) -> Parallelism:
+    """The parallel layout a plan file describes (schema 1: a pipeline of its stages)."""
+    dp = plan.data_parallel
+    if dp is None:
+        return pipeline(len(plan.stages))
+    return Parallelism(data=dp.degree, zero_stage=dp.zero_stage, pipeline=len(plan.stages),
+                       bucket_mib=dp.bucket_mib, reshard_after_forward=dp.reshard_after_forward)
+
+
+def data_parallel_plan(parallelism: Parallelism, replicas: Replicas) -> DataParallelPlan | None:
+    """What a plan file records of a layout's replicas (None for one replica without ZeRO)."""
+    if parallelism.data == 1 and parallelism.zero_stage == 0:
+        return None
+    return DataParallelPlan(degree=parallelism.data, zero_stage=parallelism.zero_stage,
+                            bucket_mib=parallelism.bucket_mib, reshard_after_forward=parallelism.reshard_after_forward,
+                            replicas=[list(r) for r in replicas])
 
 
 @dataclass(frozen=True)
@@ -81,14 +108,28 @@ class Layout(OfJob):
     """``PlanFile.swap_timing``."""
     recompute_checkpoints: Checkpoints = "layer"
     """``PlanFile.recompute_checkpoints``."""
+    replicas: Replicas = ()
+    """Per data-parallel replica, the GPU of each stage (``placement``); replica 0 is
+    ``gpu_of``, the one simulated. Empty means one replica."""
 
     @property
     def n_stages(self) -> int:
         return len(self.stages)
 
+    @property
+    def parallelism(self) -> Parallelism:
+        return self.job.parallelism
+
+    def group(self, stage: int) -> tuple[int, ...]:
+        """Stage ``stage``'s data-parallel group: its GPU in every replica."""
+        return tuple(r[stage] for r in self.replicas) if self.replicas else (self.gpu_of[stage],)
+
 
 def _keep_everything(job: Job) -> Layout:
     spec, topo = job.spec, job.spec.topology
+    data = spec.parallelism.data
+    if data > 1 and job.gpu_of_stage is not None:
+        raise MpsimError("a stage-to-GPU map places one replica; with data parallelism mpsim places the replicas")
     n_stages = len(job.stages) if job.stages and spec.parallelism.pipeline is None else spec.n_stages
     if job.stages:
         stages = list(job.stages)
@@ -98,14 +139,15 @@ def _keep_everything(job: Job) -> Layout:
     validate_stages(stages, spec.trace.n_layers)
     if len(stages) != n_stages:
         raise MpsimError(f"the partition has {len(stages)} stages but {n_stages} were asked for")
-    gpus = job.gpu_of_stage or tuple(range(n_stages))
+    if spec.parallelism.pipeline != n_stages:
+        spec = spec.but(parallelism=spec.parallelism.model_copy(update={"pipeline": n_stages}))
+    replicas = place_replicas(topo, data, n_stages)
+    gpus = job.gpu_of_stage or replicas[0]
     if len(gpus) != n_stages or len(set(gpus)) != n_stages or any(not 0 <= g < topo.n_gpus for g in gpus):
         raise MpsimError(f"the stage-to-GPU map {list(gpus)} must name {n_stages} distinct GPUs of "
                          f"0..{topo.n_gpus - 1}")
-    if spec.parallelism.pipeline != n_stages:
-        spec = spec.but(parallelism=pipeline(n_stages))
     return Layout(spec, stages, tuple(gpus), tuple({} for _ in stages), ("gpu",) * n_stages, ("gpu",) * n_stages,
-                  ((),) * n_stages, spec.strategy, job.runtime)
+                  ((),) * n_stages, spec.strategy, job.runtime, replicas=replicas if data > 1 else ())
 
 
 def layout_of_plan(plan: PlanFile, job: JobSpec, *, checked: bool = False, runtime: Runtime = "mpress") -> Layout:
@@ -121,12 +163,17 @@ def layout_of_plan(plan: PlanFile, job: JobSpec, *, checked: bool = False, runti
             raise MpsimError(f"the plan is for {plan.schedule}, {plan.microbatches} microbatches and "
                              f"{len(plan.stages)} stages but the job is {job.schedule}, {job.microbatches} and "
                              f"{job.n_stages}")
+        if parallelism_of_plan(plan) != job.parallelism.model_copy(update={"pipeline": job.n_stages}):
+            raise MpsimError(f"the plan's layout is {parallelism_of_plan(plan).describe(len(plan.stages))} but "
+                             f"the job's is {job.layout_name}")
+    dp = plan.data_parallel
+    replicas = tuple(tuple(r) for r in dp.replicas) if dp is not None and dp.degree > 1 else ()
     return Layout(job, [st.layers for st in plan.stages], tuple(st.gpu for st in plan.stages),
                   tuple(plan.action_of(s) for s in range(len(plan.stages))),
                   tuple(st.optimizer for st in plan.stages), tuple(st.stash for st in plan.stages),
                   tuple(host_optimizer_layers(st) for st in plan.stages),
                   plan.strategy, runtime, plan.swap_timing,
-                  plan.recompute_checkpoints)
+                  plan.recompute_checkpoints, replicas)
 
 
 def resolve(job: Job) -> Layout:

@@ -34,10 +34,25 @@ class _Path:
         self.latency_s = route.latency_s
 
 
+class _Group:
+    """Flows that land as one: an event fired when the last of ``left`` has landed."""
+
+    __slots__ = ("event", "left")
+
+    def __init__(self, event: simpy.Event, left: int) -> None:
+        self.event = event
+        self.left = left
+
+    def succeed(self) -> None:
+        self.left -= 1
+        if not self.left:
+            self.event.succeed()
+
+
 class _Flow:
     __slots__ = ("links", "names", "narrowest", "remaining", "rate", "done", "seq")
 
-    def __init__(self, path: _Path, n_bytes: float, done: simpy.Event, seq: int) -> None:
+    def __init__(self, path: _Path, n_bytes: float, done: simpy.Event | _Group, seq: int) -> None:
         self.links = path.links
         self.names = path.names
         self.narrowest = path.narrowest
@@ -79,6 +94,39 @@ class Network:
             return done
         start = self.env.timeout(path.latency_s)
         start.callbacks.append(lambda _e: self._start(path, n_bytes, done))
+        return done
+
+    def transfer_all(self, routes: list[Route], n_bytes: list[int], latency_s: float) -> simpy.Event:
+        """Flows that start together after ``latency_s`` (one rate update for all of
+        them, not one each) and an event that fires when the last has landed: a ring
+        collective's concurrent sends (``mpsim.sim.collectives``)."""
+        done = self.env.event()
+        paths = []
+        for route, n in zip(routes, n_bytes, strict=True):
+            path = self._paths.get(id(route))
+            if path is None:
+                path = self._paths[id(route)] = _Path(route)
+            paths.append(path)
+            for name in path.names:
+                self.bytes_by_link[name] += n
+        sends = [(path, n) for path, n in zip(paths, n_bytes) if n > 0]
+        if not sends:
+
+            def land(_e: simpy.Event) -> None:
+                done.succeed()
+
+            self.env.timeout(latency_s).callbacks.append(land)
+            return done
+        group = _Group(done, len(sends))
+
+        def start(_e: simpy.Event) -> None:
+            self._advance()
+            for path, n in sends:
+                self._seq += 1
+                self._flows.append(_Flow(path, n, group, self._seq))
+            self._reschedule()
+
+        self.env.timeout(latency_s).callbacks.append(start)
         return done
 
     # -- fluid model -----------------------------------------------------------------------

@@ -98,12 +98,44 @@ class SwapIn:
 
 
 @dataclass(frozen=True)
+class Sharding:
+    """How a stage's model states are split over its data-parallel group (ZeRO, Rajbhandari
+    et al. 2020, section 5): ``replicas`` GPUs, ``zero_stage`` 0 (DDP) to 3 (FSDP)."""
+
+    replicas: int = 1
+    zero_stage: int = 0
+    reshard_after_forward: bool = True
+
+    @property
+    def per_layer(self) -> bool:
+        """ZeRO-3 gathers each layer's parameters before its forward and its backward."""
+        return self.zero_stage == 3
+
+    def shard(self, n_bytes: int) -> int:
+        """This GPU's part of ``n_bytes`` split over the group (rounded up, as FSDP pads)."""
+        return -(-n_bytes // self.replicas)
+
+    def gathered(self, row: LayerRow) -> int:
+        """Bytes a ZeRO-3 layer's parameters add while gathered: all but its own shard."""
+        return row.param_bytes - self.shard(row.param_bytes) if self.per_layer else 0
+
+
+NOT_SHARDED = Sharding()
+
+
+@dataclass(frozen=True)
 class Piece:
     template: Template
     duration_s: float
     swap_out: SwapOut | None = None
     wait_for: int | None = None
     """Layer whose swap-in must have landed before this piece starts."""
+    layer: int | None = None
+    """Under ZeRO-3, the layer whose (re-)computation the piece starts: its gathered
+    parameters must have landed first."""
+    grads_done: tuple[tuple[float, int], ...] = ()
+    """With data parallelism, (offset from the piece's start, layer) of every layer whose
+    backward ends in the piece: its gradients are ready to reduce."""
 
 
 @dataclass
@@ -218,6 +250,12 @@ class _Stage:
     """The received gradient lives in a preallocated buffer (never freed)."""
     segments: bool = False
     """Consecutive recomputed layers share one checkpoint (``build_program``)."""
+    sharding: Sharding | None = None
+    """Data parallelism (``Sharding``); None: one GPU, no gradient hand-off."""
+
+    @property
+    def per_layer(self) -> bool:
+        return self.sharding is not None and self.sharding.per_layer
 
     @property
     def last(self) -> int:
@@ -243,16 +281,18 @@ class _Stage:
 
 def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, first: int, is_first_stage: bool,
                   is_last_stage: bool, actions: dict[int, LayerAction], keep_received: bool = False,
-                  core_s: np.ndarray | None = None, segments: bool = False) -> StageProgram:
+                  core_s: np.ndarray | None = None, segments: bool = False,
+                  sharding: Sharding | None = None) -> StageProgram:
     """``rows`` are the stage's layers, ``first`` the index of rows[0] in the model,
     ``actions`` keyed by model layer index (missing: keep). With ``keep_received`` the
     received activation (input of the first layer) and gradient (of the last layer's
     output) live in receive buffers allocated once per microbatch, so they are never freed.
     ``core_s``: per layer, the attention core's forward seconds (``CostModel.attention_core_s``;
     needed only by selective recompute, else zeros). ``segments``: consecutive recomputed
-    layers share the first one's checkpoint and re-run together (module doc)."""
+    layers share the first one's checkpoint and re-run together (module doc). ``sharding``:
+    the data-parallel group's (None: one GPU), see ``Sharding`` and the module doc."""
     st = _Stage(rows, first, is_first_stage, is_last_stage, actions, keep_received and not is_first_stage,
-                keep_received and not is_last_stage, segments)
+                keep_received and not is_last_stage, segments, sharding)
     forward, forward_s, split_forward_s = _forward(st, fwd_s)
     redo_s = {"recompute": fwd_s, "selective": np.zeros(len(rows)) if core_s is None else core_s}
     backward, swap_ins, backward_s, remat_s, split_backward_s = _backward(st, redo_s, bwd_s)
@@ -264,30 +304,36 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
 def _forward(st: _Stage, fwd_s: np.ndarray) -> tuple[list[Piece], float, float]:
     """The forward's pieces, its length and the extra time of its split micro-ops."""
     ev: list[Event] = []
-    cuts: list[tuple[int, float, SwapOut]] = []
+    cuts: list[tuple[int, float, SwapOut | None, int | None]] = []
     if st.is_first:
         ev.append((0.0, st.rows[0].input_bytes, "buffers", "input tokens"))
     t = split_s = 0.0
     for k in range(len(st.rows)):
         lay = st.layer(k)
+        if st.per_layer and k:  # ZeRO-3: a layer's forward starts once its parameters are gathered
+            cuts.append((len(ev), t, None, lay.j))
         dur = float(fwd_s[k]) * lay.slowdown
         split_s += dur - float(fwd_s[k])
         _forward_layer(st, lay, t, dur, ev, cuts)
         t += dur
+        if st.per_layer and st.sharding is not None and st.sharding.reshard_after_forward:
+            n = st.sharding.gathered(lay.row)
+            ev.append((t, -n, "params", f"{lay.name} parameters resharded after the forward"))
         if k == st.last and st.is_last:
             ev.append((t, -lay.row.output_bytes, "activations", f"{lay.name} loss freed"))
     forward: list[Piece] = []
     i0, start = 0, 0.0
-    for i1, c1, swap in cuts:
-        forward.append(Piece(_template(ev[i0:i1], start), c1 - start, swap))
-        i0, start = i1, c1
+    layer = st.first if st.per_layer else None
+    for i1, c1, swap, next_layer in cuts:
+        forward.append(Piece(_template(ev[i0:i1], start), c1 - start, swap, layer=layer))
+        i0, start, layer = i1, c1, next_layer
     if i0 < len(ev) or t > start or not forward:
-        forward.append(Piece(_template(ev[i0:], start), t - start))
+        forward.append(Piece(_template(ev[i0:], start), t - start, layer=layer))
     return forward, t, split_s
 
 
 def _forward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event],
-                   cuts: list[tuple[int, float, SwapOut]]) -> None:
+                   cuts: list[tuple[int, float, SwapOut | None, int | None]]) -> None:
     """Events of one layer's forward from ``t``; a swapped micro-tensor cuts the piece."""
     r, act, p, name = lay.row, lay.act, lay.p, lay.name
     out_cat = "buffers" if (lay.k == st.last and not st.is_last) else "activations"
@@ -320,7 +366,8 @@ def _forward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event
             if p > 1:
                 ev.append((c1, d, "saved:split", f"{name} split"))
         if act.action in ("host", "peer"):
-            cuts.append((len(ev), c1, SwapOut(lay.j, o, inp_c if r.saves_input else 0, lay.input_cat, act.action)))
+            cuts.append((len(ev), c1, SwapOut(lay.j, o, inp_c if r.saves_input else 0, lay.input_cat, act.action),
+                         None))
     if act.action == "recompute" and not r.saves_input and not follower:  # the checkpoint outlives the layer
         ev.append((t + dur, -r.input_bytes, "saved:recompute", f"{name} input kept as checkpoint"))
     if follower and r.saves_input:  # the segment's first layer keeps the only checkpoint
@@ -331,44 +378,86 @@ def _forward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event
 # ---- backward --------------------------------------------------------------------------
 def _backward(st: _Stage, redo_s: dict[str, np.ndarray],
               bwd_s: np.ndarray) -> tuple[list[Piece], list[SwapIn], float, dict[str, float], float]:
-    """The backward's pieces (cut before every layer whose swap-in it waits for), its
-    swap-ins, length, re-run time per action in ``redo_s`` (the seconds each re-runs per
-    layer) and extra time of split micro-ops."""
+    """The backward's pieces (cut before every layer whose swap-in it waits for, and under
+    ZeRO-3 before every layer), its swap-ins, length, re-run time per action in
+    ``redo_s`` (the seconds each re-runs per layer) and extra time of split micro-ops."""
     ev: list[Event] = []
-    waits: list[tuple[int, float, int]] = []
+    cuts: list[tuple[int, float, int | None, int | None]] = []
+    grads_done: list[tuple[float, int]] = []
     swap_ins: list[SwapIn] = []
     remat_s = dict.fromkeys(_REMAT, 0.0)
     t = split_s = 0.0
     for k in range(st.last, -1, -1):
         lay = st.layer(k)
-        if lay.act.action in ("host", "peer"):
-            waits.append((len(ev), t, lay.j))
+        swapped = lay.act.action in ("host", "peer")
+        if swapped or st.per_layer:
+            cuts.append((len(ev), t, lay.j if swapped else None, lay.j if st.per_layer else None))
+        if swapped:
             swap_ins.append(SwapIn(lay.j, lay.own, lay.row.input_bytes if lay.row.saves_input else 0, lay.input_cat,
                                    lay.act.action, tuple((x.gpu, x.fraction) for x in lay.act.peers), lay.p, t))
-        if st.follows(k) or st.follows(k + 1):  # in a recompute segment
-            if not st.follows(k + 1):  # the segment's last layer: re-run the whole segment first
-                dur = _recompute_segment(st, range(st.segment_start(k), k + 1), redo_s["recompute"], t, ev)
-                remat_s["recompute"] += dur
-                t += dur
-        elif lay.remat:
-            base = float(redo_s[lay.act.action][k])
-            dur = base * lay.slowdown
-            remat_s[lay.act.action] += dur
-            split_s += dur - base
-            _recompute_layer(lay, t, dur, ev)
-            t += dur
+        t, extra_s = _remat_before(st, lay, k, redo_s, t, ev, remat_s)
+        split_s += extra_s
         dur = float(bwd_s[k]) * lay.slowdown
         split_s += dur - float(bwd_s[k])
+        _gradient_events(st, lay, t, dur, ev)
         _backward_layer(st, lay, t, dur, ev)
         t += dur
-    backward: list[Piece] = []
-    i0, start, wait_for = 0, 0.0, None
-    for i1, w_t, w_layer in waits:
-        if i1 > i0 or w_t > start or wait_for is not None:
-            backward.append(Piece(_template(ev[i0:i1], start), w_t - start, wait_for=wait_for))
-        i0, start, wait_for = i1, w_t, w_layer
-    backward.append(Piece(_template(ev[i0:], start), t - start, wait_for=wait_for))
-    return backward, swap_ins, t, remat_s, split_s
+        grads_done.append((t, lay.j))
+    return _backward_pieces(st, ev, cuts, grads_done, t), swap_ins, t, remat_s, split_s
+
+
+def _remat_before(st: _Stage, lay: _Layer, k: int, redo_s: dict[str, np.ndarray], t: float, ev: list[Event],
+                  remat_s: dict[str, float]) -> tuple[float, float]:
+    """The re-run before layer k's backward (a whole recompute segment before its last
+    layer's), from ``t``; returns the time after it and the extra time of its split."""
+    if st.follows(k) or st.follows(k + 1):  # in a recompute segment (never split)
+        if not st.follows(k + 1):  # the segment's last layer: re-run the whole segment first
+            dur = _recompute_segment(st, range(st.segment_start(k), k + 1), redo_s["recompute"], t, ev)
+            remat_s["recompute"] += dur
+            t += dur
+        return t, 0.0
+    if not lay.remat:
+        return t, 0.0
+    base = float(redo_s[lay.act.action][k])
+    dur = base * lay.slowdown
+    remat_s[lay.act.action] += dur
+    _recompute_layer(lay, t, dur, ev)
+    return t + dur, dur - base
+
+
+def _gradient_events(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event]) -> None:
+    """ZeRO-2/3: the layer's full gradient exists from its backward's start until its
+    reduce-scatter lands (``DataParallel`` frees it); ZeRO-3 reshards the layer's
+    gathered parameters when its backward ends (all stay gathered until the iteration's
+    last backward when ``reshard_after_forward`` is off)."""
+    sh = st.sharding
+    if sh is None:
+        return
+    if sh.zero_stage >= 2:
+        ev.append((t, lay.row.grad_bytes, "grads", f"{lay.name} full gradient"))
+    if sh.per_layer and sh.reshard_after_forward:
+        ev.append((t + dur, -sh.gathered(lay.row), "params", f"{lay.name} parameters resharded after the backward"))
+
+
+def _backward_pieces(st: _Stage, ev: list[Event], cuts: list[tuple[int, float, int | None, int | None]],
+                     grads_done: list[tuple[float, int]], end_s: float) -> list[Piece]:
+    """The backward cut at ``cuts`` (event index, time, swap-in waited for, layer
+    gathered first); with data parallelism each piece lists the layers whose backward
+    ends in it."""
+    bounds: list[tuple[int, float, int | None, int | None]] = []
+    i0, start, wait_for, layer = 0, 0.0, None, None
+    for i1, c_t, c_wait, c_layer in cuts:
+        if i1 > i0 or c_t > start or wait_for is not None or layer is not None:
+            bounds.append((i0, start, wait_for, layer))
+        i0, start, wait_for, layer = i1, c_t, c_wait, c_layer
+    bounds.append((i0, start, wait_for, layer))
+    pieces = []
+    for n, (i0, start, wait_for, layer) in enumerate(bounds):
+        i1, end = (bounds[n + 1][0], bounds[n + 1][1]) if n + 1 < len(bounds) else (len(ev), end_s)
+        done = tuple((t - start, j) for t, j in grads_done if start < t <= end or (n == 0 and t == start))
+        pieces.append(Piece(_template(ev[i0:i1], start), end - start, wait_for=wait_for, layer=layer,
+                            grads_done=done if st.sharding is not None else ()))
+    return pieces
 
 
 def _recompute_layer(lay: _Layer, t: float, dur: float, ev: list[Event]) -> None:
@@ -449,14 +538,20 @@ def _backward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Even
         ev.append((t + dur, -grad_in, grad_in_cat, f"{name} input gradient freed"))
 
 
-def static_bytes(rows: list[LayerRow], weight_versions: int, receive_buffers: int = 0) -> dict[str, int]:
+def static_bytes(rows: list[LayerRow], weight_versions: int, receive_buffers: int = 0,
+                 sharding: Sharding = NOT_SHARDED) -> dict[str, int]:
     """What a stage allocates once: weights, gradients, optimizer states, stashed weight
-    versions, and ``receive_buffers`` bytes of preallocated receive buffers."""
+    versions, and ``receive_buffers`` bytes of preallocated receive buffers. Under ZeRO
+    (``Sharding``) this GPU holds 1/N of the optimizer states (stage 1), of the gradients
+    too (stage 2) and of the parameters too (stage 3): mixed-precision Adam's 16 bytes per
+    parameter become 4 + 12/N, 2 + 14/N and 16/N (ZeRO section 5.1, Figure 1)."""
     params = sum(r.param_bytes for r in rows)
+    z, shard = sharding.zero_stage, sharding.shard
+    grads, optimizer = sum(r.grad_bytes for r in rows), sum(r.optimizer_bytes for r in rows)
     return {
-        "params": params,
-        "grads": sum(r.grad_bytes for r in rows),
-        "optimizer": sum(r.optimizer_bytes for r in rows),
+        "params": shard(params) if z >= 3 else params,
+        "grads": shard(grads) if z >= 2 else grads,
+        "optimizer": shard(optimizer) if z >= 1 else optimizer,
         "stash": (weight_versions - 1) * params,
         "buffers": receive_buffers,
     }

@@ -8,11 +8,12 @@ from typing import NamedTuple
 import numpy as np
 
 COSTS: tuple[str, ...] = ("recompute_s", "selective_s", "swap_wait_s", "peer_wait_s", "memory_wait_s", "split_s",
-                          "optimizer_s")
+                          "optimizer_s", "dp_wait_s")
 """Time a plan's techniques cost a GPU per iteration: recompute and selective (attention
 core) recompute on the compute stream,
 backward waits on host and on D2D swap-ins, waits for room while swap-outs land, extra
-time of split micro-ops, optimizer update time beyond the GPU's own."""
+time of split micro-ops, optimizer update time beyond the GPU's own, and waits for
+data-parallel collectives (ZeRO-3 gathers, reductions before the update, the gather after it)."""
 
 
 class Span(NamedTuple):
@@ -94,6 +95,15 @@ class SimResult:
     """Pinned host memory over time (swapped tensors, offloaded states, stashes)."""
     link_rates: list[tuple[float, dict[str, float]]] = field(default_factory=list, repr=False)
     """Link rates (bytes/s) at every change, when the job asked to record them."""
+    layout: str = ""
+    """The parallel layout (``JobSpec.layout_name``): ``pipeline x8``, ``FSDP x8``, ..."""
+    replicas: int = 1
+    """Data-parallel replicas (``samples_per_s`` and ``model_tflops`` count them all)."""
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether the layout names data parallelism (DDP, ZeRO or FSDP), not a pipeline only."""
+        return bool(self.layout) and not self.layout.startswith("pipeline")
 
     @property
     def fits(self) -> bool:
@@ -115,6 +125,8 @@ class SimResult:
             "model": self.model,
             "schedule": self.schedule,
             "strategy": self.strategy,
+            "layout": self.layout,
+            "replicas": self.replicas,
             "microbatch": self.microbatch,
             "microbatches": self.microbatches,
             "iteration_s": self.iteration_s,

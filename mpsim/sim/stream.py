@@ -9,6 +9,7 @@ import simpy
 from mpsim.schedule import Task, stage_tasks
 from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
+from mpsim.sim.data_parallel import DataParallel
 from mpsim.sim.program import Piece, StageProgram, SwapIn
 from mpsim.sim.result import Span
 from mpsim.sim.spawn import spawn
@@ -26,10 +27,13 @@ class ComputeStream:
     point while it runs. The swap-ins of a backward are launched when the task before
     it starts, timed from that task's estimated length. After a forward the activation
     is sent on (and a PipeDream weight version stashed), after a backward the gradient
-    is sent back; the update runs where the schedule puts it."""
+    is sent back; the update runs where the schedule puts it. With data parallelism
+    (``dp``) a ZeRO-3 piece first waits for its layer's gathered parameters, a backward
+    hands each layer's gradients to the reduction as they are ready, and the update waits
+    for the reductions (``data_parallel``)."""
 
     def __init__(self, run: RunContext, stage: int, program: StageProgram, swapper: Swapper, updater: Updater,
-                 channels: PeerChannels, stash_in: SwapIn | None) -> None:
+                 channels: PeerChannels, stash_in: SwapIn | None, dp: DataParallel | None = None) -> None:
         layout = run.layout
         self.run = run
         self.stage = stage
@@ -47,6 +51,8 @@ class ComputeStream:
         self.output_bytes = layout.trace.layers[b - 1].output_bytes
         self.input_grad_bytes = layout.trace.layers[a].input_bytes
         self.tasks = stage_tasks(layout.schedule, stage, layout.n_stages, layout.microbatches)
+        self.dp = dp
+        self.last_backward = max(i for i, t in enumerate(self.tasks) if t.kind == "B")
         self._estimate_s = {"F": program.forward_s, "B": program.backward_s, "U": updater.gpu_update_s}
 
     def process(self) -> Generator[simpy.Event, object, None]:
@@ -54,14 +60,18 @@ class ComputeStream:
             if task.kind == "U":
                 self._prefetch_for(idx)
                 start = self.run.env.now
+                if self.dp is not None:
+                    yield from self.dp.before_update()
                 yield from self.updater.update()
+                if self.dp is not None:
+                    yield from self.dp.after_update()
             else:
                 climbs = self.program.forward_climbs if task.kind == "F" else self.program.backward_climbs
                 self.memory.set_climb(climbs[0][0])  # what the task will take once its input lands
                 yield from self._wait_for_inputs(task)
                 self._prefetch_for(idx)
                 start = self.run.env.now
-                yield from self._run_pieces(task)
+                yield from self._run_pieces(task, idx == self.last_backward)
             self.run.spans.append(Span(self.gpu, "compute", f"{task.kind}{task.microbatch}", start, self.run.env.now))
             if task.kind != "U":
                 self._after(task)
@@ -105,8 +115,8 @@ class ComputeStream:
             yield event
             self.run.costs.add(self.gpu, cost, self.run.env.now - start)
 
-    def _run_pieces(self, task: Task) -> Generator[simpy.Event, object, None]:
-        env, mb = self.run.env, task.microbatch
+    def _run_pieces(self, task: Task, last_backward: bool) -> Generator[simpy.Event, object, None]:
+        env, mb, dp = self.run.env, task.microbatch, self.dp
         forward = task.kind == "F"
         pieces: list[Piece] = self.program.forward if forward else self.program.backward
         climb = self.program.forward_climbs if forward else self.program.backward_climbs
@@ -117,12 +127,16 @@ class ComputeStream:
                 target = self.program.actions[piece.wait_for].action
                 cost = "swap_wait_s" if target == "host" else "peer_wait_s"
                 yield from self._wait_for_swap_in(mb, piece.wait_for, cost)
+            if dp is not None and piece.layer is not None:
+                yield from dp.wait_for_gather(mb, task.kind, piece.layer)
             label = f"{word} of microbatch {mb} on stage {self.stage}:"
             if self.memory.task_must_wait(piece.template):
                 waited_s = yield from self.memory.acquire_task(piece.template, label)
                 self.run.costs.add(self.gpu, "memory_wait_s", waited_s)
             else:  # the common case, without a generator per piece
                 self.memory.start_task(piece.template, label)
+            if dp is not None and not forward:
+                dp.backward_piece_started(mb, piece, last_backward)
             self.memory.set_climb(climb_running)
             if piece.duration_s:
                 yield env.timeout(piece.duration_s)
@@ -133,6 +147,8 @@ class ComputeStream:
                 if self.run.on_demand:  # the compute goes on once the swap-out has landed
                     yield from self._wait(self.run.signals("out", self.stage, mb, piece.swap_out.layer),
                                           "swap_wait_s")
+        if dp is not None and last_backward:
+            dp.after_last_backward()
 
     def _after(self, task: Task) -> None:
         """Costs, sends and stashes that follow a forward or a backward."""

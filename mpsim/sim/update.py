@@ -20,9 +20,11 @@ class Updater:
     in, Adam on the GPU, states out; the out copy overlaps the next layer's work, the in
     copy does not overlap the update. Only the layers whose states live on the host
     (``Layout.host_optimizer``) go through the host; the others update on the GPU first.
-    Time beyond the GPU update is the optimizer's cost."""
+    Time beyond the GPU update is the optimizer's cost. Under ZeRO stage 1 and above
+    (``shards`` > 1) the GPU owns 1/N of the states: every time and byte above is its
+    shard's."""
 
-    def __init__(self, run: RunContext, stage: int, swapper: Swapper, costs: CostModel) -> None:
+    def __init__(self, run: RunContext, stage: int, swapper: Swapper, costs: CostModel, shards: int = 1) -> None:
         self.run = run
         self.stage = stage
         self.gpu = run.layout.gpu_of[stage]
@@ -30,12 +32,13 @@ class Updater:
         a, b = run.layout.stages[stage]
         rows = run.layout.trace.layers
         on_host = set(run.layout.host_optimizer[stage])
-        self.host_rows = [(j, rows[j], costs.update_s([rows[j]])) for j in range(a, b) if j in on_host]
+        self.shards = shards
+        self.host_rows = [(j, rows[j], costs.update_s([rows[j]]) / shards) for j in range(a, b) if j in on_host]
         """The layers whose optimizer states live on the host: index, row, GPU update seconds."""
-        self.gpu_rows_s = costs.update_s([rows[j] for j in range(a, b) if j not in on_host])
+        self.gpu_rows_s = costs.update_s([rows[j] for j in range(a, b) if j not in on_host]) / shards
         """The update of the layers whose states stay on the GPU."""
         self.swapper = swapper
-        self.gpu_update_s = costs.update_s(rows[a:b])
+        self.gpu_update_s = costs.update_s(rows[a:b]) / shards
         """The whole stage updated on the GPU (the optimizer's cost is the time beyond it)."""
         self.ends_s: list[float] = []
         """When each update ended (PipeDream's iteration is measured between them)."""
@@ -62,15 +65,19 @@ class Updater:
         run, g = self.run, self.gpu
         yield from self._on_gpu()
         rows = [r for _, r, _ in self.host_rows]
-        yield from run.host_copy(g, sum(r.grad_bytes for r in rows), True, "gradients to host")
-        yield run.env.timeout(sum(r.params for r in rows) / (run.topo.spec.host.cpu_adam_gparams_per_s * 1e9))
-        yield from run.host_copy(g, sum(r.param_bytes for r in rows), False, "weights from host")
+        yield from run.host_copy(g, self._shard(sum(r.grad_bytes for r in rows)), True, "gradients to host")
+        params = sum(r.params for r in rows) / self.shards
+        yield run.env.timeout(params / (run.topo.spec.host.cpu_adam_gparams_per_s * 1e9))
+        yield from run.host_copy(g, self._shard(sum(r.param_bytes for r in rows)), False, "weights from host")
+
+    def _shard(self, n_bytes: int) -> int:
+        return -(-n_bytes // self.shards)
 
     def _streamed(self) -> Generator[simpy.Event, object, None]:
         run, g = self.run, self.gpu
         yield from self._on_gpu()
         for j, row, update_s in self.host_rows:
-            n_opt = row.optimizer_bytes
+            n_opt = self._shard(row.optimizer_bytes)
             if not n_opt:
                 continue
             label = f"layer {j} optimizer states streamed in"

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from mpsim.choose import ChooseReport, ChooseRow, money
+from mpsim.job import DP_NAMES
 from mpsim.plan import PlanFile, optimizer_label
 from mpsim.sim.memory import TECHNIQUES
 from mpsim.sim.result import COSTS
@@ -51,7 +52,8 @@ UNITS_LEGEND = "memory in GiB = 2^30 bytes; layers [a, b) = a to b - 1, as in pl
 # -- one job ------------------------------------------------------------------------------------
 
 def _verdict_lines(r: SimResult) -> list[str]:
-    job = (f"{r.model} on {r.server}: {r.schedule}, microbatch {r.microbatch} x {r.microbatches}, "
+    layout = f"{r.layout}, " if r.data_parallel else ""
+    job = (f"{r.model} on {r.server}: {layout}{r.schedule}, microbatch {r.microbatch} x {r.microbatches}, "
            f"strategy {r.strategy}")
     if not r.oom:
         return [f"FITS on every GPU: {job}"]
@@ -124,6 +126,11 @@ def plan_text(plan: PlanFile) -> str:
     rows = [[str(c) for c in row] for row in plan_counts(plan)]
     head = (f"plan {plan.strategy} for {plan.model} on {plan.server}: {plan.schedule}, "
             f"microbatch {plan.microbatch} x {plan.microbatches}")
+    dp = plan.data_parallel
+    if dp is not None:
+        kind = DP_NAMES[dp.zero_stage]
+        groups = "; ".join(",".join(map(str, dp.group(s))) for s in range(len(plan.stages)))
+        head += f"\n{kind} x{dp.degree}: stage groups (GPUs in ring order) {groups}"
     return (head + "\n\n" + table_text(PLAN_HEADER, rows)
             + "\n(layers [a, b) are a to b - 1, half-open as in the plan file)")
 

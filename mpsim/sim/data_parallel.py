@@ -1,0 +1,207 @@
+"""A stage's data-parallel group: gradient reduction, ZeRO's sharded states and the
+collectives that move them, on the simulated network.
+
+Replicas are symmetric: the engine simulates replica 0's pipeline only, and each
+collective of a stage runs over that stage's whole group (its GPU in every replica) as
+fused ring flows (``collectives.ring_collective``), so it shares links with replica 0's
+sends and swaps. What the other replicas' own sends and swaps put on the links is not
+simulated (on an NVSwitch server they use other ports; on the DGX-1 they may share a
+ring's links).
+
+What each ZeRO stage does (Rajbhandari et al. 2020, sections 5 and 7; PyTorch DDP's
+bucketed all-reduce, Li et al. 2020, section 3.2; FSDP2 for stage 3):
+
+- 0 (DDP): gradients are cut into buckets of ``bucket_mib`` in backward order; in the
+  iteration's last backward of the stage each bucket's all-reduce starts as soon as its
+  last layer's backward ends and overlaps the rest (earlier microbatches accumulate
+  locally, no synchronisation); the update waits until every bucket has landed.
+- 1: the same buckets reduce-scattered instead; after the update (1/N of the states),
+  the stage's updated parameters are all-gathered before the iteration ends.
+- 2: gradients are sharded too, so every microbatch's backward reduce-scatters each
+  bucket, and a layer's full gradient is freed when its bucket lands; then as stage 1.
+- 3 (FSDP): parameters are sharded too: each layer's are all-gathered before its forward
+  and before its backward (prefetching the next layer's when a layer starts), freed after
+  it (``reshard_after_forward``; when off they stay gathered from the first forward to
+  the iteration's last backward), and its gradient is reduce-scattered when its backward
+  ends. No gather after the update.
+
+All-gathers and reductions run on two lanes (FSDP's all-gather and reduce-scatter
+streams; DDP's one), each in issue order as NCCL runs one communicator's collectives.
+A group of one GPU moves nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+
+import simpy
+
+from mpsim.sim.collectives import ring_collective
+from mpsim.sim.context import RunContext
+from mpsim.sim.program import Piece, Sharding
+from mpsim.sim.result import Span
+from mpsim.sim.spawn import spawn
+from mpsim.units import MiB
+
+_LANES = ("gather", "reduce")
+
+
+class DataParallel:
+    """The data-parallel side of one stage (module doc)."""
+
+    def __init__(self, run: RunContext, stage: int, sharding: Sharding) -> None:
+        layout = run.layout
+        self.run = run
+        self.stage = stage
+        self.sharding = sharding
+        self.gpu = layout.gpu_of[stage]
+        self.ring = layout.group(stage)
+        """The group in ring order: replica order (``placement`` puts each group in its
+        best ring order; a plan file's replicas are taken in the order written)."""
+        a, b = layout.stages[stage]
+        self.rows = {j: layout.trace.layers[j] for j in range(a, b)}
+        self.buckets = _buckets(self.rows, layout.parallelism.bucket_mib * MiB)
+        self.bucket_of = {j: i for i, members in enumerate(self.buckets) for j in members}
+        self._ready: dict[tuple[int, int], int] = {}
+        """(microbatch, bucket) -> layers of the bucket whose gradients are ready."""
+        self._tails: dict[str, simpy.Event | None] = dict.fromkeys(_LANES)
+        self._reductions: list[simpy.Event] = []
+        self._gathers: dict[tuple[object, ...], simpy.Event | None] = {}
+        self._held_bytes = 0
+        """Gathered parameter bytes that stay until the iteration's last backward."""
+
+    @property
+    def moves(self) -> bool:
+        return len(self.ring) > 1
+
+    # -- gradients -------------------------------------------------------------------------
+    def backward_piece_started(self, mb: int, piece: Piece, last_backward: bool) -> None:
+        """A backward piece starts: its layers' gradients become ready at their offsets."""
+        if self.sharding.zero_stage < 2 and not last_backward:
+            return  # DDP and ZeRO-1 accumulate locally until the iteration's last backward
+        env = self.run.env
+        for offset_s, j in piece.grads_done:
+            env.timeout(offset_s).callbacks.append(self._on_ready(mb, j))
+
+    def _on_ready(self, mb: int, j: int) -> Callable[[simpy.Event], None]:
+        def ready(_e: simpy.Event) -> None:
+            self._gradient_ready(mb, j)
+
+        return ready
+
+    def _gradient_ready(self, mb: int, j: int) -> None:
+        if self.sharding.per_layer:
+            self._reduce(mb, (j,))
+            return
+        b = self.bucket_of[j]
+        done = self._ready.get((mb, b), 0) + 1
+        self._ready[(mb, b)] = done
+        if done == len(self.buckets[b]):
+            self._reduce(mb, self.buckets[b])
+
+    def _reduce(self, mb: int, layers: tuple[int, ...]) -> None:
+        n_bytes = sum(self.rows[j].grad_bytes for j in layers)
+        op = "all-reduce" if self.sharding.zero_stage == 0 else "reduce-scatter"
+        frees = n_bytes if self.sharding.zero_stage >= 2 else 0
+        label = f"{op} of layers {layers[-1]}-{layers[0]} gradients, microbatch {mb}"
+        memory = self.run.memory[self.gpu]
+        if not self.moves:  # one GPU: the gradient is its own shard
+            if frees:
+                memory.change([(-frees, "grads", f"layers {layers[-1]}-{layers[0]} gradient accumulated")])
+            return
+        if frees:
+            memory.begin_free()
+        landed = self._collective("reduce", op, n_bytes, label)
+
+        def free(_e: simpy.Event) -> None:
+            if frees:
+                memory.end_free([(-frees, "grads", f"{label}: full gradient freed")])
+
+        landed.callbacks.append(free)
+        self._reductions.append(landed)
+
+    # -- parameters (ZeRO-3) ---------------------------------------------------------------
+    def gather(self, mb: int, phase: str, j: int) -> simpy.Event | None:
+        """Start gathering layer ``j``'s parameters for ``phase`` (``F`` or ``B``) of
+        microbatch ``mb`` unless started; the event of its landing (None: nothing to wait
+        for)."""
+        key: tuple[object, ...] = (j,) if not self.sharding.reshard_after_forward else (mb, phase, j)
+        if key in self._gathers:
+            return self._gathers[key]
+        row = self.rows.get(j)
+        n_extra = 0 if row is None else self.sharding.gathered(row)
+        if row is None or not n_extra:
+            self._gathers[key] = None
+            return None
+        label = f"all-gather of layer {j} parameters ({'forward' if phase == 'F' else 'backward'}, microbatch {mb})"
+        self.run.memory[self.gpu].change([(n_extra, "params", label)])
+        if not self.sharding.reshard_after_forward:
+            self._held_bytes += n_extra
+        event = self._gathers[key] = self._collective("gather", "all-gather", row.param_bytes, label)
+        return event
+
+    def wait_for_gather(self, mb: int, phase: str, j: int) -> Generator[simpy.Event, object, None]:
+        """Before layer ``j``'s piece: its parameters gathered, the next layer's started."""
+        event = self.gather(mb, phase, j)
+        self.gather(mb, phase, j + 1 if phase == "F" else j - 1)
+        if event is not None and not event.processed:
+            yield from self._wait(event)
+
+    def after_last_backward(self) -> None:
+        """Parameters kept gathered (``reshard_after_forward`` off) are freed."""
+        if self._held_bytes:
+            self.run.memory[self.gpu].change([(-self._held_bytes, "params", "gathered parameters resharded")])
+            self._held_bytes = 0
+
+    # -- the update ------------------------------------------------------------------------
+    def before_update(self) -> Generator[simpy.Event, object, None]:
+        """The update waits for every reduction issued."""
+        for event in self._reductions:
+            if not event.processed:
+                yield from self._wait(event)
+
+    def after_update(self) -> Generator[simpy.Event, object, None]:
+        """ZeRO-1 and 2: each GPU's updated shard is all-gathered into the parameters."""
+        if self.sharding.zero_stage in (1, 2) and self.moves:
+            n_bytes = sum(r.param_bytes for r in self.rows.values())
+            yield from self._wait(self._collective("gather", "all-gather", n_bytes, "all-gather of updated parameters"))
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _wait(self, event: simpy.Event) -> Generator[simpy.Event, object, None]:
+        start = self.run.env.now
+        yield event
+        self.run.costs.add(self.gpu, "dp_wait_s", self.run.env.now - start)
+
+    def _collective(self, lane: str, op: str, n_bytes: int, label: str) -> simpy.Event:
+        """``op`` on the group's ring once the lane's previous collective has landed."""
+        done = self.run.env.event()
+        previous, self._tails[lane] = self._tails[lane], done
+        spawn(self.run.env, self._run(previous, op, n_bytes, label, done))
+        return done
+
+    def _run(self, previous: simpy.Event | None, op: str, n_bytes: int, label: str,
+             done: simpy.Event) -> Generator[simpy.Event, object, None]:
+        run = self.run
+        if previous is not None and not previous.processed:
+            yield previous
+        start = run.env.now
+        yield from ring_collective(run.env, run.net, run.topo, self.ring, op, n_bytes)
+        run.spans.append(Span(self.gpu, "nccl", label, start, run.env.now))
+        done.succeed()
+
+
+def _buckets(rows: dict, bucket_bytes: float) -> list[tuple[int, ...]]:
+    """The stage's layers in backward order cut into buckets of at least ``bucket_bytes``
+    of gradients (the last may be smaller); each bucket lists its layers last first."""
+    out: list[tuple[int, ...]] = []
+    members: list[int] = []
+    filled = 0
+    for j in sorted(rows, reverse=True):
+        members.append(j)
+        filled += rows[j].grad_bytes
+        if filled >= bucket_bytes:
+            out.append(tuple(members))
+            members, filled = [], 0
+    if members:
+        out.append(tuple(members))
+    return out

@@ -1,0 +1,80 @@
+"""Where the replicas of a data-parallel pipeline run: which GPUs form each stage's
+data-parallel group, and in which ring order.
+
+Every replica runs the same pipeline, so a stage's gradients are reduced (and, under
+ZeRO-3, its parameters gathered) across the stage's GPUs in all replicas: that group's
+ring bandwidth (``collectives.ring_bottleneck``) bounds every collective of the stage. On
+an NVSwitch server every choice is the same; on the DGX-1's hybrid cube-mesh it is not
+(GPUs 0-3 form a fully connected quad, 0 and 5 share no NVLink). ``place_replicas``
+searches the choices on servers of up to ``EXHAUSTIVE_GPUS`` GPUs and picks the one whose
+slowest group ring is fastest, then whose pipeline hops are fastest.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from functools import lru_cache
+from typing import Final
+
+from mpsim.sim.collectives import best_ring, ring_bottleneck
+from mpsim.topology import Topology
+
+Replicas = tuple[tuple[int, ...], ...]
+"""Per replica, the GPU of each stage; replica 0 is the pipeline the engine simulates."""
+
+EXHAUSTIVE_GPUS: Final = 8
+"""Servers up to this many GPUs get every grouping searched; larger ones take GPUs in order."""
+
+
+def place_replicas(topo: Topology, data: int, n_stages: int) -> Replicas:
+    """The GPUs of ``data`` replicas of ``n_stages`` stages on ``topo`` (checked by the job:
+    ``data * n_stages`` GPUs exist)."""
+    return _place(topo, data, n_stages)
+
+
+@lru_cache(maxsize=256)
+def _place(topo: Topology, data: int, n_stages: int) -> Replicas:
+    used = data * n_stages
+    if data == 1:
+        return (tuple(range(n_stages)),)
+    if topo.n_gpus > EXHAUSTIVE_GPUS:
+        groups = [tuple(range(s * data, (s + 1) * data)) for s in range(n_stages)]
+        return _replicas([best_ring(topo, g) for g in groups])
+    best: tuple[float, float] | None = None
+    chosen: list[tuple[int, ...]] = []
+    for gpus in itertools.combinations(range(topo.n_gpus), used):
+        for groups in _groupings(gpus, data):
+            rings = [best_ring(topo, g) for g in groups]
+            score = (min(ring_bottleneck(topo, r) for r in rings), _pipeline_bandwidth(topo, rings))
+            if best is None or score > best:
+                best, chosen = score, rings
+    return _replicas(chosen)
+
+
+def _groupings(gpus: Sequence[int], size: int) -> Iterator[list[tuple[int, ...]]]:
+    """Every way to cut ``gpus`` into groups of ``size``, in every stage order (the
+    groups' order is the pipeline's, which decides its hops)."""
+    for unordered in _partitions(tuple(gpus), size):
+        yield from (list(p) for p in itertools.permutations(unordered))
+
+
+def _partitions(gpus: tuple[int, ...], size: int) -> Iterator[tuple[tuple[int, ...], ...]]:
+    if not gpus:
+        yield ()
+        return
+    head, rest = gpus[0], gpus[1:]
+    for others in itertools.combinations(rest, size - 1):
+        left = tuple(g for g in rest if g not in others)
+        for tail in _partitions(left, size):
+            yield ((head, *others), *tail)
+
+
+def _pipeline_bandwidth(topo: Topology, rings: list[tuple[int, ...]]) -> float:
+    """The narrowest pipeline hop over all replicas (replica r is member r of each ring)."""
+    hops = [topo.route(a[r], b[r]).bandwidth for a, b in zip(rings, rings[1:]) for r in range(len(a))]
+    return min(hops, default=0.0)
+
+
+def _replicas(rings: list[tuple[int, ...]]) -> Replicas:
+    return tuple(tuple(ring[r] for ring in rings) for r in range(len(rings[0])))
