@@ -4,9 +4,10 @@ The loop is "profile here, simulate, run here": a trace measured on the device a
 (``mpsim.profiler``), a topology probed on it (``mpsim.probe``), the plan simulated with
 both, and the same plan executed by the executor (``validate/executor.py`` in the
 repository, installed as ``mpsim.executor.executor``) under torchrun (one process per
-stage). Per stage it reports predicted against measured peak memory (with the
-breakdown: weights, gradients, optimizer states, everything else) and the iteration time,
-and the error in percent: ``(predicted - measured) / measured``.
+stage of each data-parallel replica). Per GPU the plan runs on (each stage of each
+replica) it reports predicted against measured peak memory (with the breakdown: weights,
+gradients, optimizer states, everything else) and the iteration time, and the error in
+percent: ``(predicted - measured) / measured``.
 
 The executor runs on ``torch.distributed.pipelining``, whose ``PipelineStage`` keeps one
 activation and one gradient receive buffer per microbatch, so the job is simulated with
@@ -14,7 +15,8 @@ activation and one gradient receive buffer per microbatch, so the job is simulat
 
 What the executor does not run is refused before anything starts: PipeDream's asynchronous
 schedule and host-streamed optimizer (no counterpart in torch's pipelining), splits other
-than along the batch, peer swaps without GPUs, precision other than fp32 on CPU.
+than along the batch, peer swaps without GPUs, precision other than fp32 on CPU, a host
+optimizer with ZeRO 1 to 3 (the executor shards the device's optimizer only).
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class RunSettings:
     """Memory a stage may use (enforced); None: the topology's capacity."""
     seed: int = 0
     timeout_s: float = 600.0
+    digests: bool = False
+    """Each rank also records a SHA-256 of its stage's whole parameters after the last step
+    (sharded ones gathered), so tests can check that replicas agree."""
 
 
 #: The executor's module, run by torchrun with ``-m`` (the repository's ``validate/``
@@ -88,7 +93,7 @@ def check_runnable(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSe
         raise MpsimError(f"{source}: the executor runs gpipe and 1f1b; torch's pipelining has no asynchronous "
                          "PipeDream schedule")
     if dev.type == "cuda":
-        need = max(s.gpu for s in plan.stages) + 1
+        need = max(plan.gpus_used()) + 1
         if torch.cuda.device_count() < need:
             raise MpsimError(f"{source}: the plan uses GPU {need - 1} but this machine has "
                              f"{torch.cuda.device_count()} CUDA GPU(s)")
@@ -100,6 +105,12 @@ def check_runnable(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSe
                          "checkpoints every recomputed layer on its own (use layer)")
     for s, st in enumerate(plan.stages):
         _check_stage_runnable(plan, s, st, dev, source)
+    dp = plan.data_parallel
+    if dp is not None and dp.zero_stage > 0:
+        for s, st in enumerate(plan.stages):
+            if st.optimizer != "gpu":
+                raise MpsimError(f"{source}: stages.{s}.optimizer '{st.optimizer}' with ZeRO stage {dp.zero_stage}: "
+                                 "the executor shards the device's optimizer only (use gpu, or ZeRO stage 0)")
 
 
 def _check_stage_runnable(plan: PlanFile, s: int, st: StagePlan, dev: torch.device, source: str) -> None:
@@ -137,16 +148,18 @@ def model_config(trace: Trace) -> ModelConfig:
 
 def run_executor(plan: PlanFile, cfg: ModelConfig, settings: RunSettings, capacity_bytes: int | None,
                  workdir: Path) -> list[dict | None]:
-    """Run the plan with torchrun; the per-stage result dicts (None for a stage that
+    """Run the plan with torchrun, one process per stage of each replica; the per-rank
+    result dicts in rank order (``rank = replica * stages + stage``; None for a rank that
     stopped because another failed)."""
     job = {"plan": json.loads(plan.to_json()), "model": dataclasses.asdict(cfg), "device": settings.device,
            "threads": settings.threads, "seed": settings.seed, "warmup": settings.warmup, "steps": settings.steps,
-           "capacity_bytes": capacity_bytes}
+           "capacity_bytes": capacity_bytes, "digests": settings.digests}
+    world = plan.replicas * len(plan.stages)
     workdir = workdir.resolve()
     job_path = workdir / "job.json"
     job_path.write_text(json.dumps(job, indent=1))
-    out = workdir / "stages"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(plan.stages)}",
+    out = workdir / "ranks"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "-m", executor_module(), "--job", str(job_path), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS=str(settings.threads), PYTHONUNBUFFERED="1")
     try:
@@ -157,13 +170,13 @@ def run_executor(plan: PlanFile, cfg: ModelConfig, settings: RunSettings, capaci
     except subprocess.TimeoutExpired:
         raise MpsimError(f"the executor did not finish within {settings.timeout_s:.0f} s") from None
     results: list[dict | None] = []
-    for s in range(len(plan.stages)):
-        f = out / f"stage{s}.json"
+    for r in range(world):
+        f = out / f"rank{r}.json"
         results.append(json.loads(f.read_text()) if f.exists() else None)
     if any(r is not None and r.get("oom") for r in results):
         return results
     if proc.returncode != 0 or any(r is None for r in results):
-        errors = sorted(out.glob("stage*.error.txt")) if out.exists() else []
+        errors = sorted(out.glob("rank*.error.txt")) if out.exists() else []
         if errors:
             detail = errors[0].read_text().strip().splitlines()[-1]
         else:
@@ -192,27 +205,40 @@ def _error_pct(predicted: float, measured: float) -> float:
     return 100.0 * (predicted - measured) / measured if measured else float("nan")
 
 
+def rank_places(plan: PlanFile) -> list[tuple[int, int, int]]:
+    """(replica, stage, GPU) of every executor rank, in rank order (``replica * stages + stage``)."""
+    gpus = [[st.gpu for st in plan.stages]] if plan.data_parallel is None else plan.data_parallel.replicas
+    return [(r, s, g) for r, row in enumerate(gpus) for s, g in enumerate(row)]
+
+
+def _gpu_row(plan: PlanFile, predicted: SimResult, place: tuple[int, int, int], m: dict | None) -> dict:
+    """One GPU's row: the simulator's ``SimResult.gpus[gpu]`` against the rank that ran there."""
+    replica, s, gpu = place
+    g = predicted.gpus[gpu]
+    pred_bd = {k: g.breakdown.get(k, 0) for k in MODEL_STATES}
+    pred_bd["activations"] = g.peak_bytes - sum(pred_bd.values())
+    row: dict = {"replica": replica, "stage": s, "gpu": gpu, "layers": list(plan.stages[s].layers),
+                 "predicted_peak_bytes": g.peak_bytes, "predicted_breakdown": pred_bd, "predicted_fits": g.fits}
+    if m is not None and not m.get("oom"):
+        bd = {k: m["breakdown"].get(k, 0) for k in (*MODEL_STATES, "activations")}
+        row.update(measured_peak_bytes=m["peak_bytes"], measured_breakdown=bd, measured_step_s=m["step_s"],
+                   peak_error_pct=_error_pct(g.peak_bytes, m["peak_bytes"]))
+        if "model_state_bytes" in m:
+            row["measured_model_state_bytes"] = m["model_state_bytes"]
+    return row
+
+
 def compare(plan: PlanFile, predicted: SimResult, measured: list[dict | None]) -> dict:
-    """The validation report: per stage predicted and measured peak and breakdown, and
-    the iteration time, with errors in percent."""
-    stages = []
+    """The validation report: per GPU the plan runs on (each stage of each replica, in rank
+    order) predicted and measured peak and breakdown, and the iteration time (the slowest
+    rank's), with errors in percent. ``measured`` is ``run_executor``'s list."""
     oom = next((r["oom"] for r in measured if r is not None and r.get("oom")), None)
-    for s, st in enumerate(plan.stages):
-        g = predicted.gpus[st.gpu]
-        pred_bd = {k: g.breakdown.get(k, 0) for k in MODEL_STATES}
-        pred_bd["activations"] = g.peak_bytes - sum(pred_bd.values())
-        m = measured[s]
-        row: dict = {"stage": s, "gpu": st.gpu, "layers": list(st.layers), "predicted_peak_bytes": g.peak_bytes,
-                     "predicted_breakdown": pred_bd, "predicted_fits": g.fits}
-        if m is not None and not m.get("oom"):
-            bd = {k: m["breakdown"].get(k, 0) for k in (*MODEL_STATES, "activations")}
-            row.update(measured_peak_bytes=m["peak_bytes"], measured_breakdown=bd, measured_step_s=m["step_s"],
-                       peak_error_pct=_error_pct(g.peak_bytes, m["peak_bytes"]))
-        stages.append(row)
+    rows = [_gpu_row(plan, predicted, place, m) for place, m in zip(rank_places(plan), measured)]
     report: dict = {
         "model": plan.model, "server": predicted.server, "schedule": plan.schedule, "strategy": plan.strategy,
-        "microbatch": plan.microbatch, "microbatches": plan.microbatches,
-        "predicted_fits": predicted.fits, "predicted_oom": predicted.oom, "oom": oom, "stages": stages,
+        "microbatch": plan.microbatch, "microbatches": plan.microbatches, "replicas": plan.replicas,
+        "zero_stage": None if plan.data_parallel is None else plan.data_parallel.zero_stage,
+        "predicted_fits": predicted.fits, "predicted_oom": predicted.oom, "oom": oom, "stages": rows,
         "predicted_iteration_s": predicted.iteration_s,
     }
     if oom is None:

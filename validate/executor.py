@@ -1,17 +1,21 @@
 """One pipeline stage of a plan, run for real: the torchrun worker of ``mpsim validate``.
 
 Launched as ``torchrun --nproc-per-node P -m mpsim.executor.executor --job JOB.json``
-(one process per stage; gloo on CPU, NCCL on GPUs); this folder is installed as the
-package ``mpsim.executor``. Each process builds its stage's layers from
-``mpsim.workloads`` (the modules the trace was measured on), wraps them as the plan says
-(``stage_actions``), and drives them with ``torch.distributed.pipelining``
-(``ScheduleGPipe`` or ``Schedule1F1B``) on synthetic tokens.
+(one process per stage of each data-parallel replica, ``rank = replica * stages + stage``;
+gloo on CPU, NCCL on GPUs); this folder is installed as the package ``mpsim.executor``.
+Each process builds its stage's layers from ``mpsim.workloads`` (the modules the trace
+was measured on), wraps them as the plan says (``stage_actions``; with replicas, DDP,
+ZeRO-1/2 or FSDP2 as ``data_parallel`` describes), and drives them with
+``torch.distributed.pipelining`` (``ScheduleGPipe`` or ``Schedule1F1B``) on synthetic
+tokens, each replica on its own.
 
 Steps, in order:
 
 1. step 0 sets up the pipeline (shape inference, receive buffers) and creates the
-   gradients and Adam's states, which are static from then on;
-2. step 1 measures peak memory: on CPU ``torch.distributed._tools.mem_tracker.MemTracker``
+   gradients and Adam's states, which are static from then on; with replicas, step 1
+   too (DDP lays out its gradient buckets again, in the order of the first backward, at
+   the next forward);
+2. the next step measures peak memory: on CPU ``torch.distributed._tools.mem_tracker.MemTracker``
    (bytes by category), capped, so a stage that outgrows its capacity fails here; on CUDA
    the caching allocator's peak, with MemTracker for the breakdown;
 3. ``warmup`` untimed steps, then ``steps`` timed ones (no tracker), all processes
@@ -23,26 +27,42 @@ out-of-memory is written as a result (stage, step, phase), not raised, under eit
 schedule: torch's pipelining wraps what a stage raises in its own ``RuntimeError``, so it
 is found along the exception's cause chain (``out_of_memory_in``).
 
-Writes ``stage<i>.json`` into ``--out``.
+Writes ``rank<i>.json`` into ``--out``: the rank's replica, stage and GPU, its peak, the
+breakdown, its step times and its model states' bytes after the last step.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
 import time
 import traceback
 from pathlib import Path
+from typing import TypeAlias
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
 
+from mpsim.executor.data_parallel import (
+    Groups,
+    RankLayout,
+    ShardedStage,
+    local_bytes,
+    make_groups,
+    rank_layout,
+    shard_module,
+    sharded_optimizer,
+)
 from mpsim.executor.stage_actions import Recompute, Split, Swap, SwapSpace, selective, untracked
+from mpsim.executor.zero import Zero2Adam
 from mpsim.plan import PlanFile
 from mpsim.profiler import sync_device
 from mpsim.workloads import Embedding, LossHead, ModelConfig, TransformerLayer
@@ -108,6 +128,12 @@ class CappedMemTracker(MemTracker):
         used = self._curr_mem_snap.get(self._cap_device, {}).get("Total", 0)
         if used > self._cap_bytes:
             raise StageOutOfMemory(f"{_pass_name()} tried to hold {used} bytes on a {self._cap_bytes}-byte device")
+
+    def track_grads(self, grads: list[torch.Tensor]) -> None:
+        """Count ``grads`` (gradient buffers that are no parameter's ``.grad``: ZeRO-2's
+        slices) as gradients."""
+        for g in grads:
+            self._update_and_maybe_create_winfos(g, _MemRefType.GRAD)
 
 
 class Head(nn.Module):
@@ -186,24 +212,35 @@ class HostAdam:
                 p.grad.zero_()
 
 
-Optimizer = torch.optim.Optimizer | HostAdam
+Optimizer: TypeAlias = torch.optim.Optimizer | HostAdam | Zero2Adam
+
+
+def local_optimizer(opt: Optimizer) -> torch.optim.Optimizer | None:
+    """The torch optimizer that holds this rank's states on the device (None: on the host)."""
+    if isinstance(opt, ZeroRedundancyOptimizer):
+        return opt.optim
+    if isinstance(opt, Zero2Adam):
+        return opt.adam
+    if isinstance(opt, HostAdam):
+        return None
+    return opt
 
 
 class Stepper:
     """One training step of this stage (the pipeline's step, then the optimizer's), and
     where the run is for an out-of-memory's record: ``step_no`` and ``phase``."""
 
-    def __init__(self, schedule: ScheduleGPipe | Schedule1F1B, opt: Optimizer, tokens: torch.Tensor, rank: int,
-                 world: int) -> None:
+    def __init__(self, schedule: ScheduleGPipe | Schedule1F1B, opt: Optimizer, tokens: torch.Tensor, stage: int,
+                 n_stages: int) -> None:
         self.schedule, self.opt, self.tokens = schedule, opt, tokens
-        self.rank, self.world = rank, world
+        self.stage, self.n_stages = stage, n_stages
         self.phase = "setup"
         self.step_no = 0
 
     def __call__(self) -> None:
         self.phase = "pipeline"
-        args = (self.tokens,) if self.rank == 0 else ()
-        target = self.tokens if self.rank == self.world - 1 else None
+        args = (self.tokens,) if self.stage == 0 else ()
+        target = self.tokens if self.stage == self.n_stages - 1 else None
         self.schedule.step(*args, target=target, return_outputs=False)
         self.phase = "optimizer"
         self.opt.step()
@@ -229,24 +266,55 @@ def init_process(job: dict, gpu: int) -> torch.device:
     return device
 
 
-def build_pipeline(plan: PlanFile, cfg: ModelConfig, rank: int, world: int,
-                   device: torch.device) -> tuple[nn.Sequential, Stepper]:
-    """This stage's module and optimizer (on the host for ``host-update``), driven by torch's
-    GPipe or 1F1B schedule on synthetic tokens."""
-    use_cuda = device.type == "cuda"
+LR = 1e-4
+
+
+def replica_tokens(cfg: ModelConfig, plan: PlanFile, replica: int) -> torch.Tensor:
+    """The step's synthetic tokens (every microbatch) of one replica; replicas differ."""
     b, m = plan.microbatch, plan.microbatches
-    tokens = torch.randint(0, cfg.vocab, (b * m, cfg.seq_len), generator=torch.Generator().manual_seed(1))
-    labels = tokens[:b].to(device)
-    peers = {s.gpu: torch.device("cuda", s.gpu) for s in plan.stages} if use_cuda else {}
-    module, params = build_stage(cfg, plan, rank, device, labels, peers)
-    if plan.stages[rank].optimizer == "host-update":
-        opt: Optimizer = HostAdam(params, lr=1e-4)
+    return torch.randint(0, cfg.vocab, (b * m, cfg.seq_len), generator=torch.Generator().manual_seed(1 + replica))
+
+
+def stage_io(cfg: ModelConfig, plan: PlanFile, stage: int) -> dict[str, torch.Tensor]:
+    """Example input and output of one microbatch at ``stage`` (meta tensors), so that torch's
+    pipelining knows the shapes without its inference forward and backward: that extra
+    backward on step 0 would register every parameter twice in DDP's bucket order."""
+    b, (first, end) = plan.microbatch, plan.stages[stage].layers
+    hidden = torch.empty(b, cfg.seq_len, cfg.hidden, device="meta", requires_grad=True)
+    tokens = torch.empty(b, cfg.seq_len, dtype=torch.long, device="meta")
+    loss = torch.empty((), device="meta", requires_grad=True)
+    return {"input_args": tokens if first == 0 else hidden, "output_args": loss if end == cfg.layers + 2 else hidden}
+
+
+def build_pipeline(plan: PlanFile, cfg: ModelConfig, layout: RankLayout, groups: Groups,
+                   device: torch.device) -> tuple[nn.Module, Stepper]:
+    """This rank's module and optimizer (on the host for ``host-update``; sharded as the
+    plan's ZeRO stage says), driven by torch's GPipe or 1F1B schedule on its replica's
+    synthetic tokens."""
+    s, m = layout.stage, plan.microbatches
+    tokens = replica_tokens(cfg, plan, layout.replica)
+    labels = tokens[: plan.microbatch].to(device)
+    peers = {g: torch.device("cuda", g) for g in range(torch.cuda.device_count())} if device.type == "cuda" else {}
+    built, params = build_stage(cfg, plan, s, device, labels, peers)
+    module: nn.Module = built
+    dp = plan.data_parallel
+    if dp is not None:
+        module = shard_module(built, dp, groups.data, device)
+    if plan.stages[s].optimizer == "host-update":
+        opt: Optimizer = HostAdam(params, lr=LR)
+    elif dp is not None:
+        opt = sharded_optimizer(module, dp, groups.data, LR, m)
     else:
-        opt = torch.optim.Adam(params, lr=1e-4, foreach=False)
-    stage = PipelineStage(module, rank, world, device)
+        opt = torch.optim.Adam(params, lr=LR, foreach=False)
+    io = {} if dp is None else stage_io(cfg, plan, s)
+    if dp is not None and dp.zero_stage == 3:
+        stage: PipelineStage = ShardedStage(module, s, layout.n_stages, device, group=groups.pipeline,
+                                            reshard_after_forward=dp.reshard_after_forward, **io)
+    else:
+        stage = PipelineStage(module, s, layout.n_stages, device, group=groups.pipeline, **io)
     schedule_cls = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
     schedule = schedule_cls(stage, n_microbatches=m, loss_fn=lambda out, _target: out)
-    return module, Stepper(schedule, opt, tokens.to(device), rank, world)
+    return module, Stepper(schedule, opt, tokens.to(device), s, layout.n_stages)
 
 
 def peak_breakdown(snap: dict) -> dict[str, int]:
@@ -260,13 +328,15 @@ def peak_breakdown(snap: dict) -> dict[str, int]:
     return breakdown
 
 
-def measure_peak(step: Stepper, module: nn.Sequential, device: torch.device, cap: int | None) -> dict:
+def measure_peak(step: Stepper, module: nn.Module, device: torch.device, cap: int | None) -> dict:
     """Step 1 under the tracker (capped at ``cap`` bytes on the CPU): the tracker's peak, the
     peak (the caching allocator's on CUDA) and its breakdown."""
     use_cuda = device.type == "cuda"
-    opt = step.opt
+    opt = local_optimizer(step.opt)
     tracker = CappedMemTracker(device, None if use_cuda else cap)
-    tracker.track_external(module, *([opt] if isinstance(opt, torch.optim.Optimizer) else []))
+    tracker.track_external(module, *([opt] if opt is not None else []))
+    if isinstance(step.opt, Zero2Adam):
+        tracker.track_grads(step.opt.grad_shards())
     if use_cuda:
         sync_device(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -284,8 +354,9 @@ def time_steps(step: Stepper, device: torch.device, warmup: int, steps: int) -> 
     """``warmup`` untimed steps, then the times of ``steps`` timed ones, all processes
     starting each step together."""
     times: list[float] = []
+    first = step.step_no + 1
     for i in range(warmup + steps):
-        step.step_no = 2 + i
+        step.step_no = first + i
         dist.barrier()
         sync_device(device)
         t0 = time.perf_counter()
@@ -296,15 +367,45 @@ def time_steps(step: Stepper, device: torch.device, warmup: int, steps: int) -> 
     return times
 
 
-def train(job: dict, step: Stepper, module: nn.Sequential, device: torch.device, result: dict) -> None:
-    """The module doc's steps into ``result``: step 0 sets up, step 1 measures the peak,
-    then the timed steps."""
-    step()  # builds the pipeline's buffers, the gradients and Adam's states
-    step.step_no = 1
+def model_state_bytes(module: nn.Module, opt: Optimizer) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and optimizer states on its device
+    (shards where they are sharded), read off the tensors themselves."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if isinstance(opt, Zero2Adam):
+        grads += opt.grad_shards()
+    local = local_optimizer(opt)
+    states = [] if local is None else [v for st in local.state.values() for v in st.values()
+                                       if isinstance(v, torch.Tensor)]
+    return {"params": sum(local_bytes(p) for p in module.parameters()),
+            "grads": sum(local_bytes(g) for g in grads), "optimizer": sum(local_bytes(v) for v in states)}
+
+
+def params_digest(module: nn.Module) -> str:
+    """SHA-256 of the stage's whole parameters (sharded ones gathered: a collective every
+    rank of the data-parallel group runs, in the same order)."""
+    h = hashlib.sha256()
+    for p in module.parameters():
+        whole = p.full_tensor() if isinstance(p, DTensor) else p
+        h.update(whole.detach().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(job: dict, step: Stepper, module: nn.Module, device: torch.device, result: dict) -> None:
+    """The module doc's steps into ``result``: the setup steps, the step that measures the
+    peak, then the timed steps; the model states' bytes (and, when the job asks, a digest
+    of the parameters) after the last."""
+    setup_steps = 1 if job["plan"].get("data_parallel") is None else 2
+    for i in range(setup_steps):
+        step.step_no = i
+        step()  # builds the pipeline's buffers, the gradients and Adam's states (and DDP's buckets)
+    step.step_no = setup_steps
     result.update(measure_peak(step, module, device, job.get("capacity_bytes")))
     times = time_steps(step, device, job["warmup"], job["steps"])
     result["step_times_s"] = times
     result["step_s"] = statistics.median(times)
+    result["model_state_bytes"] = model_state_bytes(module, step.opt)
+    if job.get("digests"):
+        result["params_sha256"] = params_digest(module)
 
 
 def oom_record(oom: BaseException, step: Stepper, gpu: int) -> dict:
@@ -313,29 +414,30 @@ def oom_record(oom: BaseException, step: Stepper, gpu: int) -> dict:
     where = step.phase
     if where == "pipeline" and isinstance(oom, StageOutOfMemory):
         where = f"pipeline {str(oom).split()[0]}"
-    return {"stage": step.rank, "gpu": gpu, "step": step.step_no, "phase": where,
+    return {"stage": step.stage, "gpu": gpu, "step": step.step_no, "phase": where,
             "message": str(oom).splitlines()[0][:300]}
 
 
 def run(job: dict, out_dir: Path) -> dict:
     rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
     plan = PlanFile.model_validate(job["plan"])
     cfg = ModelConfig(**job["model"])
-    if world != len(plan.stages):
-        raise SystemExit(f"the plan has {len(plan.stages)} stages but {world} processes were started")
-    st = plan.stages[rank]
-    device = init_process(job, st.gpu)
-    module, step = build_pipeline(plan, cfg, rank, world, device)
-    result: dict = {"stage": rank, "gpu": st.gpu, "layers": list(st.layers), "device": str(device), "oom": None}
+    layout = rank_layout(plan, rank, int(os.environ["WORLD_SIZE"]))
+    gpu = layout.gpu(plan)
+    device = init_process(job, gpu)
+    module, step = build_pipeline(plan, cfg, layout, make_groups(plan, device), device)
+    tokens = replica_tokens(cfg, plan, layout.replica)
+    result: dict = {"rank": rank, "replica": layout.replica, "stage": layout.stage, "gpu": gpu,
+                    "layers": list(plan.stages[layout.stage].layers), "device": str(device), "oom": None,
+                    "tokens_sha256": hashlib.sha256(tokens.numpy().tobytes()).hexdigest()}
     try:
         train(job, step, module, device, result)
     except Exception as exc:
         oom = out_of_memory_in(exc)
         if oom is None:
             raise
-        result["oom"] = oom_record(oom, step, st.gpu)
-    (out_dir / f"stage{rank}.json").write_text(json.dumps(result, indent=1) + "\n")
+        result["oom"] = oom_record(oom, step, gpu)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result, indent=1) + "\n")
     if result["oom"] is not None:
         os._exit(3)  # the other stages wait on this one; torchrun stops them
     dist.barrier()
@@ -346,7 +448,7 @@ def run(job: dict, out_dir: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--job", required=True, type=Path, help="job JSON written by mpsim validate")
-    ap.add_argument("--out", required=True, type=Path, help="folder for stage<i>.json")
+    ap.add_argument("--out", required=True, type=Path, help="folder for rank<i>.json")
     args = ap.parse_args()
     job = json.loads(args.job.read_text())
     args.out.mkdir(parents=True, exist_ok=True)
@@ -354,7 +456,7 @@ def main() -> None:
         run(job, args.out)
     except Exception:
         rank = os.environ.get("RANK", "?")
-        (args.out / f"stage{rank}.error.txt").write_text(traceback.format_exc())
+        (args.out / f"rank{rank}.error.txt").write_text(traceback.format_exc())
         raise
 
 
