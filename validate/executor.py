@@ -275,7 +275,7 @@ def replica_tokens(cfg: ModelConfig, plan: PlanFile, replica: int) -> torch.Tens
     return torch.randint(0, cfg.vocab, (b * m, cfg.seq_len), generator=torch.Generator().manual_seed(1 + replica))
 
 
-def stage_io(cfg: ModelConfig, plan: PlanFile, stage: int) -> dict[str, torch.Tensor]:
+def stage_io(cfg: ModelConfig, plan: PlanFile, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Example input and output of one microbatch at ``stage`` (meta tensors), so that torch's
     pipelining knows the shapes without its inference forward and backward: that extra
     backward on step 0 would register every parameter twice in DDP's bucket order."""
@@ -283,7 +283,7 @@ def stage_io(cfg: ModelConfig, plan: PlanFile, stage: int) -> dict[str, torch.Te
     hidden = torch.empty(b, cfg.seq_len, cfg.hidden, device="meta", requires_grad=True)
     tokens = torch.empty(b, cfg.seq_len, dtype=torch.long, device="meta")
     loss = torch.empty((), device="meta", requires_grad=True)
-    return {"input_args": tokens if first == 0 else hidden, "output_args": loss if end == cfg.layers + 2 else hidden}
+    return tokens if first == 0 else hidden, loss if end == cfg.layers + 2 else hidden
 
 
 def build_pipeline(plan: PlanFile, cfg: ModelConfig, layout: RankLayout, groups: Groups,
@@ -306,12 +306,12 @@ def build_pipeline(plan: PlanFile, cfg: ModelConfig, layout: RankLayout, groups:
         opt = sharded_optimizer(module, dp, groups.data, LR, m)
     else:
         opt = torch.optim.Adam(params, lr=LR, foreach=False)
-    io = {} if dp is None else stage_io(cfg, plan, s)
+    example_in, example_out = (None, None) if dp is None else stage_io(cfg, plan, s)
     if dp is not None and dp.zero_stage == 3:
-        stage: PipelineStage = ShardedStage(module, s, layout.n_stages, device, group=groups.pipeline,
-                                            reshard_after_forward=dp.reshard_after_forward, **io)
+        stage: PipelineStage = ShardedStage(module, s, layout.n_stages, device, example_in, example_out,
+                                            group=groups.pipeline, reshard_after_forward=dp.reshard_after_forward)
     else:
-        stage = PipelineStage(module, s, layout.n_stages, device, group=groups.pipeline, **io)
+        stage = PipelineStage(module, s, layout.n_stages, device, example_in, example_out, group=groups.pipeline)
     schedule_cls = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
     schedule = schedule_cls(stage, n_microbatches=m, loss_fn=lambda out, _target: out)
     return module, Stepper(schedule, opt, tokens.to(device), s, layout.n_stages)
