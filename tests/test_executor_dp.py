@@ -1,0 +1,129 @@
+"""The executor's data-parallel replicas on CPU (gloo, torchrun): DDP and ZeRO 1 to 3, alone
+and under a two-stage pipeline, on a two-layer GPT small enough for 2 cores (about 6 s a run).
+
+What is asserted is the behaviour, read off the ranks themselves: replicas train on
+different tokens yet end with identical parameters (their gradients were averaged and
+their updates agree); each rank holds the share of the model states its ZeRO stage gives
+it (ZeRO-1 the optimizer states, ZeRO-2 the gradients too, ZeRO-3 the parameters too, 1/N
+each), in its own tensors and in the memory tracker's peak; one result comes back per GPU,
+and ``compare`` sets each beside the simulator's prediction for that GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from mpsim.errors import MpsimError
+from mpsim.hardware_check import (
+    RunSettings,
+    check_runnable,
+    compare,
+    model_config,
+    rank_places,
+    run_executor,
+    simulate_plan,
+)
+from mpsim.plan import DataParallelPlan, PlanFile, make_plan
+from mpsim.probe import probe
+from mpsim.topology import Topology
+from mpsim.trace import Trace
+from mpsim.tracer import trace_model
+from mpsim.workloads import ModelConfig
+
+CFG = ModelConfig("gpt", layers=2, hidden=64, heads=2, seq_len=32, vocab=128)
+SETTINGS = RunSettings(device="cpu", threads=1, warmup=0, steps=2, digests=True)
+
+#: Model states per rank as multiples of its stage's parameter bytes P (fp32 Adam: two
+#: states per parameter), with two replicas: (parameters, gradients, optimizer states).
+SHARE = {0: (1.0, 1.0, 2.0), 1: (1.0, 1.0, 1.0), 2: (1.0, 0.5, 1.0), 3: (0.5, 0.5, 1.0)}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Trace:
+    return trace_model(CFG, 2, "fp32")
+
+
+@pytest.fixture(scope="module")
+def cpu4() -> Topology:
+    return probe("cpu", devices=4, threads=1, memory_mib=2048)[1]
+
+
+def _plan(trace: Trace, topo: Topology, zero: Literal[0, 1, 2, 3], stages: list[tuple[int, int]]) -> PlanFile:
+    n = len(stages)
+    dp = DataParallelPlan(degree=2, zero_stage=zero, replicas=[list(range(n)), list(range(n, 2 * n))])
+    return make_plan(trace, topo, "1f1b", 2, stages, list(range(n)), "keep", data_parallel=dp)
+
+
+def _run(plan: PlanFile, topo: Topology, trace: Trace, workdir: Path) -> tuple[list[dict], dict]:
+    check_runnable(plan, topo, trace, SETTINGS)
+    measured = run_executor(plan, model_config(trace), SETTINGS, topo.capacity_bytes, workdir)
+    assert all(m is not None and m["oom"] is None for m in measured)
+    report = compare(plan, simulate_plan(plan, topo, trace), measured)
+    return measured, report  # type: ignore[return-value]
+
+
+def _stage_param_bytes(trace: Trace, plan: PlanFile, stage: int) -> int:
+    a, b = plan.stages[stage].layers
+    return sum(row.param_bytes for row in trace.layers[a:b])
+
+
+def _assert_share(m: dict, param_bytes: int, zero: int) -> None:
+    """The rank's model states are its ZeRO stage's share (``SHARE``) of the stage's."""
+    held = m["model_state_bytes"]
+    for kind, share in zip(("params", "grads", "optimizer"), SHARE[zero]):
+        # ZeRO-1 hands out whole parameters, so its halves are as even as their sizes allow
+        tolerance = 0.2 if (zero, kind) == (1, "optimizer") else 0.01
+        assert held[kind] == pytest.approx(share * param_bytes, rel=tolerance), (kind, held)
+    assert m["breakdown"]["optimizer"] == held["optimizer"]  # the tracker's peak holds the same states
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_two_replicas_agree_and_hold_their_share(tiny, cpu4, zero, tmp_path):
+    plan = _plan(tiny, cpu4, zero, [(0, 4)])
+    measured, report = _run(plan, cpu4, tiny, tmp_path)
+    assert [(m["replica"], m["stage"], m["gpu"]) for m in measured] == [(0, 0, 0), (1, 0, 1)]
+    first, second = measured
+    assert first["tokens_sha256"] != second["tokens_sha256"]
+    assert first["params_sha256"] == second["params_sha256"]
+    param_bytes = _stage_param_bytes(tiny, plan, 0)
+    for m in measured:
+        _assert_share(m, param_bytes, zero)
+    total_optimizer = sum(m["model_state_bytes"]["optimizer"] for m in measured)
+    assert total_optimizer == pytest.approx(2 * param_bytes * (2 if zero == 0 else 1), rel=0.01)
+    assert [(row["replica"], row["gpu"]) for row in report["stages"]] == [(0, 0), (1, 1)]
+    assert all(row["predicted_peak_bytes"] > 0 and "peak_error_pct" in row for row in report["stages"])
+
+
+@pytest.mark.torchrun
+def test_two_replicas_of_a_two_stage_pipeline(tiny, cpu4, tmp_path):
+    plan = _plan(tiny, cpu4, 1, [(0, 2), (2, 4)])
+    measured, report = _run(plan, cpu4, tiny, tmp_path)
+    places = [(m["replica"], m["stage"], m["gpu"]) for m in measured]
+    assert places == rank_places(plan) == [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
+    for s in (0, 1):
+        a, b = measured[s], measured[2 + s]  # stage s in replica 0 and in replica 1
+        assert a["params_sha256"] == b["params_sha256"] and a["tokens_sha256"] != b["tokens_sha256"]
+        for m in (a, b):
+            _assert_share(m, _stage_param_bytes(tiny, plan, s), 1)
+    assert measured[0]["tokens_sha256"] == measured[1]["tokens_sha256"]  # one replica, one batch
+    assert [row["gpu"] for row in report["stages"]] == [0, 1, 2, 3]
+    assert report["replicas"] == 2 and report["zero_stage"] == 1
+
+
+def test_a_host_optimizer_with_zero_is_refused(tiny, cpu4):
+    dp = DataParallelPlan(degree=2, zero_stage=2, replicas=[[0], [1]])
+    plan = make_plan(tiny, cpu4, "1f1b", 2, [(0, 4)], [0], "keep", optimizer={0: "host-update"},
+                     data_parallel=dp)
+    with pytest.raises(MpsimError, match="shards the device's optimizer only"):
+        check_runnable(plan, cpu4, tiny, SETTINGS)
+    ddp = plan.model_copy(update={"data_parallel": dp.model_copy(update={"zero_stage": 0})})
+    check_runnable(ddp, cpu4, tiny, SETTINGS)  # DDP's gradients can still go to a host Adam
+
+
+def test_ranks_without_replicas_are_the_stages(tiny, cpu4):
+    plan = make_plan(tiny, cpu4, "1f1b", 2, [(0, 2), (2, 4)], [3, 1], "keep")
+    assert rank_places(plan) == [(0, 0, 3), (0, 1, 1)]
