@@ -113,6 +113,11 @@ class DataParallelPlan(_Strict):
                                                                   "each layer's forward")
     replicas: list[list[int]] = Field(min_length=1, max_length=1024,
                                       description="per replica, the GPU of each stage; replica 0 is the stages' own")
+    offload_params: bool = Field(default=False, description="ZeRO-3: parameter shards live off the GPU and are "
+                                                            "fetched before each gather (ZeRO-Infinity)")
+    offload_device: Literal["host", "nvme"] = Field(
+        default="host", description="where offloaded parameters and optimizer states live: host memory or the "
+                                    "server's NVMe drives (ZeRO-Infinity)")
 
     def group(self, stage: int) -> tuple[int, ...]:
         """Stage ``stage``'s data-parallel group: its GPU in every replica."""
@@ -217,6 +222,10 @@ def _check_data_parallel(plan: PlanFile, topo: Topology, bad: _Bad) -> None:
     own = [st.gpu for st in plan.stages]
     if dp.replicas[0] != own:
         raise bad("data_parallel.replicas.0", f"expected the stages' own GPUs {own}, got {dp.replicas[0]}")
+    if dp.offload_params and dp.zero_stage != 3:
+        raise bad("data_parallel.offload_params", "offloads parameter shards, which only ZeRO stage 3 has")
+    if dp.offload_device == "nvme" and topo.spec.nvme is None:
+        raise bad("data_parallel.offload_device", f"{topo.name} states no NVMe drives (topology field nvme)")
     seen: set[int] = set()
     for r, gpus in enumerate(dp.replicas):
         _check_replica(gpus, f"data_parallel.replicas.{r}", len(own), topo, seen, bad)

@@ -83,6 +83,10 @@ STRATEGIES: dict[str, Strategy] = _table(
     Strategy("mpress-d2d-only", _MPRESS, help=None),
     Strategy("tsplit", "mpsim.planners.tsplit:plan_tsplit", in_best=True,
              help="swap, recompute and tensor splitting by TSPLIT's cost model"),
+    Strategy("zero-offload", "mpsim.planners.offload:PLANNERS",
+             help="ZeRO-Offload: ZeRO-2 over the replicas, optimizer states and Adam on the host CPU"),
+    Strategy("zero-infinity", "mpsim.planners.offload:PLANNERS",
+             help="ZeRO-Infinity: ZeRO-3, parameter shards and optimizer states in host memory (NVMe when short)"),
     Strategy("best", "mpsim.planners.best:plan_best", combines=True,
              help="every planner under both partitions, the fastest that fits"),
 )

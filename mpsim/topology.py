@@ -114,12 +114,43 @@ class GpuSpec(_Strict):
                             memory=self.memory_efficiency, source="matmul_efficiency and memory_efficiency")
 
 
+CPU_ADAM_BYTES_PER_PARAM: Final = 28
+"""DRAM traffic of one mixed-precision Adam step per parameter on the CPU: read the fp32
+master weight, momentum and variance and the fp32 gradient (16 bytes), write the three
+back (12 bytes); the fp16 copy of the weight is the GPU's business."""
+CPU_STREAM_EFFICIENCY: Final = 0.6
+"""Share of the DRAM channels' peak a vectorized, all-core streaming kernel reaches
+(STREAM-like triad on two-socket servers); an estimate, not measured here."""
+
+
 class HostSpec(_Strict):
     memory_gib: float = Field(gt=0, le=MAX_BYTES // GiB, description="host DRAM, GiB")
     sockets: int = Field(gt=0, le=8, description="CPU sockets")
+    memory_bandwidth_gbps: float | None = Field(
+        default=None, ge=MIN_GBPS, le=MAX_GBPS,
+        description="peak DRAM bandwidth of all sockets together, GB/s (channels x transfer rate x 8 bytes)")
     cpu_adam_gparams_per_s: float = Field(
         ge=1e-6, le=1e6, default=1.0,
-        description="optimizer update rate on the CPU (ZeRO-Offload style), 1e9 params/s (estimate)")
+        description="optimizer update rate on the CPU when memory_bandwidth_gbps is not given, 1e9 params/s "
+                    "(estimate)")
+
+    @property
+    def adam_params_per_s(self) -> float:
+        """Parameters per second the CPU's Adam step updates (ZeRO-Offload's CPU-Adam is
+        memory bound): the DRAM bandwidth at ``CPU_STREAM_EFFICIENCY`` over
+        ``CPU_ADAM_BYTES_PER_PARAM``, or the stated rate when the bandwidth is not given."""
+        if self.memory_bandwidth_gbps is None:
+            return self.cpu_adam_gparams_per_s * 1e9
+        return self.memory_bandwidth_gbps * 1e9 * CPU_STREAM_EFFICIENCY / CPU_ADAM_BYTES_PER_PARAM
+
+
+class NvmeSpec(_Strict):
+    """Local NVMe drives, all together: where ZeRO-Infinity keeps what host memory cannot."""
+
+    capacity_gib: float = Field(gt=0, le=MAX_BYTES // GiB, description="usable NVMe capacity, GiB")
+    read_gbps: float = Field(ge=MIN_GBPS, le=MAX_GBPS, description="sequential read bandwidth, all drives, GB/s")
+    write_gbps: float = Field(ge=MIN_GBPS, le=MAX_GBPS, description="sequential write bandwidth, all drives, GB/s")
+    source: str = Field(default="", description="where the figures come from")
 
 
 class NvlinkPair(_Strict):
@@ -227,6 +258,7 @@ class TopologyFile(_Strict):
     nvlink: NvlinkSpec | None = None
     nvswitch: NvswitchSpec | None = None
     pcie: PcieSpec
+    nvme: NvmeSpec | None = Field(default=None, description="local NVMe drives (ZeRO-Infinity's offload target)")
     socket_link: SocketLinkSpec | None = None
     price: PriceSpec | None = Field(default=None, description="list prices with source and date (`mpsim choose`)")
 

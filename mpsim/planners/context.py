@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from mpsim.costs import cost_model
 from mpsim.job import JobSpec, OfJob
@@ -63,10 +64,12 @@ class Ctx(OfJob):
     def plan(self, strategy: str, actions: dict[int, list[LayerAction]] | None = None,
              optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None,
              swap_timing: SwapTiming = "prefetch", optimizer_layers: dict[int, list[int]] | None = None,
-             recompute_checkpoints: Checkpoints = "layer") -> PlanFile:
+             recompute_checkpoints: Checkpoints = "layer", offload_params: bool = False,
+             offload_device: Literal["host", "nvme"] = "host") -> PlanFile:
+        dp = data_parallel_plan(self.job.parallelism, self.replicas or (tuple(self.gpus),), offload_params,
+                                offload_device)
         return make_plan(self.trace, self.topo, self.schedule, self.microbatches, self.stages, self.gpus, strategy,
-                         actions, optimizer, stash, swap_timing, optimizer_layers, recompute_checkpoints,
-                         data_parallel_plan(self.job.parallelism, self.replicas or (tuple(self.gpus),)))
+                         actions, optimizer, stash, swap_timing, optimizer_layers, recompute_checkpoints, dp)
 
     def simulate(self, plan: PlanFile) -> SimResult:
         """Simulate a plan this context made (``make_plan`` output is valid by construction,

@@ -15,6 +15,7 @@ from mpsim.sim.network import Network
 from mpsim.sim.result import COSTS, Span
 from mpsim.sim.simpy_fast import events_scheduled
 from mpsim.topology import HOST
+from mpsim.units import GiB
 
 
 class Signals:
@@ -77,11 +78,18 @@ class RunContext:
         self.topo = topo
         self.env = simpy.Environment()
         self.net = Network(self.env, layout.record_link_rates)
-        self.log = MemoryLog(topo.n_gpus + 1)
+        self.log = MemoryLog(topo.n_gpus + 2)
         self.memory = [DeviceMemory(self.env, g, topo.capacity_bytes, self.log) for g in range(topo.n_gpus)]
         """The owner of each GPU's memory."""
-        self.host = DeviceMemory(self.env, topo.n_gpus, topo.host_memory_bytes, self.log)
-        """The owner of pinned host memory (it never waits)."""
+        self.replicas = layout.parallelism.data
+        """Data-parallel replicas: each gets its share of the host's memory, NVMe and CPU
+        (the engine simulates replica 0; ``data_parallel``)."""
+        self.host = DeviceMemory(self.env, topo.n_gpus, self.host_share_bytes, self.log)
+        """The owner of replica 0's share of pinned host memory (it never waits)."""
+        self.nvme = DeviceMemory(self.env, topo.n_gpus + 1, self.nvme_share_bytes, self.log)
+        """Replica 0's share of the NVMe drives (ZeRO-Infinity's offload target)."""
+        self.offload = self.nvme if layout.offload_device == "nvme" else self.host
+        """Where the plan's offloaded parameters and optimizer states live."""
         self.engines = [CopyEngines(self.env, g, topo.spec.gpu.peer_copy_engines) for g in range(topo.n_gpus)]
         self.signals = Signals(self.env)
         self.on_demand = layout.swap_timing == "on-demand"
@@ -90,6 +98,23 @@ class RunContext:
         self.costs = CostLedger(self.env, topo.n_gpus)
         self.on_task = progress.current()
         """Called after every task when a caller shows progress (``sim.progress``)."""
+
+    @property
+    def host_share_bytes(self) -> int:
+        return self.topo.host_memory_bytes // self.replicas
+
+    @property
+    def nvme_share_bytes(self) -> int:
+        nvme = self.topo.spec.nvme
+        return 0 if nvme is None else int(nvme.capacity_gib * GiB) // self.replicas
+
+    def nvme_seconds(self, n_bytes: int, write: bool) -> float:
+        """Replica 0's share of NVMe traffic: every replica moves as much at once, so the
+        drives' bandwidth is shared ``replicas`` ways."""
+        nvme = self.topo.spec.nvme
+        if nvme is None:
+            return 0.0
+        return n_bytes * self.replicas / ((nvme.write_gbps if write else nvme.read_gbps) * 1e9)
 
     def events_scheduled(self) -> int:
         """SimPy events scheduled so far (a measure of simulation work): SimPy numbers

@@ -137,7 +137,8 @@ class DataParallel:
         self.run.memory[self.gpu].change([(n_extra, "params", label)])
         if not self.sharding.reshard_after_forward:
             self._held_bytes += n_extra
-        event = self._gathers[key] = self._collective("gather", "all-gather", row.param_bytes, label)
+        fetch = self.sharding.shard(row.param_bytes) if self.sharding.offload_params else 0
+        event = self._gathers[key] = self._collective("gather", "all-gather", row.param_bytes, label, fetch)
         return event
 
     def wait_for_gather(self, mb: int, phase: str, j: int) -> Generator[simpy.Event, object, None]:
@@ -172,20 +173,32 @@ class DataParallel:
         yield event
         self.run.costs.add(self.gpu, "dp_wait_s", self.run.env.now - start)
 
-    def _collective(self, lane: str, op: str, n_bytes: int, label: str) -> simpy.Event:
-        """``op`` on the group's ring once the lane's previous collective has landed."""
+    def _collective(self, lane: str, op: str, n_bytes: int, label: str, fetch_bytes: int = 0) -> simpy.Event:
+        """``op`` on the group's ring once the lane's previous collective has landed,
+        after fetching ``fetch_bytes`` of offloaded shard (``_fetch``)."""
         done = self.run.env.event()
         previous, self._tails[lane] = self._tails[lane], done
-        spawn(self.run.env, self._run(previous, op, n_bytes, label, done))
+        spawn(self.run.env, self._run(previous, op, n_bytes, label, done, fetch_bytes))
         return done
 
+    def _fetch(self, n_bytes: int) -> Generator[simpy.Event, object, None]:
+        """An offloaded shard to the GPU: read from NVMe (its bandwidth shared by every
+        replica) when it lives there, then over PCIe from pinned host memory."""
+        run = self.run
+        if run.offload is run.nvme:
+            yield run.env.timeout(run.nvme_seconds(n_bytes, write=False))
+        yield from run.host_copy(self.gpu, n_bytes, False, "parameter shard from host")
+
     def _run(self, previous: simpy.Event | None, op: str, n_bytes: int, label: str,
-             done: simpy.Event) -> Generator[simpy.Event, object, None]:
+             done: simpy.Event, fetch_bytes: int) -> Generator[simpy.Event, object, None]:
         run = self.run
         if previous is not None and not previous.processed:
             yield previous
+        if fetch_bytes:
+            yield from self._fetch(fetch_bytes)
         start = run.env.now
-        yield from ring_collective(run.env, run.net, run.topo, self.ring, op, n_bytes)
+        if self.moves:
+            yield from ring_collective(run.env, run.net, run.topo, self.ring, op, n_bytes)
         run.spans.append(Span(self.gpu, "nccl", label, start, run.env.now))
         done.succeed()
 

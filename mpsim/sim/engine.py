@@ -108,7 +108,7 @@ def sharding_of(layout: Layout) -> Sharding | None:
     par = layout.parallelism
     if par.data == 1 and par.zero_stage == 0:
         return None
-    return Sharding(par.data, par.zero_stage, par.reshard_after_forward)
+    return Sharding(par.data, par.zero_stage, par.reshard_after_forward, layout.offload_params)
 
 
 def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostModel) -> _Stage:
@@ -146,13 +146,16 @@ def _allocate_static(run: RunContext, s: int, static: dict[str, int], sharding: 
     on_host = sum(rows[j].optimizer_bytes for j in layout.host_optimizer[s])
     if sharding is not None and sharding.zero_stage >= 1:
         on_host = sharding.shard(on_host)
-    moved = {"optimizer": on_host,
-             "stash": static["stash"] if layout.stash[s] == "host" else 0}
+    moved = {"optimizer": on_host, "stash": static["stash"] if layout.stash[s] == "host" else 0,
+             "params": static["params"] if layout.offload_params else 0}
     for cat, n in static.items():
         on_host = moved.get(cat, 0)
         if on_host:
-            run.host.change([(on_host, cat, f"stage {s} {cat} in host memory")])
-            run.memory[g].change([(on_host, f"saved:{cat}", f"stage {s} {cat} kept on the host")])
+            target = run.host if cat == "stash" else run.offload
+            where = "host memory" if target is run.host else "NVMe"
+            target.change([(on_host, cat, f"stage {s} {cat} in {where}")])
+            if cat != "params":  # the ledger counts what techniques keep off the GPU; offloaded shards are ZeRO's
+                run.memory[g].change([(on_host, f"saved:{cat}", f"stage {s} {cat} kept off the GPU")])
         if n - on_host:
             run.memory[g].change([(n - on_host, cat, f"stage {s} {cat} (allocated before the first task)")])
 
@@ -163,9 +166,12 @@ def _result(run: RunContext, stages: list[_Stage], iteration_s: float) -> SimRes
     analyses = [run.log.analyse(g, topo.capacity_bytes) for g in range(topo.n_gpus)]
     gpus = _replicated([_gpu_result(run, stages, g, analyses[g]) for g in range(topo.n_gpus)], layout)
     ooms = [a.oom for a in analyses if a.oom]
-    host = run.log.analyse(topo.n_gpus, topo.host_memory_bytes)
+    host = run.log.analyse(topo.n_gpus, run.host_share_bytes)
     if host.oom:
         ooms.append(dict(host.oom, gpu="host"))
+    nvme = run.log.analyse(topo.n_gpus + 1, run.nvme_share_bytes)
+    if nvme.oom:
+        ooms.append(dict(nvme.oom, gpu="nvme"))
     oom = min(ooms, key=lambda o: (o["time_s"], str(o["gpu"]))) if ooms else None
     links = {name: {"bytes": int(n), "busy_s": run.net.busy_s_by_link.get(name, 0.0)}
              for name, n in sorted(run.net.bytes_by_link.items())}
@@ -175,9 +181,9 @@ def _result(run: RunContext, stages: list[_Stage], iteration_s: float) -> SimRes
         iteration_s=iteration_s, samples_per_s=replicas * m * trace.microbatch / iteration_s,
         model_tflops=3.0 * trace.fwd_flops_total * m * replicas / iteration_s / 1e12,
         gpus=gpus, oom=oom, links=links, spans=run.spans, makespan_s=run.env.now, sim_events=run.events_scheduled(),
-        host_peak_bytes=host.peak_bytes, host_capacity_bytes=topo.host_memory_bytes,
-        host_memory_times_s=host.times_s, host_memory_used_bytes=host.used_bytes, link_rates=run.net.rate_log,
-        layout=layout.job.layout_name, replicas=replicas,
+        host_peak_bytes=host.peak_bytes * replicas, host_capacity_bytes=topo.host_memory_bytes,
+        host_memory_times_s=host.times_s, host_memory_used_bytes=host.used_bytes * replicas,
+        link_rates=run.net.rate_log, layout=layout.job.layout_name, replicas=replicas,
     )
 
 

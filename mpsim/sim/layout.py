@@ -78,13 +78,15 @@ def parallelism_of_plan(plan: PlanFile) -> Parallelism:
                        bucket_mib=dp.bucket_mib, reshard_after_forward=dp.reshard_after_forward)
 
 
-def data_parallel_plan(parallelism: Parallelism, replicas: Replicas) -> DataParallelPlan | None:
+def data_parallel_plan(parallelism: Parallelism, replicas: Replicas, offload_params: bool = False,
+                       offload_device: Literal["host", "nvme"] = "host") -> DataParallelPlan | None:
     """What a plan file records of a layout's replicas (None for one replica without ZeRO)."""
     if parallelism.data == 1 and parallelism.zero_stage == 0:
         return None
     return DataParallelPlan(degree=parallelism.data, zero_stage=parallelism.zero_stage,
                             bucket_mib=parallelism.bucket_mib, reshard_after_forward=parallelism.reshard_after_forward,
-                            replicas=[list(r) for r in replicas])
+                            replicas=[list(r) for r in replicas], offload_params=offload_params,
+                            offload_device=offload_device)
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,10 @@ class Layout(OfJob):
     replicas: Replicas = ()
     """Per data-parallel replica, the GPU of each stage (``placement``); replica 0 is
     ``gpu_of``, the one simulated. Empty means one replica."""
+    offload_params: bool = False
+    """ZeRO-Infinity: parameter shards live on ``offload_device`` (``DataParallelPlan``)."""
+    offload_device: str = "host"
+    """Where offloaded parameters and optimizer states live: ``host`` or ``nvme``."""
 
     @property
     def n_stages(self) -> int:
@@ -173,7 +179,8 @@ def layout_of_plan(plan: PlanFile, job: JobSpec, *, checked: bool = False, runti
                   tuple(st.optimizer for st in plan.stages), tuple(st.stash for st in plan.stages),
                   tuple(host_optimizer_layers(st) for st in plan.stages),
                   plan.strategy, runtime, plan.swap_timing,
-                  plan.recompute_checkpoints, replicas)
+                  plan.recompute_checkpoints, replicas, dp is not None and dp.offload_params,
+                  dp.offload_device if dp is not None else "host")
 
 
 def resolve(job: Job) -> Layout:

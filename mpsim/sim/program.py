@@ -105,6 +105,8 @@ class Sharding:
     replicas: int = 1
     zero_stage: int = 0
     reshard_after_forward: bool = True
+    offload_params: bool = False
+    """ZeRO-Infinity: the shards live off the GPU, each fetched before its layer's gather."""
 
     @property
     def per_layer(self) -> bool:
@@ -116,8 +118,11 @@ class Sharding:
         return -(-n_bytes // self.replicas)
 
     def gathered(self, row: LayerRow) -> int:
-        """Bytes a ZeRO-3 layer's parameters add while gathered: all but its own shard."""
-        return row.param_bytes - self.shard(row.param_bytes) if self.per_layer else 0
+        """Bytes a ZeRO-3 layer's parameters add while gathered: all but its own shard (all
+        of them when the shard is offloaded)."""
+        if not self.per_layer:
+            return 0
+        return row.param_bytes if self.offload_params else row.param_bytes - self.shard(row.param_bytes)
 
 
 NOT_SHARDED = Sharding()

@@ -9,6 +9,7 @@ import simpy
 from mpsim.costs import CostModel
 from mpsim.sim.context import RunContext
 from mpsim.sim.swapper import Swapper
+from mpsim.trace import LayerRow
 
 
 class Updater:
@@ -66,9 +67,22 @@ class Updater:
         yield from self._on_gpu()
         rows = [r for _, r, _ in self.host_rows]
         yield from run.host_copy(g, self._shard(sum(r.grad_bytes for r in rows)), True, "gradients to host")
+        yield run.env.timeout(self._host_adam_s(rows))
+        if not run.layout.offload_params:  # offloaded shards stay off the GPU until gathered
+            yield from run.host_copy(g, self._shard(sum(r.param_bytes for r in rows)), False, "weights from host")
+
+    def _host_adam_s(self, rows: list[LayerRow]) -> float:
+        """Adam on the CPU over this GPU's shard of ``rows``: every replica updates at
+        once, so the host's rate is shared ``replicas`` ways; with the states on NVMe the
+        step also reads and writes them there, overlapped with the CPU's work (the slower
+        of the two)."""
+        run = self.run
         params = sum(r.params for r in rows) / self.shards
-        yield run.env.timeout(params / (run.topo.spec.host.cpu_adam_gparams_per_s * 1e9))
-        yield from run.host_copy(g, self._shard(sum(r.param_bytes for r in rows)), False, "weights from host")
+        cpu_s = params * run.replicas / run.topo.spec.host.adam_params_per_s
+        if run.offload is not run.nvme:
+            return cpu_s
+        states = self._shard(sum(r.optimizer_bytes for r in rows))
+        return max(cpu_s, run.nvme_seconds(states, write=False) + run.nvme_seconds(states, write=True))
 
     def _shard(self, n_bytes: int) -> int:
         return -(-n_bytes // self.shards)
