@@ -5,17 +5,24 @@ the hidden size, heads and sequence length of a shipped configuration: the large
 shipped one that fits (or the smallest, when none does). The search assumes that adding
 layers never lowers the highest per-GPU peak; it doubles until a size does not fit,
 then bisects, so it costs O(log n) simulations.
+
+Over several parallel layouts (``fits_layouts``, ``mpsim.layouts``) each layout runs the
+same study with the global batch held fixed (``--microbatches`` per iteration over all
+replicas); per model the fastest layout that fits answers, and the largest size is the
+largest any layout reaches (each layout's search starts one layer above the largest an
+earlier layout reached, so a layout that cannot beat it costs one probe).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from mpsim.backends import Backend, run_points
 from mpsim.catalog import load_topology, load_trace, shipped_traces
 from mpsim.errors import MpsimError
 from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, OfJob
+from mpsim.layouts import candidate_layouts, on_layout
 from mpsim.planners.best import Part, combine, parts
 from mpsim.planners.context import Planned
 from mpsim.planners.registry import plan_job
@@ -49,6 +56,7 @@ class FitRow:
             "iteration_s": r.iteration_s,
             "samples_per_s": r.samples_per_s,
             "model_tflops": r.model_tflops,
+            "layout": r.layout,
             "oom": r.oom,
         }
 
@@ -64,6 +72,9 @@ class FitsReport(OfJob):
     rows: list[FitRow]
     largest: FitRow | None
     largest_template: str
+    not_above: int = 0
+    """Searched above another layout's largest (``fits_job``'s ``beat``) and found not to
+    fit at this many layers: ``largest`` is None though smaller sizes may fit."""
 
     @property
     def server(self) -> str:
@@ -77,7 +88,7 @@ class FitsReport(OfJob):
         return {
             "server": self.server, "family": self.family, "schedule": self.schedule,
             "microbatch": self.microbatch, "microbatches": self.microbatches, "strategy": self.strategy,
-            "partition": self.partition,
+            "partition": self.partition, "layout": self.job.layout_name,
             "rows": [r.to_dict() for r in self.rows],
             "largest": None if self.largest is None else dict(self.largest.to_dict(), template=self.largest_template),
         }
@@ -108,22 +119,88 @@ def fits_strategies(server: str | Topology, family: str, schedule: str = DEFAULT
 
 
 def fits_all(job: JobSpec, family: str, traces: list[Trace], strategies: Sequence[str], models: tuple[str, ...] = (),
-             on_point: Callable[[str], None] | None = None, backend: Backend | None = None) -> list[FitsReport]:
+             on_point: Callable[[str], None] | None = None, backend: Backend | None = None,
+             hints: Mapping[str, dict[str, int]] | None = None) -> list[FitsReport]:
     """``fits_strategies`` for a checked ``job`` (``family_job``; its strategy is set per
-    report) over ``traces`` (those of ``family``, or of the named ``models``)."""
-    strategies = tuple(strategies)
+    report) over ``traces`` (those of ``family``, or of the named ``models``). ``hints``:
+    per strategy, per template, a layer count to search above (``fits_layouts``: what
+    another layout reached); a report that cannot beat it has no largest (``not_above``)."""
+    strategies, hints = tuple(strategies), hints or {}
     jobs = {s: job.but(strategy=s) for s in strategies}  # each strategy checked before anything runs
     base = _FitsUnit(job, family, tuple(models))
     if backend is not None:
-        return _fits_parallel(base, strategies, backend, on_point)
+        return _fits_parallel(base, strategies, backend, on_point, hints)
     done: dict[str, FitsReport] = {}
     for strategy in sorted(strategies, key=combines):
         best = combines(strategy)
         done[strategy] = fits_job(jobs[strategy], family, traces,
                                   on_point=None if on_point is None else _prefixed(on_point, strategy),
                                   known_fitting=_known(done.values(), job.partition) if best else None,
-                                  known_failing=_known_failing(done.values()) if best else None)
+                                  known_failing=_known_failing(done.values()) if best else None,
+                                  beat=hints.get(strategy))
     return [done[s] for s in strategies]
+
+
+@dataclass
+class LayoutFits:
+    """``fits`` of one strategy over several layouts: one report per layout (in the order
+    searched), per model the fastest layout that fits, and the largest size any reached."""
+
+    strategy: str
+    reports: list[FitsReport]
+    microbatches: int
+    """Per iteration over all replicas (each report's job runs its layout's share)."""
+
+    def best_row(self, i: int) -> FitRow:
+        """The ``i``-th model in its fastest layout that fits, else where its peak is lowest."""
+        def key(row: FitRow) -> tuple:
+            r = row.result
+            return (0, -r.samples_per_s, r.max_peak_bytes) if r.fits else (1, r.max_peak_bytes, -r.samples_per_s)
+
+        return min((rep.rows[i] for rep in self.reports), key=key)
+
+    @property
+    def largest(self) -> tuple[FitsReport, FitRow] | None:
+        """The layout whose largest size that fits has the most parameters (the faster on a tie)."""
+        found = [(rep, rep.largest) for rep in self.reports if rep.largest is not None and rep.largest.result.fits]
+        if not found:
+            return None
+        return max(found, key=lambda x: (x[1].params, x[1].result.samples_per_s))
+
+    def to_dict(self) -> dict:
+        top = self.largest
+        first = self.reports[0]
+        return {"server": first.server, "family": first.family, "schedule": first.schedule,
+                "microbatch": first.microbatch, "microbatches": self.microbatches, "strategy": self.strategy,
+                "partition": first.partition,
+                "rows": [self.best_row(i).to_dict() for i in range(len(self.reports[0].rows))],
+                "largest": None if top is None else dict(top[1].to_dict(), template=top[0].largest_template),
+                "layouts": [r.to_dict() for r in self.reports]}
+
+
+def fits_layouts(job: JobSpec, family: str, traces: list[Trace], strategies: Sequence[str], layouts: str,
+                 microbatches: int, models: tuple[str, ...] = (), on_point: Callable[[str], None] | None = None,
+                 backend: Backend | None = None) -> list[LayoutFits]:
+    """``fits_all`` in each of ``layouts`` (``mpsim.layouts.candidate_layouts`` on the job's
+    server), ``microbatches`` per iteration over all replicas; one ``LayoutFits`` per
+    strategy, in the order given. Every layout's job is checked before anything runs."""
+    jobs = [on_layout(job, p, microbatches) for p in candidate_layouts(job.topology, layouts, job.schedule)]
+    for j in jobs:
+        for strategy in strategies:
+            j.but(strategy=strategy)
+    reached: dict[str, dict[str, int]] = {}
+    per_layout = []
+    for j in jobs:
+        tell = None if on_point is None or len(jobs) == 1 else _prefixed(on_point, j.layout_name)
+        # after the first layout most searches are one probe each: in this process (a
+        # backend's rounds of worker processes cost more than they save there)
+        reps = fits_all(j, family, traces, strategies, models, tell or on_point, None if reached else backend, reached)
+        for rep in reps:
+            if rep.largest is not None and rep.largest.result.fits:
+                got = reached.setdefault(rep.strategy, {})
+                got[rep.largest_template] = max(got.get(rep.largest_template, 0), rep.largest.layers)
+        per_layout.append(reps)
+    return [LayoutFits(s, [reps[k] for reps in per_layout], microbatches) for k, s in enumerate(strategies)]
 
 
 def _known(reports: Iterable[FitsReport], partition: str) -> dict[str, int]:
@@ -158,6 +235,8 @@ def _known_failing(reports: Iterable[FitsReport]) -> Failing:
                 note(row.model, rep.strategy, rep.partition, row.layers)
         if rep.largest is not None:
             note(rep.largest_template, rep.strategy, rep.partition, rep.largest.layers + 1)
+        if rep.not_above:
+            note(rep.largest_template, rep.strategy, rep.partition, rep.not_above)
     return failing
 
 
@@ -171,6 +250,8 @@ class _FitsUnit:
     models: tuple[str, ...]
     size: int | None = None
     rows: tuple[FitRow, ...] | None = None
+    known: tuple[tuple[str, int], ...] = ()
+    """Per template, a layer count to search above (``fits_all``'s hints)."""
 
     def traces(self) -> list[Trace]:
         return model_traces(self.models) if self.models else family_traces(self.family)
@@ -186,11 +267,11 @@ def _fits_unit(unit: _FitsUnit) -> FitRow | FitsReport:
         t = traces[unit.size]
         result = plan_job(unit.job.but(trace=t.rescale(unit.job.microbatch))).result
         return FitRow(t.name, t.spec.params, _n_transformer(t), result)
-    return fits_job(unit.job, unit.family, traces, rows=list(unit.rows or ()))
+    return fits_job(unit.job, unit.family, traces, rows=list(unit.rows or ()), beat=dict(unit.known))
 
 
 def _fits_parallel(base: _FitsUnit, strategies: tuple[str, ...], backend: Backend,
-                   on_point: Callable[[str], None] | None) -> list[FitsReport]:
+                   on_point: Callable[[str], None] | None, hints: Mapping[str, dict[str, int]]) -> list[FitsReport]:
     n_sizes = len(base.traces())
 
     def run(units: list[_FitsUnit]) -> list[FitRow | FitsReport]:
@@ -210,11 +291,12 @@ def _fits_parallel(base: _FitsUnit, strategies: tuple[str, ...], backend: Backen
     sized = run([base.under(st, size=i) for st in names for i in range(n_sizes)])
     rows = {st: tuple(_as_row(v) for v in sized[k * n_sizes:(k + 1) * n_sizes]) for k, st in enumerate(names)}
     singles = [st for st in names if not combines(st)]
-    done = {st: _as_report(v) for st, v in zip(singles, run([base.under(st, rows=rows[st]) for st in singles]))}
+    done = {st: _as_report(v) for st, v in zip(singles, run([
+        base.under(st, rows=rows[st], known=tuple(sorted(hints.get(st, {}).items()))) for st in singles]))}
     for st in names:
         if combines(st):
             done[st] = fits_job(base.job.but(strategy=st), base.family, base.traces(),
-                                known_fitting=_known(done.values(), base.job.partition),
+                                known_fitting=_known(done.values(), base.job.partition), beat=hints.get(st),
                                 known_failing=_known_failing(done.values()), rows=list(rows[st]), backend=backend)
             if on_point:
                 on_point(f"{st}: search")
@@ -313,15 +395,25 @@ def fits(server: str | Topology, family: str, schedule: str = DEFAULT_SCHEDULE, 
 
 def fits_job(job: JobSpec, family: str, traces: list[Trace], on_point: Callable[[str], None] | None = None,
              known_fitting: dict[str, int] | None = None, rows: list[FitRow] | None = None,
-             known_failing: Failing | None = None, backend: Backend | None = None) -> FitsReport:
-    """``fits`` for a checked ``job`` (``family_job``) over ``traces``, smallest first."""
+             known_failing: Failing | None = None, backend: Backend | None = None,
+             beat: Mapping[str, int] | None = None) -> FitsReport:
+    """``fits`` for a checked ``job`` (``family_job``) over ``traces``, smallest first.
+    ``beat``: per template, layers another layout fits; the search only looks above
+    them (one probe first: when one layer more does not fit, the report has no largest
+    and says so in ``not_above``)."""
     search = _Search(job, family, on_point, known_failing or {}, backend)
     if not rows:
         rows = [FitRow(t.name, t.spec.params, _n_transformer(t), search.run(t)) for t in traces]
     fitting = [(t, row) for t, row in zip(traces, rows) if row.result.fits]
     if fitting:
         search.start(fitting[-1][0], fitting[-1][1])
-        lo, hi = search.grow((known_fitting or {}).get(search.template.name, 0))
+        hint = (known_fitting or {}).get(search.template.name, 0)
+        floor = (beat or {}).get(search.template.name, 0)
+        if floor >= max(hint, search.n0):
+            if not search.probe(floor + 1).result.fits:
+                return replace(search.report(rows, None), not_above=floor + 1)
+            hint = floor + 1
+        lo, hi = search.grow(hint)
     else:
         search.start(traces[0], None)
         bounds = search.shrink()

@@ -2,9 +2,11 @@
 that fits, ranked by cost per sample (or by throughput).
 
 For every server the allowed strategies (``best`` by default: every planner under both
-partitions) are tried at every allowed microbatch size, one pipeline stage per GPU; the
-fastest plan that fits stands for the server. Where nothing fits, the plan with the
-smallest shortfall (highest per-GPU peak above capacity) does, and names the technique
+partitions) are tried at every allowed microbatch size in every allowed parallel layout
+(``mpsim.layouts``: by default the pipeline over all GPUs and one data-parallel replica per
+GPU under DDP and ZeRO 1 to 3); the fastest plan that fits stands for the server. The global
+batch is the same in every layout: ``microbatches`` per iteration over all replicas. Where
+nothing fits, the plan with the smallest shortfall (highest per-GPU peak above capacity) does, and names the technique
 that came closest. Cost per million samples is the hourly price over the samples an hour
 trains; per million tokens for language models (``seq_len`` in the trace's ``model``).
 """
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from mpsim.catalog import load_topology, load_trace, shipped_topologies
 from mpsim.errors import MpsimError
 from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PARTITIONS, JobSpec
+from mpsim.layouts import DEFAULT_LAYOUTS, candidate_layouts, microbatches_per_replica, on_layout
 from mpsim.planners.registry import plan_job
 from mpsim.sim import SimResult
 from mpsim.strategies import combines
@@ -49,7 +52,7 @@ class Price:
 
 @dataclass(frozen=True)
 class Tried:
-    """One plan tried on a server: microbatch size, strategy as the planner labels it."""
+    """One plan tried on a server: microbatch size, strategy as the planner labels it, layout."""
 
     microbatch: int
     strategy: str
@@ -59,11 +62,13 @@ class Tried:
     max_peak_bytes: int
     shortfall_bytes: int
     """Highest per-GPU peak above capacity (0 when it fits)."""
+    layout: str = ""
+    """``pipeline x8``, ``FSDP x8``, ... (``Parallelism.describe``)."""
 
     def to_dict(self) -> dict:
         return {"microbatch": self.microbatch, "strategy": self.strategy, "partition": self.partition,
-                "fits": self.fits, "samples_per_s": self.samples_per_s, "max_peak_bytes": self.max_peak_bytes,
-                "shortfall_bytes": self.shortfall_bytes}
+                "layout": self.layout, "fits": self.fits, "samples_per_s": self.samples_per_s,
+                "max_peak_bytes": self.max_peak_bytes, "shortfall_bytes": self.shortfall_bytes}
 
 
 @dataclass
@@ -94,6 +99,11 @@ class ChooseRow:
     @property
     def strategy(self) -> str:
         return self.result.strategy
+
+    @property
+    def layout(self) -> str:
+        """The parallel layout of the plan: ``FSDP x8``, ``pipeline x8``, ..."""
+        return self.result.layout
 
     @property
     def technique(self) -> str:
@@ -132,7 +142,8 @@ class ChooseRow:
         return {
             "rank": self.rank, "server": self.server, "source": self.source, "n_gpus": self.n_gpus,
             "gpu_model": self.gpu_model, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
-            "microbatch": self.microbatch, "microbatches": self.result.microbatches, "strategy": self.strategy,
+            "layout": self.layout, "replicas": self.result.replicas, "microbatch": self.microbatch,
+            "microbatches": self.result.microbatches, "strategy": self.strategy,
             "technique": self.technique, "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
             "iteration_s": self.result.iteration_s, "max_peak_bytes": self.max_peak_bytes,
             "peak_bytes": [g.peak_bytes for g in self.result.gpus], "shortfall_bytes": self.shortfall_bytes,
@@ -153,6 +164,8 @@ class ChooseReport:
     rank_by: str
     seq_len: int | None
     rows: list[ChooseRow] = field(default_factory=list)
+    layouts: str = DEFAULT_LAYOUTS
+    """The layouts searched (``--layouts``: words and names, ``mpsim.layouts``)."""
     """Ranked: best first."""
 
     @property
@@ -162,7 +175,8 @@ class ChooseReport:
     def to_dict(self) -> dict:
         return {"model": self.model, "schedule": self.schedule, "n_microbatches": self.microbatches,
                 "microbatches": list(self.microbatch_sizes), "strategies": list(self.strategies),
-                "rank_by": self.rank_by, "seq_len": self.seq_len, "recommendation": self.recommendation,
+                "layouts": self.layouts, "rank_by": self.rank_by, "seq_len": self.seq_len,
+                "recommendation": self.recommendation,
                 "rows": [r.to_dict() for r in self.rows]}
 
 
@@ -237,21 +251,23 @@ def _shortfall(r: SimResult) -> int:
     return max(0, max(g.peak_bytes - g.capacity_bytes for g in r.gpus))
 
 
-def _server_plans(job: JobSpec, scaled: Sequence[Trace], strategies: Sequence[str],
+def _server_plans(jobs: Sequence[JobSpec], scaled: Sequence[Trace], strategies: Sequence[str],
                   on_point: Callable[[str], None] | None) -> list[tuple[Tried, SimResult]]:
-    """Every plan ``choose`` tries on the job's server: each size (``scaled``: the trace at
-    each), each strategy, each single planner under both partitions (a combining one,
-    ``best``, varies them itself)."""
+    """Every plan ``choose`` tries on one server: each layout (``jobs``: the job in each),
+    each size (``scaled``: the trace at each), each strategy, each single planner under
+    both partitions (a combining one, ``best``, varies them itself)."""
     out = []
-    for trace in scaled:
-        mb = trace.microbatch
-        for strategy in strategies:
-            for partition in ("compute",) if combines(strategy) else PARTITIONS:
-                r = plan_job(job.but(trace=trace, partition=partition, strategy=strategy)).result
-                out.append((Tried(mb, r.strategy, partition, r.fits, r.samples_per_s, r.max_peak_bytes,
-                                  _shortfall(r)), r))
-                if on_point:
-                    on_point(f"{job.topology.name} mb {mb} {r.strategy}: {'fits' if r.fits else 'OOM'}")
+    for job in jobs:
+        for trace in scaled:
+            mb = trace.microbatch
+            for strategy in strategies:
+                for partition in ("compute",) if combines(strategy) else PARTITIONS:
+                    r = plan_job(job.but(trace=trace, partition=partition, strategy=strategy)).result
+                    out.append((Tried(mb, r.strategy, partition, r.fits, r.samples_per_s, r.max_peak_bytes,
+                                      _shortfall(r), r.layout), r))
+                    if on_point:
+                        on_point(f"{job.topology.name} {r.layout} mb {mb} {r.strategy}: "
+                                 f"{'fits' if r.fits else 'OOM'}")
     return out
 
 
@@ -288,12 +304,15 @@ def _mark_pareto(rows: list[ChooseRow]) -> None:
 def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", schedule: str = DEFAULT_SCHEDULE,
            microbatch_sizes: Sequence[int] | None = None, strategies: Sequence[str] = ("best",),
            microbatches: int = DEFAULT_MICROBATCHES, prices: Mapping[str, float] | None = None,
-           rank_by: str = "cost", on_point: Callable[[str], None] | None = None) -> ChooseReport:
+           rank_by: str = "cost", on_point: Callable[[str], None] | None = None,
+           layouts: str = DEFAULT_LAYOUTS) -> ChooseReport:
     """Rank ``servers`` for training ``model``: per server the fastest plan that fits over
-    ``strategies`` (each single planner under both partitions; ``best`` tries them all) and
-    ``microbatch_sizes`` (None: the trace's own), one stage per GPU, ``microbatches`` per
-    iteration. ``prices`` maps a server (as given, or its name) to USD per hour and
-    overrides its file's ``price``. ``on_point`` hears a line after each plan."""
+    ``layouts`` (``mpsim.layouts.candidate_layouts``: words and names), ``strategies``
+    (each single planner under both partitions; ``best`` tries them all) and
+    ``microbatch_sizes`` (None: the trace's own), ``microbatches`` per iteration over all
+    replicas (``ceil(microbatches / replicas)`` each, at least one per stage for 1f1b).
+    ``prices`` maps a server (as given, or its name) to USD per hour and overrides its
+    file's ``price``. ``on_point`` hears a line after each plan."""
     if rank_by not in RANK_BY:
         raise MpsimError(f"--rank-by: expected one of {', '.join(RANK_BY)}, got {rank_by!r}")
     if not isinstance(microbatches, int):
@@ -309,26 +328,32 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
     unknown = set(overrides) - {k for k, _ in topos} - {t.name for _, t in topos}
     if unknown:
         raise MpsimError(f"--price: no server {sorted(unknown)[0]!r} among {', '.join(k for k, _ in topos)}")
-    jobs = [(key, _job_on(topo, trace, schedule, microbatches, strategies)) for key, topo in topos]
+    jobs = [(key, topo, _jobs_on(topo, trace, schedule, microbatches, strategies, layouts)) for key, topo in topos]
     seq_len = _seq_len(trace)
     rows = []
-    for key, job in jobs:
-        topo, tried = job.topology, _server_plans(job, scaled, strategies, on_point)
+    for key, topo, on_topo in jobs:
+        tried = _server_plans(on_topo, scaled, strategies, on_point)
         rows.append(ChooseRow(topo.name, topo.source or key, topo.n_gpus, topo.spec.gpu.model, topo.capacity_bytes,
                               _standing(tried), [t for t, _ in tried], _price_of(topo, key, overrides), seq_len))
     rows.sort(key=_rank_key(rank_by))
     for i, row in enumerate(rows, 1):
         row.rank = i
     _mark_pareto(rows)
-    return ChooseReport(trace.name, schedule, microbatches, sizes, tuple(strategies), rank_by, seq_len, rows)
+    return ChooseReport(trace.name, schedule, microbatches, sizes, tuple(strategies), rank_by, seq_len, rows, layouts)
 
 
-def _job_on(topo: Topology, trace: Trace, schedule: str, microbatches: int, strategies: Sequence[str]) -> JobSpec:
-    """The job on one server, checked under every strategy before any is planned."""
-    job = JobSpec(topo, trace, schedule, microbatches)
-    for strategy in strategies:
-        job.but(strategy=strategy)
-    return job
+def _jobs_on(topo: Topology, trace: Trace, schedule: str, microbatches: int, strategies: Sequence[str],
+             layouts: str) -> list[JobSpec]:
+    """The job on one server in each layout, checked under every strategy before any is
+    planned."""
+    layout_list = candidate_layouts(topo, layouts, schedule)
+    microbatches_per_replica(microbatches, layout_list[0], 1, schedule)  # checks the count
+    base = JobSpec(topo, trace, schedule, max(microbatches, topo.n_gpus))
+    jobs = [on_layout(base, p, microbatches) for p in layout_list]
+    for job in jobs:
+        for strategy in strategies:
+            job.but(strategy=strategy)
+    return jobs
 
 
 # -- the answer in words: the report's one line (its tables and chart are in mpsim.views) -----
@@ -348,8 +373,8 @@ def _cost(report: ChooseReport, row: ChooseRow) -> float | None:
 
 def _closest(rows: list[ChooseRow]) -> str:
     r = min(rows, key=lambda x: x.shortfall_bytes)
-    return (f"{r.server} comes closest, {r.shortfall_bytes / GiB:.2f} GiB per GPU short with {r.technique} "
-            f"at microbatch {r.microbatch}")
+    return (f"{r.server} comes closest, {r.shortfall_bytes / GiB:.2f} GiB per GPU short with {r.layout}, "
+            f"{r.technique} at microbatch {r.microbatch}")
 
 
 def recommendation(report: ChooseReport) -> str:
@@ -367,7 +392,7 @@ def recommendation(report: ChooseReport) -> str:
     if top is cheapest:
         reasons.append(f"cheapest per {unit}")
     line = f"{top.server}: {' and '.join(reasons) or 'ranked first'}"
-    line += f" ({top.samples_per_s:.2f} samples/s, plan {top.technique}, microbatch {top.microbatch}"
+    line += f" ({top.samples_per_s:.2f} samples/s, {top.layout}, plan {top.technique}, microbatch {top.microbatch}"
     line += f", USD {money(_cost(report, top))} per {unit})" if _cost(report, top) is not None else ")"
     if top is not fastest:
         line += (f"; {fastest.server} is {fastest.samples_per_s / top.samples_per_s:.2f}x faster"

@@ -1,4 +1,11 @@
-"""Sweeps: one simulated point per (server, model, microbatch size, microbatches, strategy).
+"""Sweeps: one simulated point per (server, model, microbatch size, microbatches, strategy,
+parallel layout).
+
+The layout axis (``mpsim.layouts``: ``pipeline`` by default, ``all``, ``data`` or names such
+as ``fsdp8``) is expanded per server, and the CSV's ``layout`` column names each point's
+layout (``pp8``, ``fsdp8``, ``ddp2xpp4``). ``microbatches`` counts the whole iteration over
+all replicas: a layout of ``dp`` replicas runs ``ceil(microbatches / dp)`` per replica, at
+least one per stage for 1f1b and pipedream.
 
 Points run on a backend (:mod:`mpsim.backends`: local worker processes, or Ray); each
 finished point is appended to the CSV at once, as one complete line in a single write, so
@@ -27,12 +34,14 @@ from pathlib import Path
 import pandas as pd
 
 from mpsim.backends import Backend, LocalBackend, run_points
+from mpsim.catalog import load_topology
 from mpsim.errors import MpsimError
 from mpsim.job import JobSpec, job_of
+from mpsim.layouts import candidate_layouts, microbatches_per_replica, parse_layout, short_name
 from mpsim.planners import plan_job
 from mpsim.views.plots import plot_sweep as plot_sweep  # a view now; kept here for code that imports it from here
 
-KEY = ("server", "model", "schedule", "microbatch", "microbatches", "strategy", "partition")
+KEY = ("server", "model", "schedule", "microbatch", "microbatches", "strategy", "partition", "layout")
 FIELDS = KEY + ("fits", "samples_per_s", "iteration_s", "model_tflops", "max_peak_gib", "max_peak_gpu",
                 "capacity_gib", "oom_gpu", "oom_time_s", "oom_task", "chosen", "plan_s")
 
@@ -49,20 +58,44 @@ class Point:
     microbatches: int
     strategy: str
     partition: str = "compute"
+    layout: str = ""
+    """A layout name (``mpsim.layouts.parse_layout``: ``pp8``, ``fsdp8``); empty: one
+    pipeline stage per GPU."""
 
     def key(self) -> tuple[str, ...]:
         return tuple(str(v) for v in asdict(self).values())
 
+    def on(self, job: JobSpec) -> JobSpec:
+        """This point's job from ``job`` on its server, model and microbatch size (checked)."""
+        if not self.layout:
+            return job.but(schedule=self.schedule, microbatches=self.microbatches, strategy=self.strategy,
+                           partition=self.partition)
+        par = parse_layout(self.layout)
+        m = microbatches_per_replica(self.microbatches, par, par.stages_on(job.topology), self.schedule)
+        return job.but(schedule=self.schedule, microbatches=m, strategy=self.strategy, partition=self.partition,
+                       parallelism=par)
+
 
 def grid(servers: list[str], models: list[str], schedule: str, microbatch_sizes: list[int],
-         microbatch_counts: list[int], strategies: list[str], partition: str = "compute") -> list[Point]:
+         microbatch_counts: list[int], strategies: list[str], partition: str = "compute",
+         layouts: str = "pipeline") -> list[Point]:
+    """The points of the grid; ``layouts`` (``mpsim.layouts.candidate_layouts``: words
+    and names, expanded per server) is the layout axis (empty: no layout named, one
+    pipeline stage per GPU)."""
     for name, values in (("--server", servers), ("--model", models), ("--microbatch", microbatch_sizes),
                          ("--microbatches", microbatch_counts), ("--strategy", strategies)):
         if not values:
             raise MpsimError(f"{name} needs at least one value")
-    return [Point(sv, md, schedule, mb, m, st, partition)
-            for sv, md, m, st, mb in itertools.product(servers, models, microbatch_counts, strategies,
-                                                       microbatch_sizes)]
+    per_server = {sv: _layout_names(sv, layouts, schedule) for sv in servers}
+    return [Point(sv, md, schedule, mb, m, st, partition, lay)
+            for sv, md, m, st in itertools.product(servers, models, microbatch_counts, strategies)
+            for lay in per_server[sv] for mb in microbatch_sizes]
+
+
+def _layout_names(server: str, layouts: str, schedule: str) -> list[str]:
+    if not layouts:
+        return [""]
+    return [short_name(p, p.pipeline or 1) for p in candidate_layouts(load_topology(server), layouts, schedule)]
 
 
 def check_points(points: list[Point]) -> None:
@@ -73,18 +106,15 @@ def check_points(points: list[Point]) -> None:
     for p in points:
         job = jobs.get((p.server, p.model, p.microbatch))
         if job is None:
-            jobs[(p.server, p.model, p.microbatch)] = job_of(
-                p.server, p.model, schedule=p.schedule, microbatch=p.microbatch, microbatches=p.microbatches,
-                strategy=p.strategy, partition=p.partition)
-        else:
-            job.but(schedule=p.schedule, microbatches=p.microbatches, strategy=p.strategy, partition=p.partition)
+            job = jobs[(p.server, p.model, p.microbatch)] = job_of(p.server, p.model, schedule="gpipe",
+                                                                   microbatch=p.microbatch)
+        p.on(job)
 
 
 def run_point(p: Point) -> dict:
     """Plan and simulate one point; the CSV row."""
     t0 = time.perf_counter()
-    planned = plan_job(job_of(p.server, p.model, schedule=p.schedule, microbatch=p.microbatch,
-                              microbatches=p.microbatches, strategy=p.strategy, partition=p.partition))
+    planned = plan_job(p.on(job_of(p.server, p.model, schedule="gpipe", microbatch=p.microbatch)))
     r = planned.result
     worst = max(r.gpus, key=lambda g: g.peak_bytes)
     oom = r.oom or {}

@@ -82,3 +82,18 @@ def test_a_sweep_of_70_series_plots_as_small_multiples(tmp_path):
     shown = [ax for ax in fig.axes if ax.get_visible()]
     assert len(shown) == 20 and max(len(ax.get_lines()) for ax in shown) <= len(strategies) + 1
     assert (tmp_path / "s.png").stat().st_size > 10_000
+
+
+def test_the_layout_axis_is_a_column_and_holds_the_global_batch(tmp_path, capsys):
+    pts = grid(["dgx1-v100"], ["gpt-5.3b"], "1f1b", [1], [16], ["none"], layouts="pipeline,fsdp8")
+    assert [p.layout for p in pts] == ["pp8", "fsdp8"]
+    frame = sweep(pts, tmp_path / "s.csv")
+    assert list(frame.layout) == ["pp8", "fsdp8"] and "layout" in FIELDS
+    pp8, fsdp8 = (frame.iloc[i] for i in range(2))
+    assert str(pp8.fits) == str(fsdp8.fits) == "True"
+    # 16 microbatches over 8 replicas of 1 sample: 2 each, the same 16 samples per iteration
+    assert float(fsdp8.samples_per_s) * float(fsdp8.iteration_s) == pytest.approx(16)
+    assert float(pp8.samples_per_s) * float(pp8.iteration_s) == pytest.approx(16)
+    code, out, _ = run(capsys, "sweep", "--model", "gpt-5.3b", "--microbatch", "1", "--strategy", "none",
+                       "--layouts", "pp8,fsdp8", "--csv", str(tmp_path / "s.csv"))
+    assert code == 0 and "none pp8" in out and "none fsdp8" in out

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     from mpsim.api.studies import FitsRequest, fits_request, reproduce, sweep_warnings
     from mpsim.backends import make_backend
     from mpsim.calibrate import Calibration, calibrate, calibrated_yaml
-    from mpsim.capacity import FitsReport, fits
+    from mpsim.capacity import FitsReport, LayoutFits, fits
     from mpsim.catalog import load_topology, load_trace, shipped_topologies, shipped_traces
     from mpsim.choose import ChooseReport, choose, parse_price, parse_servers
     from mpsim.job import (
@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
         data_parallel,
         job_of,
     )
+    from mpsim.layouts import DEFAULT_LAYOUTS, LAYOUTS_HELP, candidate_layouts, parse_layout
     from mpsim.plan import PlanFile, read_plan_file, write_plan_file
     from mpsim.planners import Planned, plan_job
     from mpsim.sim import SimResult
@@ -67,11 +68,12 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.api.studies": ("FitsRequest", "fits_request", "reproduce", "sweep_warnings"),
     "mpsim.backends": ("make_backend",),
     "mpsim.calibrate": ("Calibration", "calibrate", "calibrated_yaml"),
-    "mpsim.capacity": ("FitsReport", "fits"),
+    "mpsim.capacity": ("FitsReport", "LayoutFits", "fits"),
     "mpsim.catalog": ("load_topology", "load_trace", "shipped_topologies", "shipped_traces"),
     "mpsim.choose": ("ChooseReport", "choose", "parse_price", "parse_servers"),
     "mpsim.job": ("DEFAULT_MICROBATCHES", "DEFAULT_MODEL", "DEFAULT_SCHEDULE", "DEFAULT_SERVER", "JobSpec",
                   "PARTITIONS", "Parallelism", "data_parallel", "job_of"),
+    "mpsim.layouts": ("DEFAULT_LAYOUTS", "LAYOUTS_HELP", "candidate_layouts", "parse_layout"),
     "mpsim.plan": ("PlanFile", "read_plan_file", "write_plan_file"),
     "mpsim.planners": ("Planned", "plan_job"),
     "mpsim.sim": ("SimResult",),

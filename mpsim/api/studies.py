@@ -11,10 +11,11 @@ from pathlib import Path
 
 from mpsim.api.jobs import measured_warning
 from mpsim.backends import Backend, make_backend
-from mpsim.capacity import FitsReport, family_job, family_traces, fits_all, model_traces
+from mpsim.capacity import LayoutFits, family_job, family_traces, fits_layouts, model_traces
 from mpsim.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
-from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_strategy
+from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PIPELINE_ONLY, JobSpec, check_strategy
+from mpsim.layouts import DEFAULT_LAYOUTS, candidate_layouts, microbatches_per_replica
 from mpsim.sweep import Point
 from mpsim.trace import Trace
 
@@ -24,9 +25,11 @@ SEARCH_PROBES = 10
 
 @dataclass(frozen=True)
 class FitsRequest:
-    """``fits`` under several strategies, checked before any simulation: the job at the
-    family's smallest size, the family (the named models' own) and its traces, the backend
-    the work runs on (None: this process), and how many points ``run``'s ``on_point`` hears."""
+    """``fits`` under several strategies and layouts, checked before any simulation: the job
+    at the family's smallest size, the family (the named models' own) and its traces, the
+    layouts (``mpsim.layouts``) and the microbatches per iteration over all replicas, the
+    backend the work runs on (None: this process), and how many points ``run``'s
+    ``on_point`` hears."""
 
     job: JobSpec
     family: str
@@ -35,21 +38,25 @@ class FitsRequest:
     strategies: tuple[str, ...]
     backend: Backend | None
     points: int
+    layouts: str = DEFAULT_LAYOUTS
+    microbatches: int = DEFAULT_MICROBATCHES
 
-    def run(self, on_point: Callable[[str], None] | None = None) -> list[FitsReport]:
-        """One report per strategy, in the order asked (:func:`mpsim.capacity.fits_all`)."""
-        return fits_all(self.job, self.family, list(self.traces), self.strategies, self.models, on_point,
-                        self.backend)
+    def run(self, on_point: Callable[[str], None] | None = None) -> list[LayoutFits]:
+        """One answer per strategy over the layouts, in the order asked
+        (:func:`mpsim.capacity.fits_layouts`)."""
+        return fits_layouts(self.job, self.family, list(self.traces), self.strategies, self.layouts,
+                            self.microbatches, self.models, on_point, self.backend)
 
 
 def fits_request(server: str, family: str, models: Sequence[str] = (), schedule: str = DEFAULT_SCHEDULE,
                  microbatch: int | None = None, microbatches: int = DEFAULT_MICROBATCHES,
                  strategies: Sequence[str] = ("none",),
                  partition: str = "compute", workers: int | None = None, backend: str = "local",
-                 address: str | None = None) -> FitsRequest:
-    """Check a ``fits`` over ``strategies`` of ``family``'s shipped sizes (or of ``models``)
-    and pick where it runs: one process when ``backend`` is local with one worker, else
-    ``workers`` local processes (default: one per core) or a Ray cluster at ``address``."""
+                 address: str | None = None, layouts: str = DEFAULT_LAYOUTS) -> FitsRequest:
+    """Check a ``fits`` over ``strategies`` and ``layouts`` of ``family``'s shipped sizes (or
+    of ``models``), ``microbatches`` per iteration over all replicas, and pick where it
+    runs: one process when ``backend`` is local with one worker, else ``workers`` local
+    processes (default: one per core) or a Ray cluster at ``address``."""
     for name in strategies:
         check_strategy(name)
     if not strategies:
@@ -57,13 +64,17 @@ def fits_request(server: str, family: str, models: Sequence[str] = (), schedule:
     traces = model_traces(tuple(models)) if models else family_traces(family)
     if models:
         family = str(traces[-1].spec.model.get("family", family))
-    job = family_job(server, traces, schedule, microbatch, microbatches, "none", partition)
+    topo = load_topology(server)
+    n_layouts = len(candidate_layouts(topo, layouts, schedule))
+    microbatches_per_replica(microbatches, PIPELINE_ONLY, 1, schedule)  # checks the count
+    job = family_job(topo, traces, schedule, microbatch, max(microbatches, topo.n_gpus), "none", partition)
     workers = workers or os.cpu_count() or 1
     runner = None if backend == "local" and workers == 1 else make_backend(backend, workers, address)
     # in one process a point is a simulated size (the searches' count estimated); in
     # parallel, a shipped size under a strategy, or one strategy's search
-    points = (len(traces) + (SEARCH_PROBES if runner is None else 1)) * len(strategies)
-    return FitsRequest(job, family, tuple(traces), tuple(models), tuple(strategies), runner, points)
+    points = (len(traces) + (SEARCH_PROBES if runner is None else 1)) * len(strategies) * n_layouts
+    return FitsRequest(job, family, tuple(traces), tuple(models), tuple(strategies), runner, points, layouts,
+                       microbatches)
 
 
 def sweep_warnings(points: Sequence[Point]) -> Iterator[str]:

@@ -71,6 +71,11 @@ def layout_options(f: F) -> F:
     ])
 
 
+def layouts_option(default: str) -> Callable[[F], F]:
+    """--layouts: the parallel layouts a study searches (``mpsim.layouts``), ``default`` unless told."""
+    return click.option("--layouts", default=default, show_default=True, help=api.LAYOUTS_HELP)
+
+
 def backend_options(f: F) -> F:
     """--backend, --address: where the points run (local processes or a Ray cluster)."""
     return _apply(f, [

@@ -19,6 +19,7 @@ from mpsim.cli.options import (
     html_option,
     int_list,
     json_option,
+    layouts_option,
     warn,
     write_json,
 )
@@ -38,29 +39,32 @@ from mpsim.cli.progress import points_progress, steps_progress
 @click.option("--strategy", "strategies", default="none,recompute,cpu-swap,d2d,mpress,tsplit,best", show_default=True,
               help="comma-separated strategies, one column each")
 @click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP)
+@layouts_option(api.DEFAULT_LAYOUTS)
 @click.option("--workers", "-j", type=click.IntRange(min=1),
               help="worker processes (sizes and strategies in parallel; 1: all in this process)  "
                    "[default: one per core]")
 @backend_options
 @json_option
 def fits(server: str, family: str, models: str | None, schedule: str, microbatch: int | None, microbatches: int,
-         strategies: str, partition: str, workers: int | None, backend: str, address: str | None,
+         strategies: str, partition: str, layouts: str, workers: int | None, backend: str, address: str | None,
          json_out: str | None) -> None:
-    """Which shipped sizes of a family (or which --model) fit under each strategy, and the
-    largest that does.
+    """Which shipped sizes of a family (or which --model) fit under each strategy, in which
+    parallel layout, and the largest that does.
 
-    The size knob is the number of transformer layers at the shape of the largest
-    size that fits; the search doubles, then bisects.
+    Per model and strategy the fastest of --layouts that fits answers (the global batch,
+    --microbatches, held fixed across layouts). The size knob is the number of
+    transformer layers at the shape of the largest size that fits; the search doubles,
+    then bisects; the largest is the largest any layout reaches.
     """
-    from mpsim.views.text import fits_strategies_text
+    from mpsim.views.text import fits_layouts_text
 
     names = comma_list(strategies, "--strategy")
     chosen = comma_list(models, "--model") if models else []
     request = api.fits_request(server, family, chosen, schedule, microbatch, microbatches, names, partition,
-                               workers, backend, address)
+                               workers, backend, address, layouts)
     with points_progress(f"fits {request.family}", request.points) as bar:
         reps = request.run(on_point=bar.point_done)
-    emit(json_out, fits_strategies_text(reps), {"reports": [r.to_dict() for r in reps]})
+    emit(json_out, fits_layouts_text(reps), {"reports": [r.to_dict() for r in reps]})
 
 
 @click.command("reproduce")
@@ -92,6 +96,7 @@ def reproduce_cmd(out: Path, only: str, html_out: Path | None) -> None:
 @click.option("--strategy", "strategies", default="none,recompute,cpu-swap,mpress,best", show_default=True,
               help="comma-separated strategies")
 @click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP)
+@layouts_option("pipeline")
 @click.option("--workers", "-j", type=click.IntRange(min=1), default=1, show_default=True,
               help="points run in parallel worker processes (--backend ray without --address: the CPUs of "
                    "the Ray instance started here)")
@@ -105,10 +110,10 @@ def reproduce_cmd(out: Path, only: str, html_out: Path | None) -> None:
 @json_option
 @html_option
 def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str, strategies: str, partition: str,
-              workers: int, csv_path: Path, plot: Path | None, backend: str, address: str | None,
+              layouts: str, workers: int, csv_path: Path, plot: Path | None, backend: str, address: str | None,
               batch: int | None, json_out: str | None, html_out: Path | None) -> None:
     """Throughput and peak memory over a grid of microbatch sizes, microbatch counts,
-    strategies, models and servers.
+    strategies, parallel layouts, models and servers.
 
     One row per point in the CSV, written as each point finishes, so an interrupted
     sweep run again with the same --csv resumes without redoing finished points. Ctrl-C
@@ -129,7 +134,7 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
 
     points = api.grid(comma_list(servers, "--server"), comma_list(models, "--model"), schedule,
                       int_list(sizes, "--microbatch"), int_list(counts, "--microbatches"),
-                      comma_list(strategies, "--strategy"), partition)
+                      comma_list(strategies, "--strategy"), partition, layouts)
     for line in api.sweep_warnings(points):
         warn(line)
     runner = api.make_backend(backend, workers, address)
@@ -138,7 +143,7 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
 
         def advance(row: dict, resumed: bool) -> None:
             what = "already in the CSV" if resumed else ("fits" if str(row["fits"]) == "True" else "OOM")
-            bar.point_done(f"{row['model']} mb {row['microbatch']} {row['strategy']}: {what}", resumed)
+            bar.point_done(f"{row['model']} {row['layout']} mb {row['microbatch']} {row['strategy']}: {what}", resumed)
 
         try:
             frame = api.sweep(points, csv_path, workers, advance, backend=runner, batch=batch,
@@ -197,6 +202,7 @@ def calibrate_cmd(trace_paths: tuple[str, ...], server: str, output: Path | None
               help=MICROBATCHES_HELP)
 @click.option("--strategy", "strategies", default="best", show_default=True,
               help="comma-separated strategies allowed (each single one under both partitions; best: all of them)")
+@layouts_option(api.DEFAULT_LAYOUTS)
 @click.option("--price", "price_overrides", multiple=True, metavar="SERVER=USD/h",
               help="on-demand USD per hour of a server, instead of its file's price; repeat for several")
 @click.option("--rank-by", type=click.Choice(["cost", "throughput"]), default="cost", show_default=True,
@@ -206,11 +212,12 @@ def calibrate_cmd(trace_paths: tuple[str, ...], server: str, output: Path | None
               help="PNG of throughput against USD per hour, the Pareto front marked")
 @html_option
 def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, microbatches: int, strategies: str,
-               price_overrides: tuple[str, ...], rank_by: str, json_out: str | None, plot: Path | None,
+               layouts: str, price_overrides: tuple[str, ...], rank_by: str, json_out: str | None, plot: Path | None,
                html_out: Path | None) -> None:
-    """Which server to buy or rent for a model: per server the fastest plan that fits, its
-    samples/s (tokens/s for language models), peak memory, and USD per hour and per
-    million samples (tokens), ranked, with a one-line recommendation.
+    """Which server to buy or rent for a model: per server the fastest plan that fits (parallel
+    layout x strategy x microbatch size), its samples/s (tokens/s for language models),
+    peak memory, and USD per hour and per million samples (tokens), ranked, with a
+    one-line recommendation.
 
     Prices come from each topology file's `price` block; --price overrides them. Where
     nothing fits, the row says by how much it falls short and which technique came
@@ -229,7 +236,7 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
     mb_sizes = int_list(sizes, "--microbatch") if sizes else None
     with steps_progress("choose") as step:
         report = api.choose(model, names, schedule, mb_sizes, tuple(comma_list(strategies, "--strategy")),
-                            microbatches, prices, rank_by, on_point=step)
+                            microbatches, prices, rank_by, on_point=step, layouts=layouts)
     emit(json_out, choose_text(report), report.to_dict())
     if plot:
         plot_choose(report, plot)

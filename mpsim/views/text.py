@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpsim.choose import ChooseReport, ChooseRow, money
 from mpsim.job import DP_NAMES
+from mpsim.layouts import parse_layout
 from mpsim.plan import PlanFile, optimizer_label
 from mpsim.sim.memory import TECHNIQUES
 from mpsim.sim.result import COSTS
@@ -17,7 +18,7 @@ from mpsim.units import GiB
 if TYPE_CHECKING:
     import pandas as pd
 
-    from mpsim.capacity import FitsReport
+    from mpsim.capacity import FitsReport, LayoutFits
     from mpsim.sim import SimResult
     from mpsim.trace import Trace
 
@@ -164,32 +165,87 @@ def fits_strategies_text(reports: list[FitsReport]) -> str:
     return "\n".join(lines)
 
 
+def fits_layouts_text(answers: list[LayoutFits]) -> str:
+    """``fits`` over layouts: per model and strategy the fastest layout that fits (samples/s
+    and its name), else the layout with the lowest peak; the largest size any layout
+    reaches. With one layout, ``fits_strategies_text`` as before."""
+    if all(len(a.reports) == 1 for a in answers):
+        return fits_strategies_text([a.reports[0] for a in answers])
+    first = answers[0].reports[0]
+    header = ["model", "params (B)"] + [a.strategy for a in answers]
+    rows = []
+    for i, fr in enumerate(first.rows):
+        cells = [fr.model, f"{fr.params / 1e9:.2f}"]
+        for a in answers:
+            res = a.best_row(i).result
+            cells.append(f"{res.samples_per_s:.2f}/s {res.layout}" if res.fits
+                         else f"OOM {gib(res.max_peak_bytes)}G {res.layout}")
+        rows.append(cells)
+    cap = first.rows[0].result.gpus[0].capacity_bytes
+    lines = [f"{first.family} on {first.server}: {first.schedule}, microbatch {first.microbatch} x "
+             f"{answers[0].microbatches} per iteration over all replicas, {first.partition}-balanced partition, "
+             f"capacity {gib(cap)} GiB per GPU",
+             "layouts: " + ", ".join(r.job.layout_name for r in answers[0].reports),
+             "(the fastest layout that fits: samples/s and the layout; where none fits, OOM, the lowest highest "
+             "per-GPU peak in GiB and its layout)", "",
+             table_text(header, rows), "", "largest that fits, by strategy (over the layouts):"]
+    for a in answers:
+        top = a.largest
+        if top is None:
+            lines.append(f"  {a.strategy:10s} none, even with one transformer layer per GPU")
+            continue
+        rep, row = top
+        d = row.to_dict()
+        lines.append(f"  {a.strategy:10s} {d['params'] / 1e9:6.2f}B ({d['transformer_layers']} layers at the shape "
+                     f"of {rep.largest_template}), {d['layout']}, {d['samples_per_s']:.2f} samples/s, max peak "
+                     f"{gib(d['max_peak_bytes'])} GiB")
+    return "\n".join(lines)
+
+
 def sweep_text(frame: pd.DataFrame) -> str:
-    """Samples/s (or OOM and the highest peak) per microbatch size, one column per strategy."""
+    """Samples/s (or OOM and the highest peak) per microbatch size, one column per strategy
+    (per strategy and layout where a server ran several: ``none fsdp8``)."""
     lines = []
     for (sv, md, m), part in frame.groupby(["server", "model", "microbatches"], sort=False):
-        strategies = list(dict.fromkeys(part["strategy"]))
-        rows = []
-        for mb in sorted({int(x) for x in part["microbatch"]}):
-            cells = [str(mb)]
-            for st in strategies:
-                r = part[(part["microbatch"].astype(int) == mb) & (part["strategy"] == st)]
-                if r.empty:
-                    cells.append("")
-                    continue
-                r = r.iloc[0]
-                fits = str(r["fits"]) == "True"
-                cells.append(f"{float(r['samples_per_s']):.2f}/s {float(r['max_peak_gib']):.1f}G" if fits
-                             else f"OOM {float(r['max_peak_gib']):.1f}G")
-            rows.append(cells)
-        lines += [f"{md} on {sv}, {m} microbatches: samples/s and highest per-GPU peak (GiB)", "",
-                  table_text(["microbatch"] + strategies, rows), ""]
+        layouts = list(dict.fromkeys(_layouts_of(part)))
+        columns = list(dict.fromkeys((str(st), str(lay)) for st, lay in zip(part["strategy"], _layouts_of(part))))
+        rows = [[str(mb)] + [_sweep_cell(part, mb, st, lay) for st, lay in columns]
+                for mb in sorted({int(x) for x in part["microbatch"]})]
+        header = [st if len(layouts) == 1 else f"{st} {lay}" for st, lay in columns]
+        where = f", {_layout_label(layouts[0])}" if len(layouts) == 1 and _layout_label(layouts[0]) else ""
+        lines += [f"{md} on {sv}{where}, {m} microbatches: samples/s and highest per-GPU peak (GiB)", "",
+                  table_text(["microbatch"] + header, rows), ""]
     return "\n".join(lines).rstrip()
+
+
+def _layouts_of(part: pd.DataFrame) -> list[str]:
+    return [str(x) for x in part["layout"]] if "layout" in part else [""] * len(part)
+
+
+def _layout_label(name: str) -> str:
+    """A sweep's layout column as a title names it; nothing for a pipeline (as before layouts)."""
+    if not name or name.startswith("pp"):
+        return ""
+    p = parse_layout(name)
+    return p.describe(p.pipeline or 1)
+
+
+def _sweep_cell(part: pd.DataFrame, mb: int, strategy: str, layout: str) -> str:
+    mask = (part["microbatch"].astype(int) == mb) & (part["strategy"] == strategy)
+    if "layout" in part:
+        mask &= part["layout"].astype(str) == layout
+    r = part[mask]
+    if r.empty:
+        return ""
+    row = r.iloc[0]
+    if str(row["fits"]) == "True":
+        return f"{float(row['samples_per_s']):.2f}/s {float(row['max_peak_gib']):.1f}G"
+    return f"OOM {float(row['max_peak_gib']):.1f}G"
 
 
 def choose_header(lm: bool) -> list[str]:
     """Columns of ``choose``'s ranked table; ``lm``: with tokens (a language model)."""
-    return ["server", "GPUs", "fits", "plan", "mb", "samples/s"] + (["tokens/s"] if lm else []) + [
+    return ["server", "GPUs", "fits", "layout", "plan", "mb", "samples/s"] + (["tokens/s"] if lm else []) + [
         "max peak GiB", "capacity GiB", "USD/h", "USD/M samples"] + (["USD/M tokens"] if lm else []) + ["front"]
 
 
@@ -201,7 +257,7 @@ def choose_row(report: ChooseReport, r: ChooseRow) -> list[str]:
     if lm:
         rate.append(f"{r.tokens_per_s:,.0f}" if r.fits else "-")
     cost = [money(r.usd_per_million_samples)] + ([money(r.usd_per_million_tokens)] if lm else [])
-    return ([f"{r.rank}. {r.server}", f"{r.n_gpus}", fits, r.technique, str(r.microbatch)] + rate
+    return ([f"{r.rank}. {r.server}", f"{r.n_gpus}", fits, r.layout, r.technique, str(r.microbatch)] + rate
             + [f"{r.max_peak_bytes / GiB:.2f}", f"{r.capacity_bytes / GiB:.2f}", money(r.price.usd_per_hour)]
             + cost + ["*" if r.pareto else ""])
 
@@ -212,9 +268,11 @@ def choose_text(report: ChooseReport) -> str:
     strategies = ",".join(report.strategies)
     sizes = "/".join(map(str, report.microbatch_sizes))
     lines = [f"{report.model} on {len(report.rows)} server(s): {report.schedule}, {report.microbatches} "
-             f"microbatches of {sizes}, strategies {strategies}, one stage per GPU; "
-             f"ranked by {report.rank_by}", "", table_text(choose_header(report.seq_len is not None), rows),
-             "(plan: the technique of the fastest plan that fits, else the one that came closest; OOM +x: the "
+             f"microbatches of {sizes} per iteration over all replicas, strategies {strategies}, layouts "
+             f"{report.layouts}; ranked by {report.rank_by}", "",
+             table_text(choose_header(report.seq_len is not None), rows),
+             "(layout and plan: the parallel layout and technique of the fastest plan that fits, else of the one "
+             "that came closest; DDP, ZeRO-1/2 and FSDP (ZeRO-3) xN: N data-parallel replicas; OOM +x: the "
              "smallest highest per-GPU peak above capacity, GiB; front: on the Pareto front of throughput against "
              "USD per hour; M = 10^6; memory in GiB = 2^30 bytes)"]
     sources = [f"  {r.server}: USD {money(r.price.usd_per_hour)}/h, "
