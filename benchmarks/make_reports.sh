@@ -4,12 +4,13 @@ set -euo pipefail
 python benchmarks/mpress_table2.py > reports/mpress_table2.md
 for server in dgx1-v100 a100-40gb-nvswitch; do
   short=${server%%-*}
-  mpsim fits --server "$server" --family gpt --schedule 1f1b --microbatch 2 > "reports/fits_${short}_gpt_1f1b.txt"
+  mpsim fits --server "$server" --family gpt --schedule 1f1b --microbatch 2 --layouts pipeline \
+    > "reports/fits_${short}_gpt_1f1b.txt"
   # with best on the DGX-1: 7 minutes on 2 cores. Not on the A100 server: there best's search
   # over the BERT-6.2B shape (159 layers and up) ran past 27 minutes, in probes of 3 to 5 minutes
   strategies=none,recompute,cpu-swap,d2d,mpress,tsplit
   [ "$server" = dgx1-v100 ] && strategies=$strategies,best
-  mpsim fits --server "$server" --family bert --schedule pipedream --microbatch 12 --strategy "$strategies" \
+  mpsim fits --server "$server" --family bert --schedule pipedream --microbatch 12 --strategy "$strategies" --layouts pipeline \
     > "reports/fits_${short}_bert_pipedream.txt"
 done
 {
@@ -29,6 +30,8 @@ taskset -c 0,1 python benchmarks/bench_simulate.py --model bert-1.67b --schedule
 mpsim simulate --model gpt-15.4b --microbatch 2 --strategy cpu-swap --plot reports/memory_gpt-15.4b_dgx1_cpu-swap.png > reports/simulate_gpt-15.4b_dgx1_cpu-swap.txt || true
 taskset -c 0,1 python benchmarks/bench_planners.py > reports/bench_planners.txt
 taskset -c 0,1 python benchmarks/bench_layers.py > reports/bench_layers.txt
+python benchmarks/validation_dp.py > reports/validation_dp_cpu.md
+taskset -c 0,1 python benchmarks/bench_dp.py > reports/bench_dp.txt
 rm -f reports/sweep_bert-1.67b_dgx1.csv  # a sweep resumes from the rows it finds: start afresh
 mpsim sweep --server dgx1-v100 --model bert-1.67b --schedule pipedream --microbatch 1,2,4,8,12,16 \
   --strategy none,recompute,cpu-swap,mpress,best -j 2 --csv reports/sweep_bert-1.67b_dgx1.csv \

@@ -39,3 +39,20 @@ def test_the_collective_figure_in_the_readme_is_what_the_simulator_gives():
     assert found is not None
     t = collective_time(load_topology("dgx1-v100"), "all-reduce", 10**9, list(range(8)))
     assert f"{t.busbw / 1e9:.1f}" == found[1]
+
+
+def test_the_llama_3_8b_answer_in_the_readme_is_what_the_simulator_gives():
+    """The data-parallel section's answer: FSDP x8 on 8 x A100 80GB (peak, samples/s,
+    tokens/s) and the 1F1B pipeline on the same GPUs at the same global batch."""
+    from mpsim.api import Parallelism, plan
+
+    quote = _paragraph((ROOT / "README.md").read_text(), "Yes: FSDP over the eight GPUs")
+    found = re.search(r"peaks at ([\d.]+) GiB per GPU and trains ([\d.]+) samples/s \(([\d,]+) tokens/s\)", quote)
+    pipe = re.search(r"the 1F1B pipeline over the same GPUs reaches ([\d.]+)", quote)
+    assert found is not None and pipe is not None
+    fsdp = plan("dgx-a100-80gb", "llama-3-8b", "1f1b", 1, 2, n_stages=1,
+                parallelism=Parallelism(data=8, zero_stage=3)).result
+    tokens = fsdp.samples_per_s * 8192
+    assert (f"{fsdp.max_peak_bytes / 2**30:.2f}", f"{fsdp.samples_per_s:.2f}", f"{tokens:,.0f}") == found.groups()
+    pipeline = plan("dgx-a100-80gb", "llama-3-8b", "1f1b", 1, 16).result
+    assert f"{pipeline.samples_per_s:.2f}" == pipe[1]

@@ -97,11 +97,13 @@ def _measured_model(model: str, microbatch: int | None, device: str, threads: in
 
 def validate(model: str, plan_path: Path | None = None, server: str | None = None, *, strategy: str = "none",
              schedule: str = "1f1b", microbatches: int = 4, stages: int = 2, device: str = "cpu", threads: int = 1,
-             memory_mib: float | None = None, steps: int = 5, warmup: int = 2) -> dict:
+             memory_mib: float | None = None, steps: int = 5, warmup: int = 2,
+             parallelism: Parallelism | None = None) -> dict:
     """Run a plan on this machine with the PyTorch executor and compare it with the
     simulator (:func:`mpsim.hardware_check.validate_plan`): the plan file, else one made
-    with ``strategy``; ``server``'s topology, else this machine probed; ``model`` a preset
-    measured here or a measured trace. Returns the report (``oom`` set when a run ran out)."""
+    with ``strategy`` (and ``parallelism``'s replicas); ``server``'s topology, else this
+    machine probed; ``model`` a preset measured here or a measured trace. Returns the report
+    (``oom`` set when a run ran out)."""
     from mpsim.hardware_check import RunSettings, validate_plan
     from mpsim.probe import probe
     from mpsim.profiler import check_device
@@ -109,10 +111,12 @@ def validate(model: str, plan_path: Path | None = None, server: str | None = Non
     check_device(device)
     plan_file = read_plan_file(plan_path) if plan_path else None
     trace = _measured_model(model, plan_file.microbatch if plan_file else None, device, threads)
-    n_devices = len(plan_file.stages) if plan_file else stages
+    replicas = parallelism.data if parallelism is not None else 1
+    n_devices = max(plan_file.gpus_used()) + 1 if plan_file else stages * replicas
     topo = load_topology(server) if server else probe(device, n_devices, threads, memory_mib)[1]
     if plan_file is None:
-        plan_file = plan_job(JobSpec(topo, trace, schedule, microbatches, pipeline(stages), strategy=strategy)).plan
+        layout = pipeline(stages) if parallelism is None else parallelism.model_copy(update={"pipeline": stages})
+        plan_file = plan_job(JobSpec(topo, trace, schedule, microbatches, layout, strategy=strategy)).plan
     settings = RunSettings(device=device, threads=threads, warmup=warmup, steps=steps,
                            capacity_bytes=int(memory_mib * 2**20) if memory_mib else None)
     return validate_plan(plan_file, topo, trace, settings, str(plan_path) if plan_path else "<plan>")

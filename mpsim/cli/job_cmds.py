@@ -122,24 +122,26 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
               help="memory each stage may use, enforced  [default: the device's; on CPU RAM / stages]")
 @click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True, help="timed steps (median)")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="untimed steps before them")
+@layout_options
 @json_option
 def validate_cmd(plan_path: Path | None, model: str, server: str | None, strategy: str, schedule: str,
                  microbatches: int, stages: int, device: str, threads: int, memory_mib: float | None, steps: int,
-                 warmup: int, json_out: str | None) -> None:
+                 warmup: int, layout: api.Parallelism, json_out: str | None) -> None:
     """Run a plan on this machine and compare it with the simulator.
 
     Measures the model's layers here (or takes a measured trace), probes this machine
     (or takes --server), simulates the plan, runs it with the PyTorch executor
-    (validate/executor.py, one process per stage under torchrun) and prints per stage the
-    predicted and measured peak memory with its breakdown, and the iteration time, with
-    the errors in percent. An out-of-memory during the run is reported as a result
-    (stage, step, phase) under either schedule, and exits 1.
+    (validate/executor.py, one process per stage and replica under torchrun: DDP, ZeRO-1/2
+    and FSDP2 with --dp and --zero) and prints per GPU the predicted and measured peak
+    memory with its breakdown, and the iteration time, with the errors in percent. An
+    out-of-memory during the run is reported as a result (stage, step, phase) under either
+    schedule, and exits 1.
     """
     from mpsim.views.measured import validation_text
 
     report = api.validate(model, plan_path, server, strategy=strategy, schedule=schedule, microbatches=microbatches,
                           stages=stages, device=device, threads=threads, memory_mib=memory_mib, steps=steps,
-                          warmup=warmup)
+                          warmup=warmup, parallelism=layout)
     emit(json_out, validation_text(report), report)
     if report["oom"]:
         sys.exit(1)

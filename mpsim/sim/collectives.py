@@ -36,6 +36,7 @@ the latency.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ import simpy
 
 from mpsim.errors import MpsimError
 from mpsim.sim.network import Network
-from mpsim.topology import Topology
+from mpsim.topology import Route, Topology
 from mpsim.units import MiB
 
 Op = Literal["all-reduce", "reduce-scatter", "all-gather", "broadcast"]
@@ -158,9 +159,23 @@ def ring_collective(env: simpy.Environment, network: Network, topo: Topology, ri
     if op == "broadcast":
         yield from _chain_broadcast(env, network, topo, ring, n_bytes)
         return
+    routes, latency_s = ring_routes(topo, tuple(ring))
+    per_hop = max_hop_bytes(op, n_bytes, n)  # hops differ by under n bytes: equal flows land in one event
+    yield network.transfer_all(routes, [per_hop] * n, ring_steps(op, n) * latency_s)
+
+
+@functools.lru_cache(maxsize=1024)
+def ring_routes(topo: Topology, ring: tuple[int, ...]) -> tuple[list[Route], float]:
+    """Each GPU's route to its successor in ``ring``, and the largest route latency."""
     routes = [topo.route(a, b) for a, b in zip(ring, (*ring[1:], ring[0]))]
-    per_hop = max(hop_bytes(op, n_bytes, n))  # hops differ by under n bytes: equal flows land in one event
-    yield network.transfer_all(routes, [per_hop] * n, ring_steps(op, n) * max(r.latency_s for r in routes))
+    return routes, max(r.latency_s for r in routes)
+
+
+@functools.lru_cache(maxsize=4096)
+def max_hop_bytes(op: str, n_bytes: int, n: int) -> int:
+    """The most bytes any GPU of the ring sends (``hop_bytes``), remembered: a job's
+    buckets and layers repeat a few sizes many times."""
+    return max(hop_bytes(op, n_bytes, n))
 
 
 def ring_steps(op: str, n: int) -> int:
