@@ -22,6 +22,8 @@ from mpsim.sim.collectives import (
     hop_bytes,
     ring_bottleneck,
     ring_collective,
+    tree_depth,
+    tree_edges,
 )
 from mpsim.sim.network import Network
 from mpsim.topology import Topology, parse_topology
@@ -225,3 +227,31 @@ def test_cli_refuses_bad_input_in_one_line(capsys, argv, says):
     code, out, err = _cli(capsys, *argv)
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and says in err
+
+
+# -- the double binary tree (all-reduce) -----------------------------------------------------
+
+def test_tree_all_reduce_on_two_gpus_is_the_ring():
+    """Two GPUs: each tree's one edge carries half the buffer each way, so each direction of
+    the link carries the whole buffer, as the ring's two steps do: S/B + 2L either way."""
+    topo = fully_connected(2, gbps=2.0, latency_us=3.0)
+    size = 12 * 10**6
+    tree = collective_time(topo, "all-reduce", size, algorithm="tree").time_s
+    assert tree == pytest.approx(size / (2 * GBPS) + 2 * 3e-6, rel=1e-12)
+    assert tree == pytest.approx(collective_time(topo, "all-reduce", size).time_s, rel=1e-12)
+
+
+def test_inside_a_switch_the_ring_beats_the_tree():
+    """Every tree edge carries half the buffer each way and an inner GPU feeds three edges
+    of its tree at once, where a ring hop carries 2(n-1)/n of it: NCCL's reason for rings
+    inside a server."""
+    topo = nvswitch_topology(8, gbps=1.0)
+    ring, tree = (collective_time(topo, "all-reduce", 10**8, algorithm=a).busbw for a in ("ring", "tree"))
+    assert tree < ring
+    assert tree_depth(8) == 3 and tree_edges([5, 6, 7]) == [(6, 5), (7, 5)]
+
+
+@pytest.mark.parametrize("op", ["reduce-scatter", "all-gather", "broadcast"])
+def test_the_tree_runs_all_reduce_only(op):
+    with pytest.raises(MpsimError, match=f"the tree algorithm runs all-reduce only .*, not {op}"):
+        collective_time(fully_connected(4), op, 10**6, algorithm="tree")

@@ -10,7 +10,7 @@ import yaml
 from mpsim.catalog import load_topology, shipped_topologies
 from mpsim.errors import MpsimError
 from mpsim.plan import stripes_by_bandwidth
-from mpsim.sim.collectives import OPS, check_group, check_op, collective_time, ring_bottleneck
+from mpsim.sim.collectives import OPS, check_algorithm, check_group, check_op, collective_time, ring_bottleneck
 from mpsim.sim.transfers import Copy, copy_times
 from mpsim.topology import HOST, Endpoint, Topology
 from mpsim.units import parse_bytes
@@ -114,11 +114,13 @@ def _gpu_group(t: Topology, text: str) -> list[int]:
     return gpus
 
 
-def collective(server: str | Topology, op: str, sizes: Sequence[str], gpus: str | None = None) -> dict:
+def collective(server: str | Topology, op: str, sizes: Sequence[str], gpus: str | None = None,
+               algorithm: str = "ring") -> dict:
     """Time, algorithm and bus bandwidth (nccl-tests' definitions) of ``op`` (all-reduce,
     reduce-scatter, all-gather or broadcast) on each of ``sizes`` over ``gpus`` (``0-7``,
     ``0,2,4,6``; default every GPU), alone on an idle server, as NCCL's ring algorithm
-    runs it over the group's best ring (``mpsim.sim.collectives``)."""
+    runs it over the group's best ring, or its double binary tree for all-reduce
+    (``algorithm``; ``mpsim.sim.collectives``)."""
     t = load_topology(server) if isinstance(server, str) else server
     try:
         check_op(op)
@@ -130,12 +132,16 @@ def collective(server: str | Topology, op: str, sizes: Sequence[str], gpus: str 
     except MpsimError as exc:
         raise MpsimError(f"--gpus: {exc}" if gpus is not None else str(exc)) from None
     try:
+        check_algorithm(op, algorithm)
+    except MpsimError as exc:
+        raise MpsimError(f"--algorithm: {exc}") from None
+    try:
         byte_sizes = [parse_bytes(x) for x in sizes]
     except ValueError as exc:
         raise MpsimError(f"--size: {exc}") from None
-    results = [collective_time(t, op, n, group) for n in byte_sizes]
+    results = [collective_time(t, op, n, group, algorithm) for n in byte_sizes]
     ring = results[0].ring
-    return {"server": t.name, "op": op, "gpus": group, "ring": list(ring),
+    return {"server": t.name, "op": op, "algorithm": algorithm, "gpus": group, "ring": list(ring),
             "ring_bottleneck_gbps": ring_bottleneck(t, ring) / 1e9,
             "sizes": [{"bytes": r.n_bytes, "seconds": r.time_s, "algbw_gbps": r.algbw / 1e9,
                        "busbw_gbps": r.busbw / 1e9} for r in results]}

@@ -98,8 +98,10 @@ def topo_transfer(server: str, src: str, dst: str | None, stripe: str | None, si
 @click.option("--size", "sizes", required=True,
               help="buffer bytes, e.g. 1GB or 256MiB, at most 1 PiB; comma-separated for several")
 @click.option("--gpus", help="the group, e.g. 0-7 or 0,2,4,6 (broadcast's root is the first)  [default: every GPU]")
+@click.option("--algorithm", default="ring", show_default=True,
+              help="ring, or tree (NCCL's double binary tree; all-reduce only)")
 @json_option
-def topo_collective(server: str, op: str, sizes: str, gpus: str | None, json_out: str | None) -> None:
+def topo_collective(server: str, op: str, sizes: str, gpus: str | None, algorithm: str, json_out: str | None) -> None:
     """Time, algorithm and bus bandwidth of a collective alone on an idle server, as
     NCCL's ring algorithm runs it (nccl-tests' columns).
 
@@ -107,9 +109,10 @@ def topo_collective(server: str, op: str, sizes: str, gpus: str | None, json_out
     tried for up to 8 GPUs). All-reduce is 2(n-1) steps and reduce-scatter, all-gather
     n-1 steps of SIZE/n bytes per GPU; broadcast is a pipelined chain. Each step pays the
     routes' setup latency. busbw = algbw x 2(n-1)/n (all-reduce), (n-1)/n (reduce-scatter,
-    all-gather), 1 (broadcast).
+    all-gather), 1 (broadcast). --algorithm tree runs all-reduce over two binary trees
+    laid over the same order, half the buffer each, up and back down pipelined.
     """
     from mpsim.views.text import collective_text
 
-    data = api.collective(server, op, comma_list(sizes, "--size"), gpus)
+    data = api.collective(server, op, comma_list(sizes, "--size"), gpus, algorithm)
     emit(json_out, collective_text(data), data)

@@ -28,6 +28,14 @@ Alone on an idle server where every ring hop has its own links of B bytes/s and 
 L, all-reduce therefore takes 2(n-1) (L + n_bytes/(n B)), reduce-scatter and all-gather
 (n-1) (L + n_bytes/(n B)), broadcast (k + n - 2) (L + n_bytes/(k B)).
 
+All-reduce also runs as NCCL's double binary tree (``algorithm="tree"``; NCCL runs no
+other collective on trees): two binary trees over the group, the second the first's order
+reversed, so that a GPU inner in one is near a leaf in the other; each tree reduces half
+the buffer up to its root and broadcasts it back down, pipelined, so every tree edge
+carries half the buffer each way at once, fused like the ring's hops, after 2 x depth
+steps of latency. Inside a server the ring is faster (each edge of a tree carries more
+than a ring hop), which is why NCCL picks rings there; trees pay off across servers.
+
 Algorithm bandwidth is n_bytes / time; bus bandwidth is algbw x 2(n-1)/n for all-reduce,
 x (n-1)/n for reduce-scatter and all-gather, x 1 for broadcast (nccl-tests'
 PERFORMANCE notes): on an idle ring it equals the ring's bottleneck link bandwidth, less
@@ -51,6 +59,8 @@ from mpsim.units import MiB
 
 Op = Literal["all-reduce", "reduce-scatter", "all-gather", "broadcast"]
 OPS: Final[tuple[str, ...]] = get_args(Op)
+Algorithm = Literal["ring", "tree"]
+ALGORITHMS: Final[tuple[str, ...]] = get_args(Algorithm)
 
 BROADCAST_CHUNK_BYTES: Final = 4 * MiB
 """Target chunk of the pipelined broadcast: NCCL's default ``NCCL_BUFFSIZE`` (4 MiB)."""
@@ -89,6 +99,13 @@ def bus_factor(op: str, n: int) -> float:
 def check_op(op: str) -> None:
     if op not in OPS:
         raise MpsimError(f"unknown collective {op!r}: expected one of {', '.join(OPS)}")
+
+
+def check_algorithm(op: str, algorithm: str) -> None:
+    if algorithm not in ALGORITHMS:
+        raise MpsimError(f"unknown algorithm {algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
+    if algorithm == "tree" and op != "all-reduce":
+        raise MpsimError(f"the tree algorithm runs all-reduce only (as NCCL's does), not {op}")
 
 
 def check_group(topo: Topology, gpus: Sequence[int]) -> None:
@@ -178,6 +195,30 @@ def max_hop_bytes(op: str, n_bytes: int, n: int) -> int:
     return max(hop_bytes(op, n_bytes, n))
 
 
+def tree_edges(order: Sequence[int]) -> list[tuple[int, int]]:
+    """(child, parent) edges of the binary tree laid over ``order`` as a heap: the
+    parent of the GPU at position i is the one at (i - 1) // 2."""
+    return [(order[i], order[(i - 1) // 2]) for i in range(1, len(order))]
+
+
+def tree_depth(n: int) -> int:
+    """Edges from the deepest GPU of an n-GPU heap-ordered binary tree to its root."""
+    return max(0, (n).bit_length() - 1)
+
+
+def tree_all_reduce(env: simpy.Environment, network: Network, topo: Topology, order: Sequence[int],
+                    n_bytes: int) -> Generator[simpy.Event, Any, None]:
+    """A SimPy process body: all-reduce of ``n_bytes`` over NCCL's double binary tree
+    (module doc): per tree half the buffer up every edge and down again, all at once."""
+    half = -(-n_bytes // 2)
+    routes = []
+    for tree in (tuple(order), tuple(reversed(order))):
+        for child, parent in tree_edges(tree):
+            routes += [topo.route(child, parent), topo.route(parent, child)]
+    latency_s = max(r.latency_s for r in routes)
+    yield network.transfer_all(routes, [half] * len(routes), 2 * tree_depth(len(order)) * latency_s)
+
+
 def ring_steps(op: str, n: int) -> int:
     """Steps of ``op`` on a ring of ``n``: 2(n-1) for all-reduce, n-1 for the others."""
     return 2 * (n - 1) if op == "all-reduce" else n - 1
@@ -204,16 +245,22 @@ def _chain_broadcast(env: simpy.Environment, network: Network, topo: Topology, r
         yield simpy.AllOf(env, sends)
 
 
-def collective_time(topo: Topology, op: str, n_bytes: int, gpus: Sequence[int] | None = None) -> CollectiveTime:
+def collective_time(topo: Topology, op: str, n_bytes: int, gpus: Sequence[int] | None = None,
+                    algorithm: str = "ring") -> CollectiveTime:
     """``op`` on ``n_bytes`` over ``gpus`` (default: every GPU) alone on an idle server,
-    over the best ring (:func:`best_ring`); bandwidths as nccl-tests defines them."""
+    over the best ring (:func:`best_ring`; a tree is laid over the same order);
+    bandwidths as nccl-tests defines them."""
     check_op(op)
+    check_algorithm(op, algorithm)
     group = list(range(topo.n_gpus)) if gpus is None else list(gpus)
     if n_bytes <= 0:
         raise MpsimError(f"a collective's size must be positive, got {n_bytes} bytes")
     ring = best_ring(topo, group)
     env = simpy.Environment()
-    env.process(ring_collective(env, Network(env), topo, ring, op, n_bytes))
+    if algorithm == "tree":
+        env.process(tree_all_reduce(env, Network(env), topo, ring, n_bytes))
+    else:
+        env.process(ring_collective(env, Network(env), topo, ring, op, n_bytes))
     env.run()
     time_s = float(env.now)
     algbw = n_bytes / time_s if time_s > 0 else float("inf")
