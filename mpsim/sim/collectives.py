@@ -172,13 +172,19 @@ def ring_collective(env: simpy.Environment, network: Network, topo: Topology, ri
     """A SimPy process body running ``op`` on ``n_bytes`` over ``ring`` (GPUs in ring
     order; for broadcast the first is the root). Ends when the last step's sends land."""
     check_op(op)
-    n = len(ring)
     if op == "broadcast":
         yield from _chain_broadcast(env, network, topo, ring, n_bytes)
         return
+    yield ring_transfer(network, topo, ring, op, n_bytes)
+
+
+def ring_transfer(network: Network, topo: Topology, ring: Sequence[int], op: str, n_bytes: int) -> simpy.Event:
+    """All-reduce, reduce-scatter or all-gather of ``n_bytes`` over ``ring`` started now,
+    fused (module doc): the event of its last hop's landing."""
+    n = len(ring)
     routes, latency_s = ring_routes(topo, tuple(ring))
     per_hop = max_hop_bytes(op, n_bytes, n)  # hops differ by under n bytes: equal flows land in one event
-    yield network.transfer_all(routes, [per_hop] * n, ring_steps(op, n) * latency_s)
+    return network.transfer_all(routes, [per_hop] * n, ring_steps(op, n) * latency_s)
 
 
 @functools.lru_cache(maxsize=1024)

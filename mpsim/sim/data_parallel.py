@@ -3,7 +3,7 @@ collectives that move them, on the simulated network.
 
 Replicas are symmetric: the engine simulates replica 0's pipeline only, and each
 collective of a stage runs over that stage's whole group (its GPU in every replica) as
-fused ring flows (``collectives.ring_collective``), so it shares links with replica 0's
+fused ring flows (``collectives.ring_transfer``), so it shares links with replica 0's
 sends and swaps. What the other replicas' own sends and swaps put on the links is not
 simulated (on an NVSwitch server they use other ports; on the DGX-1 they may share a
 ring's links).
@@ -36,7 +36,7 @@ from collections.abc import Callable, Generator
 
 import simpy
 
-from mpsim.sim.collectives import ring_collective
+from mpsim.sim.collectives import ring_transfer
 from mpsim.sim.context import RunContext
 from mpsim.sim.program import Piece, Sharding
 from mpsim.sim.result import Span
@@ -138,6 +138,9 @@ class DataParallel:
         if not self.sharding.reshard_after_forward:
             self._held_bytes += n_extra
         fetch = self.sharding.shard(row.param_bytes) if self.sharding.offload_params else 0
+        if not fetch and not self.moves:  # one GPU: the copy into the gathered buffer takes no modelled time
+            self._gathers[key] = None
+            return None
         event = self._gathers[key] = self._collective("gather", "all-gather", row.param_bytes, label, fetch)
         return event
 
@@ -176,10 +179,20 @@ class DataParallel:
     def _collective(self, lane: str, op: str, n_bytes: int, label: str, fetch_bytes: int = 0) -> simpy.Event:
         """``op`` on the group's ring once the lane's previous collective has landed,
         after fetching ``fetch_bytes`` of offloaded shard (``_fetch``)."""
-        done = self.run.env.event()
-        previous, self._tails[lane] = self._tails[lane], done
+        previous = self._tails[lane]
+        if (previous is None or previous.processed) and not fetch_bytes and self.moves:
+            landed = self._tails[lane] = ring_transfer(self.run.net, self.run.topo, self.ring, op, n_bytes)
+            landed.callbacks.append(self._span(label, self.run.env.now))  # the common case: no process
+            return landed
+        done = self._tails[lane] = self.run.env.event()
         spawn(self.run.env, self._run(previous, op, n_bytes, label, done, fetch_bytes))
         return done
+
+    def _span(self, label: str, start_s: float) -> Callable[[simpy.Event], None]:
+        def record(_e: simpy.Event) -> None:
+            self.run.spans.append(Span(self.gpu, "nccl", label, start_s, self.run.env.now))
+
+        return record
 
     def _fetch(self, n_bytes: int) -> Generator[simpy.Event, object, None]:
         """An offloaded shard to the GPU: read from NVMe (its bandwidth shared by every
@@ -198,7 +211,7 @@ class DataParallel:
             yield from self._fetch(fetch_bytes)
         start = run.env.now
         if self.moves:
-            yield from ring_collective(run.env, run.net, run.topo, self.ring, op, n_bytes)
+            yield ring_transfer(run.net, run.topo, self.ring, op, n_bytes)
         run.spans.append(Span(self.gpu, "nccl", label, start, run.env.now))
         done.succeed()
 
