@@ -79,7 +79,8 @@ class Parallelism(BaseModel):
         stage of each data-parallel replica (None: the GPUs left per replica)."""
         p = max(1, topo.n_gpus // self.data) if self.pipeline is None else self.pipeline
         if p * self.data > topo.n_gpus:
-            what = f"{p} stages" if self.data == 1 else f"{self.data} replicas of {p} stages"
+            stages = f"{p} stage" + ("s" if p > 1 else "")
+            what = stages if self.data == 1 else f"{self.data} replicas of {stages}"
             raise MpsimError(f"{what} need {p * self.data} GPUs but {topo.name} has {topo.n_gpus}")
         return p
 

@@ -146,3 +146,23 @@ def test_pipedream_with_replicas_is_refused_in_one_line():
 
 def test_bucket_size_is_mib():
     assert Parallelism().bucket_mib * MiB == 25 * 2**20
+
+
+def test_a_replicated_plan_file_round_trips_and_a_schema_1_file_still_reads(tmp_path):
+    """Schema 2 carries the layout: written, read back and simulated again, it gives the
+    same result; a schema 1 file (no data_parallel) reads as one replica."""
+    from mpsim.plan import read_plan_file, write_plan_file
+    from mpsim.planners import plan_job
+    from mpsim.sim.layout import job_of_plan
+
+    job = job_of("dgx1-v100", "gpt-5.3b", microbatches=4, n_stages=4, strategy="recompute",
+                 parallelism=Parallelism(data=2, zero_stage=2))
+    planned = plan_job(job)
+    write_plan_file(planned.plan, tmp_path / "p.json")
+    again = read_plan_file(tmp_path / "p.json")
+    assert again == planned.plan and again.data_parallel is not None and again.replicas == 2
+    result = simulate_job(job_of_plan(job.topology, job.trace, again))
+    assert (result.iteration_s, result.layout) == (planned.result.iteration_s, "ZeRO-2 x2 x pipeline x4")
+    assert [g.peak_bytes for g in result.gpus] == [g.peak_bytes for g in planned.result.gpus]
+    v1 = planned.plan.model_copy(update={"schema_": 1, "data_parallel": None})
+    assert simulate_job(job_of_plan(job.topology, job.trace, v1)).layout == "pipeline x4"
