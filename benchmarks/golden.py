@@ -6,9 +6,11 @@ change meant to make the engine or the planners faster can be checked to change 
 
 Jobs: every shipped trace x dgx1-v100, dgx-a100-80gb, titanrtx-x4-pcie x gpipe, 1f1b,
 pipedream x none, recompute, selective, cpu-swap, d2d, mpress, tsplit (traced microbatch,
-8 microbatches). Recorded per job: iteration time, makespan, fits, the out-of-memory
-point, per-GPU peak, breakdown and costs, host peak, link bytes and busy time, and a
-hash of the plan the strategy made. Floats are written with ``repr`` (exact).
+8 microbatches); and data-parallel layouts (``LAYOUTS``: DDP, ZeRO-1/2, FSDP over all GPUs and
+FSDP x2 x pipeline x4) x every trace x dgx1-v100, dgx-a100-80gb x 1f1b x none, recompute,
+zero-offload, zero-infinity, 2 microbatches per replica. Recorded per job: iteration time,
+makespan, fits, the out-of-memory point, per-GPU peak, breakdown and costs, host peak, link
+bytes and busy time, and a hash of the plan the strategy made. Floats are written with ``repr`` (exact).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from mpsim.api import plan
 from mpsim.errors import MpsimError
+from mpsim.layouts import parse_layout
 
 TRACES = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "traces").glob("*.json"))
 SERVERS = ("dgx1-v100", "dgx-a100-80gb", "titanrtx-x4-pcie")
@@ -29,12 +32,22 @@ SCHEDULES = ("gpipe", "1f1b", "pipedream")
 STRATEGIES = ("none", "recompute", "selective", "cpu-swap", "d2d", "mpress", "tsplit")
 
 
-def one(job: tuple[str, str, str, str]) -> tuple[str, dict]:
-    """The recorded result of one (trace, server, schedule, strategy) job."""
-    model, server, schedule, strategy = job
+LAYOUTS = ("ddp8", "zero1x8", "zero2x8", "fsdp8", "fsdp2xpp4")
+LAYOUT_SERVERS = ("dgx1-v100", "dgx-a100-80gb")
+LAYOUT_STRATEGIES = ("none", "recompute", "zero-offload", "zero-infinity")
+
+
+def one(job: tuple[str, ...]) -> tuple[str, dict]:
+    """The recorded result of one (trace, server, schedule, strategy[, layout]) job."""
+    model, server, schedule, strategy, *layout = job
     key = "|".join(job)
     try:
-        planned = plan(server, model, schedule, None, 8, strategy=strategy)
+        if layout:
+            par = parse_layout(layout[0])
+            planned = plan(server, model, schedule, None, 2 * (par.pipeline or 1), n_stages=par.pipeline or 1,
+                           strategy=strategy, parallelism=par)
+        else:
+            planned = plan(server, model, schedule, None, 8, strategy=strategy)
     except MpsimError as exc:
         return key, {"error": str(exc)}
     r = planned.result
@@ -72,7 +85,11 @@ def main() -> None:
     if args.compare:
         before, after = (json.loads(Path(p).read_text()) for p in args.paths)
         sys.exit(1 if compare(before, after) else 0)
-    jobs = [(m, s, sch, st) for m in args.models.split(",") for s in SERVERS for sch in SCHEDULES for st in STRATEGIES]
+    models = args.models.split(",")
+    jobs: list[tuple[str, ...]] = [(m, s, sch, st) for m in models for s in SERVERS for sch in SCHEDULES
+                                   for st in STRATEGIES]
+    jobs += [(m, s, "1f1b", st, lay) for m in models for s in LAYOUT_SERVERS for st in LAYOUT_STRATEGIES
+             for lay in LAYOUTS]
     with ProcessPoolExecutor(args.j) as pool:
         records = dict(pool.map(one, jobs, chunksize=7))
     Path(args.paths[0]).write_text(json.dumps(records, indent=1, sort_keys=True))
