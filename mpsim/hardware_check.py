@@ -16,7 +16,10 @@ activation and one gradient receive buffer per microbatch, so the job is simulat
 What the executor does not run is refused before anything starts: PipeDream's asynchronous
 schedule and host-streamed optimizer (no counterpart in torch's pipelining), splits other
 than along the batch, peer swaps without GPUs, precision other than fp32 on CPU, a host
-optimizer with ZeRO 1 to 3 (the executor shards the device's optimizer only).
+optimizer with ZeRO 1, and ZeRO 3's offload other than ZeRO-Infinity's to host memory: a
+host optimizer with ZeRO 2 runs as ZeRO-Offload, with ZeRO 3 as ZeRO-Infinity (parameter
+shards offloaded too, FSDP2's ``CPUOffloadPolicy``), never one without the other, and
+never to NVMe.
 """
 
 from __future__ import annotations
@@ -105,12 +108,27 @@ def check_runnable(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSe
                          "checkpoints every recomputed layer on its own (use layer)")
     for s, st in enumerate(plan.stages):
         _check_stage_runnable(plan, s, st, dev, source)
+    _check_offload_runnable(plan, source)
+
+
+def _check_offload_runnable(plan: PlanFile, source: str) -> None:
+    """Refuse host optimizers and offloaded shards the executor's ZeRO stages cannot run
+    (module doc)."""
     dp = plan.data_parallel
-    if dp is not None and dp.zero_stage > 0:
-        for s, st in enumerate(plan.stages):
-            if st.optimizer != "gpu":
-                raise MpsimError(f"{source}: stages.{s}.optimizer '{st.optimizer}' with ZeRO stage {dp.zero_stage}: "
-                                 "the executor shards the device's optimizer only (use gpu, or ZeRO stage 0)")
+    if dp is None or dp.zero_stage == 0:
+        return
+    if dp.offload_params and dp.offload_device == "nvme":
+        raise MpsimError(f"{source}: data_parallel.offload_device 'nvme': the executor offloads to host memory "
+                         "only (FSDP2's CPUOffloadPolicy); use host")
+    for s, st in enumerate(plan.stages):
+        on_host = st.optimizer == "host-update"
+        if on_host and dp.zero_stage == 1:
+            raise MpsimError(f"{source}: stages.{s}.optimizer 'host-update' with ZeRO stage 1: the executor's "
+                             "host Adam is ZeRO-Offload's (ZeRO stage 2) or ZeRO-Infinity's (3); use gpu")
+        if dp.zero_stage == 3 and on_host != dp.offload_params:
+            raise MpsimError(f"{source}: stages.{s}.optimizer '{st.optimizer}' with offload_params "
+                             f"{str(dp.offload_params).lower()}: FSDP2's CPU offload moves parameter shards and "
+                             "the optimizer to the host together (ZeRO-Infinity: both, or neither)")
 
 
 def _check_stage_runnable(plan: PlanFile, s: int, st: StagePlan, dev: torch.device, source: str) -> None:
@@ -225,6 +243,8 @@ def _gpu_row(plan: PlanFile, predicted: SimResult, place: tuple[int, int, int], 
                    peak_error_pct=_error_pct(g.peak_bytes, m["peak_bytes"]))
         if "model_state_bytes" in m:
             row["measured_model_state_bytes"] = m["model_state_bytes"]
+        if "host_state_bytes" in m:
+            row["measured_host_state_bytes"] = m["host_state_bytes"]
     return row
 
 

@@ -6,7 +6,9 @@ different tokens yet end with identical parameters (their gradients were average
 their updates agree); each rank holds the share of the model states its ZeRO stage gives
 it (ZeRO-1 the optimizer states, ZeRO-2 the gradients too, ZeRO-3 the parameters too, 1/N
 each), in its own tensors and in the memory tracker's peak; one result comes back per GPU,
-and ``compare`` sets each beside the simulator's prediction for that GPU.
+and ``compare`` sets each beside the simulator's prediction for that GPU. The offload
+strategies (ZeRO-Offload, ZeRO-Infinity) train exactly as their ZeRO stage does with the
+optimizer on the device, while their optimizer (and ZeRO-Infinity's shards) live on the host.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Literal
 
 import pytest
 
+from mpsim import api
 from mpsim.errors import MpsimError
 from mpsim.hardware_check import (
     RunSettings,
@@ -26,9 +29,10 @@ from mpsim.hardware_check import (
     run_executor,
     simulate_plan,
 )
+from mpsim.job import Parallelism
 from mpsim.plan import DataParallelPlan, PlanFile, make_plan
 from mpsim.probe import probe
-from mpsim.topology import Topology
+from mpsim.topology import NvmeSpec, Topology
 from mpsim.trace import Trace
 from mpsim.tracer import trace_model
 from mpsim.workloads import ModelConfig
@@ -114,11 +118,72 @@ def test_two_replicas_of_a_two_stage_pipeline(tiny, cpu4, tmp_path):
     assert report["replicas"] == 2 and report["zero_stage"] == 1
 
 
-def test_a_host_optimizer_with_zero_is_refused(tiny, cpu4):
-    dp = DataParallelPlan(degree=2, zero_stage=2, replicas=[[0], [1]])
+#: Per strategy, the model states a rank holds on its device and on the host, as multiples
+#: of its stage's parameter bytes P with two replicas: (parameters, gradients, optimizer).
+OFFLOAD_SHARE = {"zero-offload": ((1.0, 0.5, 0.0), (0.5, 0.5, 1.0)),
+                 "zero-infinity": ((0.0, 0.0, 0.0), (0.5, 0.5, 1.0))}
+
+
+def _offload_plan(trace: Trace, topo: Topology, strategy: str, replicas: int = 2) -> PlanFile:
+    return api.plan(topo, trace, "1f1b", microbatches=2, n_stages=1, strategy=strategy,
+                    parallelism=Parallelism(data=replicas, pipeline=1)).plan
+
+
+def _on_device(plan: PlanFile) -> PlanFile:
+    """The same plan with the optimizer (and parameter shards) on the device."""
+    assert plan.data_parallel is not None
+    stages = [st.model_copy(update={"optimizer": "gpu"}) for st in plan.stages]
+    dp = plan.data_parallel.model_copy(update={"offload_params": False})
+    return plan.model_copy(update={"stages": stages, "data_parallel": dp})
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize(("strategy", "zero"), [("zero-offload", 2), ("zero-infinity", 3)])
+def test_offload_trains_as_its_zero_stage_with_the_states_on_the_host(tiny, cpu4, strategy, zero, tmp_path):
+    plan = _offload_plan(tiny, cpu4, strategy)
+    assert plan.data_parallel is not None and plan.data_parallel.zero_stage == zero
+    assert {st.optimizer for st in plan.stages} == {"host-update"}
+    assert plan.data_parallel.offload_params == (zero == 3)
+    (tmp_path / "offload").mkdir()
+    (tmp_path / "device").mkdir()
+    measured, report = _run(plan, cpu4, tiny, tmp_path / "offload")
+    reference, _ = _run(_on_device(plan), cpu4, tiny, tmp_path / "device")
+    digests = {m["params_sha256"] for m in measured + reference}
+    assert len(digests) == 1  # replicas agree, and Adam on the host updates as on the device
+    param_bytes = _stage_param_bytes(tiny, plan, 0)
+    on_device, on_host = OFFLOAD_SHARE[strategy]
+    for m in measured:
+        for kind, dev, host in zip(("params", "grads", "optimizer"), on_device, on_host):
+            assert m["model_state_bytes"][kind] == pytest.approx(dev * param_bytes, rel=0.01), (kind, m)
+            assert m["host_state_bytes"][kind] == pytest.approx(host * param_bytes, rel=0.01), (kind, m)
+        assert m["breakdown"].get("optimizer", 0) == 0  # the tracker's peak holds no optimizer states
+    assert all("measured_host_state_bytes" in row for row in report["stages"])
+
+
+def test_offload_refusals_name_what_the_executor_cannot_run(tiny, cpu4):
+    infinity = _offload_plan(tiny, cpu4, "zero-infinity")
+    assert infinity.data_parallel is not None
+    check_runnable(infinity, cpu4, tiny, SETTINGS)
+    check_runnable(_offload_plan(tiny, cpu4, "zero-offload"), cpu4, tiny, SETTINGS)
+    with_nvme = Topology(cpu4.spec.model_copy(update={"nvme": NvmeSpec(capacity_gib=1.0, read_gbps=1.0,
+                                                                          write_gbps=1.0)}))
+    on_nvme = infinity.model_copy(update={"data_parallel": infinity.data_parallel.model_copy(
+        update={"offload_device": "nvme"})})
+    with pytest.raises(MpsimError, match="offloads to host memory only"):
+        check_runnable(on_nvme, with_nvme, tiny, SETTINGS)
+    only_params = _on_device(infinity).model_copy(update={"data_parallel": infinity.data_parallel})
+    with pytest.raises(MpsimError, match="moves parameter shards and the optimizer to the host together"):
+        check_runnable(only_params, cpu4, tiny, SETTINGS)
+    only_optimizer = infinity.model_copy(update={"data_parallel": _on_device(infinity).data_parallel})
+    with pytest.raises(MpsimError, match="moves parameter shards and the optimizer to the host together"):
+        check_runnable(only_optimizer, cpu4, tiny, SETTINGS)
+
+
+def test_a_host_optimizer_with_zero_1_is_refused(tiny, cpu4):
+    dp = DataParallelPlan(degree=2, zero_stage=1, replicas=[[0], [1]])
     plan = make_plan(tiny, cpu4, "1f1b", 2, [(0, 4)], [0], "keep", optimizer={0: "host-update"},
                      data_parallel=dp)
-    with pytest.raises(MpsimError, match="shards the device's optimizer only"):
+    with pytest.raises(MpsimError, match="host Adam is ZeRO-Offload's"):
         check_runnable(plan, cpu4, tiny, SETTINGS)
     ddp = plan.model_copy(update={"data_parallel": dp.model_copy(update={"zero_stage": 0})})
     check_runnable(ddp, cpu4, tiny, SETTINGS)  # DDP's gradients can still go to a host Adam

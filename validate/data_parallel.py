@@ -19,23 +19,34 @@ How each ZeRO stage is run (what the simulator models for it):
   layer's whole parameters gathered before its forward and its backward, freed after its
   forward when ``reshard_after_forward``; gradients reduce-scattered after every
   microbatch's backward (``ShardedStage``).
+
+With the optimizer on the host (``optimizer: host-update``), the offload strategies:
+
+- ZeRO-Offload (ZeRO 2): ``Zero2Adam`` with ``host``: the gradient slice goes to the host,
+  Adam updates an fp32 master slice on the CPU, the slice comes back and is all-gathered;
+- ZeRO-Infinity (ZeRO 3, ``offload_params``, host memory): FSDP2 with
+  ``CPUOffloadPolicy`` (pinned on CUDA; CPU runs cannot pin): sharded parameters,
+  gradients and Adam's states live in host memory, each layer's shard is copied to the
+  device before its all-gather, and Adam steps on the CPU (``HostShardAdam``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from mpsim.executor.stage_actions import untracked
 from mpsim.executor.zero import Zero2Adam
 from mpsim.plan import DataParallelPlan, PlanFile
 
@@ -104,22 +115,34 @@ def shard_module(module: nn.Sequential, dp: DataParallelPlan, mesh: DeviceMesh |
                                        gradient_as_bucket_view=True,  # no second copy of the gradients
                                        broadcast_buffers=False)  # each replica's labels are its own
     if dp.zero_stage == 3:
+        policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if dp.offload_params else OffloadPolicy()
         for layer in module:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=dp.reshard_after_forward)
-        fully_shard(module, mesh=mesh, reshard_after_forward=dp.reshard_after_forward)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=dp.reshard_after_forward, offload_policy=policy)
+        fully_shard(module, mesh=mesh, reshard_after_forward=dp.reshard_after_forward, offload_policy=policy)
     return module
 
 
+class HostShardAdam(torch.optim.Adam):
+    """Adam over FSDP2's CPU-offloaded shards (ZeRO-Infinity): its step and states are on the
+    host, whose temporaries the device's tracker does not see (even on a CPU run)."""
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        with untracked():
+            return super().step(closure)
+
+
 def sharded_optimizer(module: nn.Module, dp: DataParallelPlan, mesh: DeviceMesh | None, lr: float,
-                      microbatches: int) -> torch.optim.Optimizer | Zero2Adam:
-    """Adam as the ZeRO stage shards it (module doc)."""
+                      microbatches: int, host: bool = False) -> torch.optim.Optimizer | Zero2Adam:
+    """Adam as the ZeRO stage shards it (module doc); ``host``: on the CPU (ZeRO 2 and 3)."""
     assert mesh is not None
     params = list(module.parameters())
     if dp.zero_stage == 1:
         return ZeroRedundancyOptimizer(params, torch.optim.Adam, process_group=mesh.get_group(), lr=lr,
                                        foreach=False)
     if dp.zero_stage == 2:
-        return Zero2Adam(params, mesh.get_group(), lr, grad_divisor=microbatches)
+        return Zero2Adam(params, mesh.get_group(), lr, grad_divisor=microbatches, host=host)
+    if host:
+        return HostShardAdam(params, lr=lr, foreach=False)
     return torch.optim.Adam(params, lr=lr, foreach=False)
 
 

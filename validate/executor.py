@@ -40,6 +40,7 @@ import os
 import statistics
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeAlias
 
@@ -53,6 +54,7 @@ from torch.distributed.tensor import DTensor
 
 from mpsim.executor.data_parallel import (
     Groups,
+    HostShardAdam,
     RankLayout,
     ShardedStage,
     local_bytes,
@@ -101,13 +103,19 @@ class CappedMemTracker(MemTracker):
 
     The per-module statistics are off (a stage's modules run once per microbatch, which
     MemTracker's per-module view refuses); parameters, gradients and optimizer states are
-    registered with ``track_external``. The tracked bytes on ``device`` may not pass
-    ``cap_bytes``."""
+    registered with ``track_external``; the states of ``host_optimizer`` (host memory, even
+    on a CPU run) are not. The tracked bytes on ``device`` may not pass ``cap_bytes``."""
 
-    def __init__(self, device: torch.device, cap_bytes: int | None) -> None:
+    def __init__(self, device: torch.device, cap_bytes: int | None,
+                 host_optimizer: torch.optim.Optimizer | None = None) -> None:
         super().__init__()
         self._cap_device = device
         self._cap_bytes = cap_bytes
+        self._host_optimizer = host_optimizer
+
+    def _track_optimizer_states(self, reftype, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer is not self._host_optimizer:
+            super()._track_optimizer_states(reftype, optimizer)
 
     def _pre_fw_hook(self, module, inputs) -> None:
         pass
@@ -211,8 +219,21 @@ class HostAdam:
             if p.grad is not None:
                 p.grad.zero_()
 
+    def host_bytes(self) -> dict[str, int]:
+        """Bytes of the host copy of the weights, its gradients and Adam's states."""
+        return optimizer_bytes(self.master, [m.grad for m in self.master if m.grad is not None], self.adam)
+
 
 Optimizer: TypeAlias = torch.optim.Optimizer | HostAdam | Zero2Adam
+
+
+def host_optimizer(opt: Optimizer) -> torch.optim.Optimizer | None:
+    """The torch optimizer that holds this rank's states in host memory (None: on the device)."""
+    if isinstance(opt, HostAdam):
+        return opt.adam
+    if isinstance(opt, Zero2Adam) and opt.host is not None:
+        return opt.host.adam
+    return opt if isinstance(opt, HostShardAdam) else None
 
 
 def local_optimizer(opt: Optimizer) -> torch.optim.Optimizer | None:
@@ -220,8 +241,8 @@ def local_optimizer(opt: Optimizer) -> torch.optim.Optimizer | None:
     if isinstance(opt, ZeroRedundancyOptimizer):
         return opt.optim
     if isinstance(opt, Zero2Adam):
-        return opt.adam
-    if isinstance(opt, HostAdam):
+        return None if opt.host is not None else opt.adam
+    if isinstance(opt, (HostAdam, HostShardAdam)):
         return None
     return opt
 
@@ -300,10 +321,11 @@ def build_pipeline(plan: PlanFile, cfg: ModelConfig, layout: RankLayout, groups:
     dp = plan.data_parallel
     if dp is not None:
         module = shard_module(built, dp, groups.data, device)
-    if plan.stages[s].optimizer == "host-update":
-        opt: Optimizer = HostAdam(params, lr=LR)
-    elif dp is not None:
-        opt = sharded_optimizer(module, dp, groups.data, LR, m)
+    on_host = plan.stages[s].optimizer == "host-update"
+    if dp is not None and (dp.zero_stage >= 2 or not on_host):
+        opt: Optimizer = sharded_optimizer(module, dp, groups.data, LR, m, host=on_host)
+    elif on_host:
+        opt = HostAdam(params, lr=LR)
     else:
         opt = torch.optim.Adam(params, lr=LR, foreach=False)
     example_in, example_out = (None, None) if dp is None else stage_io(cfg, plan, s)
@@ -333,8 +355,9 @@ def measure_peak(step: Stepper, module: nn.Module, device: torch.device, cap: in
     peak (the caching allocator's on CUDA) and its breakdown."""
     use_cuda = device.type == "cuda"
     opt = local_optimizer(step.opt)
-    tracker = CappedMemTracker(device, None if use_cuda else cap)
-    tracker.track_external(module, *([opt] if opt is not None else []))
+    tracker = CappedMemTracker(device, None if use_cuda else cap, host_optimizer(step.opt))
+    on_device = [] if isinstance(step.opt, HostShardAdam) else [module]  # FSDP2's offloaded shards are host memory
+    tracker.track_external(*on_device, *([opt] if opt is not None else []))
     if isinstance(step.opt, Zero2Adam):
         tracker.track_grads(step.opt.grad_shards())
     if use_cuda:
@@ -367,17 +390,38 @@ def time_steps(step: Stepper, device: torch.device, warmup: int, steps: int) -> 
     return times
 
 
+def optimizer_bytes(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                    opt: torch.optim.Optimizer | None) -> dict[str, int]:
+    """Bytes of ``params``, ``grads`` and ``opt``'s states (local shards where sharded)."""
+    states = [] if opt is None else [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return {"params": sum(local_bytes(p) for p in params), "grads": sum(local_bytes(g) for g in grads),
+            "optimizer": sum(local_bytes(v) for v in states)}
+
+
+NOTHING = {"params": 0, "grads": 0, "optimizer": 0}
+
+
 def model_state_bytes(module: nn.Module, opt: Optimizer) -> dict[str, int]:
     """Bytes this rank holds of parameters, gradients and optimizer states on its device
     (shards where they are sharded), read off the tensors themselves."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if isinstance(opt, HostShardAdam):
+        return dict(NOTHING)
+    params = list(module.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
     if isinstance(opt, Zero2Adam):
         grads += opt.grad_shards()
-    local = local_optimizer(opt)
-    states = [] if local is None else [v for st in local.state.values() for v in st.values()
-                                       if isinstance(v, torch.Tensor)]
-    return {"params": sum(local_bytes(p) for p in module.parameters()),
-            "grads": sum(local_bytes(g) for g in grads), "optimizer": sum(local_bytes(v) for v in states)}
+    return optimizer_bytes(params, grads, local_optimizer(opt))
+
+
+def host_state_bytes(module: nn.Module, opt: Optimizer) -> dict[str, int]:
+    """The same in host memory: a host optimizer's copy of the weights, its gradients and
+    states (FSDP2's offloaded shards, ZeRO-Offload's master slices, ``HostAdam``'s copy)."""
+    if isinstance(opt, HostShardAdam):
+        params = list(module.parameters())
+        return optimizer_bytes(params, [p.grad for p in params if p.grad is not None], opt)
+    if isinstance(opt, Zero2Adam) and opt.host is not None:
+        return opt.host.host_bytes()
+    return opt.host_bytes() if isinstance(opt, HostAdam) else dict(NOTHING)
 
 
 def params_digest(module: nn.Module) -> str:
@@ -404,6 +448,7 @@ def train(job: dict, step: Stepper, module: nn.Module, device: torch.device, res
     result["step_times_s"] = times
     result["step_s"] = statistics.median(times)
     result["model_state_bytes"] = model_state_bytes(module, step.opt)
+    result["host_state_bytes"] = host_state_bytes(module, step.opt)
     if job.get("digests"):
         result["params_sha256"] = params_digest(module)
 

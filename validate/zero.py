@@ -14,6 +14,13 @@ What runs, as the simulator models it:
   the update writes the parameters in place), then all-gathers every parameter's slices
   so that each rank holds the updated whole parameters.
 
+With ``host`` (ZeRO-Offload, Ren et al. 2021; plan ``optimizer: host-update``) Adam and
+its states live in host memory (``HostShards``): at the step each gradient slice is
+copied to a host buffer (pinned on CUDA), Adam updates an fp32 master copy of the slice
+on the CPU, and the updated slice is copied back into the parameter before the
+all-gather. The gradient slices stay on the device between steps, as the simulator has
+them.
+
 The collectives are synchronous: a hook returns once its reduce-scatter has landed.
 gloo (torch 2.13) has ``reduce_scatter_single`` with a mean and ``all_gather_single``, so
 CPU and NCCL runs take the same path.
@@ -24,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from mpsim.executor.stage_actions import untracked
 
 
 class ParamShard:
@@ -53,17 +62,63 @@ class ParamShard:
         return flat if extra == 0 else torch.nn.functional.pad(flat, (0, extra))
 
 
+class HostShards:
+    """Adam on the CPU over fp32 master copies of the rank's parameter slices (ZeRO-Offload):
+    ``step`` takes the slices' gradients, updates the masters and writes them back into the
+    slices. Its buffers and states are host memory, kept out of the device's tracker."""
+
+    def __init__(self, slices: list[torch.Tensor], lr: float) -> None:
+        self.slices = slices
+        pin = any(s.device.type == "cuda" for s in slices)
+        with untracked():
+            self.master = [_host_copy(s, pin) for s in slices]
+            for m in self.master:
+                m.grad = torch.zeros_like(m)
+            self.adam = torch.optim.Adam(self.master, lr=lr, foreach=False)
+
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor]) -> None:
+        with untracked():
+            for m, g in zip(self.master, grads):
+                assert m.grad is not None
+                m.grad.copy_(g[: m.numel()], non_blocking=True)
+            if any(s.device.type == "cuda" for s in self.slices):
+                torch.cuda.current_stream().synchronize()  # the gradients have landed on the host
+            self.adam.step()
+            for s, m in zip(self.slices, self.master):
+                s.copy_(m, non_blocking=True)  # ordered before the all-gather on the same stream
+
+    def host_bytes(self) -> dict[str, int]:
+        """Bytes of the master slices, their gradients and Adam's states in host memory."""
+        states = [v for st in self.adam.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        return {"params": _nbytes(self.master), "grads": _nbytes([m.grad for m in self.master if m.grad is not None]),
+                "optimizer": _nbytes(states)}
+
+
+def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    host = t.detach().to("cpu", dtype=torch.float32, copy=True)
+    return host.pin_memory() if pin else host
+
+
+def _nbytes(ts: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
 class Zero2Adam:
     """Adam with ZeRO-2 sharding over ``group`` (module doc); ``grad_divisor`` divides the
-    accumulated gradient slices before the update (the microbatches, whose losses are means)."""
+    accumulated gradient slices before the update (the microbatches, whose losses are means);
+    ``host``: Adam on the CPU (``HostShards``)."""
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, lr: float, grad_divisor: int) -> None:
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, lr: float, grad_divisor: int,
+                 host: bool = False) -> None:
         self.group = group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.shards = {p: ParamShard(p, rank, size) for p in params}
         self.grad_divisor = grad_divisor
-        owned = [s.param for s in self.shards.values() if s.param.numel() > 0]
-        self.adam = torch.optim.Adam(owned, lr=lr, foreach=False)
+        owned = [s for s in self.shards.values() if s.param.numel() > 0]
+        self.host = HostShards([s.param for s in owned], lr) if host else None
+        self._owned_grads = [s.grad for s in owned]
+        self.adam = self.host.adam if self.host else torch.optim.Adam([s.param for s in owned], lr=lr, foreach=False)
         for p in params:
             p.register_post_accumulate_grad_hook(self._reduce_scatter)
 
@@ -82,7 +137,10 @@ class Zero2Adam:
         if self.grad_divisor != 1:
             for s in self.shards.values():
                 s.grad.div_(self.grad_divisor)
-        self.adam.step()
+        if self.host is not None:
+            self.host.step(self._owned_grads)
+        else:
+            self.adam.step()
         for p, s in self.shards.items():
             mine = s.param.new_zeros(s.chunk_numel)  # a copy: the gather writes where the slice lives
             mine[: s.param.numel()] = s.param
