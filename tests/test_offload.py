@@ -36,15 +36,20 @@ def test_both_are_strategies():
 
 
 def test_zero_offload_is_zero2_with_the_optimizer_on_the_host():
-    """Per GPU: whole fp16 weights (2 x 500 kB), half the gradients, no optimizer states;
-    the host holds both GPUs' halves of the Adam states (2 x 3 MB)."""
+    """Per GPU: whole fp16 weights (2 x 500 kB), no optimizer states, and no gradient
+    shard: each reduced shard goes to the host as it lands, so only the full gradient of a
+    layer in its backward is there; the host holds both GPUs' halves of the Adam states
+    (2 x 3 MB) and of the gradients (2 x 500 kB)."""
     planned = _plan("zero-offload")
     r = planned.result
     assert planned.plan.data_parallel is not None and planned.plan.data_parallel.zero_stage == 2
     assert r.layout == "ZeRO-2 x2"
     b = r.gpus[0].breakdown
     assert (b["params"], b["optimizer"]) == (2 * 2 * P, 0)
-    assert r.host_peak_bytes == 2 * 12 * P
+    assert 0 < b["grads"] <= 2 * 2 * P
+    assert r.host_peak_bytes == 2 * (12 + 2) * P
+    copies = [s for s in r.spans if s.gpu == 0 and s.lane == "d2h"]
+    assert [s.name for s in copies] == ["reduce-scatter of layers 0-1 gradients, microbatch 0: shard to host"]
 
 
 def test_zero_infinity_fetches_each_shard_before_its_gather():

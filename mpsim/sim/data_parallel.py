@@ -108,6 +108,10 @@ class DataParallel:
         if not self.moves:  # one GPU: the gradient is its own shard
             if frees:
                 memory.change([(-frees, "grads", f"layers {layers[-1]}-{layers[0]} gradient accumulated")])
+            if self.sharding.offload_grads:
+                done = self.run.env.event()
+                done.succeed()
+                self._reductions.append(self._to_host(done, n_bytes, label))
             return
         if frees:
             memory.begin_free()
@@ -119,6 +123,21 @@ class DataParallel:
 
         landed.callbacks.append(free)
         self._reductions.append(landed)
+        if self.sharding.offload_grads:  # ZeRO-Offload: the reduced shard goes to the host as it lands
+            self._reductions.append(self._to_host(landed, self.sharding.shard(n_bytes), label))
+
+    def _to_host(self, after: simpy.Event, n_bytes: int, label: str) -> simpy.Event:
+        """Copy ``n_bytes`` of reduced gradient shard to the host once ``after`` fires."""
+        done = self.run.env.event()
+
+        def copy() -> Generator[simpy.Event, object, None]:
+            if not after.processed:
+                yield after
+            yield from self.run.host_copy(self.gpu, n_bytes, True, f"{label}: shard to host")
+            done.succeed()
+
+        spawn(self.run.env, copy())
+        return done
 
     # -- parameters (ZeRO-3) ---------------------------------------------------------------
     def gather(self, mb: int, phase: str, j: int) -> simpy.Event | None:

@@ -108,7 +108,10 @@ def sharding_of(layout: Layout) -> Sharding | None:
     par = layout.parallelism
     if par.data == 1 and par.zero_stage == 0:
         return None
-    return Sharding(par.data, par.zero_stage, par.reshard_after_forward, layout.offload_params)
+    offload_grads = par.zero_stage >= 2 and bool(layout.host_optimizer) and all(
+        opt == "host-update" and len(on_host) == b - a
+        for opt, on_host, (a, b) in zip(layout.optimizer, layout.host_optimizer, layout.stages))
+    return Sharding(par.data, par.zero_stage, par.reshard_after_forward, layout.offload_params, offload_grads)
 
 
 def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostModel) -> _Stage:
@@ -128,7 +131,7 @@ def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostMod
     swapper = Swapper(run, s, {j: act.split for j, act in program.actions.items()},
                       {j: tuple((x.gpu, x.fraction) for x in act.peers) for j, act in program.actions.items()})
     shards = sharding.replicas if sharding is not None and sharding.zero_stage >= 1 else 1
-    updater = Updater(run, s, swapper, costs, shards)
+    updater = Updater(run, s, swapper, costs, shards, sharding is not None and sharding.offload_grads)
     stash_in = None
     if layout.stash[s] == "host" and versions > 1:
         stash_in = SwapIn(STASH, static["params"], 0, "stash", "host", (), 1, 0.0)
@@ -146,6 +149,10 @@ def _allocate_static(run: RunContext, s: int, static: dict[str, int], sharding: 
     on_host = sum(rows[j].optimizer_bytes for j in layout.host_optimizer[s])
     if sharding is not None and sharding.zero_stage >= 1:
         on_host = sharding.shard(on_host)
+    if sharding is not None and sharding.offload_grads:  # the gradient shards live with the optimizer
+        a, b = layout.stages[s]
+        grads = sharding.shard(sum(r.grad_bytes for r in rows[a:b]))
+        run.offload.change([(grads, "grads", f"stage {s} gradient shards in host memory")])
     moved = {"optimizer": on_host, "stash": static["stash"] if layout.stash[s] == "host" else 0,
              "params": static["params"] if layout.offload_params else 0}
     for cat, n in static.items():

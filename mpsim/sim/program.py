@@ -107,6 +107,9 @@ class Sharding:
     reshard_after_forward: bool = True
     offload_params: bool = False
     """ZeRO-Infinity: the shards live off the GPU, each fetched before its layer's gather."""
+    offload_grads: bool = False
+    """ZeRO-Offload and ZeRO-Infinity (stage 2 and 3 with the optimizer on the host): each
+    reduced gradient shard goes to host memory, none stays on the GPU."""
 
     @property
     def per_layer(self) -> bool:
@@ -558,7 +561,7 @@ def static_bytes(rows: list[LayerRow], weight_versions: int, receive_buffers: in
     grads, optimizer = sum(r.grad_bytes for r in rows), sum(r.optimizer_bytes for r in rows)
     return {
         "params": shard(params) if z >= 3 else params,
-        "grads": shard(grads) if z >= 2 else grads,
+        "grads": (0 if sharding.offload_grads else shard(grads)) if z >= 2 else grads,
         "optimizer": shard(optimizer) if z >= 1 else optimizer,
         "stash": (weight_versions - 1) * params,
         "buffers": receive_buffers,

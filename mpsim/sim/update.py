@@ -25,7 +25,8 @@ class Updater:
     (``shards`` > 1) the GPU owns 1/N of the states: every time and byte above is its
     shard's."""
 
-    def __init__(self, run: RunContext, stage: int, swapper: Swapper, costs: CostModel, shards: int = 1) -> None:
+    def __init__(self, run: RunContext, stage: int, swapper: Swapper, costs: CostModel, shards: int = 1,
+                 grads_on_host: bool = False) -> None:
         self.run = run
         self.stage = stage
         self.gpu = run.layout.gpu_of[stage]
@@ -34,6 +35,8 @@ class Updater:
         rows = run.layout.trace.layers
         on_host = set(run.layout.host_optimizer[stage])
         self.shards = shards
+        self.grads_on_host = grads_on_host
+        """The gradient shards are on the host already (``Sharding.offload_grads``)."""
         self.host_rows = [(j, rows[j], costs.update_s([rows[j]]) / shards) for j in range(a, b) if j in on_host]
         """The layers whose optimizer states live on the host: index, row, GPU update seconds."""
         self.gpu_rows_s = costs.update_s([rows[j] for j in range(a, b) if j not in on_host]) / shards
@@ -66,7 +69,8 @@ class Updater:
         run, g = self.run, self.gpu
         yield from self._on_gpu()
         rows = [r for _, r, _ in self.host_rows]
-        yield from run.host_copy(g, self._shard(sum(r.grad_bytes for r in rows)), True, "gradients to host")
+        if not self.grads_on_host:  # ZeRO-Offload sent each gradient shard as its reduction landed
+            yield from run.host_copy(g, self._shard(sum(r.grad_bytes for r in rows)), True, "gradients to host")
         yield run.env.timeout(self._host_adam_s(rows))
         if not run.layout.offload_params:  # offloaded shards stay off the GPU until gathered
             yield from run.host_copy(g, self._shard(sum(r.param_bytes for r in rows)), False, "weights from host")
