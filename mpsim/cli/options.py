@@ -41,7 +41,7 @@ def job_options(f: F) -> F:
         click.option("--microbatch", type=int, help="samples per microbatch  [default: the trace's]"),
         click.option("--microbatches", type=int, default=api.DEFAULT_MICROBATCHES, show_default=True,
                      help=MICROBATCHES_HELP),
-        click.option("--stages", type=int, help="pipeline stages  [default: one per GPU]"),
+        click.option("--stages", type=int, help="pipeline stages  [default: one per GPU of each replica]"),
         click.option("--strategy", default="none", show_default=True, help=STRATEGY_HELP),
         click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP),
     ])
