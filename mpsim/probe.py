@@ -66,6 +66,26 @@ def copy_gbps(src: torch.Tensor, dst: torch.Tensor, repeats: int = 5) -> float:
     return src.numel() * src.element_size() / s / 1e9
 
 
+ADAM_PROBE_PARAMS = 8 * 2**20
+"""Parameters of the CPU Adam step timed by ``cpu_adam_gparams_per_s`` (32 MiB of fp32)."""
+
+
+def cpu_adam_gparams_per_s(threads: int, repeats: int = 3) -> float:
+    """Parameters per second, 1e9, that torch's Adam updates on the CPU with ``threads``
+    threads: the step a host optimizer (ZeRO-Offload, FSDP2's CPU offload) runs, timed on
+    ``ADAM_PROBE_PARAMS`` fp32 parameters with gradients, median of ``repeats`` steps."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        param = torch.nn.Parameter(torch.randn(ADAM_PROBE_PARAMS))
+        param.grad = torch.randn(ADAM_PROBE_PARAMS)
+        opt = torch.optim.Adam([param], lr=1e-3)
+        step_s = _median_seconds(opt.step, lambda: None, repeats)
+    finally:
+        torch.set_num_threads(previous)
+    return ADAM_PROBE_PARAMS / step_s / 1e9
+
+
 def _host_memory_gib() -> float:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -99,7 +119,8 @@ def probe_cpu(devices: int = 1, threads: int = 1, memory_mib: float | None = Non
         "gpu": {"model": label, "count": devices, "memory_mib": round(per_device, 1), "reserved_mib": 0,
                 "peak_tflops": {"fp32": round(tflops, 4)}, "memory_bandwidth_gbps": round(2 * copy, 2),
                 "matmul_efficiency": 1.0, "memory_efficiency": 1.0, "peer_copy_engines": 1},
-        "host": {"memory_gib": round(host_gib, 1), "sockets": 1},
+        "host": {"memory_gib": round(host_gib, 1), "sockets": 1,
+                 "cpu_adam_gparams_per_s": round(cpu_adam_gparams_per_s(threads), 4)},
         "pcie": {"gpu_link_gbps": round(copy, 2), "latency_us": round(latency_s * 1e6, 2),
                  "switches": [{"name": "memory", "socket": 0, "gpus": list(range(devices)),
                                "uplink_gbps": round(copy, 2)}]},
@@ -159,8 +180,9 @@ def _sockets(matrix: list[list[str]], n: int) -> list[int]:
     return socket_of
 
 
-def probe_cuda(name: str | None = None) -> dict:
-    """Topology dict of the CUDA GPUs visible here (module doc)."""
+def probe_cuda(name: str | None = None, threads: int = 1) -> dict:
+    """Topology dict of the CUDA GPUs visible here (module doc); the host's Adam rate with
+    ``threads`` CPU threads, as the executor runs a host optimizer."""
     if not torch.cuda.is_available():
         raise MpsimError("no CUDA GPU is visible on this machine; use --device cpu")
     n = torch.cuda.device_count()
@@ -188,7 +210,8 @@ def probe_cuda(name: str | None = None) -> dict:
         "gpu": {"model": props.name, "count": n, "memory_mib": round(props.total_memory / MiB, 1),
                 "reserved_mib": 0, "peak_tflops": {k: round(v, 2) for k, v in peak.items()},
                 "memory_bandwidth_gbps": round(mem_bw, 1), "matmul_efficiency": 1.0, "memory_efficiency": 1.0},
-        "host": {"memory_gib": round(_host_memory_gib(), 1), "sockets": sockets},
+        "host": {"memory_gib": round(_host_memory_gib(), 1), "sockets": sockets,
+                 "cpu_adam_gparams_per_s": round(cpu_adam_gparams_per_s(threads), 4)},
         "pcie": {"gpu_link_gbps": round(min(h2d, d2h), 2), "latency_us": 10, "switches": switches},
     }
     if pairs:
@@ -201,5 +224,5 @@ def probe_cuda(name: str | None = None) -> dict:
 def probe(device: str = "cpu", devices: int = 1, threads: int = 1, memory_mib: float | None = None,
           name: str | None = None) -> tuple[dict, Topology]:
     """The probed topology as a file dict and as a validated ``Topology``."""
-    spec = probe_cuda(name) if device.startswith("cuda") else probe_cpu(devices, threads, memory_mib, name)
+    spec = probe_cuda(name, threads) if device.startswith("cuda") else probe_cpu(devices, threads, memory_mib, name)
     return spec, parse_topology(spec, "<probe>")

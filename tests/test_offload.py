@@ -78,3 +78,15 @@ def test_zero_infinity_moves_to_nvme_when_host_memory_is_short():
     assert planned.result.fits and planned.simulations == 2
     on_host = _plan("zero-infinity", _topology(host_gib=2**-10))
     assert on_host.result.oom["gpu"] == "host"
+
+
+def test_the_host_adam_step_runs_at_the_hosts_stated_rate():
+    """ZeRO-Offload on one GPU: the CPU's Adam over 500k parameters at 1e6 parameters/s
+    takes 0.5 s, at twice the rate 0.25 s (what `mpsim topo probe` measures and states as
+    host.cpu_adam_gparams_per_s)."""
+    def iteration_s(rate_gparams: float) -> float:
+        d = topology_dict(n_gpus=2, nvlink_gbps=1.0)
+        d["host"]["cpu_adam_gparams_per_s"] = rate_gparams
+        return _plan("zero-offload", parse_topology(d, "tiny.yaml"), data=1).result.iteration_s
+
+    assert iteration_s(1e-3) - iteration_s(2e-3) == pytest.approx(0.25, rel=1e-9)
