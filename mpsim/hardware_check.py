@@ -180,36 +180,46 @@ def run_executor(plan: PlanFile, cfg: ModelConfig, settings: RunSettings, capaci
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "-m", executor_module(), "--job", str(job_path), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS=str(settings.threads), PYTHONUNBUFFERED="1")
+    for attempt in range(LAUNCH_ATTEMPTS):
+        proc = _launch(cmd, env, settings, workdir)
+        results = [json.loads(f.read_text()) if (f := out / f"rank{r}.json").exists() else None for r in range(world)]
+        if any(r is not None and r.get("oom") for r in results):
+            return results
+        if proc.returncode == 0 and all(r is not None for r in results):
+            return results
+        errors = sorted(out.glob("rank*.error.txt")) if out.exists() else []
+        if errors:
+            raise MpsimError(f"the executor failed (exit {proc.returncode}): "
+                             f"{errors[0].read_text().strip().splitlines()[-1]}")
+        if any(results) or attempt + 1 == LAUNCH_ATTEMPTS:
+            raise MpsimError(f"the executor failed (exit {proc.returncode}): {failure_line(proc.stderr)}")
+    raise AssertionError("unreachable")
+
+
+LAUNCH_ATTEMPTS = 2
+"""Runs of a plan when one fails before any rank reported anything (no result, no error of
+its own: torchrun's launch or the gloo rendezvous failed, as seen about once in forty
+data-parallel runs on a loaded 2-core machine); a failure a rank reports is never retried."""
+
+
+def _launch(cmd: list[str], env: dict[str, str], settings: RunSettings, workdir: Path) -> subprocess.CompletedProcess:
     try:
         # cwd: `python -m` puts the working directory first on sys.path, where a source checkout's
         # mpsim/ (which has no executor: that is validate/) would hide the installed package
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=settings.timeout_s, env=env, check=False,
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=settings.timeout_s, env=env, check=False,
                               cwd=workdir)
     except subprocess.TimeoutExpired:
         raise MpsimError(f"the executor did not finish within {settings.timeout_s:.0f} s") from None
-    results: list[dict | None] = []
-    for r in range(world):
-        f = out / f"rank{r}.json"
-        results.append(json.loads(f.read_text()) if f.exists() else None)
-    if any(r is not None and r.get("oom") for r in results):
-        return results
-    if proc.returncode != 0 or any(r is None for r in results):
-        errors = sorted(out.glob("rank*.error.txt")) if out.exists() else []
-        if errors:
-            detail = errors[0].read_text().strip().splitlines()[-1]
-        else:
-            detail = failure_line(proc.stderr)
-        raise MpsimError(f"the executor failed (exit {proc.returncode}): {detail}")
-    return results
 
 
 def failure_line(stderr: str) -> str:
     """The line of torchrun's output that says what failed: the last exception line of a
     traceback (``ImportError: ...``), not the banner of separators torchrun ends with."""
     lines = [ln.strip() for ln in stderr.strip().splitlines()]
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", stderr)
     for ln in reversed(lines):
         if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?", ln):
-            return ln
+            return f"{ln} (a rank's exit code {code[1]})" if ln.endswith("ChildFailedError:") and code else ln
     meaningful = [ln for ln in lines if ln and not set(ln) <= set("=-_ ")]
     return meaningful[-1] if meaningful else "(no output)"
 
