@@ -81,7 +81,7 @@ OFFLOAD_RECORDS = RECORDS.parent / "h100_offload"
 
 
 def test_recorded_h100_zero_infinity_peak_is_predicted():
-    """validate/gpu_offload_checks.sh on one H100: ZeRO-Infinity as FSDP2 with CPU offload
+    """OFFLOAD=1 validate/gpu_dp_checks.sh on one H100: ZeRO-Infinity as FSDP2 with CPU offload
     over a one-GPU mesh (parameter, gradient and Adam shards in host memory). The peak was
     predicted within 0.8%. The step was under-predicted by 54% even with the probe's own
     rate of torch's CPU Adam on the executor's one thread (0.127 Gparams/s): FSDP2's CPU
