@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from mpsim.backends import Backend, run_points
 from mpsim.catalog import load_topology, load_trace, shipped_traces
 from mpsim.errors import MpsimError
-from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, OfJob
+from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PIPELINE_ONLY, JobSpec, OfJob, Parallelism
 from mpsim.layouts import candidate_layouts, on_layout
 from mpsim.planners.best import Part, combine, parts
 from mpsim.planners.context import Planned
@@ -183,11 +183,9 @@ def fits_layouts(job: JobSpec, family: str, traces: list[Trace], strategies: Seq
                  backend: Backend | None = None) -> list[LayoutFits]:
     """``fits_all`` in each of ``layouts`` (``mpsim.layouts.candidate_layouts`` on the job's
     server), ``microbatches`` per iteration over all replicas; one ``LayoutFits`` per
-    strategy, in the order given. Every layout's job is checked before anything runs."""
+    strategy, in the order given. Every layout's job is checked before anything runs
+    (``on_layout``; each strategy by ``fits_all`` before its first layout runs)."""
     jobs = [on_layout(job, p, microbatches) for p in candidate_layouts(job.topology, layouts, job.schedule)]
-    for j in jobs:
-        for strategy in strategies:
-            j.but(strategy=strategy)
     reached: dict[str, dict[str, int]] = {}
     per_layout = []
     for j in jobs:
@@ -361,12 +359,13 @@ def _n_transformer(trace: Trace) -> int:
 
 
 def family_job(server: str | Topology, traces: list[Trace], schedule: str, microbatch: int | None,
-               microbatches: int, strategy: str, partition: str) -> JobSpec:
+               microbatches: int, strategy: str, partition: str, layout: Parallelism = PIPELINE_ONLY) -> JobSpec:
     """The job ``fits`` runs at every size: the smallest trace at the microbatch asked
-    (None: its traced one), checked once before any size is simulated."""
+    (None: its traced one) in ``layout``, checked once before any size is simulated."""
     topo = load_topology(server) if isinstance(server, str) else server
     mb = traces[0].microbatch if microbatch is None else microbatch
-    return JobSpec(topo, traces[0].rescale(mb), schedule, microbatches, partition=partition, strategy=strategy)
+    return JobSpec(topo, traces[0].rescale(mb), schedule, microbatches, layout, partition=partition,
+                   strategy=strategy)
 
 
 def fits(server: str | Topology, family: str, schedule: str = DEFAULT_SCHEDULE, microbatch: int | None = None,

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from mpsim.catalog import load_topology, load_trace, shipped_topologies
 from mpsim.errors import MpsimError
-from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PARTITIONS, JobSpec
-from mpsim.layouts import DEFAULT_LAYOUTS, candidate_layouts, microbatches_per_replica, on_layout
+from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PARTITIONS, JobSpec, check_strategy, pipeline
+from mpsim.layouts import DEFAULT_LAYOUTS, candidate_layouts, on_layout
 from mpsim.planners.registry import plan_job
 from mpsim.sim import SimResult
 from mpsim.strategies import combines
@@ -344,16 +344,13 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
 
 def _jobs_on(topo: Topology, trace: Trace, schedule: str, microbatches: int, strategies: Sequence[str],
              layouts: str) -> list[JobSpec]:
-    """The job on one server in each layout, checked under every strategy before any is
-    planned."""
-    layout_list = candidate_layouts(topo, layouts, schedule)
-    microbatches_per_replica(microbatches, layout_list[0], 1, schedule)  # checks the count
-    base = JobSpec(topo, trace, schedule, max(microbatches, topo.n_gpus))
-    jobs = [on_layout(base, p, microbatches) for p in layout_list]
-    for job in jobs:
-        for strategy in strategies:
-            job.but(strategy=strategy)
-    return jobs
+    """The job on one server in each layout (each checked), every strategy checked before
+    any is planned. The base job is one stage on the server (its schedule and microbatch
+    count checked there); ``on_layout`` gives each layout its share of the microbatches."""
+    for strategy in strategies:
+        check_strategy(strategy)
+    base = JobSpec(topo, trace, schedule, microbatches, pipeline(1))
+    return [on_layout(base, p, microbatches) for p in candidate_layouts(topo, layouts, schedule)]
 
 
 # -- the answer in words: the report's one line (its tables and chart are in mpsim.views) -----

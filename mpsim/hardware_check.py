@@ -235,8 +235,7 @@ def _error_pct(predicted: float, measured: float) -> float:
 
 def rank_places(plan: PlanFile) -> list[tuple[int, int, int]]:
     """(replica, stage, GPU) of every executor rank, in rank order (``replica * stages + stage``)."""
-    gpus = [[st.gpu for st in plan.stages]] if plan.data_parallel is None else plan.data_parallel.replicas
-    return [(r, s, g) for r, row in enumerate(gpus) for s, g in enumerate(row)]
+    return [(r, s, g) for r, row in enumerate(plan.replica_gpus()) for s, g in enumerate(row)]
 
 
 def _gpu_row(plan: PlanFile, predicted: SimResult, place: tuple[int, int, int], m: dict | None) -> dict:

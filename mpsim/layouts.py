@@ -24,7 +24,7 @@ import re
 
 from mpsim.errors import MpsimError
 from mpsim.job import DP_NAMES, JobSpec, Parallelism, data_parallel
-from mpsim.schedule import check_schedule
+from mpsim.schedule import check_schedule, min_microbatches
 from mpsim.topology import Topology
 
 LAYOUT_FORMS = ("pp8 (pipeline of 8), ddp8, zero1x8, zero2x4, fsdp8 (= zero3x8), or replicas of a pipeline: "
@@ -65,11 +65,6 @@ def parse_layout(text: str) -> Parallelism:
         return data_parallel(int(data[3]), 3 if data[1] == "fsdp" else int(data[2] or 0), int(pipe))
     except MpsimError as exc:
         raise MpsimError(f"layout {text!r}: {exc}") from None
-
-
-def layout_label(p: Parallelism, n_stages: int) -> str:
-    """How outputs name the layout: ``Parallelism.describe`` (``FSDP x8``, ``pipeline x8``)."""
-    return p.describe(n_stages)
 
 
 def short_name(p: Parallelism, n_stages: int) -> str:
@@ -125,8 +120,7 @@ def microbatches_per_replica(microbatches: int, p: Parallelism, n_stages: int, s
     ``ceil(microbatches / data)`` per replica, and at least one per stage for 1f1b and
     pipedream (their pipelines need it). The count itself is checked first."""
     check_schedule(schedule, 1, microbatches)
-    per = math.ceil(microbatches / p.data)
-    return per if schedule == "gpipe" else max(per, n_stages)
+    return max(math.ceil(microbatches / p.data), min_microbatches(schedule, n_stages))
 
 
 def on_layout(job: JobSpec, p: Parallelism, microbatches: int) -> JobSpec:

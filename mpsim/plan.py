@@ -165,11 +165,16 @@ class PlanFile(_Strict):
     def replicas(self) -> int:
         return 1 if self.data_parallel is None else self.data_parallel.degree
 
+    def replica_gpus(self) -> list[list[int]]:
+        """Per replica, the GPU of each stage (one replica, the stages' own, without
+        ``data_parallel``)."""
+        if self.data_parallel is None:
+            return [[st.gpu for st in self.stages]]
+        return self.data_parallel.replicas
+
     def gpus_used(self) -> set[int]:
         """Every GPU the job runs on, in any replica."""
-        if self.data_parallel is None:
-            return {st.gpu for st in self.stages}
-        return {g for r in self.data_parallel.replicas for g in r}
+        return {g for r in self.replica_gpus() for g in r}
 
     def action_of(self, stage: int) -> dict[int, LayerAction]:
         return {a.layer: a for a in self.stages[stage].actions}

@@ -47,6 +47,12 @@ class Task(NamedTuple):
     microbatch: int
 
 
+def min_microbatches(name: str, n_stages: int) -> int:
+    """The fewest microbatches per iteration ``name`` runs ``n_stages`` stages with: 1f1b and
+    pipedream need one per stage to fill the pipeline, gpipe one in all."""
+    return n_stages if name in ("1f1b", "pipedream") else 1
+
+
 def check_schedule(name: str, n_stages: int, n_microbatches: int) -> None:
     if name not in SCHEDULES:
         raise MpsimError(f"unknown schedule {name!r}: expected one of {', '.join(SCHEDULES)}")
@@ -54,7 +60,7 @@ def check_schedule(name: str, n_stages: int, n_microbatches: int) -> None:
         raise MpsimError(f"--microbatches must be at least 1, got {n_microbatches}")
     if n_microbatches > MAX_MICROBATCHES:
         raise MpsimError(f"--microbatches must be at most {MAX_MICROBATCHES} per iteration, got {n_microbatches}")
-    if name in ("1f1b", "pipedream") and n_microbatches < n_stages:
+    if n_microbatches < min_microbatches(name, n_stages):
         raise MpsimError(
             f"{name} needs at least as many microbatches as stages to fill the pipeline: "
             f"got {n_microbatches} microbatches for {n_stages} stages"

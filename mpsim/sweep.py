@@ -36,7 +36,7 @@ import pandas as pd
 from mpsim.backends import Backend, LocalBackend, run_points
 from mpsim.catalog import load_topology
 from mpsim.errors import MpsimError
-from mpsim.job import JobSpec, job_of
+from mpsim.job import PIPELINE_ONLY, JobSpec, job_of
 from mpsim.layouts import candidate_layouts, microbatches_per_replica, parse_layout, short_name
 from mpsim.planners import plan_job
 from mpsim.views.plots import plot_sweep as plot_sweep  # a view now; kept here for code that imports it from here
@@ -66,14 +66,19 @@ class Point:
         return tuple(str(v) for v in asdict(self).values())
 
     def on(self, job: JobSpec) -> JobSpec:
-        """This point's job from ``job`` on its server, model and microbatch size (checked)."""
-        if not self.layout:
-            return job.but(schedule=self.schedule, microbatches=self.microbatches, strategy=self.strategy,
-                           partition=self.partition)
-        par = parse_layout(self.layout)
-        m = microbatches_per_replica(self.microbatches, par, par.stages_on(job.topology), self.schedule)
+        """This point's job from ``job`` on its server, model and microbatch size (``base_job``),
+        its fields all replaced at once and checked."""
+        par, m = PIPELINE_ONLY, self.microbatches
+        if self.layout:
+            par = parse_layout(self.layout)
+            m = microbatches_per_replica(self.microbatches, par, par.stages_on(job.topology), self.schedule)
         return job.but(schedule=self.schedule, microbatches=m, strategy=self.strategy, partition=self.partition,
                        parallelism=par)
+
+    def base_job(self) -> JobSpec:
+        """The point's server and model at its microbatch size, as one stage (any schedule
+        and count may replace that one's); ``on`` makes it the point's job."""
+        return job_of(self.server, self.model, microbatch=self.microbatch, n_stages=1)
 
 
 def grid(servers: list[str], models: list[str], schedule: str, microbatch_sizes: list[int],
@@ -106,15 +111,14 @@ def check_points(points: list[Point]) -> None:
     for p in points:
         job = jobs.get((p.server, p.model, p.microbatch))
         if job is None:
-            job = jobs[(p.server, p.model, p.microbatch)] = job_of(p.server, p.model, schedule="gpipe",
-                                                                   microbatch=p.microbatch)
+            job = jobs[(p.server, p.model, p.microbatch)] = p.base_job()
         p.on(job)
 
 
 def run_point(p: Point) -> dict:
     """Plan and simulate one point; the CSV row."""
     t0 = time.perf_counter()
-    planned = plan_job(p.on(job_of(p.server, p.model, schedule="gpipe", microbatch=p.microbatch)))
+    planned = plan_job(p.on(p.base_job()))
     r = planned.result
     worst = max(r.gpus, key=lambda g: g.peak_bytes)
     oom = r.oom or {}

@@ -56,3 +56,35 @@ def test_the_llama_3_8b_answer_in_the_readme_is_what_the_simulator_gives():
     assert (f"{fsdp.max_peak_bytes / 2**30:.2f}", f"{fsdp.samples_per_s:.2f}", f"{tokens:,.0f}") == found.groups()
     pipeline = plan("dgx-a100-80gb", "llama-3-8b", "1f1b", 1, 16).result
     assert f"{pipeline.samples_per_s:.2f}" == pipe[1]
+
+
+def test_the_data_parallel_figures_in_the_readme_are_those_of_the_reports_and_records():
+    """The data-parallel section's speed and accuracy figures: reports/bench_dp.txt (dp = 8
+    against dp = 2), reports/validation_dp_cpu.md (every CPU peak error) and the H100
+    records in validate/results/h100_dp and h100_offload."""
+    import json
+
+    quote = _paragraph((ROOT / "README.md").read_text(), "reports/bench_dp.txt")
+    bench = [line.split() for line in (ROOT / "reports" / "bench_dp.txt").read_text().splitlines()[2:]]
+    events = [[int(x) for x in row[4].split("/")] for row in bench]
+    assert all(e[2] <= e[1] for e in events)  # dp = 8 schedules no more events than dp = 2
+    over_two = sorted(float(row[6].rstrip("x")) for row in bench)
+    span = re.search(r"take ([\d.]+) to ([\d.]+) times as long", quote)
+    assert span is not None and (float(span[1]), float(span[2])) == (over_two[0], over_two[-1])
+
+    cpu = re.search(r"within (\d+)% of FSDP2, DDP and ZeroRedundancyOptimizer runs on CPU", quote)
+    errors = [float(x) for x in re.findall(r"GPU \d+ ([+-][\d.]+)%", (ROOT / "reports" / "validation_dp_cpu.md")
+                                           .read_text())]
+    assert cpu is not None and errors and max(abs(e) for e in errors) <= float(cpu[1])
+
+    def record(folder: str, name: str) -> dict:
+        return json.loads((ROOT / "validate" / "results" / folder / f"validate_{name}.json").read_text())
+
+    fsdp = re.search(r"within ([\d.]+)% of FSDP2 on one H100", quote)
+    worst = max(abs(record("h100_dp", n)["stages"][0]["peak_error_pct"]) for n in ("fsdp1", "fsdp1_no_reshard"))
+    assert fsdp is not None and f"{worst:.1f}" == fsdp[1]
+    zinf = record("h100_offload", "zinf1")
+    offload = re.search(r"within ([\d.]+)% of ZeRO-Infinity .* under-predicted by (\d+)%", quote)
+    assert offload is not None
+    peak, step = abs(zinf["stages"][0]["peak_error_pct"]), -zinf["iteration_error_pct"]
+    assert (f"{peak:.1f}", f"{step:.0f}") == offload.groups()

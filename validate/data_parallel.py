@@ -73,9 +73,7 @@ class RankLayout:
 
     def gpu(self, plan: PlanFile) -> int:
         """The GPU this rank runs on: its stage's in replica 0, ``replicas[r][s]`` in others."""
-        if plan.data_parallel is None:
-            return plan.stages[self.stage].gpu
-        return plan.data_parallel.replicas[self.replica][self.stage]
+        return plan.replica_gpus()[self.replica][self.stage]
 
 
 def rank_layout(plan: PlanFile, rank: int, world: int) -> RankLayout:

@@ -14,8 +14,8 @@ from mpsim.backends import Backend, make_backend
 from mpsim.capacity import LayoutFits, family_job, family_traces, fits_layouts, model_traces
 from mpsim.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
-from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PIPELINE_ONLY, JobSpec, check_strategy
-from mpsim.layouts import DEFAULT_LAYOUTS, candidate_layouts, microbatches_per_replica
+from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_strategy, pipeline
+from mpsim.layouts import DEFAULT_LAYOUTS, candidate_layouts
 from mpsim.sweep import Point
 from mpsim.trace import Trace
 
@@ -66,8 +66,8 @@ def fits_request(server: str, family: str, models: Sequence[str] = (), schedule:
         family = str(traces[-1].spec.model.get("family", family))
     topo = load_topology(server)
     n_layouts = len(candidate_layouts(topo, layouts, schedule))
-    microbatches_per_replica(microbatches, PIPELINE_ONLY, 1, schedule)  # checks the count
-    job = family_job(topo, traces, schedule, microbatch, max(microbatches, topo.n_gpus), "none", partition)
+    # one stage: the base job checks the schedule and count; each layout takes its share
+    job = family_job(topo, traces, schedule, microbatch, microbatches, "none", partition, pipeline(1))
     workers = workers or os.cpu_count() or 1
     runner = None if backend == "local" and workers == 1 else make_backend(backend, workers, address)
     # in one process a point is a simulated size (the searches' count estimated); in

@@ -109,9 +109,7 @@ class DataParallel:
             if frees:
                 memory.change([(-frees, "grads", f"layers {layers[-1]}-{layers[0]} gradient accumulated")])
             if self.sharding.offload_grads:
-                done = self.run.env.event()
-                done.succeed()
-                self._reductions.append(self._to_host(done, n_bytes, label))
+                self._reductions.append(self._to_host(None, n_bytes, label))
             return
         if frees:
             memory.begin_free()
@@ -126,12 +124,13 @@ class DataParallel:
         if self.sharding.offload_grads:  # ZeRO-Offload: the reduced shard goes to the host as it lands
             self._reductions.append(self._to_host(landed, self.sharding.shard(n_bytes), label))
 
-    def _to_host(self, after: simpy.Event, n_bytes: int, label: str) -> simpy.Event:
-        """Copy ``n_bytes`` of reduced gradient shard to the host once ``after`` fires."""
+    def _to_host(self, after: simpy.Event | None, n_bytes: int, label: str) -> simpy.Event:
+        """Copy ``n_bytes`` of reduced gradient shard to the host once ``after`` fires (None:
+        now)."""
         done = self.run.env.event()
 
         def copy() -> Generator[simpy.Event, object, None]:
-            if not after.processed:
+            if after is not None and not after.processed:
                 yield after
             yield from self.run.host_copy(self.gpu, n_bytes, True, f"{label}: shard to host")
             done.succeed()

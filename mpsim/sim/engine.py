@@ -26,7 +26,7 @@ from mpsim.sim.context import RunContext
 from mpsim.sim.data_parallel import DataParallel
 from mpsim.sim.layout import Job, Layout, resolve
 from mpsim.sim.memory import CATEGORIES, GpuMemory
-from mpsim.sim.program import Sharding, StageProgram, SwapIn, build_program, received_bytes, static_bytes
+from mpsim.sim.program import NOT_SHARDED, Sharding, StageProgram, SwapIn, build_program, received_bytes, static_bytes
 from mpsim.sim.result import GpuResult, SimResult
 from mpsim.sim.simpy_fast import run_until_empty
 from mpsim.sim.stream import ComputeStream
@@ -57,7 +57,8 @@ def simulate_layout(layout: Layout) -> SimResult:
     run = RunContext(layout)
     channels = PeerChannels(run)
     costs = cost_model(layout.trace, run.topo.spec.gpu)
-    stages = [_build_stage(run, s, channels, costs) for s in range(layout.n_stages)]
+    sharding = sharding_of(layout)
+    stages = [_build_stage(run, s, channels, costs, sharding) for s in range(layout.n_stages)]
     processes = [run.env.process(st.stream.process()) for st in stages]
     run_until_empty(run.env)
     stuck = [s for s, proc in enumerate(processes) if proc.is_alive]
@@ -76,7 +77,7 @@ def _measured_window(updater: Updater, microbatches: int) -> tuple[float, float]
     return ends[PIPEDREAM_MEASURED - 1], ends[PIPEDREAM_MEASURED]
 
 
-def _stage_program(run: RunContext, s: int, costs: CostModel) -> StageProgram:
+def _stage_program(run: RunContext, s: int, costs: CostModel, sharding: Sharding | None) -> StageProgram:
     """Stage ``s``'s program (``build_program``), or the one built before in this process
     for the same trace, server, layers, place in the pipeline, runtime and actions: a
     program depends on nothing else, and planners simulate many plans that change the
@@ -86,7 +87,6 @@ def _stage_program(run: RunContext, s: int, costs: CostModel) -> StageProgram:
     first, last = s == 0, s == layout.n_stages - 1
     actions = layout.actions[s]
     segments = layout.recompute_checkpoints == "segment"
-    sharding = sharding_of(layout)
     key = (layout.trace.content_hash, run.topo.content_hash, a, b, first, last, run.torch_pipelining, segments,
            sharding, tuple((j, actions[j].model_dump_json()) for j in sorted(actions)))
     program = _PROGRAMS.get(key)
@@ -114,19 +114,18 @@ def sharding_of(layout: Layout) -> Sharding | None:
     return Sharding(par.data, par.zero_stage, par.reshard_after_forward, layout.offload_params, offload_grads)
 
 
-def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostModel) -> _Stage:
+def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostModel,
+                 sharding: Sharding | None) -> _Stage:
     """A stage's program, its static memory (allocated before the first task) and its
     components."""
     layout = run.layout
     a, b = layout.stages[s]
     rows = layout.trace.layers[a:b]
     first, last = s == 0, s == layout.n_stages - 1
-    program = _stage_program(run, s, costs)
+    program = _stage_program(run, s, costs, sharding)
     received = layout.microbatches * received_bytes(rows, first, last) if run.torch_pipelining else 0
     versions = weight_versions(layout.schedule, s, layout.n_stages)
-    sharding = sharding_of(layout)
-    static = static_bytes(rows, versions, received) if sharding is None else \
-        static_bytes(rows, versions, received, sharding)
+    static = static_bytes(rows, versions, received, sharding or NOT_SHARDED)
     _allocate_static(run, s, static, sharding)
     swapper = Swapper(run, s, {j: act.split for j, act in program.actions.items()},
                       {j: tuple((x.gpu, x.fraction) for x in act.peers) for j, act in program.actions.items()})

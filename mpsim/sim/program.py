@@ -463,11 +463,15 @@ def _backward_pieces(st: _Stage, ev: list[Event], cuts: list[tuple[int, float, i
         i0, start, wait_for, layer = i1, c_t, c_wait, c_layer
     bounds.append((i0, start, wait_for, layer))
     pieces = []
+    k = 0  # grads_done is in time order: each piece takes the ends up to its own, one pass in all
     for n, (i0, start, wait_for, layer) in enumerate(bounds):
         i1, end = (bounds[n + 1][0], bounds[n + 1][1]) if n + 1 < len(bounds) else (len(ev), end_s)
-        done = tuple((t - start, j) for t, j in grads_done if start < t <= end or (n == 0 and t == start))
+        done: list[tuple[float, int]] = []
+        while st.sharding is not None and k < len(grads_done) and grads_done[k][0] <= end:
+            done.append((grads_done[k][0] - start, grads_done[k][1]))
+            k += 1
         pieces.append(Piece(_template(ev[i0:i1], start), end - start, wait_for=wait_for, layer=layer,
-                            grads_done=done if st.sharding is not None else ()))
+                            grads_done=tuple(done)))
     return pieces
 
 
