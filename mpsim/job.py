@@ -9,8 +9,9 @@ none of them re-declares these fields or re-checks them.
 The parallel layout names every degree the next releases model (Megatron-LM's order:
 tensor-parallel groups innermost, then data parallel, then pipeline; ZeRO's stages of
 sharded model states, Rajbhandari et al. 2020). The engine simulates data parallelism
-(DDP, ZeRO-1/2/3, FSDP2) times a pipeline, one stage per GPU; tensor parallelism, sequence
-parallelism and interleaved stages are refused in one line that says so.
+(DDP, ZeRO-1/2/3, FSDP2), Megatron-LM's tensor parallelism with or without sequence
+parallelism, and a pipeline (``mpsim.tensor_parallel``); interleaved stages are refused in
+one line that says so.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ the predicted per-GPU peak (mCAP)."""
 
 class Parallelism(BaseModel):
     """How the job's GPUs share the work. Degrees multiply to the GPUs used:
-    ``data * tensor * pipeline``."""
+    ``data * tensor * pipeline``. Placement follows Megatron-LM's order: each stage's
+    tensor-parallel group innermost, on the fastest links, then the data-parallel
+    replicas, then the pipeline (``mpsim.sim.placement``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -63,34 +66,49 @@ class Parallelism(BaseModel):
                                                                   "after each unit's forward")
 
     def unsupported(self) -> str | None:
-        """What of this layout the engine cannot simulate yet, or None."""
-        asked = [f"{name} {value}" for name, value, pure in (
-            ("tensor parallel degree", self.tensor, 1), ("virtual stages per GPU", self.virtual_stages, 1),
-        ) if value != pure]
-        if self.sequence_parallel:
-            asked.append("sequence parallel")
-        if not asked:
-            return None
-        return (f"{', '.join(asked)}: not simulated yet; mpsim models data parallelism (DDP, ZeRO, FSDP) "
-                "times a pipeline, one stage per GPU")
+        """What of this layout the engine cannot simulate, or None."""
+        if self.sequence_parallel and self.tensor == 1:
+            return ("sequence parallel splits what tensor parallelism replicates: it needs a tensor-parallel "
+                    "degree of 2 or more")
+        if self.tensor != 1:  # until the engine runs tensor-parallel groups
+            return f"tensor parallel degree {self.tensor}: not simulated yet"
+        if self.virtual_stages != 1:
+            return (f"virtual stages per GPU {self.virtual_stages}: not simulated yet; mpsim models data, tensor "
+                    "and pipeline parallelism, one stage per GPU")
+        return None
+
+    @property
+    def gpus_per_stage(self) -> int:
+        """GPUs of one replica's stage: its tensor-parallel group."""
+        return self.tensor
 
     def stages_on(self, topo: Topology) -> int:
-        """The pipeline depth on ``topo``, checked: at least one stage, a GPU for each
-        stage of each data-parallel replica (None: the GPUs left per replica)."""
-        p = max(1, topo.n_gpus // self.data) if self.pipeline is None else self.pipeline
-        if p * self.data > topo.n_gpus:
+        """The pipeline depth on ``topo``, checked: at least one stage, a tensor-parallel
+        group of GPUs for each stage of each data-parallel replica (None: the GPUs left per
+        replica)."""
+        per_stage = self.data * self.tensor
+        p = max(1, topo.n_gpus // per_stage) if self.pipeline is None else self.pipeline
+        if p * per_stage > topo.n_gpus:
             stages = f"{p} stage" + ("s" if p > 1 else "")
             what = stages if self.data == 1 else f"{self.data} replicas of {stages}"
-            raise MpsimError(f"{what} need {p * self.data} GPUs but {topo.name} has {topo.n_gpus}")
+            if self.tensor > 1:
+                what += f" of {self.tensor} GPUs each"
+            raise MpsimError(f"{what} need {p * per_stage} GPUs but {topo.name} has {topo.n_gpus}")
         return p
 
     def describe(self, n_stages: int) -> str:
         """The layout of ``n_stages`` as outputs name it: ``pipeline x4``, ``DDP x8``,
-        ``ZeRO-2 x4 x pipeline x2``, ``FSDP x8`` (ZeRO-3)."""
-        if self.data == 1 and self.zero_stage == 0:
-            return f"pipeline x{n_stages}"
-        text = f"{DP_NAMES[self.zero_stage]} x{self.data}"
-        return text if n_stages == 1 else f"{text} x pipeline x{n_stages}"
+        ``ZeRO-2 x4 x pipeline x2``, ``FSDP x8`` (ZeRO-3), ``TP x8``, ``TP x4+SP x pipeline
+        x2``, ``FSDP x2 x TP x4`` (Megatron-LM's order read outward: data, tensor, pipeline)."""
+        parts = []
+        if self.data > 1 or self.zero_stage:
+            parts.append(f"{DP_NAMES[self.zero_stage]} x{self.data}")
+        if self.tensor > 1:
+            parts.append(f"TP x{self.tensor}" + ("+SP" if self.sequence_parallel else ""))
+        if n_stages > 1 or not parts:
+            parts.append(f"pipeline x{n_stages}" + (f" (interleaved x{self.virtual_stages})"
+                                                    if self.virtual_stages > 1 else ""))
+        return " x ".join(parts)
 
 
 PIPELINE_ONLY = Parallelism()
@@ -154,7 +172,7 @@ class JobSpec:
             raise MpsimError(why)
         check_schedule(self.schedule, self.parallelism.stages_on(self.topology), self.microbatches)
         par = self.parallelism
-        if self.schedule == "pipedream" and (par.data > 1 or par.zero_stage):
+        if self.schedule == "pipedream" and (par.data > 1 or par.zero_stage or par.tensor > 1):
             raise MpsimError(f"{par.describe(self.n_stages)} with pipedream: not simulated yet (PipeDream updates "
                              "every microbatch); use gpipe or 1f1b")
         check_partition(self.partition)

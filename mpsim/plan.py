@@ -49,9 +49,10 @@ from mpsim.schedule import MAX_MICROBATCH, MAX_MICROBATCHES, SCHEDULES, check_sc
 from mpsim.topology import Topology
 from mpsim.trace import LayerRow, Trace
 
-SCHEMA_VERSION = 2
-SCHEMA_VERSIONS = (1, 2)
-"""Versions read; 1 has no ``data_parallel``."""
+SCHEMA_VERSION = 3
+SCHEMA_VERSIONS = (1, 2, 3)
+"""Versions read; 1 has no ``data_parallel``, 2 no ``tensor_parallel``. ``make_plan`` writes
+2 unless the plan has tensor-parallel groups, so plans older readers take stay readable."""
 STRIPE_TOLERANCE = 1e-6
 DEFAULT_SPLIT_SLOWDOWN_PER_EXTRA_OP = 0.03
 """Default cost of a split: each micro-op beyond the first adds 3% of the layer's time
@@ -124,6 +125,23 @@ class DataParallelPlan(_Strict):
         return tuple(r[stage] for r in self.replicas)
 
 
+class TensorParallelPlan(_Strict):
+    """Each stage of each replica run by a tensor-parallel group (schema 3): Megatron-LM's
+    column- and row-parallel layers (Shoeybi et al. 2019, section 3), with sequence
+    parallelism on the rest (Korthikanti et al. 2022, section 4.2.2)."""
+
+    degree: int = Field(ge=2, le=64, description="GPUs of each stage's tensor-parallel group")
+    sequence_parallel: bool = Field(default=False, description="norms and dropout on a sequence shard; "
+                                                               "all-gather and reduce-scatter instead of all-reduce")
+    groups: list[list[list[int]]] = Field(
+        min_length=1, max_length=1024,
+        description="per replica (as data_parallel.replicas), per stage, the GPUs of its tensor-parallel group, "
+                    "the replica's stage GPU first")
+
+    def group(self, replica: int, stage: int) -> tuple[int, ...]:
+        return tuple(self.groups[replica][stage])
+
+
 SwapTiming = Literal["prefetch", "on-demand"]
 """When swaps run: ``PlanFile.swap_timing``."""
 Checkpoints = Literal["layer", "segment"]
@@ -133,7 +151,7 @@ Checkpoints = Literal["layer", "segment"]
 class PlanFile(_Strict):
     """The on-disk schema of a plan."""
 
-    schema_: int = Field(alias="schema", description="format version, currently 2 (1 still reads)")
+    schema_: int = Field(alias="schema", description="format version, currently 3 (1 and 2 still read)")
     model: str = Field(description="trace the plan was made for")
     server: str = Field(description="topology the plan was made for")
     microbatch: int = Field(gt=0, le=MAX_MICROBATCH)
@@ -155,6 +173,8 @@ class PlanFile(_Strict):
     data_parallel: DataParallelPlan | None = Field(
         default=None, description="schema 2: replicas of this pipeline and how they shard model states "
                                   "[default: one replica]")
+    tensor_parallel: TensorParallelPlan | None = Field(
+        default=None, description="schema 3: the tensor-parallel group of every stage  [default: one GPU a stage]")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
@@ -172,8 +192,14 @@ class PlanFile(_Strict):
             return [[st.gpu for st in self.stages]]
         return self.data_parallel.replicas
 
+    @property
+    def tensor(self) -> int:
+        return 1 if self.tensor_parallel is None else self.tensor_parallel.degree
+
     def gpus_used(self) -> set[int]:
-        """Every GPU the job runs on, in any replica."""
+        """Every GPU the job runs on, in any replica and tensor-parallel group."""
+        if self.tensor_parallel is not None:
+            return {g for r in self.tensor_parallel.groups for group in r for g in group}
         return {g for r in self.replica_gpus() for g in r}
 
     def action_of(self, stage: int) -> dict[int, LayerAction]:
@@ -193,6 +219,8 @@ def check_plan(plan: PlanFile, topo: Topology, trace: Trace, source: str = "") -
         raise bad("schema", f"expected one of {', '.join(map(str, SCHEMA_VERSIONS))}, got {plan.schema_}")
     if plan.data_parallel is not None and plan.schema_ < 2:
         raise bad("data_parallel", "needs schema 2")
+    if plan.tensor_parallel is not None and plan.schema_ < 3:
+        raise bad("tensor_parallel", "needs schema 3")
     if plan.schedule not in SCHEDULES:
         raise bad("schedule", f"expected one of {', '.join(SCHEDULES)}")
     n, L, p = topo.n_gpus, trace.n_layers, len(plan.stages)
@@ -214,6 +242,35 @@ def check_plan(plan: PlanFile, topo: Topology, trace: Trace, source: str = "") -
         raise bad("stages", f"the stages end at layer {expected_first} but {trace.name} has {L} layers")
     check_schedule(plan.schedule, p, plan.microbatches)
     _check_data_parallel(plan, topo, bad)
+    _check_tensor_parallel(plan, topo, bad)
+
+
+def _check_tensor_parallel(plan: PlanFile, topo: Topology, bad: _Bad) -> None:
+    """Schema 3's groups: one per stage of each replica, ``degree`` GPUs of ``topo`` each,
+    the replica's stage GPU first, no GPU twice; no peer swap to a GPU the job runs on;
+    no PipeDream."""
+    tp = plan.tensor_parallel
+    if tp is None:
+        return
+    if plan.schedule == "pipedream":
+        raise bad("tensor_parallel", "is not simulated with pipedream; use gpipe or 1f1b")
+    replicas = plan.replica_gpus()
+    if len(tp.groups) != len(replicas):
+        raise bad("tensor_parallel.groups", f"expected a list for each of {len(replicas)} replicas, "
+                                            f"got {len(tp.groups)}")
+    seen: set[int] = set()
+    for r, (stages, own) in enumerate(zip(tp.groups, replicas)):
+        if len(stages) != len(own):
+            raise bad(f"tensor_parallel.groups.{r}", f"expected a group for each of {len(own)} stages, "
+                                                     f"got {len(stages)}")
+        for s, (group, first) in enumerate(zip(stages, own)):
+            _check_tp_group(group, first, tp.degree, f"tensor_parallel.groups.{r}.{s}", topo, seen, bad)
+    for s, st in enumerate(plan.stages):
+        for k, act in enumerate(st.actions):
+            busy = [x.gpu for x in act.peers if x.gpu in seen]
+            if busy:
+                raise bad(f"stages.{s}.actions.{k}.peers", f"GPU {busy[0]} runs a tensor-parallel rank; a peer "
+                          "swap goes to GPUs the job does not run on")
 
 
 def _check_data_parallel(plan: PlanFile, topo: Topology, bad: _Bad) -> None:
@@ -241,6 +298,22 @@ def _check_data_parallel(plan: PlanFile, topo: Topology, bad: _Bad) -> None:
                 if busy:
                     raise bad(f"stages.{s}.actions.{k}.peers", f"GPU {busy[0]} runs a replica; a replicated "
                               "pipeline swaps to GPUs it does not run on")
+
+
+def _check_tp_group(group: list[int], first: int, degree: int, at: str, topo: Topology, seen: set[int],
+                    bad: _Bad) -> None:
+    """One tensor-parallel group: ``degree`` GPUs of ``topo``, the stage's own first, none
+    in ``seen`` (recorded there)."""
+    if len(group) != degree:
+        raise bad(at, f"expected {degree} GPUs (degree), got {group}")
+    if group[0] != first:
+        raise bad(at, f"expected the stage's own GPU {first} first, got {group}")
+    for g in group:
+        if not 0 <= g < topo.n_gpus:
+            raise bad(at, f"GPU {g} does not exist on {topo.name} (0..{topo.n_gpus - 1})")
+        if g in seen:
+            raise bad(at, f"GPU {g} runs another stage, replica or group already")
+        seen.add(g)
 
 
 def _check_stage_gpu(st: StagePlan, s: int, topo: Topology, gpus_seen: dict[int, int], bad: _Bad) -> None:
@@ -381,7 +454,8 @@ def make_plan(trace: Trace, topo: Topology, schedule: str, microbatches: int,
               optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None,
               swap_timing: SwapTiming = "prefetch", optimizer_layers: dict[int, list[int]] | None = None,
               recompute_checkpoints: Checkpoints = "layer",
-              data_parallel: DataParallelPlan | None = None) -> PlanFile:
+              data_parallel: DataParallelPlan | None = None,
+              tensor_parallel: TensorParallelPlan | None = None) -> PlanFile:
     """A plan from its parts; ``actions``/``optimizer``/``stash``/``optimizer_layers``
     are keyed by stage."""
     actions = actions or {}
@@ -389,9 +463,11 @@ def make_plan(trace: Trace, topo: Topology, schedule: str, microbatches: int,
     optimizer_layers = optimizer_layers or {}
     stash = stash or {}
     return PlanFile(
-        schema=SCHEMA_VERSION, model=trace.name, server=topo.name, microbatch=trace.microbatch,
+        schema=SCHEMA_VERSION if tensor_parallel is not None else 2, model=trace.name, server=topo.name,
+        microbatch=trace.microbatch,
         microbatches=microbatches, schedule=schedule, strategy=strategy,  # type: ignore[arg-type]
         swap_timing=swap_timing, recompute_checkpoints=recompute_checkpoints, data_parallel=data_parallel,
+        tensor_parallel=tensor_parallel,
         stages=[StagePlan(gpu=g, layers=(a, b), optimizer=optimizer.get(s, "gpu"),  # type: ignore[arg-type]
                           optimizer_layers=optimizer_layers.get(s),
                           stash=stash.get(s, "gpu"), actions=actions.get(s, []))  # type: ignore[arg-type]

@@ -26,8 +26,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from mpsim import kernels
+from mpsim import kernels, tp_ops
 from mpsim.kernels import AttentionBackend
+from mpsim.tp_ops import NO_SHARD, TensorShard
 
 Family = Literal["gpt", "bert", "llama"]
 FAMILIES: tuple[str, ...] = ("gpt", "bert", "llama")
@@ -122,9 +123,15 @@ class ModelConfig:
 
 
 class Embedding(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Word (and position, token type) embeddings. With a tensor-parallel ``shard`` the
+    word table is 1/t of the vocabulary (Megatron-LM's vocabulary-parallel embedding),
+    its lookups summed over the group; positions are replicated; with sequence
+    parallelism the output is the shard's 1/t of the sequence."""
+
+    def __init__(self, cfg: ModelConfig, shard: TensorShard = NO_SHARD) -> None:
         super().__init__()
-        self.word = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.shard = shard
+        self.word = nn.Embedding(-(-cfg.vocab // shard.degree), cfg.hidden)
         learned = cfg.family != "llama"
         self.position = nn.Embedding(cfg.seq_len, cfg.hidden) if learned else None
         self.token_type = nn.Embedding(2, cfg.hidden) if cfg.family == "bert" else None
@@ -132,9 +139,9 @@ class Embedding(nn.Module):
         self.p = cfg.dropout
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.word(tokens)
+        x = tp_ops.row_parallel_output(self.word(tokens), self.shard)
         if self.position is not None:
-            x = x + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+            x = x + self.position(torch.arange(x.shape[1], device=tokens.device))
         if self.token_type is not None:
             x = x + self.token_type(torch.zeros_like(tokens))
         if self.norm is not None:
@@ -167,12 +174,20 @@ def _rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, causal: bool) -> None:
+    """Fused q|k|v projection, attention core, output projection. The forward takes its
+    head counts from the projection's width, so the same code runs a tensor-parallel
+    shard (``shard``: 1/t of the heads and of the KV heads, Megatron-LM's column-parallel
+    q|k|v and row-parallel output projection, Shoeybi et al. 2019, section 3) and a module
+    that DTensor shards (its q|k|v rows ordered rank by rank, see ``qkv_rank_order``)."""
+
+    def __init__(self, cfg: ModelConfig, causal: bool, shard: TensorShard = NO_SHARD) -> None:
         super().__init__()
         self.cfg = cfg
+        self.shard = shard
+        t = shard.degree
         kv_dim = cfg.kv * cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden, cfg.hidden + 2 * kv_dim, bias=cfg.has_qkv_bias)
-        self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.biases)
+        self.qkv = nn.Linear(cfg.hidden, (cfg.hidden + 2 * kv_dim) // t, bias=cfg.has_qkv_bias)
+        self.proj = nn.Linear(cfg.hidden // t, cfg.hidden, bias=cfg.biases)
         self.causal = causal
         self.checkpoint_core = False
         """Selective recompute (Korthikanti et al. 2022, section 4.2): the attention core
@@ -180,16 +195,17 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        b, s, h = x.shape
         d, kv_dim = cfg.head_dim, cfg.kv * cfg.head_dim
-        q, k, v = self.qkv(x).split([h, kv_dim, kv_dim], dim=2)
-        q = q.view(b, s, cfg.heads, d).transpose(1, 2)
-        k, v = (t.view(b, s, cfg.kv, d).transpose(1, 2) for t in (k, v))
+        qkv = tp_ops.column_parallel(x, self.qkv, self.shard)
+        b, s, width = qkv.shape
+        t = (cfg.hidden + 2 * kv_dim) // width  # the tensor-parallel degree this module runs at
+        q, k, v = qkv.split([cfg.hidden // t, kv_dim // t, kv_dim // t], dim=2)
+        q = q.reshape(b, s, -1, d).transpose(1, 2)
+        k, v = (y.reshape(b, s, -1, d).transpose(1, 2) for y in (k, v))
         if cfg.family == "llama":
             q, k = _rotate(q, cfg.rope_theta), _rotate(k, cfg.rope_theta)
         out = checkpoint(self._core, q, k, v, use_reentrant=False) if self.checkpoint_core else self._core(q, k, v)
-        return self.proj(out.transpose(1, 2).reshape(b, s, h))
-
+        return tp_ops.row_parallel_output(self.proj(out.transpose(1, 2).reshape(b, s, -1)), self.shard)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernels.attention(q, k, v, causal=self.causal, dropout_p=self.cfg.dropout, training=self.training,
@@ -197,27 +213,32 @@ class SelfAttention(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """GPT and Llama: pre-norm, causal. BERT: post-LayerNorm, bidirectional."""
+    """GPT and Llama: pre-norm, causal. BERT: post-LayerNorm, bidirectional. With a
+    tensor-parallel ``shard`` the attention and the MLP are Megatron-LM's column- then
+    row-parallel pairs; the norms, dropouts and residuals run on the whole sequence
+    (replicated) or, with sequence parallelism, on the shard's 1/t of it."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TensorShard = NO_SHARD) -> None:
         super().__init__()
         self.cfg = cfg
+        self.shard = shard
         self.pre_norm = cfg.family != "bert"
         self.ln1 = _norm(cfg)
-        self.attn = SelfAttention(cfg, causal=cfg.family != "bert")
+        self.attn = SelfAttention(cfg, causal=cfg.family != "bert", shard=shard)
         self.ln2 = _norm(cfg)
         swiglu = cfg.family == "llama"
-        self.fc = nn.Linear(cfg.hidden, (2 if swiglu else 1) * cfg.ffn, bias=cfg.biases)
-        self.out = nn.Linear(cfg.ffn, cfg.hidden, bias=cfg.biases)
+        self.fc = nn.Linear(cfg.hidden, (2 if swiglu else 1) * cfg.ffn // shard.degree, bias=cfg.biases)
+        self.out = nn.Linear(cfg.ffn // shard.degree, cfg.hidden, bias=cfg.biases)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.dropout(x, self.cfg.dropout, self.training)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cfg.family == "llama":  # SwiGLU (Shazeer 2020): silu(gate) * up
-            gate, up = self.fc(x).chunk(2, dim=-1)
-            return self.out(F.silu(gate) * up)
-        return self._drop(self.out(F.gelu(self.fc(x))))
+        up = tp_ops.column_parallel(x, self.fc, self.shard)
+        if self.cfg.family == "llama":  # SwiGLU (Shazeer 2020): silu(gate) * up, rows ordered rank by rank
+            gate, up = up.chunk(2, dim=-1)
+            return tp_ops.row_parallel_output(self.out(F.silu(gate) * up), self.shard)
+        return self._drop(tp_ops.row_parallel_output(self.out(F.gelu(up)), self.shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_norm:
@@ -229,24 +250,49 @@ class TransformerLayer(nn.Module):
 
 class LossHead(nn.Module):
     """GPT, Llama: final norm, vocabulary projection, cross-entropy.
-    BERT: masked-LM transform (dense, GELU, LayerNorm), vocabulary projection, cross-entropy."""
+    BERT: masked-LM transform (dense, GELU, LayerNorm), vocabulary projection, cross-entropy.
+    With a tensor-parallel ``shard`` the projection is column-parallel over the vocabulary
+    (1/t of it, rounded up) and the loss is Megatron-LM's vocabulary-parallel cross-entropy."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TensorShard = NO_SHARD) -> None:
         super().__init__()
+        self.shard = shard
         self.transform = nn.Linear(cfg.hidden, cfg.hidden) if cfg.family == "bert" else None
         self.norm = _norm(cfg)
-        self.decoder = nn.Linear(cfg.hidden, cfg.vocab, bias=cfg.family == "bert")
+        self.decoder = nn.Linear(cfg.hidden, -(-cfg.vocab // shard.degree), bias=cfg.family == "bert")
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.transform is not None:
-            x = F.gelu(self.transform(x))
-        logits = self.decoder(self.norm(x))
+            x = F.gelu(self.transform(tp_ops.gather_sequence(x, self.shard)))
+            logits = self.decoder(self.norm(x))
+        else:
+            logits = tp_ops.column_parallel(self.norm(x), self.decoder, self.shard)
+        if self.shard.degree > 1:
+            return tp_ops.vocab_parallel_cross_entropy(logits, labels, self.shard)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
 
 
 def build_layers(cfg: ModelConfig) -> list[nn.Module]:
     """The model as the ordered list of layers a pipeline partitions."""
     return [Embedding(cfg)] + [TransformerLayer(cfg) for _ in range(cfg.layers)] + [LossHead(cfg)]
+
+
+def qkv_rank_order(cfg: ModelConfig, degree: int) -> torch.Tensor:
+    """Row order of the fused q|k|v projection that puts rank r's q, k and v heads in the
+    r-th of ``degree`` equal row blocks (Megatron-LM's per-rank layout), so that DTensor's
+    row sharding (``ColwiseParallel``) hands each rank its own heads and the forward's
+    split by width stays right."""
+    h, kv_dim = cfg.hidden, cfg.kv * cfg.head_dim
+    q, k, v = torch.arange(h), torch.arange(h, h + kv_dim), torch.arange(h + kv_dim, h + 2 * kv_dim)
+    return torch.cat([torch.cat([part.chunk(degree)[r] for part in (q, k, v)]) for r in range(degree)])
+
+
+def gate_up_rank_order(cfg: ModelConfig, degree: int) -> torch.Tensor:
+    """Row order of Llama's fused gate|up projection with rank r's gate and up rows in the
+    r-th of ``degree`` row blocks (see ``qkv_rank_order``)."""
+    f = cfg.ffn
+    gate, up = torch.arange(f), torch.arange(f, 2 * f)
+    return torch.cat([torch.cat([gate.chunk(degree)[r], up.chunk(degree)[r]]) for r in range(degree)])
 
 
 #: Shipped model sizes. MPress names parameter counts only (Table II); these shapes have

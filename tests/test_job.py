@@ -40,12 +40,16 @@ def test_a_job_holds_its_fields_and_derives_the_stage_count():
 
 @pytest.mark.parametrize("layout, named", [
     (Parallelism(tensor=4), "tensor parallel degree 4"),
-    (Parallelism(sequence_parallel=True), "sequence parallel"),
     (Parallelism(virtual_stages=2), "virtual stages per GPU 2"),
 ])
 def test_a_layout_the_engine_cannot_simulate_is_refused_in_one_line_that_says_so(layout, named):
     message = _refusal(lambda: _job(parallelism=layout))
     assert named in message and "not simulated yet" in message
+
+
+def test_sequence_parallel_without_tensor_parallelism_is_refused():
+    message = _refusal(lambda: _job(parallelism=Parallelism(sequence_parallel=True)))
+    assert "sequence parallel" in message and "tensor-parallel degree of 2 or more" in message
 
 
 @pytest.mark.parametrize("layout, stages, name", [
