@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mpsim.errors import MpsimError
 from mpsim.schedule import check_schedule
 from mpsim.strategies import strategy_named
+from mpsim.tensor_parallel import check_shardable
 from mpsim.topology import Topology
 from mpsim.trace import Trace
 
@@ -70,8 +71,6 @@ class Parallelism(BaseModel):
         if self.sequence_parallel and self.tensor == 1:
             return ("sequence parallel splits what tensor parallelism replicates: it needs a tensor-parallel "
                     "degree of 2 or more")
-        if self.tensor != 1:  # until the engine runs tensor-parallel groups
-            return f"tensor parallel degree {self.tensor}: not simulated yet"
         if self.virtual_stages != 1:
             return (f"virtual stages per GPU {self.virtual_stages}: not simulated yet; mpsim models data, tensor "
                     "and pipeline parallelism, one stage per GPU")
@@ -177,6 +176,7 @@ class JobSpec:
                              "every microbatch); use gpipe or 1f1b")
         check_partition(self.partition)
         check_strategy(self.strategy)
+        check_shardable(self.trace, par.tensor, par.sequence_parallel)
 
     @property
     def n_stages(self) -> int:

@@ -95,6 +95,18 @@ the backward): a transformer layer, or a block of a ``--module`` trace such as a
 bottleneck (the embedding's input is only token ids; the head runs the loss)."""
 
 
+CollectiveOp = Literal["all-reduce", "reduce-scatter", "all-gather"]
+
+
+class Collective(_Strict):
+    """One collective a tensor-parallel shard runs over its group, on the critical path:
+    ``n_bytes`` as nccl-tests counts them (all-reduce: the buffer; all-gather: the gathered
+    output; reduce-scatter: the input)."""
+
+    op: CollectiveOp
+    n_bytes: int = Field(ge=0, le=MAX_BYTES)
+
+
 class LayerRow(_Strict):
     name: str
     kind: LayerKind
@@ -137,6 +149,10 @@ class LayerRow(_Strict):
         default=0.0, ge=0, le=MAX_FLOPS, description="forward FLOPs of the attention core (selective recompute)")
     attention_core_mem_bytes: float = Field(
         default=0.0, ge=0, le=MAX_BYTES, description="bytes the attention core's non-matmul ops move, forward")
+    fwd_collectives: list[Collective] = Field(
+        default_factory=list, description="a tensor-parallel shard's collectives in the forward, in order")
+    bwd_collectives: list[Collective] = Field(
+        default_factory=list, description="a tensor-parallel shard's collectives in the backward, in order")
 
     @model_validator(mode="after")
     def _saved_input_fits(self) -> LayerRow:
@@ -194,7 +210,7 @@ class Trace:
     @cached_property
     def content_hash(self) -> str:
         """SHA-256 of the validated contents (not the name or path): equal contents, equal hash."""
-        return hashlib.sha256(self.spec.model_dump_json(by_alias=True).encode()).hexdigest()
+        return hashlib.sha256(self.spec.model_dump_json(by_alias=True, exclude_defaults=False).encode()).hexdigest()
 
     @property
     def name(self) -> str:
@@ -223,7 +239,14 @@ class Trace:
         return pd.DataFrame([r.model_dump() for r in self.spec.layers])
 
     def to_json(self) -> str:
-        return json.dumps(self.spec.model_dump(by_alias=True), indent=1)
+        """The file's text; a row's collective lists are left out when empty (only
+        tensor-parallel shards have them)."""
+        data = self.spec.model_dump(by_alias=True)
+        for row in data["layers"]:
+            for k in ("fwd_collectives", "bwd_collectives"):
+                if not row[k]:
+                    del row[k]
+        return json.dumps(data, indent=1)
 
     def rescale(self, microbatch: int) -> Trace:
         """The same model at another microbatch size, by the linear rule in the module doc."""
@@ -242,6 +265,9 @@ class Trace:
                 v = getattr(r, k)
                 if v is not None:
                     upd[k] = round(v * f) if isinstance(v, int) else v * f
+            for k in ("fwd_collectives", "bwd_collectives"):
+                if getattr(r, k):  # every collective of a shard moves activations: linear in the batch
+                    upd[k] = [c.model_copy(update={"n_bytes": round(c.n_bytes * f)}) for c in getattr(r, k)]
             rows.append(r.model_copy(update=upd))
         return Trace(self.spec.model_copy(update={"layers": rows, "microbatch": microbatch}), self.source)
 

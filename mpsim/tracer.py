@@ -29,9 +29,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from mpsim import kernels
+from mpsim import kernels, tp_ops
 from mpsim.kernels import FUSED_ATTENTION_OPS, storage_key
 from mpsim.limits import check_layer_count
+from mpsim.tp_ops import NO_SHARD, TensorShard
 from mpsim.trace import RECIPES, SCHEMA_VERSION, LayerKind, LayerRow, Source, Trace, TraceFile
 from mpsim.workloads import Embedding, LossHead, ModelConfig, TransformerLayer
 
@@ -150,19 +151,21 @@ def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
 
     probe = kernels.TraceProbe()
     counter = _OpBytes(probe)
+    comms = tp_ops.CommProbe()
     with (kernels.CudaDropout(), kernels.probing(probe), FlopCounterMode(display=False) as fwd_flops, counter,
-          torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
+          torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tp_ops.recording(comms)):
         out = run(module, *inputs)
     out_key = storage_key(out)
     first = inputs[0]
     workspace = max((n for k, n in counter.outputs.items()
                      if k not in saved and k != out_key and k not in param_keys), default=0)
     counter_b = _OpBytes(remember=False)
-    with FlopCounterMode(display=False) as bwd_flops, counter_b:
+    with FlopCounterMode(display=False) as bwd_flops, counter_b, tp_ops.recording(comms):
         out.backward(torch.ones_like(out))
     core_bytes = _selective_saving(probe, saved)
-    fixed = (_fixed_traffic(module, inputs, run, float(counter.mem_bytes), float(counter_b.mem_bytes))
-             if fixed_traffic else (0.0, 0.0))
+    with tp_ops.recording(tp_ops.CommProbe()):  # the doubled run's collectives are not the layer's
+        fixed = (_fixed_traffic(module, inputs, run, float(counter.mem_bytes), float(counter_b.mem_bytes))
+                 if fixed_traffic else (0.0, 0.0))
     return {
         "params": sum(p.numel() for p in module.parameters()),
         "act_bytes": sum(saved.values()),
@@ -181,6 +184,8 @@ def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
         "attention_core_bytes": core_bytes,
         "attention_core_flops": float(probe.core_fwd_flops) if core_bytes else 0.0,
         "attention_core_mem_bytes": float(counter.core_mem_bytes) if core_bytes else 0.0,
+        "fwd_collectives": [{"op": op, "n_bytes": n} for op, n in comms.forward],
+        "bwd_collectives": [{"op": op, "n_bytes": n} for op, n in comms.backward],
     }
 
 
@@ -199,24 +204,33 @@ class compute_dtype:
         torch.set_default_dtype(self._previous)
 
 
-def trace_model(cfg: ModelConfig, microbatch: int, recipe: str = "mixed-fp16", name: str | None = None) -> Trace:
-    """Trace ``cfg`` at ``microbatch`` under FakeTensor mode (see the module docstring)."""
+def trace_model(cfg: ModelConfig, microbatch: int, recipe: str = "mixed-fp16", name: str | None = None,
+                shard: TensorShard = NO_SHARD) -> Trace:
+    """Trace ``cfg`` at ``microbatch`` under FakeTensor mode (see the module docstring); with
+    a tensor-parallel ``shard``, one rank's shard of every layer (``mpsim.tp_ops``): its
+    parameters, FLOPs, saved bytes and collectives."""
     check_layer_count(cfg.layers + 2, f"{name or 'the model'} ({cfg.layers} transformer layers, an embedding and "
                                       "a head)")
     with compute_dtype(recipe) as dtype:
-        emb, layer, head = _trace_layers(cfg, microbatch, dtype)
-    return _assemble(cfg, microbatch, recipe, name, emb, layer, head)
+        emb, layer, head = _trace_layers(cfg, microbatch, dtype, shard)
+    model = cfg.to_dict()
+    if shard.degree > 1:
+        model["tensor_parallel"] = {"degree": shard.degree, "sequence_parallel": shard.sequence_parallel,
+                                    "saves_gathered": shard.saves_gathered}
+    return _assemble(cfg, microbatch, recipe, name, emb, layer, head, model=model)
 
 
-def _trace_layers(cfg: ModelConfig, b: int, dtype: torch.dtype) -> tuple[dict, dict, dict]:
+def _trace_layers(cfg: ModelConfig, b: int, dtype: torch.dtype,
+                  shard: TensorShard = NO_SHARD) -> tuple[dict, dict, dict]:
     s, h = cfg.seq_len, cfg.hidden
+    s_local = s // shard.degree if shard.sequence_parallel else s  # a sequence shard between the layers
     with FakeTensorMode():
         tokens = torch.zeros(b, s, dtype=torch.long)
-        emb = trace_layer(Embedding(cfg), [tokens], lambda m, x: m(x))
-        x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
-        layer = trace_layer(TransformerLayer(cfg), [x], lambda m, x: m(x))
-        x2 = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
-        head = trace_layer(LossHead(cfg), [x2, tokens], lambda m, x, y: m(x, y))
+        emb = trace_layer(Embedding(cfg, shard), [tokens], lambda m, x: m(x))
+        x = torch.randn(b, s_local, h, dtype=dtype, requires_grad=True)
+        layer = trace_layer(TransformerLayer(cfg, shard), [x], lambda m, x: m(x))
+        x2 = torch.randn(b, s_local, h, dtype=dtype, requires_grad=True)
+        head = trace_layer(LossHead(cfg, shard), [x2, tokens], lambda m, x, y: m(x, y))
     return emb, layer, head
 
 
@@ -253,11 +267,11 @@ def make_trace(name: str, model: dict, params: int, microbatch: int, recipe: str
 
 
 def _assemble(cfg: ModelConfig, microbatch: int, recipe: str, name: str | None, emb: dict, layer: dict,
-              head: dict, source: Source | None = None) -> Trace:
+              head: dict, source: Source | None = None, model: dict | None = None) -> Trace:
     """One trace row per layer from the fields measured on the embedding, one transformer
     layer (repeated) and the loss head."""
     named: list[NamedFields] = [("embedding", "embedding", emb)]
     named += [(f"layer{i}", "transformer", layer) for i in range(cfg.layers)]
     named.append(("head", "head", head))
-    return make_trace(name or f"{cfg.family}-{cfg.layers}l-{cfg.hidden}h", cfg.to_dict(), cfg.param_count(),
-                      microbatch, recipe, named, source)
+    return make_trace(name or f"{cfg.family}-{cfg.layers}l-{cfg.hidden}h", model or cfg.to_dict(),
+                      cfg.param_count(), microbatch, recipe, named, source)

@@ -39,7 +39,6 @@ def test_a_job_holds_its_fields_and_derives_the_stage_count():
 
 
 @pytest.mark.parametrize("layout, named", [
-    (Parallelism(tensor=4), "tensor parallel degree 4"),
     (Parallelism(virtual_stages=2), "virtual stages per GPU 2"),
 ])
 def test_a_layout_the_engine_cannot_simulate_is_refused_in_one_line_that_says_so(layout, named):

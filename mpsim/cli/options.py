@@ -48,13 +48,15 @@ def job_options(f: F) -> F:
 
 
 def layout_options(f: F) -> F:
-    """--dp, --zero, --bucket-mib, --reshard/--no-reshard, handed to the command as one
-    ``layout`` (a ``Parallelism``; its pipeline depth comes from --stages)."""
+    """--dp, --zero, --bucket-mib, --reshard/--no-reshard, --tp, --sp, handed to the command
+    as one ``layout`` (a ``Parallelism``; its pipeline depth comes from --stages)."""
 
     @functools.wraps(f)
-    def with_layout(*args: Any, dp: int, zero: int, bucket_mib: float, reshard: bool, **kwargs: Any) -> Any:
+    def with_layout(*args: Any, dp: int, zero: int, bucket_mib: float, reshard: bool, tp: int, sp: bool,
+                    **kwargs: Any) -> Any:
         return f(*args, layout=api.data_parallel(dp, zero, None, bucket_mib=bucket_mib,
-                                                 reshard_after_forward=reshard), **kwargs)
+                                                 reshard_after_forward=reshard, tensor=tp, sequence_parallel=sp),
+                 **kwargs)
 
     return _apply(with_layout, [  # type: ignore[return-value]
         click.option("--dp", type=click.IntRange(min=1), default=1, show_default=True,
@@ -68,6 +70,12 @@ def layout_options(f: F) -> F:
         click.option("--reshard/--no-reshard", default=True, show_default=True,
                      help="ZeRO-3 / FSDP: free each layer's gathered parameters after its forward "
                           "(reshard_after_forward)"),
+        click.option("--tp", type=click.IntRange(min=1, max=64), default=1, show_default=True,
+                     help="tensor-parallel GPUs per stage (Megatron-LM: heads, MLP and vocabulary split t ways, "
+                          "two all-reduces per layer each way), placed on the fastest links"),
+        click.option("--sp/--no-sp", default=False, show_default=True,
+                     help="sequence parallel with --tp: norms and dropout on a sequence shard, all-gather and "
+                          "reduce-scatter instead of all-reduce (Korthikanti et al. 2022)"),
     ])
 
 

@@ -14,9 +14,10 @@ from mpsim.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, make_plan
 from mpsim.planners.liveness import live_intervals
 from mpsim.planners.mcap import held_microbatches, mcap_partition
 from mpsim.sim import SimResult, simulate_layout
-from mpsim.sim.layout import data_parallel_plan, layout_of_plan
-from mpsim.sim.placement import Replicas, place_replicas
+from mpsim.sim.layout import data_parallel_plan, layout_of_plan, stage_trace, tensor_parallel_plan
+from mpsim.sim.placement import Groups, Replicas, place_groups
 from mpsim.topology import Topology
+from mpsim.trace import Trace
 
 MAX_ROUNDS = 64
 SIMULATIONS = 64
@@ -44,20 +45,32 @@ class Ctx(OfJob):
     replicas: Replicas = ()
     """With data parallelism, the GPU of each stage per replica (``placement``; replica 0
     is ``gpus``, and mappings are not searched); empty for one replica."""
+    tp_groups: Groups = ()
+    """With tensor parallelism, each stage's group per replica (``placement``); empty without."""
+    shard: Trace | None = None
+    """With tensor parallelism, what one GPU of a stage runs (``stage_trace``)."""
 
     @property
     def topo(self) -> Topology:
         return self.job.topology
 
     @property
+    def trace(self) -> Trace:
+        """The trace one GPU of a stage runs (its tensor-parallel shard, if any): what the
+        planners size and time."""
+        return self.shard if self.shard is not None else self.job.trace
+
+    @property
     def replicated(self) -> bool:
-        return len(self.replicas) > 1
+        """Whether the job runs on more GPUs than one a stage (replicas or tensor groups);
+        its mapping is then not searched."""
+        return len(self.replicas) > 1 or bool(self.tp_groups)
 
     def spare(self, result: SimResult, margin: float = 1.0) -> dict[int, float]:
         """Bytes each GPU could take from other GPUs' swaps (capacity over the peak, times
-        ``margin``); a replicated pipeline's replicas need their own room, so only GPUs
-        it does not run on have any."""
-        busy = {g for r in self.replicas for g in r} if self.replicated else set()
+        ``margin``); a replicated pipeline's replicas (and tensor-parallel ranks) need their
+        own room, so only GPUs it does not run on have any."""
+        busy = {g for r in self.replicas for g in r} | {g for r in self.tp_groups for grp in r for g in grp}
         return {g.gpu: 0.0 if g.gpu in busy else max(0.0, (g.capacity_bytes - g.peak_bytes) * margin)
                 for g in result.gpus}
 
@@ -68,8 +81,9 @@ class Ctx(OfJob):
              offload_device: Literal["host", "nvme"] = "host") -> PlanFile:
         dp = data_parallel_plan(self.job.parallelism, self.replicas or (tuple(self.gpus),), offload_params,
                                 offload_device)
+        tp = tensor_parallel_plan(self.job.parallelism, self.tp_groups)
         return make_plan(self.trace, self.topo, self.schedule, self.microbatches, self.stages, self.gpus, strategy,
-                         actions, optimizer, stash, swap_timing, optimizer_layers, recompute_checkpoints, dp)
+                         actions, optimizer, stash, swap_timing, optimizer_layers, recompute_checkpoints, dp, tp)
 
     def simulate(self, plan: PlanFile) -> SimResult:
         """Simulate a plan this context made (``make_plan`` output is valid by construction,
@@ -99,14 +113,18 @@ def make_context(job: JobSpec, keeps: str = "keep") -> Ctx:
     ``trace.RECOMPUTABLE``; ``selective``: every attention core recomputed). Stage i on GPU i,
     or with data parallelism where ``place_replicas`` puts replica 0."""
     p = job.n_stages
+    shard = stage_trace(job, "mpress")
+    trace = shard or job.trace
     if job.partition == "compute":
-        times = cost_model(job.trace, job.topology.spec.gpu).layer_times
+        times = cost_model(trace, job.topology.spec.gpu).layer_times
         stages = compute_balanced(times.fwd_s + times.bwd_s, p)
     else:
-        stages = mcap_partition(job.trace, job.schedule, p, job.microbatches, keeps == "recompute",
+        stages = mcap_partition(trace, job.schedule, p, job.microbatches, keeps == "recompute",
                                 keeps == "selective")
-    replicas = place_replicas(job.topology, job.parallelism.data, p)
-    return Ctx(job, list(stages), list(replicas[0]), replicas if len(replicas) > 1 else ())
+    par = job.parallelism
+    replicas, groups = place_groups(job.topology, par.data, par.tensor, p)
+    return Ctx(job, list(stages), list(replicas[0]), replicas if len(replicas) > 1 else (),
+               groups if par.tensor > 1 else (), shard)
 
 
 def over(result: SimResult, gpu: int) -> int:

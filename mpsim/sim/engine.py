@@ -31,6 +31,7 @@ from mpsim.sim.result import GpuResult, SimResult
 from mpsim.sim.simpy_fast import run_until_empty
 from mpsim.sim.stream import ComputeStream
 from mpsim.sim.swapper import STASH, Swapper
+from mpsim.sim.tensor_group import TensorGroup
 from mpsim.sim.update import Updater
 
 __all__ = ["Job", "Layout", "simulate_job", "simulate_layout"]
@@ -87,8 +88,9 @@ def _stage_program(run: RunContext, s: int, costs: CostModel, sharding: Sharding
     first, last = s == 0, s == layout.n_stages - 1
     actions = layout.actions[s]
     segments = layout.recompute_checkpoints == "segment"
+    tensor_parallel = layout.parallelism.tensor > 1
     key = (layout.trace.content_hash, run.topo.content_hash, a, b, first, last, run.torch_pipelining, segments,
-           sharding, tuple((j, actions[j].model_dump_json()) for j in sorted(actions)))
+           sharding, tensor_parallel, tuple((j, actions[j].model_dump_json()) for j in sorted(actions)))
     program = _PROGRAMS.get(key)
     if program is not None:
         _PROGRAMS.move_to_end(key)
@@ -96,7 +98,8 @@ def _stage_program(run: RunContext, s: int, costs: CostModel, sharding: Sharding
     rows = layout.trace.layers[a:b]
     times = costs.layer_times
     program = _PROGRAMS[key] = build_program(rows, times.fwd_s[a:b], times.bwd_s[a:b], a, first, last, actions,
-                                             run.torch_pipelining, costs.attention_core_s[a:b], segments, sharding)
+                                             run.torch_pipelining, costs.attention_core_s[a:b], segments, sharding,
+                                             tensor_parallel)
     if len(_PROGRAMS) > PROGRAMS:
         _PROGRAMS.popitem(last=False)
     return program
@@ -135,7 +138,8 @@ def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostMod
     if layout.stash[s] == "host" and versions > 1:
         stash_in = SwapIn(STASH, static["params"], 0, "stash", "host", (), 1, 0.0)
     dp = DataParallel(run, s, sharding) if sharding is not None else None
-    stream = ComputeStream(run, s, program, swapper, updater, channels, stash_in, dp)
+    tp = TensorGroup(run, s, layout.tensor_group(s)) if layout.parallelism.tensor > 1 else None
+    stream = ComputeStream(run, s, program, swapper, updater, channels, stash_in, dp, tp)
     return _Stage(program, stream, updater)
 
 
@@ -167,7 +171,7 @@ def _allocate_static(run: RunContext, s: int, static: dict[str, int], sharding: 
 
 
 def _result(run: RunContext, stages: list[_Stage], iteration_s: float) -> SimResult:
-    layout, topo, trace, m = run.layout, run.topo, run.layout.trace, run.layout.microbatches
+    layout, topo, trace, m = run.layout, run.topo, run.layout.job.trace, run.layout.microbatches
     replicas = layout.parallelism.data
     analyses = [run.log.analyse(g, topo.capacity_bytes) for g in range(topo.n_gpus)]
     gpus = _replicated([_gpu_result(run, stages, g, analyses[g]) for g in range(topo.n_gpus)], layout)
@@ -194,10 +198,16 @@ def _result(run: RunContext, stages: list[_Stage], iteration_s: float) -> SimRes
 
 
 def _replicated(gpus: list[GpuResult], layout: Layout) -> list[GpuResult]:
-    """Every replica's GPUs as replica 0's (replicas are symmetric: ``data_parallel``)."""
+    """Every replica's GPUs as replica 0's, every GPU of a tensor-parallel group as the
+    group's first (replicas and tensor ranks are symmetric: ``data_parallel``,
+    ``tensor_group``)."""
     for replica in layout.replicas[1:]:
         for s, g in enumerate(replica):
             gpus[g] = replace(gpus[layout.gpu_of[s]], gpu=g)
+    for groups in layout.tp_groups:
+        for s, group in enumerate(groups):
+            for g in group[1:]:
+                gpus[g] = replace(gpus[layout.gpu_of[s]], gpu=g)
     return gpus
 
 

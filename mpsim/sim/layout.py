@@ -25,10 +25,12 @@ from mpsim.plan import (
     LayerAction,
     PlanFile,
     SwapTiming,
+    TensorParallelPlan,
     check_plan,
     host_optimizer_layers,
 )
-from mpsim.sim.placement import Replicas, place_replicas
+from mpsim.sim.placement import Groups, Replicas, place_groups
+from mpsim.tensor_parallel import shard_trace
 from mpsim.topology import Topology
 from mpsim.trace import Trace
 
@@ -71,11 +73,14 @@ def job_of_plan(topo: Topology, trace: Trace, plan: PlanFile, record_link_rates:
 
 def parallelism_of_plan(plan: PlanFile) -> Parallelism:
     """The parallel layout a plan file describes (schema 1: a pipeline of its stages)."""
-    dp = plan.data_parallel
+    dp, tp = plan.data_parallel, plan.tensor_parallel
+    tensor = 1 if tp is None else tp.degree
+    sp = tp is not None and tp.sequence_parallel
     if dp is None:
-        return pipeline(len(plan.stages))
+        return pipeline(len(plan.stages)).model_copy(update={"tensor": tensor, "sequence_parallel": sp})
     return Parallelism(data=dp.degree, zero_stage=dp.zero_stage, pipeline=len(plan.stages),
-                       bucket_mib=dp.bucket_mib, reshard_after_forward=dp.reshard_after_forward)
+                       bucket_mib=dp.bucket_mib, reshard_after_forward=dp.reshard_after_forward, tensor=tensor,
+                       sequence_parallel=sp)
 
 
 def data_parallel_plan(parallelism: Parallelism, replicas: Replicas, offload_params: bool = False,
@@ -87,6 +92,24 @@ def data_parallel_plan(parallelism: Parallelism, replicas: Replicas, offload_par
                             bucket_mib=parallelism.bucket_mib, reshard_after_forward=parallelism.reshard_after_forward,
                             replicas=[list(r) for r in replicas], offload_params=offload_params,
                             offload_device=offload_device)
+
+
+def tensor_parallel_plan(parallelism: Parallelism, groups: Groups) -> TensorParallelPlan | None:
+    """What a plan file records of a layout's tensor-parallel groups (None without)."""
+    if parallelism.tensor == 1:
+        return None
+    return TensorParallelPlan(degree=parallelism.tensor, sequence_parallel=parallelism.sequence_parallel,
+                              groups=[[list(g) for g in replica] for replica in groups])
+
+
+def stage_trace(job: JobSpec, runtime: Runtime) -> Trace | None:
+    """The trace one GPU of a stage runs: the job's, or with tensor parallelism its shard
+    (``mpsim.tensor_parallel``; the executor's DTensor layers keep the gathered input under
+    sequence parallelism, Megatron's the shard). None when it is the job's own."""
+    par = job.parallelism
+    if par.tensor == 1:
+        return None
+    return shard_trace(job.trace, par.tensor, par.sequence_parallel, saves_gathered=runtime == "torch-pipelining")
 
 
 @dataclass(frozen=True)
@@ -117,6 +140,16 @@ class Layout(OfJob):
     """ZeRO-Infinity: parameter shards live on ``offload_device`` (``DataParallelPlan``)."""
     offload_device: str = "host"
     """Where offloaded parameters and optimizer states live: ``host`` or ``nvme``."""
+    tp_groups: Groups = ()
+    """Per replica, per stage, its tensor-parallel group in ring order (``placement``);
+    empty without tensor parallelism."""
+    shard: Trace | None = None
+    """With tensor parallelism, one GPU's shard of the job's trace (``stage_trace``)."""
+
+    @property
+    def trace(self) -> Trace:
+        """What one GPU of a stage runs: the job's trace, or its tensor-parallel shard."""
+        return self.shard if self.shard is not None else self.job.trace
 
     @property
     def n_stages(self) -> int:
@@ -130,6 +163,10 @@ class Layout(OfJob):
         """Stage ``stage``'s data-parallel group: its GPU in every replica."""
         return tuple(r[stage] for r in self.replicas) if self.replicas else (self.gpu_of[stage],)
 
+    def tensor_group(self, stage: int) -> tuple[int, ...]:
+        """Stage ``stage``'s tensor-parallel group in replica 0, in ring order."""
+        return self.tp_groups[0][stage] if self.tp_groups else (self.gpu_of[stage],)
+
 
 def _keep_everything(job: Job) -> Layout:
     spec, topo = job.spec, job.spec.topology
@@ -137,23 +174,28 @@ def _keep_everything(job: Job) -> Layout:
     if data > 1 and job.gpu_of_stage is not None:
         raise MpsimError("a stage-to-GPU map places one replica; with data parallelism mpsim places the replicas")
     n_stages = len(job.stages) if job.stages and spec.parallelism.pipeline is None else spec.n_stages
+    shard = stage_trace(spec, job.runtime)
     if job.stages:
         stages = list(job.stages)
     else:
-        times = cost_model(spec.trace, topo.spec.gpu).layer_times
+        times = cost_model(shard or spec.trace, topo.spec.gpu).layer_times
         stages = compute_balanced(np.asarray(times.fwd_s + times.bwd_s), n_stages)
     validate_stages(stages, spec.trace.n_layers)
     if len(stages) != n_stages:
         raise MpsimError(f"the partition has {len(stages)} stages but {n_stages} were asked for")
     if spec.parallelism.pipeline != n_stages:
         spec = spec.but(parallelism=spec.parallelism.model_copy(update={"pipeline": n_stages}))
-    replicas = place_replicas(topo, data, n_stages)
+    tensor = spec.parallelism.tensor
+    if tensor > 1 and job.gpu_of_stage is not None:
+        raise MpsimError("a stage-to-GPU map places one GPU a stage; with tensor parallelism mpsim places the groups")
+    replicas, groups = place_groups(topo, data, tensor, n_stages)
     gpus = job.gpu_of_stage or replicas[0]
     if len(gpus) != n_stages or len(set(gpus)) != n_stages or any(not 0 <= g < topo.n_gpus for g in gpus):
         raise MpsimError(f"the stage-to-GPU map {list(gpus)} must name {n_stages} distinct GPUs of "
                          f"0..{topo.n_gpus - 1}")
     return Layout(spec, stages, tuple(gpus), tuple({} for _ in stages), ("gpu",) * n_stages, ("gpu",) * n_stages,
-                  ((),) * n_stages, spec.strategy, job.runtime, replicas=replicas if data > 1 else ())
+                  ((),) * n_stages, spec.strategy, job.runtime, replicas=replicas if data > 1 else (),
+                  tp_groups=groups if tensor > 1 else (), shard=shard)
 
 
 def layout_of_plan(plan: PlanFile, job: JobSpec, *, checked: bool = False, runtime: Runtime = "mpress") -> Layout:
@@ -172,15 +214,16 @@ def layout_of_plan(plan: PlanFile, job: JobSpec, *, checked: bool = False, runti
         if parallelism_of_plan(plan) != job.parallelism.model_copy(update={"pipeline": job.n_stages}):
             raise MpsimError(f"the plan's layout is {parallelism_of_plan(plan).describe(len(plan.stages))} but "
                              f"the job's is {job.layout_name}")
-    dp = plan.data_parallel
+    dp, tp = plan.data_parallel, plan.tensor_parallel
     replicas = tuple(tuple(r) for r in dp.replicas) if dp is not None and dp.degree > 1 else ()
+    groups = tuple(tuple(tuple(g) for g in r) for r in tp.groups) if tp is not None else ()
     return Layout(job, [st.layers for st in plan.stages], tuple(st.gpu for st in plan.stages),
                   tuple(plan.action_of(s) for s in range(len(plan.stages))),
                   tuple(st.optimizer for st in plan.stages), tuple(st.stash for st in plan.stages),
                   tuple(host_optimizer_layers(st) for st in plan.stages),
                   plan.strategy, runtime, plan.swap_timing,
                   plan.recompute_checkpoints, replicas, dp is not None and dp.offload_params,
-                  dp.offload_device if dp is not None else "host")
+                  dp.offload_device if dp is not None else "host", groups, stage_trace(job, runtime))
 
 
 def resolve(job: Job) -> Layout:

@@ -22,6 +22,9 @@ from mpsim.topology import Topology
 
 Replicas = tuple[tuple[int, ...], ...]
 """Per replica, the GPU of each stage; replica 0 is the pipeline the engine simulates."""
+Groups = tuple[tuple[tuple[int, ...], ...], ...]
+"""Per replica, per stage, the GPUs of its tensor-parallel group in ring order; the first
+is the stage's GPU in ``Replicas``, the one the engine simulates."""
 
 EXHAUSTIVE_GPUS: Final = 8
 """Servers up to this many GPUs get every grouping searched; larger ones take GPUs in order."""
@@ -50,6 +53,61 @@ def _place(topo: Topology, data: int, n_stages: int) -> Replicas:
             if best is None or score > best:
                 best, chosen = score, rings
     return _replicas(chosen)
+
+
+def place_groups(topo: Topology, data: int, tensor: int, n_stages: int) -> tuple[Replicas, Groups]:
+    """Replicas and tensor-parallel groups of ``data`` x ``tensor`` x ``n_stages`` GPUs in
+    Megatron-LM's order: the tensor-parallel groups first, on the fastest rings (the
+    smallest ring bandwidth over the groups, highest); then which group runs which stage
+    of which replica, by the data-parallel rings (every tensor rank's) and then the
+    pipeline hops. Every choice is searched on servers of up to ``EXHAUSTIVE_GPUS`` GPUs;
+    larger ones take blocks of consecutive GPUs (group b = stage b // data, replica
+    b % data)."""
+    if tensor == 1:
+        replicas = place_replicas(topo, data, n_stages)
+        return replicas, tuple(tuple((g,) for g in r) for r in replicas)
+    return _place_groups(topo, data, tensor, n_stages)
+
+
+@lru_cache(maxsize=256)
+def _place_groups(topo: Topology, data: int, tensor: int, n_stages: int) -> tuple[Replicas, Groups]:
+    n_groups = data * n_stages
+    if topo.n_gpus > EXHAUSTIVE_GPUS:
+        blocks = [best_ring(topo, range(b * tensor, (b + 1) * tensor)) for b in range(n_groups)]
+        return _arranged(blocks, [tuple(range(s * data, (s + 1) * data)) for s in range(n_stages)])
+    best: tuple[float, ...] | None = None
+    chosen: tuple[Replicas, Groups] | None = None
+    for gpus in itertools.combinations(range(topo.n_gpus), n_groups * tensor):
+        for parts in _partitions(gpus, tensor):
+            rings = [best_ring(topo, g) for g in parts]
+            tp_bw = min(ring_bottleneck(topo, r) for r in rings)
+            if best is not None and tp_bw < best[0]:
+                continue
+            for stage_sets in _groupings(tuple(range(n_groups)), data):
+                score = (tp_bw, *_data_and_pipeline_bandwidth(topo, rings, stage_sets))
+                if best is None or score > best:
+                    best, chosen = score, _arranged(rings, stage_sets)
+    assert chosen is not None
+    return chosen
+
+
+def _data_and_pipeline_bandwidth(topo: Topology, rings: list[tuple[int, ...]],
+                                 stage_sets: list[tuple[int, ...]]) -> tuple[float, float]:
+    """The slowest data-parallel ring over every stage and tensor rank (inf with one
+    replica), and the narrowest pipeline hop of the tensor ranks 0."""
+    dp_bw = float("inf")
+    if len(stage_sets[0]) > 1:
+        dp_bw = min(ring_bottleneck(topo, best_ring(topo, [rings[i][rank] for i in members]))
+                    for members in stage_sets for rank in range(len(rings[0])))
+    firsts = [tuple(rings[i][0] for i in members) for members in stage_sets]
+    return dp_bw, _pipeline_bandwidth(topo, firsts)
+
+
+def _arranged(rings: list[tuple[int, ...]], stage_sets: list[tuple[int, ...]]) -> tuple[Replicas, Groups]:
+    """Stage s of replica r runs group ``rings[stage_sets[s][r]]``."""
+    data = len(stage_sets[0])
+    groups = tuple(tuple(rings[members[r]] for members in stage_sets) for r in range(data))
+    return tuple(tuple(g[0] for g in replica) for replica in groups), groups
 
 
 def _groupings(gpus: Sequence[int], size: int) -> Iterator[list[tuple[int, ...]]]:

@@ -47,7 +47,7 @@ PipeDream adds p - i - 1 stashed weight versions on stage i.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -147,6 +147,11 @@ class Piece:
     grads_done: tuple[tuple[float, int], ...] = ()
     """With data parallelism, (offset from the piece's start, layer) of every layer whose
     backward ends in the piece: its gradients are ready to reduce."""
+    collectives: tuple[tuple[str, int], ...] = ()
+    """With tensor parallelism, the (op, bytes) the piece's layers run over the stage's
+    tensor-parallel group once its compute is done, on the critical path (the trace's
+    ``fwd_collectives``/``bwd_collectives``; a recomputed layer's forward ones again
+    before its backward's)."""
 
 
 @dataclass
@@ -263,10 +268,17 @@ class _Stage:
     """Consecutive recomputed layers share one checkpoint (``build_program``)."""
     sharding: Sharding | None = None
     """Data parallelism (``Sharding``); None: one GPU, no gradient hand-off."""
+    tensor_parallel: bool = False
+    """The rows are a tensor-parallel shard's: every layer is a piece of its own, followed
+    by its collectives."""
 
     @property
     def per_layer(self) -> bool:
         return self.sharding is not None and self.sharding.per_layer
+
+    @property
+    def cut_every_layer(self) -> bool:
+        return self.per_layer or self.tensor_parallel
 
     @property
     def last(self) -> int:
@@ -293,7 +305,7 @@ class _Stage:
 def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, first: int, is_first_stage: bool,
                   is_last_stage: bool, actions: dict[int, LayerAction], keep_received: bool = False,
                   core_s: np.ndarray | None = None, segments: bool = False,
-                  sharding: Sharding | None = None) -> StageProgram:
+                  sharding: Sharding | None = None, tensor_parallel: bool = False) -> StageProgram:
     """``rows`` are the stage's layers, ``first`` the index of rows[0] in the model,
     ``actions`` keyed by model layer index (missing: keep). With ``keep_received`` the
     received activation (input of the first layer) and gradient (of the last layer's
@@ -301,12 +313,16 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
     ``core_s``: per layer, the attention core's forward seconds (``CostModel.attention_core_s``;
     needed only by selective recompute, else zeros). ``segments``: consecutive recomputed
     layers share the first one's checkpoint and re-run together (module doc). ``sharding``:
-    the data-parallel group's (None: one GPU), see ``Sharding`` and the module doc."""
+    the data-parallel group's (None: one GPU), see ``Sharding`` and the module doc.
+    ``tensor_parallel``: the rows are a tensor-parallel shard's (``Piece.collectives``)."""
     st = _Stage(rows, first, is_first_stage, is_last_stage, actions, keep_received and not is_first_stage,
-                keep_received and not is_last_stage, segments, sharding)
+                keep_received and not is_last_stage, segments, sharding, tensor_parallel)
     forward, forward_s, split_forward_s = _forward(st, fwd_s)
     redo_s = {"recompute": fwd_s, "selective": np.zeros(len(rows)) if core_s is None else core_s}
-    backward, swap_ins, backward_s, remat_s, split_backward_s = _backward(st, redo_s, bwd_s)
+    backward, swap_ins, backward_s, remat_s, split_backward_s, ends = _backward(st, redo_s, bwd_s)
+    if tensor_parallel:
+        forward = _with_collectives(forward, _forward_collectives(st, fwd_s))
+        backward = _with_collectives(backward, _backward_collectives(st, ends))
     return StageProgram(forward, backward, swap_ins, forward_s, backward_s, remat_s["recompute"],
                         remat_s["selective"], split_forward_s, split_backward_s, dict(actions))
 
@@ -321,8 +337,8 @@ def _forward(st: _Stage, fwd_s: np.ndarray) -> tuple[list[Piece], float, float]:
     t = split_s = 0.0
     for k in range(len(st.rows)):
         lay = st.layer(k)
-        if st.per_layer and k:  # ZeRO-3: a layer's forward starts once its parameters are gathered
-            cuts.append((len(ev), t, None, lay.j))
+        if st.cut_every_layer and k:  # ZeRO-3: a layer's forward starts once its parameters are gathered
+            cuts.append((len(ev), t, None, lay.j if st.per_layer else None))
         dur = float(fwd_s[k]) * lay.slowdown
         split_s += dur - float(fwd_s[k])
         _forward_layer(st, lay, t, dur, ev, cuts)
@@ -387,11 +403,12 @@ def _forward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event
 
 
 # ---- backward --------------------------------------------------------------------------
-def _backward(st: _Stage, redo_s: dict[str, np.ndarray],
-              bwd_s: np.ndarray) -> tuple[list[Piece], list[SwapIn], float, dict[str, float], float]:
+def _backward(st: _Stage, redo_s: dict[str, np.ndarray], bwd_s: np.ndarray
+              ) -> tuple[list[Piece], list[SwapIn], float, dict[str, float], float, list[tuple[float, int]]]:
     """The backward's pieces (cut before every layer whose swap-in it waits for, and under
     ZeRO-3 before every layer), its swap-ins, length, re-run time per action in
-    ``redo_s`` (the seconds each re-runs per layer) and extra time of split micro-ops."""
+    ``redo_s`` (the seconds each re-runs per layer), extra time of split micro-ops, and
+    (end time, layer) of each layer's backward in order."""
     ev: list[Event] = []
     cuts: list[tuple[int, float, int | None, int | None]] = []
     grads_done: list[tuple[float, int]] = []
@@ -401,7 +418,7 @@ def _backward(st: _Stage, redo_s: dict[str, np.ndarray],
     for k in range(st.last, -1, -1):
         lay = st.layer(k)
         swapped = lay.act.action in ("host", "peer")
-        if swapped or st.per_layer:
+        if swapped or st.cut_every_layer:
             cuts.append((len(ev), t, lay.j if swapped else None, lay.j if st.per_layer else None))
         if swapped:
             swap_ins.append(SwapIn(lay.j, lay.own, lay.row.input_bytes if lay.row.saves_input else 0, lay.input_cat,
@@ -414,7 +431,7 @@ def _backward(st: _Stage, redo_s: dict[str, np.ndarray],
         _backward_layer(st, lay, t, dur, ev)
         t += dur
         grads_done.append((t, lay.j))
-    return _backward_pieces(st, ev, cuts, grads_done, t), swap_ins, t, remat_s, split_s
+    return _backward_pieces(st, ev, cuts, grads_done, t), swap_ins, t, remat_s, split_s, grads_done
 
 
 def _remat_before(st: _Stage, lay: _Layer, k: int, redo_s: dict[str, np.ndarray], t: float, ev: list[Event],
@@ -473,6 +490,41 @@ def _backward_pieces(st: _Stage, ev: list[Event], cuts: list[tuple[int, float, i
         pieces.append(Piece(_template(ev[i0:i1], start), end - start, wait_for=wait_for, layer=layer,
                             grads_done=tuple(done)))
     return pieces
+
+
+def _forward_collectives(st: _Stage, fwd_s: np.ndarray) -> list[tuple[float, list[tuple[str, int]]]]:
+    """(end time in the forward, collectives) of each layer."""
+    out: list[tuple[float, list[tuple[str, int]]]] = []
+    t = 0.0
+    for k in range(len(st.rows)):
+        lay = st.layer(k)
+        t += float(fwd_s[k]) * lay.slowdown
+        out.append((t, [(c.op, c.n_bytes) for c in lay.row.fwd_collectives]))
+    return out
+
+
+def _backward_collectives(st: _Stage, ends: list[tuple[float, int]]) -> list[tuple[float, list[tuple[str, int]]]]:
+    """(end time in the backward, collectives) of each layer, last layer first: a fully
+    recomputed layer's forward ones (its re-run), then its backward's."""
+    out: list[tuple[float, list[tuple[str, int]]]] = []
+    for t, j in ends:
+        lay = st.layer(j - st.first)
+        redo = lay.row.fwd_collectives if lay.act.action == "recompute" else []
+        out.append((t, [(c.op, c.n_bytes) for c in (*redo, *lay.row.bwd_collectives)]))
+    return out
+
+
+def _with_collectives(pieces: list[Piece], ends: list[tuple[float, list[tuple[str, int]]]]) -> list[Piece]:
+    """Each layer's collectives on the piece its compute ends in (the first piece that
+    ends at or after it: pieces are cut at every layer)."""
+    per_piece: list[list[tuple[str, int]]] = [[] for _ in pieces]
+    i, end = 0, pieces[0].duration_s
+    for t, collectives in ends:
+        while end < t * (1 - 1e-12) and i < len(pieces) - 1:
+            i += 1
+            end += pieces[i].duration_s
+        per_piece[i] += collectives
+    return [replace(p, collectives=tuple(c)) if c else p for p, c in zip(pieces, per_piece)]
 
 
 def _recompute_layer(lay: _Layer, t: float, dur: float, ev: list[Event]) -> None:

@@ -8,12 +8,13 @@ from typing import NamedTuple
 import numpy as np
 
 COSTS: tuple[str, ...] = ("recompute_s", "selective_s", "swap_wait_s", "peer_wait_s", "memory_wait_s", "split_s",
-                          "optimizer_s", "dp_wait_s")
+                          "optimizer_s", "dp_wait_s", "tp_comm_s")
 """Time a plan's techniques cost a GPU per iteration: recompute and selective (attention
 core) recompute on the compute stream,
 backward waits on host and on D2D swap-ins, waits for room while swap-outs land, extra
 time of split micro-ops, optimizer update time beyond the GPU's own, and waits for
-data-parallel collectives (ZeRO-3 gathers, reductions before the update, the gather after it)."""
+data-parallel collectives (ZeRO-3 gathers, reductions before the update, the gather after it),
+and the tensor-parallel collectives each layer runs on the critical path."""
 
 
 class Span(NamedTuple):

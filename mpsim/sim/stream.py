@@ -14,6 +14,7 @@ from mpsim.sim.program import Piece, StageProgram, SwapIn
 from mpsim.sim.result import Span
 from mpsim.sim.spawn import spawn
 from mpsim.sim.swapper import STASH, Swapper
+from mpsim.sim.tensor_group import TensorGroup
 from mpsim.sim.update import Updater
 
 
@@ -30,10 +31,13 @@ class ComputeStream:
     is sent back; the update runs where the schedule puts it. With data parallelism
     (``dp``) a ZeRO-3 piece first waits for its layer's gathered parameters, a backward
     hands each layer's gradients to the reduction as they are ready, and the update waits
-    for the reductions (``data_parallel``)."""
+    for the reductions (``data_parallel``). With tensor parallelism (``tp``) each piece's
+    collectives run over the group once its compute is done, and the stream waits for
+    them (``tensor_group``)."""
 
     def __init__(self, run: RunContext, stage: int, program: StageProgram, swapper: Swapper, updater: Updater,
-                 channels: PeerChannels, stash_in: SwapIn | None, dp: DataParallel | None = None) -> None:
+                 channels: PeerChannels, stash_in: SwapIn | None, dp: DataParallel | None = None,
+                 tp: TensorGroup | None = None) -> None:
         layout = run.layout
         self.run = run
         self.stage = stage
@@ -52,6 +56,8 @@ class ComputeStream:
         self.input_grad_bytes = layout.trace.layers[a].input_bytes
         self.tasks = stage_tasks(layout.schedule, stage, layout.n_stages, layout.microbatches)
         self.dp = dp
+        self.tp = tp
+        """The stage's tensor-parallel group: a piece's collectives run on it after its compute."""
         self.last_backward = max(i for i, t in enumerate(self.tasks) if t.kind == "B")
         self._estimate_s = {"F": program.forward_s, "B": program.backward_s, "U": updater.gpu_update_s}
 
@@ -140,6 +146,8 @@ class ComputeStream:
             self.memory.set_climb(climb_running)
             if piece.duration_s:
                 yield env.timeout(piece.duration_s)
+            if piece.collectives and self.tp is not None:
+                yield from self.tp.communicate(piece.collectives, f"{word} of microbatch {mb}")
             self.memory.finish_task(piece.template)
             self.memory.set_climb(climb_after)
             if piece.swap_out is not None:

@@ -1,0 +1,189 @@
+"""Tensor and sequence parallelism: the traced shard against Korthikanti et al. 2022's
+Table 2 and exact parameter counts, the collectives it records, the vocabulary-parallel
+loss against PyTorch's, the engine's timeline on a hand-built shard, and placement."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import layer, tiny_topology, tiny_trace, topology_dict
+from torch.nn import functional as F
+
+from mpsim import tp_ops
+from mpsim.catalog import load_topology
+from mpsim.errors import MpsimError
+from mpsim.job import JobSpec, Parallelism, job_of
+from mpsim.sim import layout as layout_mod
+from mpsim.sim import simulate_job
+from mpsim.sim.collectives import ring_bottleneck
+from mpsim.sim.layout import Job
+from mpsim.sim.placement import place_groups
+from mpsim.topology import parse_topology
+from mpsim.tp_ops import TensorShard
+from mpsim.tracer import trace_model
+from mpsim.workloads import ModelConfig
+
+MS = 1e-3
+GPT = ModelConfig("gpt", 2, 3072, 24, 1024, 1000)
+"""A GPT shape whose heads split 8 ways; eager attention, dropout 0.1 (Korthikanti's setting)."""
+S, B, H, A = 1024, 2, 3072, 24
+
+
+def _layer(cfg: ModelConfig, t: int, sp: bool = False, recipe: str = "mixed-fp16"):
+    return trace_model(cfg, B, recipe, shard=TensorShard(t, sp)).layers
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+@pytest.mark.parametrize("sp", [False, True])
+def test_activations_per_layer_follow_korthikanti_table_2(t, sp):
+    """Table 2: sbh(10 + 24/t + 5as/(ht)) without sequence parallelism, sbh/t (34 + 5as/h)
+    with it; selective recompute drops the 5as/h term (what the attention core keeps)."""
+    if t == 1 and sp:
+        pytest.skip("sequence parallelism needs t > 1")
+    row = _layer(GPT, t, sp)[1]
+    sbh = S * B * H
+    full = sbh / t * (34 + 5 * A * S / H) if sp else sbh * (10 + 24 / t + 5 * A * S / (H * t))
+    selective = sbh / t * 34 if sp else sbh * (10 + 24 / t)
+    assert row.act_bytes == pytest.approx(full, rel=0.02)
+    assert row.act_bytes - row.attention_core_bytes == pytest.approx(selective, rel=0.02)
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_flash_attention_shards_keep_the_flash_saved_tensors(t):
+    """Flash keeps q, k, v, its output (which is the output projection's input: one
+    tensor) and an fp32 log-sum-exp (4sba/t bytes) instead of the s x s tensors and the
+    attention's dropout mask (regenerated from the seed): sbh(10 + 24/t) + 4sba/t."""
+    row = _layer(dataclasses.replace(GPT, attention="flash"), t)[1]
+    assert row.act_bytes == pytest.approx(S * B * H * (10 + 24 / t) + 4 * S * B * A / t, rel=0.005)
+    assert row.attention_core_bytes == (2 * S * B * H + 4 * S * B * A) // t  # the output and log-sum-exp
+
+
+@pytest.mark.parametrize("cfg", [GPT, ModelConfig("bert", 2, 1024, 16, 512, 1000),
+                                 ModelConfig("llama", 2, 1024, 16, 512, 1000, ffn_hidden=2816, kv_heads=4,
+                                             dropout=0.0, attention="flash")], ids=["gpt", "bert", "llama-gqa"])
+@pytest.mark.parametrize("t", [2, 4])
+def test_shards_add_up_to_the_layer_exactly(cfg, t):
+    """t shards of a layer hold its parameters with the replicated ones (norms, the
+    row-parallel biases) counted t times; the vocabulary's rows are split t ways."""
+    shard, whole = _layer(cfg, t), _layer(cfg, 1)
+    h = cfg.hidden
+    replicated = {"gpt": 4 * h + 2 * h, "bert": 4 * h + 2 * h, "llama": 2 * h}[cfg.family]
+    assert t * shard[1].params - (t - 1) * replicated == whole[1].params
+    rows = -(-cfg.vocab // t)
+    assert whole[0].params - shard[0].params == (cfg.vocab - rows) * h
+    assert whole[-1].params - shard[-1].params == (cfg.vocab - rows) * h * (1 + (cfg.family == "bert") / h)
+
+
+def test_a_layer_records_megatrons_collectives():
+    """Without SP: one all-reduce of the sbh activation after the attention and one after
+    the MLP, each way. With SP: all-gather and reduce-scatter in their place, and in the
+    backward the column-parallel layers gather their saved shard again."""
+    act = S * B * H * 2
+    plain, seq = _layer(GPT, 2)[1], _layer(GPT, 2, sp=True)[1]
+    assert [(c.op, c.n_bytes) for c in plain.fwd_collectives] == [("all-reduce", act)] * 2
+    assert [(c.op, c.n_bytes) for c in plain.bwd_collectives] == [("all-reduce", act)] * 2
+    assert [c.op for c in seq.fwd_collectives] == ["all-gather", "reduce-scatter"] * 2
+    assert [c.op for c in seq.bwd_collectives] == ["all-gather", "all-gather", "reduce-scatter"] * 2
+    assert {c.n_bytes for c in seq.fwd_collectives + seq.bwd_collectives} == {act}
+
+
+def test_vocabulary_parallel_cross_entropy_is_cross_entropy_on_one_rank():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 5))
+    with tp_ops.recording(tp_ops.CommProbe()) as probe:
+        ours = tp_ops.vocab_parallel_cross_entropy(logits, labels, TensorShard(2))
+        (g_ours,) = torch.autograd.grad(ours, logits)
+    ref = F.cross_entropy(logits.view(-1, 11), labels.view(-1))
+    (g_ref,) = torch.autograd.grad(ref, logits)
+    assert torch.allclose(ours, ref) and torch.allclose(g_ours, g_ref, atol=1e-6)
+    assert [op for op, _ in probe.forward] == ["all-reduce"] * 3 and probe.backward == []
+
+
+def test_a_shard_module_outside_the_tracer_says_so():
+    with pytest.raises(RuntimeError, match="under the tracer only"):
+        tp_ops.row_parallel_output(torch.ones(1, 2, 4), TensorShard(2))
+
+
+def _hand_shard():
+    """Two layers of 1 ms forward and 2 ms backward, each with two all-reduces of 500 kB
+    forward and backward (a ring of 2 at 1 GB/s: 500 kB per hop, 0.5 ms each)."""
+    ar = [{"op": "all-reduce", "n_bytes": 500_000}] * 2
+    rows = [dict(layer(f"l{i}", 1.0, 2.0, out=4, inp=4 if i else 0), fwd_collectives=ar, bwd_collectives=ar)
+            for i in range(2)]
+    return tiny_trace(rows)
+
+
+def test_each_layer_waits_for_its_collectives(monkeypatch):
+    """F: l0 [0, 1], its all-reduces [1, 2]; l1 [2, 3], [3, 4]. B: l1 [4, 6], [6, 7]; l0
+    [7, 9], [9, 10]. Both GPUs of the group are reported alike."""
+    topo, shard = tiny_topology(n_gpus=2, nvlink_gbps=1.0), _hand_shard()
+    monkeypatch.setattr(layout_mod, "stage_trace", lambda job, runtime: shard)
+    monkeypatch.setattr("mpsim.job.check_shardable", lambda *a: None)
+    r = simulate_job(Job(JobSpec(topo, shard, "gpipe", 1, Parallelism(tensor=2))))
+    nccl = sorted((round(s.start_s / MS, 9), round(s.end_s / MS, 9)) for s in r.spans if s.lane == "nccl")
+    assert nccl == [(1.0, 2.0), (3.0, 4.0), (6.0, 7.0), (9.0, 10.0)]
+    compute = sorted((s.name, round(s.start_s / MS, 9), round(s.end_s / MS, 9)) for s in r.spans
+                     if s.lane == "compute" and s.name != "U0")
+    assert compute == [("B0", 4.0, 10.0), ("F0", 0.0, 4.0)]
+    assert r.gpus[0].costs_s["tp_comm_s"] == pytest.approx(4 * MS)
+    assert dataclasses.replace(r.gpus[1], gpu=0) == r.gpus[0]
+
+
+def test_a_recomputed_layer_runs_its_forward_collectives_again(monkeypatch):
+    """l1 recomputed: its backward piece re-runs the forward (1 ms) and then its forward's
+    and backward's all-reduces together (2 ms): B = l1 [4, 7], [7, 9]; l0 [9, 11], [11, 12]."""
+    from mpsim.plan import LayerAction
+
+    topo, shard = tiny_topology(n_gpus=2, nvlink_gbps=1.0), _hand_shard()
+    monkeypatch.setattr(layout_mod, "stage_trace", lambda job, runtime: shard)
+    monkeypatch.setattr("mpsim.job.check_shardable", lambda *a: None)
+    spec = JobSpec(topo, shard, "gpipe", 1, Parallelism(tensor=2))
+    base = layout_mod.resolve(Job(spec))
+    recompute = dataclasses.replace(base, actions=({1: LayerAction(layer=1, action="recompute")},))
+    from mpsim.sim import simulate_layout
+
+    r = simulate_layout(recompute)
+    nccl = sorted((round(s.start_s / MS, 9), round(s.end_s / MS, 9)) for s in r.spans if s.lane == "nccl")
+    assert nccl == [(1.0, 2.0), (3.0, 4.0), (7.0, 9.0), (11.0, 12.0)]
+
+
+def test_tensor_groups_go_on_the_fastest_links():
+    """A chain of NVLink pairs 0-1, 1-2, 2-3 (the rest over PCIe): groups of 2 take the
+    pairs 0-1 and 2-3, never 1-2 (which would leave 0 and 3 on PCIe)."""
+    topo = parse_topology(topology_dict(n_gpus=4, nvlink_gbps=10.0, pcie_gbps=1.0), "chain.yaml")
+    _, groups = place_groups(topo, 2, 2, 1)
+    assert sorted(tuple(sorted(g)) for r in groups for g in r) == [(0, 1), (2, 3)]
+
+
+def test_on_the_dgx1_groups_of_four_are_its_fully_connected_quads():
+    topo = load_topology("dgx1-v100")
+    _, groups = place_groups(topo, 1, 4, 2)
+    assert sorted(tuple(sorted(g)) for g in groups[0]) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    _, pairs = place_groups(topo, 2, 2, 2)
+    bandwidth = min(ring_bottleneck(topo, g) for r in pairs for g in r)
+    assert bandwidth == max(ring_bottleneck(topo, (a, b)) for a in range(8) for b in range(8) if a != b)
+
+
+@pytest.mark.parametrize("model, t, what", [("mistral-7b", 16, "8 KV heads"), ("gpt-5.3b", 4, "30 attention heads")])
+def test_a_model_that_does_not_split_is_refused_in_one_line(model, t, what):
+    with pytest.raises(MpsimError) as exc:
+        job_of("dgx2-v100", model, parallelism=Parallelism(tensor=t))
+    assert what in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_tensor_parallelism_shrinks_each_gpus_states_and_activations():
+    """Llama-3-8B on 8 A100s, one stage: TP x8 holds 1/8 of the layers' states per GPU
+    (plus the replicated norms); SP cuts the activations further."""
+    runs = {sp: simulate_job(Job(job_of("dgx-a100-80gb", "llama-3-8b", microbatches=8,
+                                        parallelism=Parallelism(tensor=8, sequence_parallel=sp))))
+            for sp in (False, True)}
+    whole = job_of("dgx-a100-80gb", "llama-3-8b").trace
+    states = sum(r.param_bytes + r.grad_bytes + r.optimizer_bytes for r in whole.layers)
+    for r in runs.values():
+        held = sum(r.gpus[0].breakdown[k] for k in ("params", "grads", "optimizer"))
+        assert states / 8 < held < states / 8 * 1.01
+        assert {g.peak_bytes for g in r.gpus} == {r.gpus[0].peak_bytes}
+    assert runs[True].gpus[0].breakdown["activations"] < runs[False].gpus[0].breakdown["activations"]
