@@ -13,13 +13,21 @@ The executor runs on ``torch.distributed.pipelining``, whose ``PipelineStage`` k
 activation and one gradient receive buffer per microbatch, so the job is simulated with
 ``runtime="torch-pipelining"``.
 
+Tensor-parallel plans (schema 3) run with DTensor (``validate/tensor_parallel.py``), one
+process per GPU of every stage's group: ``rank = (replica * stages + stage) * t + i``
+(tensor innermost), rank (r, s, i) on GPU ``tensor_parallel.groups[r][s][i]``
+(``rank_grid``). Each rank is compared with the simulator's prediction for its own GPU
+(``SimResult.gpus[g]``: the simulator predicts every GPU of a group as the group's first).
+
 What the executor does not run is refused before anything starts: PipeDream's asynchronous
 schedule and host-streamed optimizer (no counterpart in torch's pipelining), splits other
 than along the batch, peer swaps without GPUs, precision other than fp32 on CPU, a host
 optimizer with ZeRO 1, and ZeRO 3's offload other than ZeRO-Infinity's to host memory: a
 host optimizer with ZeRO 2 runs as ZeRO-Offload, with ZeRO 3 as ZeRO-Infinity (parameter
 shards offloaded too, FSDP2's ``CPUOffloadPolicy``), never one without the other, and
-never to NVMe.
+never to NVMe. With tensor parallelism: BERT, a degree that does not divide the heads, KV
+heads, MLP, vocabulary (and, sequence-parallel, the sequence), data parallelism other than
+FSDP2 (ZeRO 3), an optimizer off the device, and swaps.
 """
 
 from __future__ import annotations
@@ -109,6 +117,36 @@ def check_runnable(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSe
     for s, st in enumerate(plan.stages):
         _check_stage_runnable(plan, s, st, dev, source)
     _check_offload_runnable(plan, source)
+    _check_tensor_runnable(plan, trace, source)
+
+
+def _check_tensor_runnable(plan: PlanFile, trace: Trace, source: str) -> None:
+    """Refuse a tensor-parallel plan the executor's DTensor shards cannot run (module doc)."""
+    tp = plan.tensor_parallel
+    if tp is None:
+        return
+    cfg = model_config(trace)
+    t = tp.degree
+    if cfg.family == "bert":
+        raise MpsimError(f"{source}: tensor_parallel with BERT: the executor shards GPT and Llama only")
+    sizes = {"heads": cfg.heads, "kv_heads": cfg.kv, "ffn_hidden": cfg.ffn, "vocab": cfg.vocab}
+    if tp.sequence_parallel:
+        sizes["seq_len"] = cfg.seq_len
+    uneven = [f"{k} {n}" for k, n in sizes.items() if n % t]
+    if uneven:
+        raise MpsimError(f"{source}: tensor_parallel.degree {t} does not divide {trace.name}'s {', '.join(uneven)}")
+    dp = plan.data_parallel
+    if dp is not None and dp.zero_stage < 3:
+        raise MpsimError(f"{source}: tensor_parallel with ZeRO stage {dp.zero_stage}: the executor runs data "
+                         "parallelism over DTensor shards with FSDP2 only (ZeRO stage 3)")
+    for s, st in enumerate(plan.stages):
+        if st.optimizer != "gpu":
+            raise MpsimError(f"{source}: stages.{s}.optimizer '{st.optimizer}' with tensor_parallel: the executor "
+                             "keeps a tensor-parallel stage's optimizer on the device (use gpu)")
+        swapped = [a.layer for a in st.actions if a.action in ("host", "peer")]
+        if swapped:
+            raise MpsimError(f"{source}: layer {swapped[0]} swaps with tensor_parallel: the executor swaps whole "
+                             "tensors, not DTensor shards (use keep, recompute or selective)")
 
 
 def _check_offload_runnable(plan: PlanFile, source: str) -> None:
@@ -166,13 +204,13 @@ def model_config(trace: Trace) -> ModelConfig:
 
 def run_executor(plan: PlanFile, cfg: ModelConfig, settings: RunSettings, capacity_bytes: int | None,
                  workdir: Path) -> list[dict | None]:
-    """Run the plan with torchrun, one process per stage of each replica; the per-rank
-    result dicts in rank order (``rank = replica * stages + stage``; None for a rank that
-    stopped because another failed)."""
+    """Run the plan with torchrun, one process per GPU of each stage's tensor-parallel group
+    (one per stage without) of each replica; the per-rank result dicts in rank order
+    (``rank_grid``; None for a rank that stopped because another failed)."""
     job = {"plan": json.loads(plan.to_json()), "model": dataclasses.asdict(cfg), "device": settings.device,
            "threads": settings.threads, "seed": settings.seed, "warmup": settings.warmup, "steps": settings.steps,
            "capacity_bytes": capacity_bytes, "digests": settings.digests}
-    world = plan.replicas * len(plan.stages)
+    world = len(rank_places(plan))
     workdir = workdir.resolve()
     job_path = workdir / "job.json"
     job_path.write_text(json.dumps(job, indent=1))
@@ -233,18 +271,40 @@ def _error_pct(predicted: float, measured: float) -> float:
     return 100.0 * (predicted - measured) / measured if measured else float("nan")
 
 
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one executor rank runs: its replica, stage, rank in the stage's tensor-parallel
+    group (0 without one) and GPU."""
+
+    replica: int
+    stage: int
+    tp_rank: int
+    gpu: int
+
+
+def rank_grid(plan: PlanFile) -> list[RankPlace]:
+    """Every executor rank's place, in rank order: ``rank = (replica * stages + stage) * t + i``
+    (tensor innermost, Megatron-LM's order; ``t`` = 1 without tensor parallelism), rank
+    (r, s, i) on GPU ``tensor_parallel.groups[r][s][i]`` (``replicas[r][s]`` without)."""
+    tp = plan.tensor_parallel
+    groups = tp.groups if tp is not None else [[[g] for g in row] for row in plan.replica_gpus()]
+    return [RankPlace(r, s, i, g) for r, row in enumerate(groups) for s, group in enumerate(row)
+            for i, g in enumerate(group)]
+
+
 def rank_places(plan: PlanFile) -> list[tuple[int, int, int]]:
-    """(replica, stage, GPU) of every executor rank, in rank order (``replica * stages + stage``)."""
-    return [(r, s, g) for r, row in enumerate(plan.replica_gpus()) for s, g in enumerate(row)]
+    """(replica, stage, GPU) of every executor rank, in rank order (``rank_grid``)."""
+    return [(p.replica, p.stage, p.gpu) for p in rank_grid(plan)]
 
 
-def _gpu_row(plan: PlanFile, predicted: SimResult, place: tuple[int, int, int], m: dict | None) -> dict:
+def _gpu_row(plan: PlanFile, predicted: SimResult, place: RankPlace, m: dict | None) -> dict:
     """One GPU's row: the simulator's ``SimResult.gpus[gpu]`` against the rank that ran there."""
-    replica, s, gpu = place
+    s, gpu = place.stage, place.gpu
     g = predicted.gpus[gpu]
     pred_bd = {k: g.breakdown.get(k, 0) for k in MODEL_STATES}
     pred_bd["activations"] = g.peak_bytes - sum(pred_bd.values())
-    row: dict = {"replica": replica, "stage": s, "gpu": gpu, "layers": list(plan.stages[s].layers),
+    row: dict = {"replica": place.replica, "stage": s, "tp_rank": place.tp_rank, "gpu": gpu,
+                 "layers": list(plan.stages[s].layers),
                  "predicted_peak_bytes": g.peak_bytes, "predicted_breakdown": pred_bd, "predicted_fits": g.fits}
     if m is not None and not m.get("oom"):
         bd = {k: m["breakdown"].get(k, 0) for k in (*MODEL_STATES, "activations")}
@@ -258,15 +318,18 @@ def _gpu_row(plan: PlanFile, predicted: SimResult, place: tuple[int, int, int], 
 
 
 def compare(plan: PlanFile, predicted: SimResult, measured: list[dict | None]) -> dict:
-    """The validation report: per GPU the plan runs on (each stage of each replica, in rank
-    order) predicted and measured peak and breakdown, and the iteration time (the slowest
-    rank's), with errors in percent. ``measured`` is ``run_executor``'s list."""
+    """The validation report: per GPU the plan runs on (each GPU of each stage's group in
+    each replica, in rank order) predicted and measured peak and breakdown, and the
+    iteration time (the slowest rank's), with errors in percent. ``measured`` is
+    ``run_executor``'s list."""
     oom = next((r["oom"] for r in measured if r is not None and r.get("oom")), None)
-    rows = [_gpu_row(plan, predicted, place, m) for place, m in zip(rank_places(plan), measured)]
+    rows = [_gpu_row(plan, predicted, place, m) for place, m in zip(rank_grid(plan), measured)]
     report: dict = {
         "model": plan.model, "server": predicted.server, "schedule": plan.schedule, "strategy": plan.strategy,
         "microbatch": plan.microbatch, "microbatches": plan.microbatches, "replicas": plan.replicas,
         "zero_stage": None if plan.data_parallel is None else plan.data_parallel.zero_stage,
+        "tensor": plan.tensor,
+        "sequence_parallel": plan.tensor_parallel is not None and plan.tensor_parallel.sequence_parallel,
         "predicted_fits": predicted.fits, "predicted_oom": predicted.oom, "oom": oom, "stages": rows,
         "predicted_iteration_s": predicted.iteration_s,
     }

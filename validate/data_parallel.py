@@ -1,9 +1,14 @@
 """Data-parallel replicas of a plan's pipeline in the executor (plan schema 2, ``data_parallel``).
 
-Rank layout: ``rank = replica * n_stages + stage``, so the world is a (replicas, stages)
-grid, a 2-D ``DeviceMesh`` with dimensions ``dp`` and ``pp``: the ranks of one row are a
-replica's pipeline (its process group carries the stage-to-stage sends), the ranks of
-one column a stage's data-parallel group. Rank (r, s) runs on GPU ``replicas[r][s]``.
+Rank layout: ``rank = (replica * n_stages + stage) * t + i`` with ``t`` the tensor-parallel
+degree (1 without ``tensor_parallel``) and ``i`` the rank in the stage's tensor-parallel
+group: tensor innermost, then pipeline, then data, Megatron-LM's order. The world is a
+(replicas, stages[, t]) grid, a ``DeviceMesh`` with dimensions ``dp``, ``pp`` (and ``tp``):
+the ranks along ``pp`` are a replica's pipeline (for each tensor-parallel rank ``i``: its
+process group carries the stage-to-stage sends between the ``i``-th ranks of the stages),
+along ``dp`` a stage's data-parallel group, along ``tp`` a tensor-parallel group
+(``tensor_parallel.py``). Rank (r, s) runs on GPU ``replicas[r][s]``, rank (r, s, i) on
+``tensor_parallel.groups[r][s][i]``.
 
 How each ZeRO stage is run (what the simulator models for it):
 
@@ -53,53 +58,69 @@ from mpsim.plan import DataParallelPlan, PlanFile
 
 @dataclass(frozen=True)
 class RankLayout:
-    """Where this process sits in the (replicas, stages) grid."""
+    """Where this process sits in the (replicas, stages, tensor) grid (module doc)."""
 
     rank: int
     replicas: int
     n_stages: int
+    tensor: int = 1
 
     @property
     def replica(self) -> int:
-        return self.rank // self.n_stages
+        return self.rank // (self.n_stages * self.tensor)
 
     @property
     def stage(self) -> int:
-        return self.rank % self.n_stages
+        return self.rank // self.tensor % self.n_stages
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in its stage's tensor-parallel group (0 without one)."""
+        return self.rank % self.tensor
 
     @property
     def world(self) -> int:
-        return self.replicas * self.n_stages
+        return self.replicas * self.n_stages * self.tensor
 
     def gpu(self, plan: PlanFile) -> int:
-        """The GPU this rank runs on: its stage's in replica 0, ``replicas[r][s]`` in others."""
+        """The GPU this rank runs on: its stage's in replica 0, ``replicas[r][s]`` in others,
+        ``groups[r][s][i]`` with tensor parallelism."""
+        if plan.tensor_parallel is not None:
+            return plan.tensor_parallel.groups[self.replica][self.stage][self.tp_rank]
         return plan.replica_gpus()[self.replica][self.stage]
 
 
 def rank_layout(plan: PlanFile, rank: int, world: int) -> RankLayout:
-    """This rank's place; the world must be replicas x stages."""
-    layout = RankLayout(rank, plan.replicas, len(plan.stages))
+    """This rank's place; the world must be replicas x stages x tensor-parallel degree."""
+    layout = RankLayout(rank, plan.replicas, len(plan.stages), plan.tensor)
     if world != layout.world:
         raise SystemExit(f"the plan has {plan.replicas} replica(s) of {len(plan.stages)} stage(s) "
-                         f"but {world} processes were started")
+                         f"of {plan.tensor} GPU(s) each but {world} processes were started")
     return layout
 
 
 @dataclass(frozen=True)
 class Groups:
-    """This rank's pipeline group (None: the whole world) and its stage's data-parallel mesh
-    (None without replicas)."""
+    """This rank's pipeline group (None: the whole world), its stage's data-parallel mesh
+    (None without replicas) and tensor-parallel mesh (None without tensor parallelism)."""
 
     pipeline: dist.ProcessGroup | None
     data: DeviceMesh | None
+    tensor: DeviceMesh | None = None
 
 
 def make_groups(plan: PlanFile, device: torch.device) -> Groups:
-    """The (dp, pp) mesh's rows and columns; every rank creates all of them, in one order."""
-    if plan.data_parallel is None:
+    """The (dp, pp[, tp]) mesh's groups along each dimension; every rank creates all of
+    them, in one order."""
+    if plan.data_parallel is None and plan.tensor_parallel is None:
         return Groups(None, None)
-    mesh = init_device_mesh(device.type, (plan.replicas, len(plan.stages)), mesh_dim_names=("dp", "pp"))
-    return Groups(mesh["pp"].get_group(), mesh["dp"])
+    shape: tuple[int, ...] = (plan.replicas, len(plan.stages))
+    names: tuple[str, ...] = ("dp", "pp")
+    if plan.tensor_parallel is not None:
+        shape, names = (*shape, plan.tensor), (*names, "tp")
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    return Groups(mesh["pp"].get_group(), mesh["dp"] if plan.data_parallel is not None else None,
+                  mesh["tp"] if plan.tensor_parallel is not None else None)
 
 
 def shard_module(module: nn.Sequential, dp: DataParallelPlan, mesh: DeviceMesh | None,

@@ -1,13 +1,15 @@
 """One pipeline stage of a plan, run for real: the torchrun worker of ``mpsim validate``.
 
 Launched as ``torchrun --nproc-per-node P -m mpsim.executor.executor --job JOB.json``
-(one process per stage of each data-parallel replica, ``rank = replica * stages + stage``;
+(one process per GPU of each stage's tensor-parallel group, one per stage without, of each
+data-parallel replica: ``rank = (replica * stages + stage) * t + i``, tensor innermost;
 gloo on CPU, NCCL on GPUs); this folder is installed as the package ``mpsim.executor``.
 Each process builds its stage's layers from ``mpsim.workloads`` (the modules the trace
-was measured on), wraps them as the plan says (``stage_actions``; with replicas, DDP,
-ZeRO-1/2 or FSDP2 as ``data_parallel`` describes), and drives them with
-``torch.distributed.pipelining`` (``ScheduleGPipe`` or ``Schedule1F1B``) on synthetic
-tokens, each replica on its own.
+was measured on), shards them with DTensor as ``tensor_parallel`` describes, wraps them as
+the plan says (``stage_actions``; with replicas, DDP, ZeRO-1/2 or FSDP2 as
+``data_parallel`` describes), and drives them with ``torch.distributed.pipelining``
+(``ScheduleGPipe`` or ``Schedule1F1B``) on synthetic tokens, each replica on its own (the
+ranks of a tensor-parallel group on the same ones).
 
 Steps, in order:
 
@@ -27,8 +29,9 @@ out-of-memory is written as a result (stage, step, phase), not raised, under eit
 schedule: torch's pipelining wraps what a stage raises in its own ``RuntimeError``, so it
 is found along the exception's cause chain (``out_of_memory_in``).
 
-Writes ``rank<i>.json`` into ``--out``: the rank's replica, stage and GPU, its peak, the
-breakdown, its step times and its model states' bytes after the last step.
+Writes ``rank<i>.json`` into ``--out``: the rank's replica, stage, tensor-parallel rank and
+GPU, its peak, the breakdown, its step times, its model states' bytes after the last step
+and, on the last stage, every step's loss (the mean over the microbatches).
 """
 
 from __future__ import annotations
@@ -64,8 +67,9 @@ from mpsim.executor.data_parallel import (
     sharded_optimizer,
 )
 from mpsim.executor.stage_actions import Recompute, Split, Swap, SwapSpace, selective, untracked
+from mpsim.executor.tensor_parallel import Sharder, layer_sharder, local_loss, stage_sequence, step_context
 from mpsim.executor.zero import Zero2Adam
-from mpsim.plan import PlanFile
+from mpsim.plan import PlanFile, TensorParallelPlan
 from mpsim.profiler import sync_device
 from mpsim.workloads import Embedding, LossHead, ModelConfig, TransformerLayer
 
@@ -155,12 +159,14 @@ class Head(nn.Module):
         self.register_buffer("labels", labels, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(x, self.labels[: x.shape[0]])
+        return local_loss(self.head(x, self.labels[: x.shape[0]]))
 
 
 def build_stage(cfg: ModelConfig, plan: PlanFile, stage: int, device: torch.device,
-                labels: torch.Tensor, peers: dict[int, torch.device]) -> tuple[nn.Sequential, list[nn.Parameter]]:
-    """The stage's layers, wrapped as the plan says; returns the module and its parameters."""
+                labels: torch.Tensor, peers: dict[int, torch.device],
+                shard: Sharder | None = None) -> tuple[nn.Sequential, list[nn.Parameter]]:
+    """The stage's layers (each sharded by ``shard`` first, with tensor parallelism), wrapped
+    as the plan says; returns the module and its parameters."""
     st = plan.stages[stage]
     a, b = st.layers
     n_model = cfg.layers + 2
@@ -175,6 +181,8 @@ def build_stage(cfg: ModelConfig, plan: PlanFile, stage: int, device: torch.devi
         else:
             layer = TransformerLayer(cfg)
         layer = layer.to(device)
+        if shard is not None:
+            layer = shard(layer)
         act = actions.get(j)
         if act is not None and act.split > 1:
             layer = Split(layer, act.split)
@@ -249,20 +257,28 @@ def local_optimizer(opt: Optimizer) -> torch.optim.Optimizer | None:
 
 class Stepper:
     """One training step of this stage (the pipeline's step, then the optimizer's), and
-    where the run is for an out-of-memory's record: ``step_no`` and ``phase``."""
+    where the run is for an out-of-memory's record: ``step_no`` and ``phase``. The last
+    stage records each step's loss (the mean over its microbatches) in ``losses``."""
 
     def __init__(self, schedule: ScheduleGPipe | Schedule1F1B, opt: Optimizer, tokens: torch.Tensor, stage: int,
-                 n_stages: int) -> None:
+                 n_stages: int, tp: TensorParallelPlan | None = None) -> None:
         self.schedule, self.opt, self.tokens = schedule, opt, tokens
         self.stage, self.n_stages = stage, n_stages
+        self.tp = tp
         self.phase = "setup"
         self.step_no = 0
+        self.losses: list[float] = []
 
     def __call__(self) -> None:
         self.phase = "pipeline"
+        last = self.stage == self.n_stages - 1
         args = (self.tokens,) if self.stage == 0 else ()
-        target = self.tokens if self.stage == self.n_stages - 1 else None
-        self.schedule.step(*args, target=target, return_outputs=False)
+        target = self.tokens if last else None
+        losses: list[torch.Tensor] = []
+        with step_context(self.tp):
+            self.schedule.step(*args, target=target, losses=losses if last else None, return_outputs=False)
+        if last:
+            self.losses.append(float(torch.stack([x.detach() for x in losses]).mean()))
         self.phase = "optimizer"
         self.opt.step()
         self.opt.zero_grad(set_to_none=False)
@@ -299,9 +315,12 @@ def replica_tokens(cfg: ModelConfig, plan: PlanFile, replica: int) -> torch.Tens
 def stage_io(cfg: ModelConfig, plan: PlanFile, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Example input and output of one microbatch at ``stage`` (meta tensors), so that torch's
     pipelining knows the shapes without its inference forward and backward: that extra
-    backward on step 0 would register every parameter twice in DDP's bucket order."""
+    backward on step 0 would register every parameter twice in DDP's bucket order (and its
+    meta forward cannot run DTensor's collectives). Under sequence parallelism the hidden
+    states are the rank's shard of the sequence."""
     b, (first, end) = plan.microbatch, plan.stages[stage].layers
-    hidden = torch.empty(b, cfg.seq_len, cfg.hidden, device="meta", requires_grad=True)
+    seq = stage_sequence(cfg, plan.tensor_parallel)
+    hidden = torch.empty(b, seq, cfg.hidden, device="meta", requires_grad=True)
     tokens = torch.empty(b, cfg.seq_len, dtype=torch.long, device="meta")
     loss = torch.empty((), device="meta", requires_grad=True)
     return tokens if first == 0 else hidden, loss if end == cfg.layers + 2 else hidden
@@ -316,7 +335,8 @@ def build_pipeline(plan: PlanFile, cfg: ModelConfig, layout: RankLayout, groups:
     tokens = replica_tokens(cfg, plan, layout.replica)
     labels = tokens[: plan.microbatch].to(device)
     peers = {g: torch.device("cuda", g) for g in range(torch.cuda.device_count())} if device.type == "cuda" else {}
-    built, params = build_stage(cfg, plan, s, device, labels, peers)
+    shard = layer_sharder(cfg, plan.tensor_parallel, groups.tensor)
+    built, params = build_stage(cfg, plan, s, device, labels, peers, shard)
     module: nn.Module = built
     dp = plan.data_parallel
     if dp is not None:
@@ -328,7 +348,8 @@ def build_pipeline(plan: PlanFile, cfg: ModelConfig, layout: RankLayout, groups:
         opt = HostAdam(params, lr=LR)
     else:
         opt = torch.optim.Adam(params, lr=LR, foreach=False)
-    example_in, example_out = (None, None) if dp is None else stage_io(cfg, plan, s)
+    given = dp is not None or plan.tensor_parallel is not None
+    example_in, example_out = stage_io(cfg, plan, s) if given else (None, None)
     if dp is not None and dp.zero_stage == 3:
         stage: PipelineStage = ShardedStage(module, s, layout.n_stages, device, example_in, example_out,
                                             group=groups.pipeline, reshard_after_forward=dp.reshard_after_forward)
@@ -336,7 +357,7 @@ def build_pipeline(plan: PlanFile, cfg: ModelConfig, layout: RankLayout, groups:
         stage = PipelineStage(module, s, layout.n_stages, device, example_in, example_out, group=groups.pipeline)
     schedule_cls = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
     schedule = schedule_cls(stage, n_microbatches=m, loss_fn=lambda out, _target: out)
-    return module, Stepper(schedule, opt, tokens.to(device), s, layout.n_stages)
+    return module, Stepper(schedule, opt, tokens.to(device), s, layout.n_stages, plan.tensor_parallel)
 
 
 def peak_breakdown(snap: dict) -> dict[str, int]:
@@ -449,6 +470,7 @@ def train(job: dict, step: Stepper, module: nn.Module, device: torch.device, res
     result["step_s"] = statistics.median(times)
     result["model_state_bytes"] = model_state_bytes(module, step.opt)
     result["host_state_bytes"] = host_state_bytes(module, step.opt)
+    result["losses"] = step.losses
     if job.get("digests"):
         result["params_sha256"] = params_digest(module)
 
@@ -472,7 +494,8 @@ def run(job: dict, out_dir: Path) -> dict:
     device = init_process(job, gpu)
     module, step = build_pipeline(plan, cfg, layout, make_groups(plan, device), device)
     tokens = replica_tokens(cfg, plan, layout.replica)
-    result: dict = {"rank": rank, "replica": layout.replica, "stage": layout.stage, "gpu": gpu,
+    result: dict = {"rank": rank, "replica": layout.replica, "stage": layout.stage, "tp_rank": layout.tp_rank,
+                    "gpu": gpu,
                     "layers": list(plan.stages[layout.stage].layers), "device": str(device), "oom": None,
                     "tokens_sha256": hashlib.sha256(tokens.numpy().tobytes()).hexdigest()}
     try:
