@@ -10,8 +10,8 @@ The parallel layout names every degree the next releases model (Megatron-LM's or
 tensor-parallel groups innermost, then data parallel, then pipeline; ZeRO's stages of
 sharded model states, Rajbhandari et al. 2020). The engine simulates data parallelism
 (DDP, ZeRO-1/2/3, FSDP2), Megatron-LM's tensor parallelism with or without sequence
-parallelism, and a pipeline (``mpsim.tensor_parallel``); interleaved stages are refused in
-one line that says so.
+parallelism, and a pipeline (``mpsim.tensor_parallel``), plain or interleaved (virtual
+stages, ``mpsim.schedule.interleaved_gpu_order``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mpsim.errors import MpsimError
-from mpsim.schedule import check_schedule
+from mpsim.schedule import check_interleaved, check_schedule
 from mpsim.strategies import strategy_named
 from mpsim.tensor_parallel import check_shardable
 from mpsim.topology import Topology
@@ -71,9 +71,6 @@ class Parallelism(BaseModel):
         if self.sequence_parallel and self.tensor == 1:
             return ("sequence parallel splits what tensor parallelism replicates: it needs a tensor-parallel "
                     "degree of 2 or more")
-        if self.virtual_stages != 1:
-            return (f"virtual stages per GPU {self.virtual_stages}: not simulated yet; mpsim models data, tensor "
-                    "and pipeline parallelism, one stage per GPU")
         return None
 
     @property
@@ -171,6 +168,8 @@ class JobSpec:
             raise MpsimError(why)
         check_schedule(self.schedule, self.parallelism.stages_on(self.topology), self.microbatches)
         par = self.parallelism
+        if par.virtual_stages > 1:
+            self._check_interleaved()
         if self.schedule == "pipedream" and (par.data > 1 or par.zero_stage or par.tensor > 1):
             raise MpsimError(f"{par.describe(self.n_stages)} with pipedream: not simulated yet (PipeDream updates "
                              "every microbatch); use gpipe or 1f1b")
@@ -178,9 +177,28 @@ class JobSpec:
         check_strategy(self.strategy)
         check_shardable(self.trace, par.tensor, par.sequence_parallel)
 
+    def _check_interleaved(self) -> None:
+        """Interleaved 1F1B (``virtual_stages`` > 1): Megatron-LM's rules, one line each."""
+        if self.schedule != "1f1b":
+            raise MpsimError(f"virtual stages run the interleaved 1F1B schedule; use --schedule 1f1b, not "
+                             f"{self.schedule}")
+        if self.partition != "compute":
+            raise MpsimError("virtual stages are partitioned by compute time; the memory-balanced partition does "
+                             "not model interleaved 1F1B's held microbatches")
+        check_interleaved(self.n_stages, self.parallelism.virtual_stages, self.microbatches)
+        if self.model_stages > self.trace.n_layers:
+            raise MpsimError(f"{self.n_stages} stages x {self.parallelism.virtual_stages} virtual stages need "
+                             f"{self.model_stages} layers but {self.trace.name} has {self.trace.n_layers}")
+
     @property
     def n_stages(self) -> int:
+        """Pipeline stages, one GPU (or tensor-parallel group) each, per replica."""
         return self.parallelism.stages_on(self.topology)
+
+    @property
+    def model_stages(self) -> int:
+        """Pieces the model is cut into: the stages times the virtual stages per GPU."""
+        return self.n_stages * self.parallelism.virtual_stages
 
     @property
     def microbatch(self) -> int:

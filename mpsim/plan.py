@@ -175,6 +175,9 @@ class PlanFile(_Strict):
                                   "[default: one replica]")
     tensor_parallel: TensorParallelPlan | None = Field(
         default=None, description="schema 3: the tensor-parallel group of every stage  [default: one GPU a stage]")
+    virtual_stages: int = Field(
+        default=1, ge=1, le=64, description="schema 3: model chunks per GPU (interleaved 1F1B): of p x v stages, "
+                                            "stage c * p + g runs on stage g's GPU  [default: 1]")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
@@ -217,19 +220,18 @@ def check_plan(plan: PlanFile, topo: Topology, trace: Trace, source: str = "") -
 
     if plan.schema_ not in SCHEMA_VERSIONS:
         raise bad("schema", f"expected one of {', '.join(map(str, SCHEMA_VERSIONS))}, got {plan.schema_}")
-    if plan.data_parallel is not None and plan.schema_ < 2:
-        raise bad("data_parallel", "needs schema 2")
-    if plan.tensor_parallel is not None and plan.schema_ < 3:
-        raise bad("tensor_parallel", "needs schema 3")
+    _check_schema_fields(plan, bad)
     if plan.schedule not in SCHEDULES:
         raise bad("schedule", f"expected one of {', '.join(SCHEDULES)}")
-    n, L, p = topo.n_gpus, trace.n_layers, len(plan.stages)
+    _check_virtual_stages(plan, bad)
+    n, L, p = topo.n_gpus, trace.n_layers, len(plan.stages) // plan.virtual_stages
     if p > n:
         raise bad("stages", f"{p} stages need {p} GPUs but {topo.name} has {n}")
     expected_first = 0
     gpus_seen: dict[int, int] = {}
     for s, st in enumerate(plan.stages):
-        _check_stage_gpu(st, s, topo, gpus_seen, bad)
+        if s < p:  # a later chunk runs on its first chunk's GPU (_check_virtual_stages)
+            _check_stage_gpu(st, s, topo, gpus_seen, bad)
         _check_stage_layers(st, s, expected_first, trace, bad)
         expected_first = st.layers[1]
         _check_optimizer_layers(st, f"stages.{s}", bad)
@@ -259,11 +261,13 @@ def _check_tensor_parallel(plan: PlanFile, topo: Topology, bad: _Bad) -> None:
         raise bad("tensor_parallel.groups", f"expected a list for each of {len(replicas)} replicas, "
                                             f"got {len(tp.groups)}")
     seen: set[int] = set()
+    p = len(plan.stages) // plan.virtual_stages
     for r, (stages, own) in enumerate(zip(tp.groups, replicas)):
         if len(stages) != len(own):
             raise bad(f"tensor_parallel.groups.{r}", f"expected a group for each of {len(own)} stages, "
                                                      f"got {len(stages)}")
-        for s, (group, first) in enumerate(zip(stages, own)):
+        _check_repeats(stages, p, len(own), f"tensor_parallel.groups.{r}", bad)
+        for s, (group, first) in enumerate(zip(stages[:p], own)):
             _check_tp_group(group, first, tp.degree, f"tensor_parallel.groups.{r}.{s}", topo, seen, bad)
     for s, st in enumerate(plan.stages):
         for k, act in enumerate(st.actions):
@@ -289,8 +293,11 @@ def _check_data_parallel(plan: PlanFile, topo: Topology, bad: _Bad) -> None:
     if dp.offload_device == "nvme" and topo.spec.nvme is None:
         raise bad("data_parallel.offload_device", f"{topo.name} states no NVMe drives (topology field nvme)")
     seen: set[int] = set()
+    p = len(own) // plan.virtual_stages
     for r, gpus in enumerate(dp.replicas):
-        _check_replica(gpus, f"data_parallel.replicas.{r}", len(own), topo, seen, bad)
+        at = f"data_parallel.replicas.{r}"
+        _check_repeats(gpus, p, len(own), at, bad)
+        _check_replica(gpus[:p], at, p, topo, seen, bad)
     if dp.degree > 1:
         for s, st in enumerate(plan.stages):
             for k, act in enumerate(st.actions):
@@ -298,6 +305,44 @@ def _check_data_parallel(plan: PlanFile, topo: Topology, bad: _Bad) -> None:
                 if busy:
                     raise bad(f"stages.{s}.actions.{k}.peers", f"GPU {busy[0]} runs a replica; a replicated "
                               "pipeline swaps to GPUs it does not run on")
+
+
+def _check_schema_fields(plan: PlanFile, bad: _Bad) -> None:
+    """A field newer than the file's schema is refused."""
+    if plan.data_parallel is not None and plan.schema_ < 2:
+        raise bad("data_parallel", "needs schema 2")
+    if plan.tensor_parallel is not None and plan.schema_ < 3:
+        raise bad("tensor_parallel", "needs schema 3")
+    if plan.virtual_stages > 1 and plan.schema_ < 3:
+        raise bad("virtual_stages", "needs schema 3")
+
+
+def _check_repeats(per_stage: list, p: int, n_stages: int, at: str, bad: _Bad) -> None:
+    """Under interleaved 1F1B a per-stage list has an entry for each of the p x v stages,
+    stage s's the same as stage s mod p's."""
+    if len(per_stage) != n_stages:
+        raise bad(at, f"expected an entry for each of {n_stages} stages, got {len(per_stage)}")
+    for s in range(p, n_stages):
+        if per_stage[s] != per_stage[s % p]:
+            raise bad(f"{at}.{s}", f"virtual stage {s} runs where stage {s % p} does ({per_stage[s % p]}), "
+                                   f"got {per_stage[s]}")
+
+
+def _check_virtual_stages(plan: PlanFile, bad: _Bad) -> None:
+    """Interleaved 1F1B: p x v stages under 1f1b, stage c * p + g on stage g's GPU; the
+    replicas and tensor-parallel groups list every stage, repeating likewise."""
+    v = plan.virtual_stages
+    if v == 1:
+        return
+    if plan.schedule != "1f1b":
+        raise bad("virtual_stages", f"run the interleaved 1F1B schedule: expected schedule 1f1b, got {plan.schedule}")
+    if len(plan.stages) % v:
+        raise bad("stages", f"expected a multiple of virtual_stages {v}, got {len(plan.stages)} stages")
+    p = len(plan.stages) // v
+    for s, st in enumerate(plan.stages[p:], start=p):
+        if st.gpu != plan.stages[s % p].gpu:
+            raise bad(f"stages.{s}.gpu", f"virtual stage {s} runs on stage {s % p}'s GPU "
+                                         f"{plan.stages[s % p].gpu}, got {st.gpu}")
 
 
 def _check_tp_group(group: list[int], first: int, degree: int, at: str, topo: Topology, seen: set[int],
@@ -455,7 +500,7 @@ def make_plan(trace: Trace, topo: Topology, schedule: str, microbatches: int,
               swap_timing: SwapTiming = "prefetch", optimizer_layers: dict[int, list[int]] | None = None,
               recompute_checkpoints: Checkpoints = "layer",
               data_parallel: DataParallelPlan | None = None,
-              tensor_parallel: TensorParallelPlan | None = None) -> PlanFile:
+              tensor_parallel: TensorParallelPlan | None = None, virtual_stages: int = 1) -> PlanFile:
     """A plan from its parts; ``actions``/``optimizer``/``stash``/``optimizer_layers``
     are keyed by stage."""
     actions = actions or {}
@@ -463,8 +508,8 @@ def make_plan(trace: Trace, topo: Topology, schedule: str, microbatches: int,
     optimizer_layers = optimizer_layers or {}
     stash = stash or {}
     return PlanFile(
-        schema=SCHEMA_VERSION if tensor_parallel is not None else 2, model=trace.name, server=topo.name,
-        microbatch=trace.microbatch,
+        schema=SCHEMA_VERSION if tensor_parallel is not None or virtual_stages > 1 else 2, model=trace.name,
+        server=topo.name, microbatch=trace.microbatch, virtual_stages=virtual_stages,
         microbatches=microbatches, schedule=schedule, strategy=strategy,  # type: ignore[arg-type]
         swap_timing=swap_timing, recompute_checkpoints=recompute_checkpoints, data_parallel=data_parallel,
         tensor_parallel=tensor_parallel,

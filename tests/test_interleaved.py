@@ -191,7 +191,7 @@ def test_gpu_holds_at_most_warmup_plus_one_chunk_activations(shape):
     (lambda: interleaved_gpu_order(0, 4, 2, 2), "m >= p"),
     (lambda: interleaved_gpu_order(0, 4, 2, 0), "m >= p"),
     (lambda: interleaved_gpu_order(4, 4, 2, 8), "GPU must be in 0..3"),
-    (lambda: interleaved_gpu_order(0, 4, 2.0, 8), "must be an integer"),
+    (lambda: interleaved_gpu_order(0, 4, 2.0, 8), "must be an integer"),  # type: ignore[arg-type]
     (lambda: interleaved_gpu_order(0, True, 2, 8), "must be an integer"),
     (lambda: interleaved_stage_tasks(8, 4, 2, 8), "virtual stage must be in 0..7"),
     (lambda: interleaved_stage_tasks(0, 4, 2, 10), "Megatron-LM's rule"),
@@ -307,3 +307,48 @@ def test_bubble_matches_the_paper_on_the_turns(p, v, m):
     the ideal m (1 + 2) s plus the bubble (p - 1) / (v m) of it, section 2.2.2."""
     ideal = m * 3.0
     assert simulate_interleaved(p, v, m, 1.0 / v, 2.0 / v) == pytest.approx(ideal * (1 + interleaved_bubble(p, v, m)))
+
+
+# --- the engine runs it -------------------------------------------------------------------
+
+def test_the_engine_runs_interleaved_1f1b_exactly():
+    """p = 2 GPUs, v = 2 chunks, m = 2, one layer a virtual stage (F 1 ms, B 2 ms), free
+    sends. GPU 0 runs F(s0) F(s0) F(s2) F(s2) B(s2) B(s2) B(s0) B(s0), GPU 1 F(s1) F(s1)
+    F(s3) B(s3) F(s3) B(s3) B(s1) B(s1) (interleaved_gpu_order), each waiting for its input:
+    GPU 0 F [0,1] [1,2] [2,3] [3,4], B [6,8] [9,11] [11,13] [13,15];
+    GPU 1 F [1,2] [2,3] [3,4], B [4,6], F [6,7], B [7,9] [9,11] [11,13]."""
+    from helpers import layer, tiny_topology, tiny_trace
+
+    from mpsim.job import JobSpec, Parallelism
+    from mpsim.sim import simulate_job
+    from mpsim.sim.layout import Job
+
+    topo = tiny_topology(n_gpus=2, nvlink_gbps=1000.0)
+    trace = tiny_trace([layer(f"l{i}", 1.0, 2.0) for i in range(4)])
+    r = simulate_job(Job(JobSpec(topo, trace, "1f1b", 2, Parallelism(pipeline=2, virtual_stages=2))))
+    ms = sorted((s.gpu, s.name[0], round(s.start_s * 1e3, 6), round(s.end_s * 1e3, 6)) for s in r.spans
+                if s.lane == "compute" and s.name[0] != "U")
+    assert ms == sorted(
+        [(0, "F", a, a + 1) for a in (0, 1, 2, 3)] + [(0, "B", a, a + 2) for a in (6, 9, 11, 13)]
+        + [(1, "F", a, a + 1) for a in (1, 2, 3, 6)] + [(1, "B", a, a + 2) for a in (4, 7, 9, 11)])
+    assert r.layout == "pipeline x2 (interleaved x2)" and r.gpu_of_stage == [0, 1, 0, 1]
+
+
+def test_interleaving_shrinks_the_bubble_of_a_balanced_pipeline():
+    """Eight equal layers on 4 GPUs, 8 microbatches, free sends: 1F1B takes (m + p - 1)
+    slots of F + B per GPU's share; interleaved with v = 2 cuts the bubble to (p-1)/(v m)."""
+    from helpers import layer, tiny_topology, tiny_trace
+
+    from mpsim.job import JobSpec, Parallelism
+    from mpsim.sim import simulate_job
+    from mpsim.sim.layout import Job
+
+    topo = tiny_topology(n_gpus=4, nvlink_gbps=1000.0)
+    trace = tiny_trace([layer(f"l{i}", 0.5, 1.0) for i in range(8)])
+    runs = {v: simulate_job(Job(JobSpec(topo, trace, "1f1b", 8, Parallelism(pipeline=4, virtual_stages=v))))
+            for v in (1, 2)}
+    ideal_ms = 8 * 2 * 1.5  # m x (a GPU's two layers' F + B)
+    compute = {v: max(s.end_s for s in r.spans if s.lane == "compute" and s.name[0] != "U") * 1e3
+               for v, r in runs.items()}
+    assert compute[1] == pytest.approx(ideal_ms * (1 + 3 / 8))
+    assert compute[2] == pytest.approx(ideal_ms * (1 + 3 / 16))

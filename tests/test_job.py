@@ -38,12 +38,17 @@ def test_a_job_holds_its_fields_and_derives_the_stage_count():
     assert job_of("dgx1-v100", "gpt-5.3b", microbatch=3).microbatch == 3
 
 
-@pytest.mark.parametrize("layout, named", [
-    (Parallelism(virtual_stages=2), "virtual stages per GPU 2"),
+@pytest.mark.parametrize("changes, named", [
+    (dict(schedule="gpipe"), "use --schedule 1f1b"),
+    (dict(microbatches=6), "multiple"),
+    (dict(partition="memory"), "partitioned by compute time"),
 ])
-def test_a_layout_the_engine_cannot_simulate_is_refused_in_one_line_that_says_so(layout, named):
-    message = _refusal(lambda: _job(parallelism=layout))
-    assert named in message and "not simulated yet" in message
+def test_interleaved_stages_follow_megatrons_rules_or_are_refused_in_one_line(changes, named):
+    layout = Parallelism(pipeline=4, virtual_stages=2)
+    kwargs = {"parallelism": layout, "microbatches": 8} | changes
+    message = _refusal(lambda: _job(**kwargs))
+    assert named in message
+    assert _job(parallelism=layout, microbatches=8).model_stages == 8
 
 
 def test_sequence_parallel_without_tensor_parallelism_is_refused():

@@ -5,6 +5,7 @@ loss against PyTorch's, the engine's timeline on a hand-built shard, and placeme
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -187,3 +188,24 @@ def test_tensor_parallelism_shrinks_each_gpus_states_and_activations():
         assert states / 8 < held < states / 8 * 1.01
         assert {g.peak_bytes for g in r.gpus} == {r.gpus[0].peak_bytes}
     assert runs[True].gpus[0].breakdown["activations"] < runs[False].gpus[0].breakdown["activations"]
+
+
+def test_a_3d_plan_file_round_trips_through_the_cli(capsys, tmp_path):
+    """ZeRO-1 x2 x TP x2+SP x a pipeline of 2 with 2 virtual stages: the plan records every
+    group (schema 3), reads back and simulates to the same result; a group split across
+    the NVSwitch is placed on pairs the search found."""
+    from test_cli import run
+
+    path = tmp_path / "p.json"
+    common = ["--model", "llama-3-8b", "--server", "dgx-a100-80gb", "--json", "-"]
+    code, out, err = run(capsys, "plan", *common, "--tp", "2", "--sp", "--stages", "2", "--virtual-stages", "2",
+                         "--dp", "2", "--zero", "1", "--microbatches", "8", "-o", str(path))
+    assert code == 0, err
+    made = json.loads(out)["result"]
+    plan = json.loads(path.read_text())
+    assert plan["schema"] == 3 and plan["virtual_stages"] == 2
+    groups = plan["tensor_parallel"]["groups"]
+    assert [len(g) for r in groups for g in r] == [2] * 8 and groups[0][0] == groups[0][2]
+    again = json.loads(run(capsys, "simulate", "--plan", str(path), *common)[1])
+    assert again["iteration_s"] == made["iteration_s"] and again["layout"] == made["layout"]
+    assert made["layout"] == "ZeRO-1 x2 x TP x2+SP x pipeline x2 (interleaved x2)"

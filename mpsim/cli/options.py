@@ -48,14 +48,15 @@ def job_options(f: F) -> F:
 
 
 def layout_options(f: F) -> F:
-    """--dp, --zero, --bucket-mib, --reshard/--no-reshard, --tp, --sp, handed to the command
-    as one ``layout`` (a ``Parallelism``; its pipeline depth comes from --stages)."""
+    """--dp, --zero, --bucket-mib, --reshard/--no-reshard, --tp, --sp, --virtual-stages,
+    handed to the command as one ``layout`` (a ``Parallelism``; its pipeline depth comes from --stages)."""
 
     @functools.wraps(f)
     def with_layout(*args: Any, dp: int, zero: int, bucket_mib: float, reshard: bool, tp: int, sp: bool,
-                    **kwargs: Any) -> Any:
+                    virtual_stages: int, **kwargs: Any) -> Any:
         return f(*args, layout=api.data_parallel(dp, zero, None, bucket_mib=bucket_mib,
-                                                 reshard_after_forward=reshard, tensor=tp, sequence_parallel=sp),
+                                                 reshard_after_forward=reshard, tensor=tp, sequence_parallel=sp,
+                                                 virtual_stages=virtual_stages),
                  **kwargs)
 
     return _apply(with_layout, [  # type: ignore[return-value]
@@ -76,6 +77,9 @@ def layout_options(f: F) -> F:
         click.option("--sp/--no-sp", default=False, show_default=True,
                      help="sequence parallel with --tp: norms and dropout on a sequence shard, all-gather and "
                           "reduce-scatter instead of all-reduce (Korthikanti et al. 2022)"),
+        click.option("--virtual-stages", type=click.IntRange(min=1, max=64), default=1, show_default=True,
+                     help="model chunks per GPU: interleaved 1F1B (Narayanan et al. 2021), with --schedule 1f1b "
+                          "and microbatches a multiple of the stages"),
     ])
 
 

@@ -14,7 +14,7 @@ from mpsim.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, make_plan
 from mpsim.planners.liveness import live_intervals
 from mpsim.planners.mcap import held_microbatches, mcap_partition
 from mpsim.sim import SimResult, simulate_layout
-from mpsim.sim.layout import data_parallel_plan, layout_of_plan, stage_trace, tensor_parallel_plan
+from mpsim.sim.layout import data_parallel_plan, interleaved, layout_of_plan, stage_trace, tensor_parallel_plan
 from mpsim.sim.placement import Groups, Replicas, place_groups
 from mpsim.topology import Topology
 from mpsim.trace import Trace
@@ -64,7 +64,7 @@ class Ctx(OfJob):
     def replicated(self) -> bool:
         """Whether the job runs on more GPUs than one a stage (replicas or tensor groups);
         its mapping is then not searched."""
-        return len(self.replicas) > 1 or bool(self.tp_groups)
+        return len(self.replicas) > 1 or bool(self.tp_groups) or self.job.parallelism.virtual_stages > 1
 
     def spare(self, result: SimResult, margin: float = 1.0) -> dict[int, float]:
         """Bytes each GPU could take from other GPUs' swaps (capacity over the peak, times
@@ -83,7 +83,8 @@ class Ctx(OfJob):
                                 offload_device)
         tp = tensor_parallel_plan(self.job.parallelism, self.tp_groups)
         return make_plan(self.trace, self.topo, self.schedule, self.microbatches, self.stages, self.gpus, strategy,
-                         actions, optimizer, stash, swap_timing, optimizer_layers, recompute_checkpoints, dp, tp)
+                         actions, optimizer, stash, swap_timing, optimizer_layers, recompute_checkpoints, dp, tp,
+                         self.job.parallelism.virtual_stages)
 
     def simulate(self, plan: PlanFile) -> SimResult:
         """Simulate a plan this context made (``make_plan`` output is valid by construction,
@@ -112,7 +113,7 @@ def make_context(job: JobSpec, keeps: str = "keep") -> Ctx:
     ``keeps`` its activations (``recompute``: every recomputable layer checkpointed,
     ``trace.RECOMPUTABLE``; ``selective``: every attention core recomputed). Stage i on GPU i,
     or with data parallelism where ``place_replicas`` puts replica 0."""
-    p = job.n_stages
+    p, v = job.model_stages, job.parallelism.virtual_stages
     shard = stage_trace(job, "mpress")
     trace = shard or job.trace
     if job.partition == "compute":
@@ -122,7 +123,7 @@ def make_context(job: JobSpec, keeps: str = "keep") -> Ctx:
         stages = mcap_partition(trace, job.schedule, p, job.microbatches, keeps == "recompute",
                                 keeps == "selective")
     par = job.parallelism
-    replicas, groups = place_groups(job.topology, par.data, par.tensor, p)
+    replicas, groups = (interleaved(x, v) for x in place_groups(job.topology, par.data, par.tensor, p // v))
     return Ctx(job, list(stages), list(replicas[0]), replicas if len(replicas) > 1 else (),
                groups if par.tensor > 1 else (), shard)
 

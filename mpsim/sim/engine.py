@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from mpsim.costs import CostModel, cost_model
-from mpsim.schedule import PIPEDREAM_MEASURED, weight_versions
+from mpsim.schedule import PIPEDREAM_MEASURED, interleaved_turn_orders, weight_versions
 from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
 from mpsim.sim.data_parallel import DataParallel
@@ -32,6 +32,7 @@ from mpsim.sim.simpy_fast import run_until_empty
 from mpsim.sim.stream import ComputeStream
 from mpsim.sim.swapper import STASH, Swapper
 from mpsim.sim.tensor_group import TensorGroup
+from mpsim.sim.turns import GpuTurns
 from mpsim.sim.update import Updater
 
 __all__ = ["Job", "Layout", "simulate_job", "simulate_layout"]
@@ -59,7 +60,10 @@ def simulate_layout(layout: Layout) -> SimResult:
     channels = PeerChannels(run)
     costs = cost_model(layout.trace, run.topo.spec.gpu)
     sharding = sharding_of(layout)
-    stages = [_build_stage(run, s, channels, costs, sharding) for s in range(layout.n_stages)]
+    v = layout.parallelism.virtual_stages
+    turns = (GpuTurns(run.env, interleaved_turn_orders(layout.n_stages // v, v, layout.microbatches))
+             if v > 1 else None)
+    stages = [_build_stage(run, s, channels, costs, sharding, turns) for s in range(layout.n_stages)]
     processes = [run.env.process(st.stream.process()) for st in stages]
     run_until_empty(run.env)
     stuck = [s for s, proc in enumerate(processes) if proc.is_alive]
@@ -118,7 +122,7 @@ def sharding_of(layout: Layout) -> Sharding | None:
 
 
 def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostModel,
-                 sharding: Sharding | None) -> _Stage:
+                 sharding: Sharding | None, turns: GpuTurns | None = None) -> _Stage:
     """A stage's program, its static memory (allocated before the first task) and its
     components."""
     layout = run.layout
@@ -139,7 +143,7 @@ def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostMod
         stash_in = SwapIn(STASH, static["params"], 0, "stash", "host", (), 1, 0.0)
     dp = DataParallel(run, s, sharding) if sharding is not None else None
     tp = TensorGroup(run, s, layout.tensor_group(s)) if layout.parallelism.tensor > 1 else None
-    stream = ComputeStream(run, s, program, swapper, updater, channels, stash_in, dp, tp)
+    stream = ComputeStream(run, s, program, swapper, updater, channels, stash_in, dp, tp, turns)
     return _Stage(program, stream, updater)
 
 
@@ -201,30 +205,31 @@ def _replicated(gpus: list[GpuResult], layout: Layout) -> list[GpuResult]:
     """Every replica's GPUs as replica 0's, every GPU of a tensor-parallel group as the
     group's first (replicas and tensor ranks are symmetric: ``data_parallel``,
     ``tensor_group``)."""
-    for replica in layout.replicas[1:]:
-        for s, g in enumerate(replica):
-            gpus[g] = replace(gpus[layout.gpu_of[s]], gpu=g)
-    for groups in layout.tp_groups:
-        for s, group in enumerate(groups):
-            for g in group[1:]:
-                gpus[g] = replace(gpus[layout.gpu_of[s]], gpu=g)
+    pairs = {(g, layout.gpu_of[s]) for replica in layout.replicas[1:] for s, g in enumerate(replica)}
+    pairs |= {(g, layout.gpu_of[s]) for groups in layout.tp_groups for s, group in enumerate(groups)
+              for g in group[1:]}
+    for g, simulated in sorted(pairs):
+        gpus[g] = replace(gpus[simulated], gpu=g)
     return gpus
 
 
 def _gpu_result(run: RunContext, stages: list[_Stage], g: int, analysis: GpuMemory) -> GpuResult:
     """One GPU's peak, breakdown and series, and its costs and compute-stream busy time
-    per iteration (PipeDream: those its stage paid within its own measured iteration)."""
+    per iteration (PipeDream: those its stage paid within its own measured iteration).
+    Under interleaved 1F1B the GPU runs several virtual stages: it is reported as its
+    first, its busy time summed over all."""
     layout, topo = run.layout, run.topo
-    s = layout.gpu_of.index(g) if g in layout.gpu_of else None
+    own = [s for s, gpu in enumerate(layout.gpu_of) if gpu == g]
+    s = own[0] if own else None
     window = None
     if s is not None and layout.schedule == "pipedream":
         window = _measured_window(stages[s].updater, layout.microbatches)
     costs = run.costs.total(g, window)
-    busy_s = 0.0
-    if s is not None:
-        prog, updates = stages[s].program, layout.microbatches if layout.schedule == "pipedream" else 1
-        busy_s = (layout.microbatches * (prog.forward_s + prog.backward_s) + updates * stages[s].updater.gpu_update_s
-                  + costs["optimizer_s"])
+    busy_s = costs["optimizer_s"] if own else 0.0
+    updates = layout.microbatches if layout.schedule == "pipedream" else 1
+    for k in own:
+        prog = stages[k].program
+        busy_s += layout.microbatches * (prog.forward_s + prog.backward_s) + updates * stages[k].updater.gpu_update_s
     return GpuResult(
         gpu=g, stage=s, layers=None if s is None else layout.stages[s], peak_bytes=analysis.peak_bytes,
         capacity_bytes=topo.capacity_bytes, reserved_bytes=topo.reserved_bytes,

@@ -76,9 +76,10 @@ def parallelism_of_plan(plan: PlanFile) -> Parallelism:
     dp, tp = plan.data_parallel, plan.tensor_parallel
     tensor = 1 if tp is None else tp.degree
     sp = tp is not None and tp.sequence_parallel
+    p, v = len(plan.stages) // plan.virtual_stages, plan.virtual_stages
     if dp is None:
-        return pipeline(len(plan.stages)).model_copy(update={"tensor": tensor, "sequence_parallel": sp})
-    return Parallelism(data=dp.degree, zero_stage=dp.zero_stage, pipeline=len(plan.stages),
+        return pipeline(p).model_copy(update={"tensor": tensor, "sequence_parallel": sp, "virtual_stages": v})
+    return Parallelism(data=dp.degree, zero_stage=dp.zero_stage, pipeline=p, virtual_stages=v,
                        bucket_mib=dp.bucket_mib, reshard_after_forward=dp.reshard_after_forward, tensor=tensor,
                        sequence_parallel=sp)
 
@@ -170,10 +171,12 @@ class Layout(OfJob):
 
 def _keep_everything(job: Job) -> Layout:
     spec, topo = job.spec, job.spec.topology
-    data = spec.parallelism.data
-    if data > 1 and job.gpu_of_stage is not None:
-        raise MpsimError("a stage-to-GPU map places one replica; with data parallelism mpsim places the replicas")
-    n_stages = len(job.stages) if job.stages and spec.parallelism.pipeline is None else spec.n_stages
+    par = spec.parallelism
+    if (par.data > 1 or par.tensor > 1 or par.virtual_stages > 1) and job.gpu_of_stage is not None:
+        raise MpsimError("a stage-to-GPU map places one GPU a stage; with data, tensor or interleaved pipeline "
+                         "parallelism mpsim places the GPUs")
+    v = par.virtual_stages
+    n_stages = len(job.stages) if job.stages and par.pipeline is None and v == 1 else spec.model_stages
     shard = stage_trace(spec, job.runtime)
     if job.stages:
         stages = list(job.stages)
@@ -183,19 +186,23 @@ def _keep_everything(job: Job) -> Layout:
     validate_stages(stages, spec.trace.n_layers)
     if len(stages) != n_stages:
         raise MpsimError(f"the partition has {len(stages)} stages but {n_stages} were asked for")
-    if spec.parallelism.pipeline != n_stages:
-        spec = spec.but(parallelism=spec.parallelism.model_copy(update={"pipeline": n_stages}))
-    tensor = spec.parallelism.tensor
-    if tensor > 1 and job.gpu_of_stage is not None:
-        raise MpsimError("a stage-to-GPU map places one GPU a stage; with tensor parallelism mpsim places the groups")
-    replicas, groups = place_groups(topo, data, tensor, n_stages)
+    p = n_stages // v
+    if par.pipeline != p:
+        spec = spec.but(parallelism=par.model_copy(update={"pipeline": p}))
+    replicas, groups = (interleaved(x, v) for x in place_groups(topo, par.data, par.tensor, p))
     gpus = job.gpu_of_stage or replicas[0]
-    if len(gpus) != n_stages or len(set(gpus)) != n_stages or any(not 0 <= g < topo.n_gpus for g in gpus):
+    if len(gpus) != n_stages or len(set(gpus)) != p or any(not 0 <= g < topo.n_gpus for g in gpus):
         raise MpsimError(f"the stage-to-GPU map {list(gpus)} must name {n_stages} distinct GPUs of "
                          f"0..{topo.n_gpus - 1}")
     return Layout(spec, stages, tuple(gpus), tuple({} for _ in stages), ("gpu",) * n_stages, ("gpu",) * n_stages,
-                  ((),) * n_stages, spec.strategy, job.runtime, replicas=replicas if data > 1 else (),
-                  tp_groups=groups if tensor > 1 else (), shard=shard)
+                  ((),) * n_stages, spec.strategy, job.runtime, replicas=replicas if par.data > 1 else (),
+                  tp_groups=groups if par.tensor > 1 else (), shard=shard)
+
+
+def interleaved(per_replica: tuple, v: int) -> tuple:
+    """Per replica, each of the p stages' entries repeated for every virtual stage: virtual
+    stage c * p + g runs on the GPU (group) of stage g (``schedule.interleaved_gpu_order``)."""
+    return tuple(tuple(stages[s % len(stages)] for s in range(len(stages) * v)) for stages in per_replica)
 
 
 def layout_of_plan(plan: PlanFile, job: JobSpec, *, checked: bool = False, runtime: Runtime = "mpress") -> Layout:
@@ -207,10 +214,11 @@ def layout_of_plan(plan: PlanFile, job: JobSpec, *, checked: bool = False, runti
             raise MpsimError(f"the plan is for microbatch {plan.microbatch} but the trace is at "
                              f"{job.trace.microbatch}")
         check_plan(plan, job.topology, job.trace)
-        if (plan.schedule, plan.microbatches, len(plan.stages)) != (job.schedule, job.microbatches, job.n_stages):
+        if (plan.schedule, plan.microbatches, len(plan.stages)) != (job.schedule, job.microbatches,
+                                                                    job.model_stages):
             raise MpsimError(f"the plan is for {plan.schedule}, {plan.microbatches} microbatches and "
                              f"{len(plan.stages)} stages but the job is {job.schedule}, {job.microbatches} and "
-                             f"{job.n_stages}")
+                             f"{job.model_stages}")
         if parallelism_of_plan(plan) != job.parallelism.model_copy(update={"pipeline": job.n_stages}):
             raise MpsimError(f"the plan's layout is {parallelism_of_plan(plan).describe(len(plan.stages))} but "
                              f"the job's is {job.layout_name}")

@@ -6,7 +6,7 @@ from collections.abc import Generator
 
 import simpy
 
-from mpsim.schedule import Task, stage_tasks
+from mpsim.schedule import Task, interleaved_stage_tasks, stage_tasks
 from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
 from mpsim.sim.data_parallel import DataParallel
@@ -15,6 +15,7 @@ from mpsim.sim.result import Span
 from mpsim.sim.spawn import spawn
 from mpsim.sim.swapper import STASH, Swapper
 from mpsim.sim.tensor_group import TensorGroup
+from mpsim.sim.turns import GpuTurns
 from mpsim.sim.update import Updater
 
 
@@ -33,11 +34,13 @@ class ComputeStream:
     hands each layer's gradients to the reduction as they are ready, and the update waits
     for the reductions (``data_parallel``). With tensor parallelism (``tp``) each piece's
     collectives run over the group once its compute is done, and the stream waits for
-    them (``tensor_group``)."""
+    them (``tensor_group``). Under interleaved 1F1B several virtual stages share the GPU:
+    each task waits for its turn in the GPU's order (``turns``) before it waits for its
+    input, as Megatron-LM's blocking receive holds the GPU."""
 
     def __init__(self, run: RunContext, stage: int, program: StageProgram, swapper: Swapper, updater: Updater,
                  channels: PeerChannels, stash_in: SwapIn | None, dp: DataParallel | None = None,
-                 tp: TensorGroup | None = None) -> None:
+                 tp: TensorGroup | None = None, turns: GpuTurns | None = None) -> None:
         layout = run.layout
         self.run = run
         self.stage = stage
@@ -54,7 +57,15 @@ class ComputeStream:
         a, b = layout.stages[stage]
         self.output_bytes = layout.trace.layers[b - 1].output_bytes
         self.input_grad_bytes = layout.trace.layers[a].input_bytes
-        self.tasks = stage_tasks(layout.schedule, stage, layout.n_stages, layout.microbatches)
+        v = layout.parallelism.virtual_stages
+        self.rank = stage % (layout.n_stages // v)
+        """The stage's place in the pipeline of GPUs (its GPU's turn key under interleaving)."""
+        if v > 1:
+            self.tasks = interleaved_stage_tasks(stage, layout.n_stages // v, v, layout.microbatches)
+        else:
+            self.tasks = stage_tasks(layout.schedule, stage, layout.n_stages, layout.microbatches)
+        self.turns = turns
+        """Interleaved 1F1B: the virtual stages sharing the GPU take turns in its order."""
         self.dp = dp
         self.tp = tp
         """The stage's tensor-parallel group: a piece's collectives run on it after its compute."""
@@ -63,6 +74,8 @@ class ComputeStream:
 
     def process(self) -> Generator[simpy.Event, object, None]:
         for idx, task in enumerate(self.tasks):
+            if self.turns is not None:
+                yield from self.turns.wait(self.rank, self.stage, idx)
             if task.kind == "U":
                 self._prefetch_for(idx)
                 start = self.run.env.now
@@ -81,6 +94,8 @@ class ComputeStream:
             self.run.spans.append(Span(self.gpu, "compute", f"{task.kind}{task.microbatch}", start, self.run.env.now))
             if task.kind != "U":
                 self._after(task)
+            if self.turns is not None:
+                self.turns.done(self.rank)
             if self.run.on_task is not None:
                 self.run.on_task()
 
