@@ -18,7 +18,16 @@ from pathlib import Path
 import pytest
 
 from mpsim.errors import MpsimError
-from mpsim.hardware_check import RankPlace, RunSettings, check_runnable, model_config, rank_grid, run_executor
+from mpsim.hardware_check import (
+    RankPlace,
+    RunSettings,
+    check_runnable,
+    compare,
+    model_config,
+    rank_grid,
+    run_executor,
+    simulate_plan,
+)
 from mpsim.plan import DataParallelPlan, LayerAction, PlanFile, TensorParallelPlan, make_plan
 from mpsim.probe import probe
 from mpsim.topology import Topology
@@ -157,3 +166,16 @@ def test_what_tensor_parallel_runs_cannot_do_is_refused(tiny, cpu4):
     bert = trace_model(ModelConfig("bert", layers=1, hidden=32, heads=2, seq_len=16, vocab=64), 1, "fp32")
     with pytest.raises(MpsimError, match="GPT and Llama only"):
         check_runnable(_plan(bert, cpu4, [(0, 3)], t=2), cpu4, bert, SETTINGS)
+
+
+def test_compare_sets_each_rank_beside_the_prediction_for_its_gpu(tiny, cpu4):
+    plan = _plan(tiny, cpu4, TWO_STAGES, t=2, sp=True)
+    predicted = simulate_plan(plan, cpu4, tiny)
+    measured = [{"peak_bytes": 1000 + g, "breakdown": {"params": g}, "step_s": 0.5 + g} for g in range(4)]
+    report = compare(plan, predicted, measured)  # type: ignore[arg-type]
+    rows = report["stages"]
+    assert [(r["stage"], r["tp_rank"], r["gpu"], r["measured_peak_bytes"]) for r in rows] == [
+        (0, 0, 0, 1000), (0, 1, 1, 1001), (1, 0, 2, 1002), (1, 1, 3, 1003)]
+    assert [r["predicted_peak_bytes"] for r in rows] == [predicted.gpus[g].peak_bytes for g in range(4)]
+    assert rows[0]["predicted_peak_bytes"] == rows[1]["predicted_peak_bytes"]  # a group is predicted as its first
+    assert report["tensor"] == 2 and report["sequence_parallel"] and report["measured_iteration_s"] == 3.5

@@ -26,12 +26,17 @@ DTensor's ``parallelize_module`` over the group's ``tp`` mesh, as torchtitan sha
 
 What differs from Megatron-LM: DTensor's column-parallel layers keep the all-gathered input
 for the backward, where Megatron keeps the shard and gathers it again
-(``TensorShard.saves_gathered``, which the simulator sets for this runtime). The GPT's
+(``TensorShard.saves_gathered``, which the simulator sets for this runtime). DTensor's
+embedding backward builds the whole table's gradient (``keep_sharded_grad``), and
+``loss_parallel``'s log-softmax holds one more fp32 logits shard at its forward peak than
+Megatron's in-place cross-entropy: temporaries the simulator does not have
+(reports/validation_tp_cpu.md). The GPT's
 learned position table is replicated: under sequence parallelism each rank adds the rows of
 its own part of the sequence (``SequencePositions``) and the table's gradient is summed over
 the group (Megatron adds the positions to the whole sequence before scattering it). BERT is
 not run with tensor parallelism (its post-norm embedding and masked-LM head are not
-sharded here).
+sharded here). Data parallelism over the shards is FSDP2's (``data_parallel``, on the
+``dp`` mesh of the same world).
 """
 
 from __future__ import annotations
