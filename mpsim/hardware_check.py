@@ -103,6 +103,9 @@ def check_runnable(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSe
     if plan.schedule == "pipedream":
         raise MpsimError(f"{source}: the executor runs gpipe and 1f1b; torch's pipelining has no asynchronous "
                          "PipeDream schedule")
+    if plan.virtual_stages > 1:
+        raise MpsimError(f"{source}: virtual_stages {plan.virtual_stages}: the executor runs one stage per GPU "
+                         "(no interleaved 1F1B yet)")
     if dev.type == "cuda":
         need = max(plan.gpus_used()) + 1
         if torch.cuda.device_count() < need:

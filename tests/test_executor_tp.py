@@ -179,3 +179,10 @@ def test_compare_sets_each_rank_beside_the_prediction_for_its_gpu(tiny, cpu4):
     assert [r["predicted_peak_bytes"] for r in rows] == [predicted.gpus[g].peak_bytes for g in range(4)]
     assert rows[0]["predicted_peak_bytes"] == rows[1]["predicted_peak_bytes"]  # a group is predicted as its first
     assert report["tensor"] == 2 and report["sequence_parallel"] and report["measured_iteration_s"] == 3.5
+
+
+def test_interleaved_plans_are_refused(tiny, cpu4):
+    chunks = make_plan(tiny, cpu4, "1f1b", 2, [(0, 1), (1, 2), (2, 3), (3, 4)], [0, 1, 0, 1], "keep")
+    plan = chunks.model_copy(update={"schema_": 3, "virtual_stages": 2})  # two chunks on each of two GPUs
+    with pytest.raises(MpsimError, match="no interleaved 1F1B yet"):
+        check_runnable(plan, cpu4, tiny, SETTINGS)
