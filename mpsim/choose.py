@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from mpsim.catalog import load_topology, load_trace, shipped_topologies
 from mpsim.errors import MpsimError
 from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PARTITIONS, JobSpec, check_strategy, pipeline
-from mpsim.layouts import DEFAULT_LAYOUTS, candidate_layouts, on_layout
+from mpsim.layouts import CHOOSE_LAYOUTS, candidate_layouts, on_layout
 from mpsim.planners.registry import plan_job
 from mpsim.sim import SimResult
 from mpsim.strategies import combines
@@ -164,7 +164,7 @@ class ChooseReport:
     rank_by: str
     seq_len: int | None
     rows: list[ChooseRow] = field(default_factory=list)
-    layouts: str = DEFAULT_LAYOUTS
+    layouts: str = CHOOSE_LAYOUTS
     """The layouts searched (``--layouts``: words and names, ``mpsim.layouts``)."""
     """Ranked: best first."""
 
@@ -305,7 +305,7 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
            microbatch_sizes: Sequence[int] | None = None, strategies: Sequence[str] = ("best",),
            microbatches: int = DEFAULT_MICROBATCHES, prices: Mapping[str, float] | None = None,
            rank_by: str = "cost", on_point: Callable[[str], None] | None = None,
-           layouts: str = DEFAULT_LAYOUTS) -> ChooseReport:
+           layouts: str = CHOOSE_LAYOUTS) -> ChooseReport:
     """Rank ``servers`` for training ``model``: per server the fastest plan that fits over
     ``layouts`` (``mpsim.layouts.candidate_layouts``: words and names), ``strategies``
     (each single planner under both partitions; ``best`` tries them all) and
@@ -350,7 +350,7 @@ def _jobs_on(topo: Topology, trace: Trace, schedule: str, microbatches: int, str
     for strategy in strategies:
         check_strategy(strategy)
     base = JobSpec(topo, trace, schedule, microbatches, pipeline(1))
-    return [on_layout(base, p, microbatches) for p in candidate_layouts(topo, layouts, schedule)]
+    return [on_layout(base, p, microbatches) for p in candidate_layouts(topo, layouts, schedule, trace)]
 
 
 # -- the answer in words: the report's one line (its tables and chart are in mpsim.views) -----

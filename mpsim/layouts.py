@@ -1,15 +1,20 @@
 """Parallel layouts by name, and the set of layouts the studies search.
 
 A layout is a ``Parallelism`` (``mpsim.job``): data-parallel replicas (DDP, or ZeRO stage
-1, 2 or 3, which PyTorch runs as FSDP) of a pipeline. Names, as ``--layouts`` takes them:
+1, 2 or 3, which PyTorch runs as FSDP) of a pipeline whose stages may each be a
+tensor-parallel group. Names, as ``--layouts`` takes them (parts joined by ``x``, data
+parallel first, then tensor, then pipeline: Megatron-LM's order read outward):
 
-- ``pp8``: a pipeline of 8 stages, no data parallelism;
+- ``pp8``: a pipeline of 8 stages, no data parallelism; ``pp4v2``: interleaved 1F1B with
+  2 virtual stages per GPU;
 - ``ddp8``, ``zero1x8``, ``zero2x4``, ``fsdp8`` (= ``zero3x8``): that many replicas of one
   stage each;
-- ``ddp2xpp4``, ``zero1x2xpp4``, ``fsdp2xpp4``: 2 replicas of a pipeline of 4.
+- ``ddp2xpp4``, ``zero1x2xpp4``, ``fsdp2xpp4``: 2 replicas of a pipeline of 4;
+- ``tp8``, ``tp4spxpp2`` (sequence parallel), ``zero1x2xtp2spxpp2``, ``fsdp2xtp4``:
+  tensor-parallel groups of that many GPUs per stage.
 
 Outputs name a layout as ``Parallelism.describe`` does (``pipeline x8``, ``FSDP x8``,
-``ZeRO-2 x4 x pipeline x2``); ``short_name`` gives the name back.
+``ZeRO-2 x4 x pipeline x2``, ``TP x4+SP x pipeline x2``); ``short_name`` gives the name back.
 
 The studies (``choose``, ``fits``, ``sweep``) hold the global batch fixed across layouts:
 their microbatch count is per iteration over all replicas, so a layout of ``dp`` replicas
@@ -25,94 +30,141 @@ import re
 from mpsim.errors import MpsimError
 from mpsim.job import DP_NAMES, JobSpec, Parallelism, data_parallel
 from mpsim.schedule import check_schedule, min_microbatches
+from mpsim.tensor_parallel import check_shardable
 from mpsim.topology import Topology
+from mpsim.trace import Trace
 
-LAYOUT_FORMS = ("pp8 (pipeline of 8), ddp8, zero1x8, zero2x4, fsdp8 (= zero3x8), or replicas of a pipeline: "
-                "ddp2xpp4, fsdp2xpp4")
+LAYOUT_FORMS = ("pp8 (pipeline of 8), pp4v2 (interleaved, 2 virtual stages), ddp8, zero1x8, zero2x4, fsdp8 "
+                "(= zero3x8), replicas of a pipeline: ddp2xpp4, fsdp2xpp4, or tensor-parallel stages: tp8, tp4spxpp2 "
+                "(sequence parallel), zero1x2xtp2spxpp2")
 FILTERS: dict[str, str] = {
     "all": "every data-parallel degree x pipeline depth that uses all GPUs, ZeRO 0 to 3 where replicated",
     "pipeline": "one pipeline over all GPUs (pp8 on 8 GPUs)",
     "data": "one replica per GPU, DDP and ZeRO 1 to 3 (ddp8, zero1x8, zero2x8, fsdp8 on 8 GPUs)",
     "hybrid": "replicas of a pipeline of 2 or more stages (ddp2xpp4, ...), ZeRO 0 to 3",
+    "3d": "tensor-parallel groups of 2 to 8 GPUs (sequence parallel) times a pipeline and DDP, ZeRO-1 or FSDP "
+          "replicas, every degree that uses all GPUs and the model's heads divide",
 }
 """Words ``--layouts`` takes beside names, each the layouts of one kind on a server."""
 DEFAULT_LAYOUTS = "pipeline,data"
-"""What ``choose`` and ``fits`` search unless told: the pipeline and the pure data-parallel
-layouts, 5 on any server (``all`` is 13 on 8 GPUs, 17 on 16)."""
+"""What ``fits`` searches unless told: the pipeline and the pure data-parallel layouts, 5 on
+any server (``all`` is 25 on 8 GPUs, 38 on 16)."""
+CHOOSE_LAYOUTS = "pipeline,data,3d"
+"""What ``choose`` searches unless told: those and the 3-D layouts (``_3d_layouts``, 12 on 8
+GPUs for a model whose heads divide by 8), so each server is ranked by its best layout."""
 LAYOUTS_HELP = ("comma-separated layouts: names " + LAYOUT_FORMS + "; or all, pipeline, data (one replica per "
-                "GPU, DDP and ZeRO-1/2/3), hybrid (replicas of a pipeline). --microbatches counts the whole "
+                "GPU, DDP and ZeRO-1/2/3), hybrid (replicas of a pipeline), 3d (tensor-parallel stages times "
+                "pipeline and replicas). --microbatches counts the whole "
                 "iteration over all replicas: a layout of dp replicas runs ceil(M/dp) per replica, at least "
                 "one per stage for 1f1b")
 
-_DATA_NAME = re.compile(r"(ddp|fsdp|zero([0-3])x)(\d+)")
-_PIPE_NAME = re.compile(r"pp(\d+)")
+_NAME = re.compile(r"(?:(?P<kind>ddp|fsdp)(?P<n>\d+)|zero(?P<zero>[0-3])x(?P<zn>\d+))?"
+                   r"(?:(?:(?<=\d)x|^)tp(?P<tp>\d+)(?P<sp>sp)?)?"
+                   r"(?:(?:(?<=\d)x|(?<=sp)x|^)pp(?P<pp>\d+)(?:v(?P<v>\d+))?)?")
 
 
 def parse_layout(text: str) -> Parallelism:
-    """A layout from its name (``pp8``, ``fsdp8``, ``zero2x4``, ``ddp2xpp4``); one-line
-    ``MpsimError`` naming the forms for anything else."""
+    """A layout from its name (``pp8``, ``fsdp8``, ``zero2x4``, ``ddp2xpp4``, ``tp4spxpp2``,
+    ``pp4v2``); one-line ``MpsimError`` naming the forms for anything else."""
     name = text.strip().lower()
-    data_part, sep, pipe_part = name.partition("xpp")
-    if not sep and name.startswith("pp"):
-        data_part, pipe_part = "", name[2:]
-    data = _DATA_NAME.fullmatch(data_part) if data_part else None
-    pipe = pipe_part if (sep or not data_part) else "1"
-    if (data_part and data is None) or (sep and not data_part) or not pipe.isdigit():
+    m = _NAME.fullmatch(name) if name else None
+    if m is None or not any(m.group(k) for k in ("n", "zn", "tp", "pp")):
         raise MpsimError(f"unknown layout {text!r}: expected {LAYOUT_FORMS}")
+    data, zero = 1, 0
+    if m["kind"]:
+        data, zero = int(m["n"]), 3 if m["kind"] == "fsdp" else 0
+    elif m["zn"]:
+        data, zero = int(m["zn"]), int(m["zero"])
+    options = {"tensor": int(m["tp"] or 1), "sequence_parallel": bool(m["sp"]), "virtual_stages": int(m["v"] or 1)}
     try:
-        if data is None:
-            return data_parallel(1, 0, int(pipe))
-        return data_parallel(int(data[3]), 3 if data[1] == "fsdp" else int(data[2] or 0), int(pipe))
+        return data_parallel(data, zero, int(m["pp"] or 1), **options)
     except MpsimError as exc:
         raise MpsimError(f"layout {text!r}: {exc}") from None
 
 
 def short_name(p: Parallelism, n_stages: int) -> str:
-    """The name ``parse_layout`` reads back: ``pp8``, ``fsdp8``, ``zero2x4xpp2``."""
-    if p.data == 1 and p.zero_stage == 0:
-        return f"pp{n_stages}"
-    kind = {0: "ddp", 3: "fsdp"}.get(p.zero_stage, f"zero{p.zero_stage}x")
-    return f"{kind}{p.data}" + (f"xpp{n_stages}" if n_stages > 1 else "")
+    """The name ``parse_layout`` reads back: ``pp8``, ``fsdp8``, ``zero2x4xpp2``, ``tp4spxpp2``."""
+    parts = []
+    if p.data > 1 or p.zero_stage:
+        kind = {0: "ddp", 3: "fsdp"}.get(p.zero_stage, f"zero{p.zero_stage}x")
+        parts.append(f"{kind}{p.data}")
+    if p.tensor > 1:
+        parts.append(f"tp{p.tensor}" + ("sp" if p.sequence_parallel else ""))
+    if n_stages > 1 or not parts:
+        parts.append(f"pp{n_stages}" + (f"v{p.virtual_stages}" if p.virtual_stages > 1 else ""))
+    return "x".join(parts)
 
 
 def _all_layouts(n_gpus: int) -> list[Parallelism]:
     """Every divisor ``dp`` of ``n_gpus`` with a pipeline of ``n_gpus / dp``: the pipeline
-    first, then by more replicas, ZeRO 0 to 3 each."""
+    first, then by more replicas, ZeRO 0 to 3 each; then the 3-D layouts (``_3d_layouts``)."""
     out = [data_parallel(1, 0, n_gpus)]
     for dp in range(2, n_gpus + 1):
         if n_gpus % dp == 0:
             out += [data_parallel(dp, zero, n_gpus // dp) for zero in DP_NAMES]
+    return out + _3d_layouts(n_gpus)
+
+
+TENSOR_DEGREES = (2, 4, 8)
+"""Tensor-parallel degrees the ``3d`` word searches: inside one server, as Megatron-LM keeps them."""
+_3D_ZERO = (0, 1, 3)
+"""Replicas of a 3-D layout: DDP, ZeRO-1 (Megatron-LM's distributed optimizer) or FSDP."""
+
+
+def _3d_layouts(n_gpus: int) -> list[Parallelism]:
+    """Tensor-parallel groups of t in ``TENSOR_DEGREES`` with sequence parallelism, times
+    every split of the other n/t GPUs into dp replicas of a pipeline: by t, then by more
+    replicas, ZeRO as in ``_3D_ZERO``."""
+    out = []
+    for t in (t for t in TENSOR_DEGREES if n_gpus % t == 0):
+        rest = n_gpus // t
+        for dp in (d for d in range(1, rest + 1) if rest % d == 0):
+            for zero in (_3D_ZERO if dp > 1 else (0,)):
+                out.append(data_parallel(dp, zero, rest // dp, tensor=t, sequence_parallel=True))
     return out
 
 
 def _of_kind(word: str, layouts: list[Parallelism]) -> list[Parallelism]:
-    pp = {"pipeline": lambda p: p.data == 1, "data": lambda p: p.data > 1 and p.pipeline == 1,
-          "hybrid": lambda p: p.data > 1 and (p.pipeline or 1) > 1, "all": lambda p: True}[word]
+    pp = {"pipeline": lambda p: p.data == 1 and p.tensor == 1,
+          "data": lambda p: p.data > 1 and p.pipeline == 1 and p.tensor == 1,
+          "hybrid": lambda p: p.data > 1 and (p.pipeline or 1) > 1 and p.tensor == 1,
+          "3d": lambda p: p.tensor > 1, "all": lambda p: True}[word]
     return [p for p in layouts if pp(p)]
 
 
-def candidate_layouts(topo: Topology, which: str = "all", schedule: str | None = None) -> list[Parallelism]:
+def candidate_layouts(topo: Topology, which: str = "all", schedule: str | None = None,
+                      trace: Trace | None = None) -> list[Parallelism]:
     """The layouts to search on ``topo``: ``which`` is a comma list of words (``FILTERS``)
     and names (``parse_layout``), in that order without repeats. Named layouts that need
-    more GPUs than ``topo`` has are left out; a word gives no data parallelism under
-    ``pipedream``, which the engine does not run with replicas. Refused in one line when
-    nothing is left."""
+    more GPUs than ``topo`` has are left out; a word gives no data or tensor parallelism
+    under ``pipedream``, which the engine does not run with either, and no tensor
+    parallelism that ``trace`` (when given) cannot split. Refused in one line when nothing
+    is left."""
     every = _all_layouts(topo.n_gpus)
     chosen: list[Parallelism] = []
     for item in (x.strip() for x in which.split(",")):
         if item in FILTERS:
             found = _of_kind(item, every)
-            chosen += [p for p in found if schedule != "pipedream" or p.data == 1]
+            chosen += [p for p in found if (schedule != "pipedream" or (p.data == 1 and p.tensor == 1))
+                       and (trace is None or _splits(trace, p))]
         elif not item:
             raise MpsimError(f"--layouts: expected a comma-separated list without empty items, got {which!r}")
         else:
             p = parse_layout(item)
-            if p.data * (p.pipeline or 1) <= topo.n_gpus:
+            if p.data * p.tensor * (p.pipeline or 1) <= topo.n_gpus:
                 chosen.append(p)
     chosen = list(dict.fromkeys(chosen))
     if not chosen:
         raise MpsimError(f"--layouts {which}: no layout fits the {topo.n_gpus} GPU(s) of {topo.name}")
     return chosen
+
+
+def _splits(trace: Trace, p: Parallelism) -> bool:
+    try:
+        check_shardable(trace, p.tensor, p.sequence_parallel)
+    except MpsimError:
+        return False
+    return True
 
 
 def microbatches_per_replica(microbatches: int, p: Parallelism, n_stages: int, schedule: str) -> int:

@@ -43,7 +43,8 @@ def test_layout_names_parse_and_label_as_describe_does(name, data, zero, stages,
     assert parse_layout(short_name(p, stages)) == p
 
 
-@pytest.mark.parametrize("bad", ["pp", "dp8", "fsdp", "zero4x2", "xpp4", "ddp2xpp", "pipeline8", "ddp8x"])
+@pytest.mark.parametrize("bad", ["pp", "dp8", "fsdp", "zero4x2", "xpp4", "ddp2xpp", "pipeline8", "ddp8x", "tp",
+                                 "pp2xtp2", "tp2x", "fsdp2tp2", "tpsp2"])
 def test_a_bad_layout_name_is_one_line_listing_the_forms(bad):
     with pytest.raises(MpsimError) as err:
         parse_layout(bad)
@@ -61,17 +62,34 @@ def _names(topo_name: str, which: str, schedule: str | None = None) -> list[str]
 
 
 def test_every_layout_of_8_gpus():
-    assert _names("dgx1-v100", "all") == [
+    assert _names("dgx1-v100", "all")[:13] == [
         "pp8", "ddp2xpp4", "zero1x2xpp4", "zero2x2xpp4", "fsdp2xpp4", "ddp4xpp2", "zero1x4xpp2", "zero2x4xpp2",
         "fsdp4xpp2", "ddp8", "zero1x8", "zero2x8", "fsdp8"]
+    assert _names("dgx1-v100", "3d") == _names("dgx1-v100", "all")[13:] == [
+        "tp2spxpp4", "ddp2xtp2spxpp2", "zero1x2xtp2spxpp2", "fsdp2xtp2spxpp2", "ddp4xtp2sp", "zero1x4xtp2sp",
+        "fsdp4xtp2sp", "tp4spxpp2", "ddp2xtp4sp", "zero1x2xtp4sp", "fsdp2xtp4sp", "tp8sp"]
     assert _names("dgx1-v100", "pipeline,data") == ["pp8", "ddp8", "zero1x8", "zero2x8", "fsdp8"]
     assert _names("dgx1-v100", "hybrid") == _names("dgx1-v100", "all")[1:9]
 
 
 def test_every_layout_of_4_gpus():
     assert _names("titanrtx-x4-pcie", "all") == [
-        "pp4", "ddp2xpp2", "zero1x2xpp2", "zero2x2xpp2", "fsdp2xpp2", "ddp4", "zero1x4", "zero2x4", "fsdp4"]
+        "pp4", "ddp2xpp2", "zero1x2xpp2", "zero2x2xpp2", "fsdp2xpp2", "ddp4", "zero1x4", "zero2x4", "fsdp4",
+        "tp2spxpp2", "ddp2xtp2sp", "zero1x2xtp2sp", "fsdp2xtp2sp", "tp4sp"]
     assert _names("titanrtx-x4-pcie", "data") == ["ddp4", "zero1x4", "zero2x4", "fsdp4"]
+
+
+def test_3d_layouts_leave_out_degrees_the_model_does_not_split():
+    """GPT-5.3B has 30 heads: tensor parallel over 2 GPUs, not 4 or 8."""
+    layouts = candidate_layouts(load_topology("dgx1-v100"), "3d", trace=load_trace("gpt-5.3b"))
+    assert {p.tensor for p in layouts} == {2} and len(layouts) == 7
+
+
+@pytest.mark.parametrize("name", ["pp8", "pp4v2", "tp8", "tp4spxpp2", "zero1x2xtp2spxpp2", "fsdp2xtp4",
+                                  "ddp2xtp2xpp2v2"])
+def test_layout_names_read_back(name):
+    p = parse_layout(name)
+    assert short_name(p, p.pipeline or 1) == name
 
 
 def test_names_and_words_mix_in_order_without_repeats_and_too_big_names_are_left_out():

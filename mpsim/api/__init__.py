@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
         data_parallel,
         job_of,
     )
-    from mpsim.layouts import DEFAULT_LAYOUTS, LAYOUTS_HELP, candidate_layouts, parse_layout
+    from mpsim.layouts import CHOOSE_LAYOUTS, DEFAULT_LAYOUTS, LAYOUTS_HELP, candidate_layouts, parse_layout
     from mpsim.plan import PlanFile, read_plan_file, write_plan_file
     from mpsim.planners import Planned, plan_job
     from mpsim.sim import SimResult
@@ -73,7 +73,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.choose": ("ChooseReport", "choose", "parse_price", "parse_servers"),
     "mpsim.job": ("DEFAULT_MICROBATCHES", "DEFAULT_MODEL", "DEFAULT_SCHEDULE", "DEFAULT_SERVER", "JobSpec",
                   "PARTITIONS", "Parallelism", "data_parallel", "job_of"),
-    "mpsim.layouts": ("DEFAULT_LAYOUTS", "LAYOUTS_HELP", "candidate_layouts", "parse_layout"),
+    "mpsim.layouts": ("CHOOSE_LAYOUTS", "DEFAULT_LAYOUTS", "LAYOUTS_HELP", "candidate_layouts", "parse_layout"),
     "mpsim.plan": ("PlanFile", "read_plan_file", "write_plan_file"),
     "mpsim.planners": ("Planned", "plan_job"),
     "mpsim.sim": ("SimResult",),

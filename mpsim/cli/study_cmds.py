@@ -202,7 +202,7 @@ def calibrate_cmd(trace_paths: tuple[str, ...], server: str, output: Path | None
               help=MICROBATCHES_HELP)
 @click.option("--strategy", "strategies", default="best", show_default=True,
               help="comma-separated strategies allowed (each single one under both partitions; best: all of them)")
-@layouts_option(api.DEFAULT_LAYOUTS)
+@layouts_option(api.CHOOSE_LAYOUTS)
 @click.option("--price", "price_overrides", multiple=True, metavar="SERVER=USD/h",
               help="on-demand USD per hour of a server, instead of its file's price; repeat for several")
 @click.option("--rank-by", type=click.Choice(["cost", "throughput"]), default="cost", show_default=True,

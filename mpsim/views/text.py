@@ -272,7 +272,8 @@ def choose_text(report: ChooseReport) -> str:
              f"{report.layouts}; ranked by {report.rank_by}", "",
              table_text(choose_header(report.seq_len is not None), rows),
              "(layout and plan: the parallel layout and technique of the fastest plan that fits, else of the one "
-             "that came closest; DDP, ZeRO-1/2 and FSDP (ZeRO-3) xN: N data-parallel replicas; OOM +x: the "
+             "that came closest; DDP, ZeRO-1/2 and FSDP (ZeRO-3) xN: N data-parallel replicas; TP xN: N-way "
+             "tensor parallel (+SP: sequence parallel); OOM +x: the "
              "smallest highest per-GPU peak above capacity, GiB; front: on the Pareto front of throughput against "
              "USD per hour; M = 10^6; memory in GiB = 2^30 bytes)"]
     sources = [f"  {r.server}: USD {money(r.price.usd_per_hour)}/h, "
