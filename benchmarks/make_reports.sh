@@ -31,6 +31,7 @@ mpsim simulate --model gpt-15.4b --microbatch 2 --strategy cpu-swap --plot repor
 taskset -c 0,1 python benchmarks/bench_planners.py > reports/bench_planners.txt
 taskset -c 0,1 python benchmarks/bench_layers.py > reports/bench_layers.txt
 python benchmarks/validation_dp.py > reports/validation_dp_cpu.md
+python benchmarks/validation_tp.py > reports/validation_tp_cpu.md
 taskset -c 0,1 python benchmarks/bench_dp.py > reports/bench_dp.txt
 rm -f reports/sweep_bert-1.67b_dgx1.csv  # a sweep resumes from the rows it finds: start afresh
 mpsim sweep --server dgx1-v100 --model bert-1.67b --schedule pipedream --microbatch 1,2,4,8,12,16 \
@@ -38,7 +39,7 @@ mpsim sweep --server dgx1-v100 --model bert-1.67b --schedule pipedream --microba
   --plot reports/sweep_bert-1.67b_dgx1.png > reports/sweep_bert-1.67b_dgx1.txt
 python benchmarks/presets_table.py --server dgx-a100-80gb,dgx-h100 --strategy none,selective,recompute,best > reports/presets_8gpu.md
 mpsim reproduce --out reports
-for model in gpt-10.3b llama-3-8b; do
+for model in gpt-10.3b llama-3-8b llama-3-70b; do
   mpsim choose --model "$model" --servers dgx1-v100,a100-40gb-nvswitch,dgx-a100-80gb,dgx-h100 \
     --plot "reports/choose_${model}.png" --html "reports/choose_${model}.html" > "reports/choose_${model}.txt"
 done

@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -88,3 +90,28 @@ def test_the_data_parallel_figures_in_the_readme_are_those_of_the_reports_and_re
     assert offload is not None
     peak, step = abs(zinf["stages"][0]["peak_error_pct"]), -zinf["iteration_error_pct"]
     assert (f"{peak:.1f}", f"{step:.0f}") == offload.groups()
+
+
+def _report_block(name: str) -> list[str]:
+    """A choose report's table and recommendation, as the README quotes them."""
+    lines = (ROOT / "reports" / name).read_text().splitlines()
+    table = lines[:lines.index("prices:")]
+    return [x for x in table if x] + [x for x in lines if x.startswith("recommendation:")]
+
+
+@pytest.mark.parametrize("model", ["llama-3-8b", "llama-3-70b"])
+def test_the_choose_tables_in_the_readme_are_the_reports(model):
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index(f"$ mpsim choose --model {model} --servers")
+    quoted = [x for x in readme[start:readme.index("```", start)].splitlines()[1:] if x]
+    assert quoted == _report_block(f"choose_{model}.txt")
+
+
+def test_the_tensor_parallel_validation_range_in_the_readme_is_the_reports():
+    rows = [x for x in (ROOT / "reports" / "validation_tp_cpu.md").read_text().splitlines() if x.startswith("| tp=2")]
+    errors = [float(x.split("|")[7].strip().rstrip("%")) for x in rows]
+    quote = _paragraph((ROOT / "README.md").read_text(), "reports/validation_tp_cpu.md")
+    found = re.search(r"within ([+-][\d.]+)% to ([+-][\d.]+)% of the prediction", quote)
+    assert found is not None and len(rows) >= 10
+    assert (float(found[1]), float(found[2])) == (round(max(errors), 1), round(min(errors), 1))
+    assert all(abs(e) <= 5 for e in errors)
