@@ -185,7 +185,7 @@ def fits_layouts(job: JobSpec, family: str, traces: list[Trace], strategies: Seq
     server), ``microbatches`` per iteration over all replicas; one ``LayoutFits`` per
     strategy, in the order given. Every layout's job is checked before anything runs
     (``on_layout``; each strategy by ``fits_all`` before its first layout runs)."""
-    jobs = [on_layout(job, p, microbatches) for p in candidate_layouts(job.topology, layouts, job.schedule)]
+    jobs = [on_layout(job, p, microbatches) for p in candidate_layouts(job.topology, layouts, job.schedule, job.trace)]
     reached: dict[str, dict[str, int]] = {}
     per_layout = []
     for j in jobs:
