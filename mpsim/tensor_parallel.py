@@ -25,7 +25,9 @@ layer's FLOPs, an estimate. Shards are traced once per process and kept (``SHARD
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from mpsim.errors import MpsimError
@@ -78,7 +80,9 @@ def shard_trace(trace: Trace, degree: int, sequence_parallel: bool = False, save
         _SHARDS.move_to_end(key)
         return found
     check_shardable(trace, degree, sequence_parallel)
-    traced = _traced_shard(trace, degree, sequence_parallel, saves_gathered)
+    model = {k: v for k, v in trace.spec.model.items() if k != "layers"}
+    traced = _traced_shard(json.dumps(model, sort_keys=True), trace.microbatch, trace.spec.precision.recipe, degree,
+                           sequence_parallel, saves_gathered and sequence_parallel)
     rows = [_shard_row(r, traced.layers[_ROW_OF_KIND[r.kind]]) for r in trace.layers]
     model = dict(trace.spec.model, tensor_parallel=traced.spec.model["tensor_parallel"])
     shard = Trace(trace.spec.model_copy(update={"layers": rows, "model": model}), trace.source)
@@ -88,19 +92,23 @@ def shard_trace(trace: Trace, degree: int, sequence_parallel: bool = False, save
     return shard
 
 
-def _config(trace: Trace) -> ModelConfig:
+def _config(model: dict) -> ModelConfig:
     from mpsim.workloads import ModelConfig
 
     fields = set(ModelConfig.__dataclass_fields__)
-    return ModelConfig(**{k: v for k, v in trace.spec.model.items() if k in fields} | {"layers": 1})
+    return ModelConfig(**{k: v for k, v in model.items() if k in fields} | {"layers": 1})
 
 
-def _traced_shard(trace: Trace, degree: int, sequence_parallel: bool, saves_gathered: bool) -> Trace:
+@lru_cache(maxsize=SHARDS)
+def _traced_shard(model_json: str, microbatch: int, recipe: str, degree: int, sequence_parallel: bool,
+                  saves_gathered: bool) -> Trace:
+    """The embedding, one layer and the head of a shard, traced once per shape (a depth
+    search's traces differ in their layer count only, which a row does not depend on)."""
     from mpsim.tp_ops import TensorShard
     from mpsim.tracer import trace_model
 
-    shard = TensorShard(degree, sequence_parallel, saves_gathered and sequence_parallel)
-    return trace_model(_config(trace), trace.microbatch, trace.spec.precision.recipe, trace.name, shard)
+    shard = TensorShard(degree, sequence_parallel, saves_gathered)
+    return trace_model(_config(json.loads(model_json)), microbatch, recipe, None, shard)
 
 
 def _shard_row(row: LayerRow, traced: LayerRow) -> LayerRow:
