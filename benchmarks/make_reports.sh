@@ -33,6 +33,7 @@ taskset -c 0,1 python benchmarks/bench_layers.py > reports/bench_layers.txt
 python benchmarks/validation_dp.py > reports/validation_dp_cpu.md
 python benchmarks/validation_tp.py > reports/validation_tp_cpu.md
 taskset -c 0,1 python benchmarks/bench_dp.py > reports/bench_dp.txt
+taskset -c 0,1 python benchmarks/bench_tp.py > reports/bench_tp.txt
 rm -f reports/sweep_bert-1.67b_dgx1.csv  # a sweep resumes from the rows it finds: start afresh
 mpsim sweep --server dgx1-v100 --model bert-1.67b --schedule pipedream --microbatch 1,2,4,8,12,16 \
   --strategy none,recompute,cpu-swap,mpress,best -j 2 --csv reports/sweep_bert-1.67b_dgx1.csv \
