@@ -10,6 +10,8 @@ import json
 import pytest
 import torch
 from helpers import layer, tiny_topology, tiny_trace, topology_dict
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn import functional as F
 
 from mpsim import tp_ops
@@ -209,3 +211,27 @@ def test_a_3d_plan_file_round_trips_through_the_cli(capsys, tmp_path):
     again = json.loads(run(capsys, "simulate", "--plan", str(path), *common)[1])
     assert again["iteration_s"] == made["iteration_s"] and again["layout"] == made["layout"]
     assert made["layout"] == "ZeRO-1 x2 x TP x2+SP x pipeline x2 (interleaved x2)"
+
+
+@settings(max_examples=40, deadline=None)
+@given(fwd=st.lists(st.integers(1, 5), min_size=1, max_size=4), n_collectives=st.integers(0, 3),
+       kb=st.integers(1, 2000), m=st.integers(1, 3), sp=st.booleans())
+def test_one_stage_takes_its_compute_plus_its_collectives_exactly(fwd, n_collectives, kb, m, sp):
+    """A tensor-parallel stage alone on an idle ring of 2 at 1 GB/s: each microbatch's
+    forward and backward take their layers' compute plus, per collective, what a ring of
+    2 sends per hop (all-reduce: the buffer; all-gather and reduce-scatter: half)."""
+    ops = ["all-gather", "reduce-scatter"] if sp else ["all-reduce"]
+    coll = [{"op": ops[i % len(ops)], "n_bytes": kb * 1000} for i in range(n_collectives)]
+    rows = [dict(layer(f"l{i}", float(f), 2.0 * f, out=4, inp=4 if i else 0), fwd_collectives=coll,
+                 bwd_collectives=coll) for i, f in enumerate(fwd)]
+    shard = tiny_trace(rows)
+    per_hop_ms = sum(c["n_bytes"] * (1.0 if c["op"] == "all-reduce" else 0.5) for c in coll) / 1e6
+    expected_ms = m * sum(3.0 * f + 2 * per_hop_ms for f in fwd)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layout_mod, "stage_trace", lambda job, runtime: shard)
+        mp.setattr("mpsim.job.check_shardable", lambda *a: None)
+        r = simulate_job(Job(JobSpec(tiny_topology(n_gpus=2, nvlink_gbps=1.0), shard, "gpipe", m,
+                                     Parallelism(tensor=2))))
+    end_ms = max(s.end_s for s in r.spans if s.lane == "compute" and s.name[0] != "U") / MS
+    assert end_ms == pytest.approx(expected_ms, rel=1e-9)
+    assert r.gpus[0].costs_s["tp_comm_s"] == pytest.approx(m * len(fwd) * 2 * per_hop_ms * MS, rel=1e-9, abs=1e-15)
