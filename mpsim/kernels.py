@@ -41,10 +41,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Literal, cast, get_args
+from typing import Literal, TypeVar, cast, get_args
 
 import torch
 from torch import Tensor
@@ -90,15 +90,21 @@ class TraceProbe:
 
 
 _PROBE: ContextVar[TraceProbe | None] = ContextVar("mpsim_trace_probe", default=None)
+P = TypeVar("P")
 
 
 @contextmanager
-def probing(probe: TraceProbe) -> Iterator[TraceProbe]:
-    token = _PROBE.set(probe)
+def scoped(var: ContextVar[P | None], value: P) -> Iterator[P]:
+    """``var`` set to ``value`` inside the block (the tracer's probes)."""
+    token = var.set(value)
     try:
-        yield probe
+        yield value
     finally:
-        _PROBE.reset(token)
+        var.reset(token)
+
+
+def probing(probe: TraceProbe) -> AbstractContextManager[TraceProbe]:
+    return scoped(_PROBE, probe)
 
 
 def storage_key(t: Tensor) -> int:

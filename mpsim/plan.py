@@ -353,12 +353,7 @@ def _check_tp_group(group: list[int], first: int, degree: int, at: str, topo: To
         raise bad(at, f"expected {degree} GPUs (degree), got {group}")
     if group[0] != first:
         raise bad(at, f"expected the stage's own GPU {first} first, got {group}")
-    for g in group:
-        if not 0 <= g < topo.n_gpus:
-            raise bad(at, f"GPU {g} does not exist on {topo.name} (0..{topo.n_gpus - 1})")
-        if g in seen:
-            raise bad(at, f"GPU {g} runs another stage, replica or group already")
-        seen.add(g)
+    _claim_gpus(group, at, topo, seen, bad)
 
 
 def _check_stage_gpu(st: StagePlan, s: int, topo: Topology, gpus_seen: dict[int, int], bad: _Bad) -> None:
@@ -456,11 +451,16 @@ def _check_replica(gpus: list[int], at: str, n_stages: int, topo: Topology, seen
     """One replica: a GPU of ``topo`` for each stage, none in ``seen`` (recorded there)."""
     if len(gpus) != n_stages:
         raise bad(at, f"expected a GPU for each of {n_stages} stages, got {gpus}")
+    _claim_gpus(gpus, at, topo, seen, bad)
+
+
+def _claim_gpus(gpus: list[int], at: str, topo: Topology, seen: set[int], bad: _Bad) -> None:
+    """``gpus`` exist on ``topo`` and none is in ``seen`` (each recorded there)."""
     for g in gpus:
         if not 0 <= g < topo.n_gpus:
             raise bad(at, f"GPU {g} does not exist on {topo.name} (0..{topo.n_gpus - 1})")
         if g in seen:
-            raise bad(at, f"GPU {g} runs another stage or replica already")
+            raise bad(at, f"GPU {g} runs another stage, replica or group already")
         seen.add(g)
 
 

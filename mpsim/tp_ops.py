@@ -29,14 +29,15 @@ function is the identity around the plain layer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+
+from mpsim.kernels import scoped
 
 
 @dataclass(frozen=True)
@@ -65,13 +66,9 @@ class CommProbe:
 _PROBE: ContextVar[CommProbe | None] = ContextVar("mpsim_comm_probe", default=None)
 
 
-@contextmanager
-def recording(probe: CommProbe) -> Iterator[CommProbe]:
-    token = _PROBE.set(probe)
-    try:
-        yield probe
-    finally:
-        _PROBE.reset(token)
+def recording(probe: CommProbe) -> AbstractContextManager[CommProbe]:
+    """Collectives of the shard modules run inside the block are recorded in ``probe``."""
+    return scoped(_PROBE, probe)
 
 
 def _record(backward: bool, op: str, t: Tensor) -> None:
