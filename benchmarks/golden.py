@@ -52,7 +52,8 @@ def one(job: tuple[str, ...]) -> tuple[str, dict]:
         return key, {"error": str(exc)}
     r = planned.result
     # the schema number and an absent data_parallel block (schema 2) say nothing of the plan
-    plan_json = planned.plan.model_dump_json(exclude={"schema_", "data_parallel"}, exclude_none=True)
+    defaults = {"virtual_stages"} if planned.plan.virtual_stages == 1 else set()  # schema 3's, at its default
+    plan_json = planned.plan.model_dump_json(exclude={"schema_", "data_parallel"} | defaults, exclude_none=True)
     return key, {
         "iteration_s": repr(r.iteration_s), "makespan_s": repr(r.makespan_s), "fits": r.fits,
         "oom": json.dumps(r.oom, sort_keys=True, default=repr), "host_peak_bytes": r.host_peak_bytes,

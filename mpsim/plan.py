@@ -182,7 +182,14 @@ class PlanFile(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(by_alias=True, exclude_defaults=False), indent=1)
+        """The file's text; schema 3's fields are left out while they hold their defaults,
+        so a plan without tensor parallelism or virtual stages reads as schema 2 did."""
+        data = self.model_dump(by_alias=True, exclude_defaults=False)
+        if data["tensor_parallel"] is None:
+            del data["tensor_parallel"]
+        if data["virtual_stages"] == 1:
+            del data["virtual_stages"]
+        return json.dumps(data, indent=1)
 
     @property
     def replicas(self) -> int:

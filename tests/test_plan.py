@@ -133,3 +133,13 @@ def test_d2d_swaps_only_to_nvlink_neighbours_with_spare_memory():
     assert peers and all(topo.nvlinks_between(g, q) for g, q in peers)
     assert r.fits
     assert any(g.breakdown["peer_swap"] for g in r.gpus) or any(g.saved_at_peak["peer"] for g in r.gpus)
+
+
+def test_a_plan_without_tensor_parallelism_or_virtual_stages_is_written_as_schema_2(tmp_path):
+    """Schema 3's fields are left out at their defaults, so an older reader takes the file."""
+    from mpsim.api import job_of, plan_job
+
+    plan = plan_job(job_of("dgx1-v100", "gpt-5.3b", strategy="recompute")).plan
+    data = json.loads(plan.to_json())
+    assert data["schema"] == 2 and "tensor_parallel" not in data and "virtual_stages" not in data
+    assert parse_plan(data) == plan
