@@ -37,6 +37,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -222,25 +223,35 @@ def run_executor(plan: PlanFile, cfg: ModelConfig, settings: RunSettings, capaci
            "-m", executor_module(), "--job", str(job_path), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS=str(settings.threads), PYTHONUNBUFFERED="1")
     for attempt in range(LAUNCH_ATTEMPTS):
+        shutil.rmtree(out, ignore_errors=True)  # a second attempt reads its own results only
         proc = _launch(cmd, env, settings, workdir)
         results = [json.loads(f.read_text()) if (f := out / f"rank{r}.json").exists() else None for r in range(world)]
         if any(r is not None and r.get("oom") for r in results):
             return results
-        if proc.returncode == 0 and all(r is not None for r in results):
-            return results
         errors = sorted(out.glob("rank*.error.txt")) if out.exists() else []
+        if all(r is not None for r in results) and not errors:
+            return results  # every rank measured and wrote its result; a crash after that voids nothing
         if errors:
             raise MpsimError(f"the executor failed (exit {proc.returncode}): "
                              f"{errors[0].read_text().strip().splitlines()[-1]}")
-        if any(results) or attempt + 1 == LAUNCH_ATTEMPTS:
+        if (any(results) and not killed_by_signal(proc.stderr)) or attempt + 1 == LAUNCH_ATTEMPTS:
             raise MpsimError(f"the executor failed (exit {proc.returncode}): {failure_line(proc.stderr)}")
     raise AssertionError("unreachable")
 
 
+def killed_by_signal(stderr: str) -> bool:
+    """Whether torchrun says a rank died of a signal (a negative exit code: a native abort
+    or crash, not an exception the rank raised and reported)."""
+    return re.search(r"exitcode\s*:\s*-\d+", stderr) is not None
+
+
 LAUNCH_ATTEMPTS = 2
-"""Runs of a plan when one fails before any rank reported anything (no result, no error of
-its own: torchrun's launch or the gloo rendezvous failed, as seen about once in forty
-data-parallel runs on a loaded 2-core machine); a failure a rank reports is never retried."""
+"""Runs of a plan when one fails without any rank reporting an error of its own: before any
+rank reported anything (torchrun's launch or the gloo rendezvous failed, as seen about once
+in forty data-parallel runs on a loaded 2-core machine), or with a rank killed by a signal
+(a native abort, exit code -6, seen twice in about a hundred ZeRO-Infinity runs on a loaded
+machine, 0 in 12 reruns). A failure a rank reports is never retried; a run in which every
+rank wrote its result is taken even if a rank then crashed."""
 
 
 def _launch(cmd: list[str], env: dict[str, str], settings: RunSettings, workdir: Path) -> subprocess.CompletedProcess:

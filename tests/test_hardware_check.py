@@ -166,3 +166,58 @@ def test_bad_plans_and_devices_are_refused_before_running(tiny, cpu2):
     segments = plan.model_copy(update={"recompute_checkpoints": "segment"})
     with pytest.raises(MpsimError, match="checkpoints every recomputed layer on its own"):
         check_runnable(segments, cpu2, tiny, SETTINGS)
+
+
+# -- how a failed launch is read (torchrun faked: each attempt writes what a real one did) ----
+
+def _fake_runs(monkeypatch, attempts: list[tuple[int, list[int], str]]):
+    """Each attempt: torchrun's exit code, the ranks that wrote their result, its stderr."""
+    import subprocess
+
+    from mpsim import hardware_check as hc
+
+    calls: list[int] = []
+
+    def launch(cmd, env, settings, workdir):
+        code, wrote, stderr = attempts[len(calls)]
+        calls.append(code)
+        out = workdir / "ranks"
+        out.mkdir(parents=True, exist_ok=True)
+        for r in wrote:
+            (out / f"rank{r}.json").write_text(f'{{"rank": {r}, "oom": null}}')
+        return subprocess.CompletedProcess(cmd, code, "", stderr)
+
+    monkeypatch.setattr(hc, "_launch", launch)
+    monkeypatch.setattr(hc, "rank_places", lambda plan: [(0, 0, 0), (1, 0, 0)])
+    return calls
+
+
+ABORT = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n  exitcode  : -6 (pid: 1)"
+
+
+def _run_fake(tmp_path):
+    from mpsim.hardware_check import run_executor
+    from mpsim.tracer import trace_model
+    from mpsim.workloads import ModelConfig
+
+    cfg = ModelConfig("gpt", 1, 64, 2, 32, 128)
+    plan = make_plan(trace_model(cfg, 1, "fp32"), probe("cpu", devices=2, threads=1)[1], "gpipe", 1,
+                     [(0, 3)], [0], "keep")
+    return run_executor(plan, cfg, RunSettings(), None, tmp_path)
+
+
+def test_a_rank_killed_by_a_signal_is_run_once_more(monkeypatch, tmp_path):
+    calls = _fake_runs(monkeypatch, [(1, [0], ABORT), (0, [0, 1], "")])
+    assert [r["rank"] for r in _run_fake(tmp_path)] == [0, 1] and calls == [1, 0]
+
+
+def test_a_run_whose_ranks_all_reported_stands_though_one_crashed_after(monkeypatch, tmp_path):
+    calls = _fake_runs(monkeypatch, [(1, [0, 1], ABORT)])
+    assert len(_run_fake(tmp_path)) == 2 and calls == [1]
+
+
+def test_a_rank_that_fails_without_a_signal_after_another_reported_is_not_retried(monkeypatch, tmp_path):
+    calls = _fake_runs(monkeypatch, [(1, [0], "ChildFailedError:\n  exitcode  : 1 (pid: 1)"), (0, [0, 1], "")])
+    with pytest.raises(MpsimError, match="the executor failed"):
+        _run_fake(tmp_path)
+    assert calls == [1]
