@@ -21,7 +21,15 @@ from dataclasses import dataclass, replace
 from mpsim.backends import Backend, run_points
 from mpsim.catalog import load_topology, load_trace, shipped_traces
 from mpsim.errors import MpsimError
-from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PIPELINE_ONLY, JobSpec, OfJob, Parallelism
+from mpsim.job import (
+    DEFAULT_MICROBATCHES,
+    DEFAULT_SCHEDULE,
+    PIPELINE_ONLY,
+    JobSpec,
+    OfJob,
+    Parallelism,
+    partitions_of,
+)
 from mpsim.layouts import candidate_layouts, on_layout
 from mpsim.planners.best import Part, combine, parts
 from mpsim.planners.context import Planned
@@ -312,14 +320,15 @@ def _best_in_parallel(job: JobSpec, skip: frozenset[Part], backend: Backend) -> 
     ``backend``, then combined as ``plan_best`` combines them (``combine``): the same
     answer. Each part runs, even under a partition where keeping everything fits and
     ``combine`` does not ask the rest (it returns at once there)."""
-    units = [job.but(strategy=name, partition=partition) for name, partition in parts(skip)]
+    partitions = partitions_of(job.parallelism)
+    units = [job.but(strategy=name, partition=partition) for name, partition in parts(skip, partitions)]
     plans: dict[Part, Planned] = {}
     for outcome in run_points(units, _plan_best_part, backend, batch=1):
         if outcome.error is not None or outcome.value is None:
             raise MpsimError(f"fits under best ({outcome.point.strategy}, {outcome.point.partition}): "
                              f"{outcome.error}")
         plans[(outcome.point.strategy, outcome.point.partition)] = outcome.value
-    return combine(lambda name, partition: plans[(name, partition)], skip).result
+    return combine(lambda name, partition: plans[(name, partition)], skip, partitions).result
 
 
 def _as_row(value: FitRow | FitsReport) -> FitRow:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from mpsim.catalog import load_topology, load_trace, shipped_topologies
 from mpsim.errors import MpsimError
-from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, PARTITIONS, JobSpec, check_strategy, pipeline
+from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_strategy, partitions_of, pipeline
 from mpsim.layouts import CHOOSE_LAYOUTS, candidate_layouts, on_layout
 from mpsim.planners.registry import plan_job
 from mpsim.sim import SimResult
@@ -261,7 +261,7 @@ def _server_plans(jobs: Sequence[JobSpec], scaled: Sequence[Trace], strategies: 
         for trace in scaled:
             mb = trace.microbatch
             for strategy in strategies:
-                for partition in ("compute",) if combines(strategy) else PARTITIONS:
+                for partition in ("compute",) if combines(strategy) else partitions_of(job.parallelism):
                     r = plan_job(job.but(trace=trace, partition=partition, strategy=strategy)).result
                     out.append((Tried(mb, r.strategy, partition, r.fits, r.samples_per_s, r.max_peak_bytes,
                                       _shortfall(r), r.layout), r))

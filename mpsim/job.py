@@ -132,6 +132,12 @@ def pipeline(n_stages: int | None) -> Parallelism:
         raise MpsimError(f"stages: {exc.errors()[0]['msg']}, got {n_stages}") from None
 
 
+def partitions_of(parallelism: Parallelism) -> tuple[str, ...]:
+    """The partitions a search tries for a layout: both, or compute-balanced only under
+    interleaved 1F1B (the memory-balanced one does not model its held microbatches)."""
+    return ("compute",) if parallelism.virtual_stages > 1 else PARTITIONS
+
+
 def check_partition(partition: str) -> None:
     if partition not in PARTITIONS:
         raise MpsimError(f"unknown partition {partition!r}: expected one of {', '.join(PARTITIONS)}")

@@ -34,7 +34,7 @@ from pathlib import Path
 import pandas as pd
 
 from mpsim.backends import Backend, LocalBackend, run_points
-from mpsim.catalog import load_topology
+from mpsim.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
 from mpsim.job import PIPELINE_ONLY, JobSpec, job_of
 from mpsim.layouts import candidate_layouts, microbatches_per_replica, parse_layout, short_name
@@ -91,16 +91,18 @@ def grid(servers: list[str], models: list[str], schedule: str, microbatch_sizes:
                          ("--microbatches", microbatch_counts), ("--strategy", strategies)):
         if not values:
             raise MpsimError(f"{name} needs at least one value")
-    per_server = {sv: _layout_names(sv, layouts, schedule) for sv in servers}
+    per_job = {(sv, md): _layout_names(sv, md, layouts, schedule) for sv in servers for md in models}
     return [Point(sv, md, schedule, mb, m, st, partition, lay)
             for sv, md, m, st in itertools.product(servers, models, microbatch_counts, strategies)
-            for lay in per_server[sv] for mb in microbatch_sizes]
+            for lay in per_job[(sv, md)] for mb in microbatch_sizes]
 
 
-def _layout_names(server: str, layouts: str, schedule: str) -> list[str]:
+def _layout_names(server: str, model: str, layouts: str, schedule: str) -> list[str]:
+    """The layouts of ``layouts`` on ``server``, those ``model`` cannot split left out."""
     if not layouts:
         return [""]
-    return [short_name(p, p.pipeline or 1) for p in candidate_layouts(load_topology(server), layouts, schedule)]
+    found = candidate_layouts(load_topology(server), layouts, schedule, load_trace(model))
+    return [short_name(p, p.pipeline or 1) for p in found]
 
 
 def check_points(points: list[Point]) -> None:

@@ -142,8 +142,8 @@ class Embedding(nn.Module):
         x = tp_ops.row_parallel_output(self.word(tokens), self.shard)
         if self.position is not None:
             x = x + self.position(torch.arange(x.shape[1], device=tokens.device))
-        if self.token_type is not None:
-            x = x + self.token_type(torch.zeros_like(tokens))
+        if self.token_type is not None:  # a sequence shard's positions under sequence parallelism
+            x = x + self.token_type(torch.zeros_like(tokens[:, : x.shape[1]]))
         if self.norm is not None:
             x = self.norm(x)
         return kernels.dropout(x, self.p, self.training)

@@ -135,7 +135,7 @@ def test_cli_refuses(name, tmp_path):
     assert not (tmp_path / "never.json").exists()
 
 
-TRACE_CASES = {
+TRACE_CASES: dict[str, tuple[dict, tuple[str, ...], tuple[str, ...]]] = {
     "sp-odd-sequence": ({"seq_len": 1023}, ("--tp", "2", "--sp"), ("sequence 1023", "sequence parallel")),
     "tp2-one-kv-head": ({"kv_heads": 1}, ("--tp", "2"), ("1 KV heads", "degree of 2")),
     "tp2-odd-mlp": ({"ffn_hidden": 14337}, ("--tp", "2"), ("14337 MLP width",)),

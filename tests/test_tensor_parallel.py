@@ -18,6 +18,7 @@ from mpsim import tp_ops
 from mpsim.catalog import load_topology
 from mpsim.errors import MpsimError
 from mpsim.job import JobSpec, Parallelism, job_of
+from mpsim.layouts import parse_layout
 from mpsim.sim import layout as layout_mod
 from mpsim.sim import simulate_job
 from mpsim.sim.collectives import ring_bottleneck
@@ -235,3 +236,52 @@ def test_one_stage_takes_its_compute_plus_its_collectives_exactly(fwd, n_collect
     end_ms = max(s.end_s for s in r.spans if s.lane == "compute" and s.name[0] != "U") / MS
     assert end_ms == pytest.approx(expected_ms, rel=1e-9)
     assert r.gpus[0].costs_s["tp_comm_s"] == pytest.approx(m * len(fwd) * 2 * per_hop_ms * MS, rel=1e-9, abs=1e-15)
+
+
+def test_bert_shards_under_sequence_parallelism():
+    """BERT's token-type embedding is added on the shard's part of the sequence."""
+    rows = _layer(ModelConfig("bert", 2, 1024, 16, 512, 1000), 2, sp=True)
+    assert rows[0].output_bytes == 512 // 2 * B * 1024 * 2  # the embedding's output: half the sequence
+    assert [c.op for c in rows[0].fwd_collectives] == ["reduce-scatter"]
+
+
+def test_views_draw_the_collectives_lane(tmp_path):
+    """Chrome trace and HTML page take the collectives' spans (data and tensor parallel)."""
+    from mpsim.views.chrome import write_chrome_trace
+    from mpsim.views.html import simulate_page
+
+    job = job_of("dgx-a100-80gb", "llama-3-8b", microbatches=4, n_stages=2,
+                 parallelism=Parallelism(tensor=2, data=2, sequence_parallel=True), record_link_rates=True)
+    r = simulate_job(Job(job))
+    path = tmp_path / "t.json"
+    write_chrome_trace(r, path)
+    lanes = {e["args"]["name"] for e in json.loads(path.read_text())["traceEvents"] if e["name"] == "thread_name"}
+    assert "collectives (NCCL)" in lanes
+    assert "GPU 0 nccl</text>" in simulate_page(r, None)
+
+
+def test_best_plans_an_interleaved_layout_under_the_compute_partition_only():
+    from mpsim.api import plan_job
+
+    job = job_of("dgx-a100-80gb", "llama-3-8b", microbatches=8, n_stages=4, strategy="best",
+                 parallelism=Parallelism(virtual_stages=2))
+    planned = plan_job(job)
+    assert planned.result.fits and planned.plan.virtual_stages == 2
+
+
+def test_a_plan_file_fixes_the_layout_so_layout_options_beside_it_are_refused(capsys, tmp_path):
+    from test_cli import run
+
+    path = tmp_path / "p.json"
+    common = ["--model", "llama-3-8b", "--server", "dgx-a100-80gb"]
+    assert run(capsys, "plan", *common, "--tp", "2", "--stages", "4", "-o", str(path))[0] == 0
+    code, _, err = run(capsys, "simulate", "--plan", str(path), *common, "--tp", "4")
+    assert code == 2 and "the plan file fixes the layout" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_sweep_over_3d_layouts_leaves_out_what_the_model_cannot_split():
+    from mpsim.sweep import grid
+
+    points = grid(["dgx-a100-80gb"], ["gpt-5.3b", "llama-3-8b"], "1f1b", [1], [8], ["none"], layouts="3d")
+    tensor = {md: {parse_layout(p.layout).tensor for p in points if p.model == md} for md in ("gpt-5.3b", "llama-3-8b")}
+    assert tensor == {"gpt-5.3b": {2}, "llama-3-8b": {2, 4, 8}}

@@ -65,7 +65,7 @@ def fits_request(server: str, family: str, models: Sequence[str] = (), schedule:
     if models:
         family = str(traces[-1].spec.model.get("family", family))
     topo = load_topology(server)
-    n_layouts = len(candidate_layouts(topo, layouts, schedule))
+    n_layouts = len(candidate_layouts(topo, layouts, schedule, traces[-1]))
     # one stage: the base job checks the schedule and count; each layout takes its share
     job = family_job(topo, traces, schedule, microbatch, microbatches, "none", partition, pipeline(1))
     workers = workers or os.cpu_count() or 1

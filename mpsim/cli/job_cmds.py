@@ -40,16 +40,20 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
     and what each memory-saving technique saved and cost.
 
     Either a --strategy makes the plan (none, recompute, cpu-swap, d2d), or --plan runs a
-    plan file written by `mpsim plan` or by hand. --dp and --zero replicate the pipeline
-    (DDP, ZeRO-1/2, FSDP): `mpsim simulate --server dgx-a100-80gb --model llama-3-8b --dp 8
-    --zero 3 --microbatch 1` is FSDP on eight GPUs. Exits 1 when the job does not fit (the
-    result still names where it ran out).
+    plan file written by `mpsim plan` or by hand (it fixes the layout: --dp, --tp and the
+    like are then refused). --dp and --zero replicate the pipeline (DDP, ZeRO-1/2, FSDP):
+    `mpsim simulate --server dgx-a100-80gb --model llama-3-8b --dp 8 --zero 3 --microbatch 1`
+    is FSDP on eight GPUs; --tp 4 --sp splits each stage over 4 GPUs as Megatron-LM does.
+    Exits 1 when the job does not fit (the result still names where it ran out).
     """
     from mpsim.views.chrome import write_chrome_trace
     from mpsim.views.html import simulate_page
     from mpsim.views.plots import plot_memory
     from mpsim.views.text import simulate_text
 
+    if plan_path is not None and layout != api.data_parallel(1, 0, None):
+        raise click.UsageError("--dp, --zero, --tp, --sp, --virtual-stages and the bucket and reshard options: the "
+                               "plan file fixes the layout; leave them out with --plan")
     topo, trace, plan_file = api.load_job(server, model, plan_path)
     warn(api.measured_warning(trace, topo))
     with tasks_progress("simulate"):

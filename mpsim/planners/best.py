@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import replace
 
-from mpsim.job import PARTITIONS
+from mpsim.job import PARTITIONS, partitions_of
 from mpsim.planners.cache import cached_plan
 from mpsim.planners.context import Ctx, Planned, make_context
 from mpsim.strategies import IN_BEST, strategy_named
@@ -31,7 +31,8 @@ def plan_best(ctx: Ctx, known_not_fitting: Collection[Part] = ()) -> Planned:
     """The combined plan. ``known_not_fitting``: (planner, partition) pairs already known
     not to fit this job (``fits``'s search knows it from the single planners' searches);
     they are not run, so when nothing fits, the answer is the lowest peak of the rest."""
-    return combine(lambda name, partition: plan_part(ctx, name, partition), known_not_fitting)
+    return combine(lambda name, partition: plan_part(ctx, name, partition), known_not_fitting,
+                   partitions_of(ctx.job.parallelism))
 
 
 def plan_part(ctx: Ctx, name: str, partition: str) -> Planned:
@@ -41,13 +42,15 @@ def plan_part(ctx: Ctx, name: str, partition: str) -> Planned:
     return cached_plan(name, sub, strategy.planner_fn())
 
 
-def parts(known_not_fitting: Collection[Part] = ()) -> list[Part]:
-    """Every (planner, partition) the combined plan may run, in its order."""
-    return [(name, partition) for partition in PARTITIONS for name in SINGLE
+def parts(known_not_fitting: Collection[Part] = (), partitions: tuple[str, ...] = PARTITIONS) -> list[Part]:
+    """Every (planner, partition) the combined plan may run, in its order (``partitions``:
+    ``mpsim.job.partitions_of`` the layout)."""
+    return [(name, partition) for partition in partitions for name in SINGLE
             if (name, partition) not in known_not_fitting]
 
 
-def combine(plan_of: Callable[[str, str], Planned], known_not_fitting: Collection[Part] = ()) -> Planned:
+def combine(plan_of: Callable[[str, str], Planned], known_not_fitting: Collection[Part] = (),
+            partitions: tuple[str, ...] = PARTITIONS) -> Planned:
     """The combined plan from ``plan_of(planner, partition)``, asked in ``parts`` order;
     under a partition where keeping everything fits, the rest are not asked (nothing to
     save: keeping everything is fastest). The fastest plan that fits wins, else the lowest
@@ -55,7 +58,7 @@ def combine(plan_of: Callable[[str, str], Planned], known_not_fitting: Collectio
     elsewhere (``fits`` runs the parts in parallel): the answer is the same."""
     tried: list[tuple[str, str, Planned]] = []
     kept_all: set[str] = set()
-    for name, partition in parts(known_not_fitting):
+    for name, partition in parts(known_not_fitting, partitions):
         if partition in kept_all:
             continue
         tried.append((name, partition, plan_of(name, partition)))

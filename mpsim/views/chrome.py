@@ -15,11 +15,12 @@ if TYPE_CHECKING:
 
 def write_chrome_trace(r: SimResult, path: Path) -> None:
     """Chrome trace event format (opens in Perfetto and chrome://tracing): per GPU a compute
-    lane and one lane per copy engine kind (peer copies, device-to-host, host-to-device),
+    lane, one lane per copy engine kind (peer copies, device-to-host, host-to-device) and
+    one for data- and tensor-parallel collectives,
     a memory counter in GiB, and, when the run recorded them, link rates in GB/s."""
-    lanes = {"compute": 1, "copy": 2, "d2h": 3, "h2d": 4}
+    lanes = {"compute": 1, "copy": 2, "d2h": 3, "h2d": 4, "nccl": 5}
     names = {"compute": "compute stream", "copy": "peer copy engines", "d2h": "copy engine to host",
-             "h2d": "copy engine from host"}
+             "h2d": "copy engine from host", "nccl": "collectives (NCCL)"}
     events: list[dict] = []
     for g in r.gpus:
         label = f"GPU {g.gpu}" + (f" (stage {g.stage})" if g.stage is not None else "")

@@ -51,7 +51,7 @@ CATEGORY_COLOURS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#e157
                     "stash": "#59a14f", "buffers": "#edc948", "workspace": "#b07aa1", "peer_swap": "#ff9da7"}
 ACTION_COLOURS = {"keep": "#dddddd", "recompute": "#f28e2b", "selective": "#edc948", "host": "#e15759",
                   "peer": "#b07aa1"}
-LANE_COLOURS = {"compute": "#4e79a7", "copy": "#b07aa1", "d2h": "#e15759", "h2d": "#59a14f"}
+LANE_COLOURS = {"compute": "#4e79a7", "copy": "#b07aa1", "d2h": "#e15759", "h2d": "#59a14f", "nccl": "#f28e2b"}
 
 
 def esc(text: object) -> str:
@@ -195,7 +195,7 @@ def pipeline_timeline_html(r: SimResult, max_spans: int = 20000) -> str:
            f"role=\"img\" aria-label=\"pipeline timeline\">{labels}{''.join(shapes)}{ticks}</svg>")
     cut = f" (first {max_spans} of {len(r.spans)} spans)" if len(r.spans) > max_spans else ""
     return svg + (f"<p class=\"note\">Compute: forward dark blue, backward light blue; peer copies purple, to host "
-                  f"red, from host green. Hover a bar for its task and times{esc(cut)}.</p>")
+                  f"red, from host green; collectives (nccl) orange. Hover a bar for its task and times{esc(cut)}.</p>")
 
 
 def plan_html(plan: PlanFile) -> str:
