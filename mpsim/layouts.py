@@ -142,11 +142,17 @@ def candidate_layouts(topo: Topology, which: str = "all", schedule: str | None =
     is left."""
     every = _all_layouts(topo.n_gpus)
     chosen: list[Parallelism] = []
+    why = [f"no layout fits the {topo.n_gpus} GPU(s) of {topo.name}"]
     for item in (x.strip() for x in which.split(",")):
         if item in FILTERS:
             found = _of_kind(item, every)
-            chosen += [p for p in found if (schedule != "pipedream" or (p.data == 1 and p.tensor == 1))
-                       and (trace is None or _splits(trace, p))]
+            if schedule == "pipedream" and any(p.data > 1 or p.tensor > 1 for p in found):
+                why.append("pipedream runs no data or tensor parallelism")
+                found = [p for p in found if p.data == 1 and p.tensor == 1]
+            if trace is not None and any(not _splits(trace, p) for p in found):
+                why.append(f"{trace.name} does not split over some tensor-parallel degrees")
+                found = [p for p in found if _splits(trace, p)]
+            chosen += found
         elif not item:
             raise MpsimError(f"--layouts: expected a comma-separated list without empty items, got {which!r}")
         else:
@@ -155,7 +161,7 @@ def candidate_layouts(topo: Topology, which: str = "all", schedule: str | None =
                 chosen.append(p)
     chosen = list(dict.fromkeys(chosen))
     if not chosen:
-        raise MpsimError(f"--layouts {which}: no layout fits the {topo.n_gpus} GPU(s) of {topo.name}")
+        raise MpsimError(f"--layouts {which}: {'; '.join(dict.fromkeys(why))}")
     return chosen
 
 
