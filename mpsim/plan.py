@@ -276,12 +276,16 @@ def _check_tensor_parallel(plan: PlanFile, topo: Topology, bad: _Bad) -> None:
         _check_repeats(stages, p, len(own), f"tensor_parallel.groups.{r}", bad)
         for s, (group, first) in enumerate(zip(stages[:p], own)):
             _check_tp_group(group, first, tp.degree, f"tensor_parallel.groups.{r}.{s}", topo, seen, bad)
+    _check_peers_off(plan, seen, "runs a tensor-parallel rank; a peer swap goes to GPUs the job does not run on", bad)
+
+
+def _check_peers_off(plan: PlanFile, busy_gpus: set[int], why: str, bad: _Bad) -> None:
+    """No peer swap of the plan goes to one of ``busy_gpus`` (GPUs the job runs on)."""
     for s, st in enumerate(plan.stages):
         for k, act in enumerate(st.actions):
-            busy = [x.gpu for x in act.peers if x.gpu in seen]
+            busy = [x.gpu for x in act.peers if x.gpu in busy_gpus]
             if busy:
-                raise bad(f"stages.{s}.actions.{k}.peers", f"GPU {busy[0]} runs a tensor-parallel rank; a peer "
-                          "swap goes to GPUs the job does not run on")
+                raise bad(f"stages.{s}.actions.{k}.peers", f"GPU {busy[0]} {why}")
 
 
 def _check_data_parallel(plan: PlanFile, topo: Topology, bad: _Bad) -> None:
@@ -306,12 +310,7 @@ def _check_data_parallel(plan: PlanFile, topo: Topology, bad: _Bad) -> None:
         _check_repeats(gpus, p, len(own), at, bad)
         _check_replica(gpus[:p], at, p, topo, seen, bad)
     if dp.degree > 1:
-        for s, st in enumerate(plan.stages):
-            for k, act in enumerate(st.actions):
-                busy = [x.gpu for x in act.peers if x.gpu in seen]
-                if busy:
-                    raise bad(f"stages.{s}.actions.{k}.peers", f"GPU {busy[0]} runs a replica; a replicated "
-                              "pipeline swaps to GPUs it does not run on")
+        _check_peers_off(plan, seen, "runs a replica; a replicated pipeline swaps to GPUs it does not run on", bad)
 
 
 def _check_schema_fields(plan: PlanFile, bad: _Bad) -> None:
