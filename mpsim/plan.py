@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from mpsim.datafile import read_data_file, validate
 from mpsim.errors import SchemaError
@@ -130,10 +130,11 @@ class TensorParallelPlan(_Strict):
     column- and row-parallel layers (Shoeybi et al. 2019, section 3), with sequence
     parallelism on the rest (Korthikanti et al. 2022, section 4.2.2)."""
 
-    degree: int = Field(ge=2, le=64, description="GPUs of each stage's tensor-parallel group")
-    sequence_parallel: bool = Field(default=False, description="norms and dropout on a sequence shard; "
-                                                               "all-gather and reduce-scatter instead of all-reduce")
-    groups: list[list[list[int]]] = Field(
+    degree: StrictInt = Field(ge=2, le=64, description="GPUs of each stage's tensor-parallel group")
+    sequence_parallel: StrictBool = Field(default=False, description="norms and dropout on a sequence shard; "
+                                                                     "all-gather and reduce-scatter instead of "
+                                                                     "all-reduce")
+    groups: list[list[list[StrictInt]]] = Field(
         min_length=1, max_length=1024,
         description="per replica (as data_parallel.replicas), per stage, the GPUs of its tensor-parallel group, "
                     "the replica's stage GPU first")
@@ -175,7 +176,7 @@ class PlanFile(_Strict):
                                   "[default: one replica]")
     tensor_parallel: TensorParallelPlan | None = Field(
         default=None, description="schema 3: the tensor-parallel group of every stage  [default: one GPU a stage]")
-    virtual_stages: int = Field(
+    virtual_stages: StrictInt = Field(
         default=1, ge=1, le=64, description="schema 3: model chunks per GPU (interleaved 1F1B): of p x v stages, "
                                             "stage c * p + g runs on stage g's GPU  [default: 1]")
 

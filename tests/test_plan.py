@@ -143,3 +143,18 @@ def test_a_plan_without_tensor_parallelism_or_virtual_stages_is_written_as_schem
     data = json.loads(plan.to_json())
     assert data["schema"] == 2 and "tensor_parallel" not in data and "virtual_stages" not in data
     assert parse_plan(data) == plan
+
+
+@pytest.mark.parametrize(("field", "value", "expected"), [
+    ("degree", "2", "tensor_parallel.degree: Input should be a valid integer"),
+    ("degree", 2.0, "tensor_parallel.degree: Input should be a valid integer"),
+    ("sequence_parallel", "yes", "tensor_parallel.sequence_parallel: Input should be a valid boolean"),
+])
+def test_schema_3_numbers_are_numbers_not_strings_or_floats(field, value, expected):
+    """A group's degree written "2" or a flag "yes" is refused in one line, not coerced."""
+    data = {"schema": 3, "model": "m", "server": "s", "microbatch": 1, "microbatches": 1, "schedule": "gpipe",
+            "stages": [{"gpu": 0, "layers": [0, 1]}],
+            "tensor_parallel": {"degree": 2, "sequence_parallel": False, "groups": [[[0, 1]]]}}
+    data["tensor_parallel"][field] = value
+    with pytest.raises(SchemaError, match=expected):
+        parse_plan(data, "p.json")
