@@ -285,3 +285,14 @@ def test_a_sweep_over_3d_layouts_leaves_out_what_the_model_cannot_split():
     points = grid(["dgx-a100-80gb"], ["gpt-5.3b", "llama-3-8b"], "1f1b", [1], [8], ["none"], layouts="3d")
     tensor = {md: {parse_layout(p.layout).tensor for p in points if p.model == md} for md in ("gpt-5.3b", "llama-3-8b")}
     assert tensor == {"gpt-5.3b": {2}, "llama-3-8b": {2, 4, 8}}
+
+
+def test_every_tensor_rank_gets_its_share_of_the_host():
+    """Host memory, NVMe and the CPU's Adam are shared by every GPU that runs a copy of the
+    simulated GPU's work: data x tensor of them."""
+    from mpsim.sim.context import RunContext
+
+    job = job_of("dgx-a100-80gb", "llama-3-8b", microbatches=4, n_stages=1,
+                 parallelism=Parallelism(tensor=4, data=2, sequence_parallel=True))
+    run = RunContext(layout_mod.resolve(Job(job)))
+    assert run.replicas == 8 and run.host_share_bytes == job.topology.host_memory_bytes // 8

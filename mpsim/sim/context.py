@@ -81,9 +81,10 @@ class RunContext:
         self.log = MemoryLog(topo.n_gpus + 2)
         self.memory = [DeviceMemory(self.env, g, topo.capacity_bytes, self.log) for g in range(topo.n_gpus)]
         """The owner of each GPU's memory."""
-        self.replicas = layout.parallelism.data
-        """Data-parallel replicas: each gets its share of the host's memory, NVMe and CPU
-        (the engine simulates replica 0; ``data_parallel``)."""
+        self.replicas = layout.parallelism.data * layout.parallelism.tensor
+        """Copies of the simulated GPU's work: every tensor-parallel rank of every
+        data-parallel replica gets its share of the host's memory, NVMe and CPU (the engine
+        simulates one rank of replica 0; ``data_parallel``, ``tensor_group``)."""
         self.host = DeviceMemory(self.env, topo.n_gpus, self.host_share_bytes, self.log)
         """The owner of replica 0's share of pinned host memory (it never waits)."""
         self.nvme = DeviceMemory(self.env, topo.n_gpus + 1, self.nvme_share_bytes, self.log)
