@@ -152,9 +152,9 @@ def test_a_plan_without_tensor_parallelism_or_virtual_stages_is_written_as_schem
 ])
 def test_schema_3_numbers_are_numbers_not_strings_or_floats(field, value, expected):
     """A group's degree written "2" or a flag "yes" is refused in one line, not coerced."""
+    tensor: dict[str, object] = {"degree": 2, "sequence_parallel": False, "groups": [[[0, 1]]]}
+    tensor[field] = value
     data = {"schema": 3, "model": "m", "server": "s", "microbatch": 1, "microbatches": 1, "schedule": "gpipe",
-            "stages": [{"gpu": 0, "layers": [0, 1]}],
-            "tensor_parallel": {"degree": 2, "sequence_parallel": False, "groups": [[[0, 1]]]}}
-    data["tensor_parallel"][field] = value
+            "stages": [{"gpu": 0, "layers": [0, 1]}], "tensor_parallel": tensor}
     with pytest.raises(SchemaError, match=expected):
         parse_plan(data, "p.json")
