@@ -73,11 +73,6 @@ class Parallelism(BaseModel):
                     "degree of 2 or more")
         return None
 
-    @property
-    def gpus_per_stage(self) -> int:
-        """GPUs of one replica's stage: its tensor-parallel group."""
-        return self.tensor
-
     def stages_on(self, topo: Topology) -> int:
         """The pipeline depth on ``topo``, checked: at least one stage, a tensor-parallel
         group of GPUs for each stage of each data-parallel replica (None: the GPUs left per

@@ -146,12 +146,14 @@ def candidate_layouts(topo: Topology, which: str = "all", schedule: str | None =
     for item in (x.strip() for x in which.split(",")):
         if item in FILTERS:
             found = _of_kind(item, every)
-            if schedule == "pipedream" and any(p.data > 1 or p.tensor > 1 for p in found):
-                why.append("pipedream runs no data or tensor parallelism")
-                found = [p for p in found if p.data == 1 and p.tensor == 1]
-            if trace is not None and any(not _splits(trace, p) for p in found):
-                why.append(f"{trace.name} does not split over some tensor-parallel degrees")
-                found = [p for p in found if _splits(trace, p)]
+            for reason, keep in (("pipedream runs no data or tensor parallelism",
+                                  lambda p: schedule != "pipedream" or (p.data == 1 and p.tensor == 1)),
+                                 (f"{trace.name if trace else ''} does not split over some tensor-parallel degrees",
+                                  lambda p: trace is None or _splits(trace, p))):
+                kept = [p for p in found if keep(p)]
+                if len(kept) < len(found):
+                    why.append(reason)
+                found = kept
             chosen += found
         elif not item:
             raise MpsimError(f"--layouts: expected a comma-separated list without empty items, got {which!r}")

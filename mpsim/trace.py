@@ -185,6 +185,8 @@ _SCALED = ("act_bytes", "input_bytes", "output_bytes", "workspace_bytes", "fwd_f
            "fwd_attention_flops", "bwd_attention_flops", "attention_core_bytes",
            "attention_core_flops", "attention_core_mem_bytes")
 _SCALED_OPTIONAL = ("fwd_ms", "bwd_ms", "bwd_workspace_bytes")
+_COLLECTIVE_FIELDS = ("fwd_collectives", "bwd_collectives")
+"""Only a tensor-parallel shard's rows have them; linear in the batch (they move activations)."""
 _BYTE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "act_bytes", "input_bytes", "output_bytes",
                 "workspace_bytes", "bwd_workspace_bytes")
 
@@ -210,7 +212,7 @@ class Trace:
     @cached_property
     def content_hash(self) -> str:
         """SHA-256 of the validated contents (not the name or path): equal contents, equal hash."""
-        return hashlib.sha256(self.spec.model_dump_json(by_alias=True, exclude_defaults=False).encode()).hexdigest()
+        return hashlib.sha256(self.spec.model_dump_json(by_alias=True).encode()).hexdigest()
 
     @property
     def name(self) -> str:
@@ -243,7 +245,7 @@ class Trace:
         tensor-parallel shards have them)."""
         data = self.spec.model_dump(by_alias=True)
         for row in data["layers"]:
-            for k in ("fwd_collectives", "bwd_collectives"):
+            for k in _COLLECTIVE_FIELDS:
                 if not row[k]:
                     del row[k]
         return json.dumps(data, indent=1)
@@ -265,8 +267,8 @@ class Trace:
                 v = getattr(r, k)
                 if v is not None:
                     upd[k] = round(v * f) if isinstance(v, int) else v * f
-            for k in ("fwd_collectives", "bwd_collectives"):
-                if getattr(r, k):  # every collective of a shard moves activations: linear in the batch
+            for k in _COLLECTIVE_FIELDS:
+                if getattr(r, k):
                     upd[k] = [c.model_copy(update={"n_bytes": round(c.n_bytes * f)}) for c in getattr(r, k)]
             rows.append(r.model_copy(update=upd))
         return Trace(self.spec.model_copy(update={"layers": rows, "microbatch": microbatch}), self.source)

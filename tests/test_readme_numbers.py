@@ -115,3 +115,19 @@ def test_the_tensor_parallel_validation_range_in_the_readme_is_the_reports():
     assert found is not None and len(rows) >= 10
     assert (float(found[1]), float(found[2])) == (round(max(errors), 1), round(min(errors), 1))
     assert all(abs(e) <= 5 for e in errors)
+
+
+def test_the_70b_prose_in_the_readme_is_what_the_files_say():
+    """The 3-D section's figures: Llama-3-70B's model states (16 bytes a parameter), the
+    40 GB A100 server's host memory (its topology file) and the DGX-1's shortfall (the report)."""
+    from mpsim.catalog import load_topology, load_trace
+
+    quote = _paragraph((ROOT / "README.md").read_text(), "Llama-3-70B needs about")
+    states_tb = re.search(r"about ([\d.]+) TB for its weights, gradients and Adam states", quote)
+    assert states_tb is not None and float(states_tb[1]) == round(load_trace("llama-3-70b").spec.params * 16 / 1e12, 1)
+    prose = _paragraph((ROOT / "README.md").read_text(), "Each server's row is its best layout")
+    host_gib = load_topology("a100-40gb-nvswitch").host_memory_bytes / 2**30
+    assert f"its {host_gib:.0f} GiB" in prose
+    short = re.search(r"come up ([\d.]+) GiB short", prose)
+    report = (ROOT / "reports" / "choose_llama-3-70b.txt").read_text()
+    assert short is not None and re.search(rf"dgx1-v100 .* OOM \+{re.escape(short[1])} ", report)

@@ -123,7 +123,8 @@ def make_context(job: JobSpec, keeps: str = "keep") -> Ctx:
         stages = mcap_partition(trace, job.schedule, p, job.microbatches, keeps == "recompute",
                                 keeps == "selective")
     par = job.parallelism
-    replicas, groups = (interleaved(x, v) for x in place_groups(job.topology, par.data, par.tensor, p // v))
+    placed, placed_groups = place_groups(job.topology, par.data, par.tensor, p // v)
+    replicas, groups = interleaved(placed, v), interleaved(placed_groups, v)
     return Ctx(job, list(stages), list(replicas[0]), replicas if len(replicas) > 1 else (),
                groups if par.tensor > 1 else (), shard)
 

@@ -142,7 +142,7 @@ def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostMod
     if layout.stash[s] == "host" and versions > 1:
         stash_in = SwapIn(STASH, static["params"], 0, "stash", "host", (), 1, 0.0)
     dp = DataParallel(run, s, sharding) if sharding is not None else None
-    tp = TensorGroup(run, s, layout.tensor_group(s)) if layout.parallelism.tensor > 1 else None
+    tp = TensorGroup(run, layout.tensor_group(s)) if layout.parallelism.tensor > 1 else None
     stream = ComputeStream(run, s, program, swapper, updater, channels, stash_in, dp, tp, turns)
     return _Stage(program, stream, updater)
 

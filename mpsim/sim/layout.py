@@ -11,7 +11,7 @@ simulates thousands of plans does not re-validate each one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from mpsim.topology import Topology
 from mpsim.trace import Trace
 
 Runtime = Literal["mpress", "torch-pipelining"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,8 @@ def _keep_everything(job: Job) -> Layout:
     p = n_stages // v
     if par.pipeline != p:
         spec = spec.but(parallelism=par.model_copy(update={"pipeline": p}))
-    replicas, groups = (interleaved(x, v) for x in place_groups(topo, par.data, par.tensor, p))
+    placed, placed_groups = place_groups(topo, par.data, par.tensor, p)
+    replicas, groups = interleaved(placed, v), interleaved(placed_groups, v)
     gpus = job.gpu_of_stage or replicas[0]
     if len(gpus) != n_stages or len(set(gpus)) != p or any(not 0 <= g < topo.n_gpus for g in gpus):
         raise MpsimError(f"the stage-to-GPU map {list(gpus)} must name {n_stages} distinct GPUs of "
@@ -199,7 +201,7 @@ def _keep_everything(job: Job) -> Layout:
                   tp_groups=groups if par.tensor > 1 else (), shard=shard)
 
 
-def interleaved(per_replica: tuple, v: int) -> tuple:
+def interleaved(per_replica: tuple[tuple[T, ...], ...], v: int) -> tuple[tuple[T, ...], ...]:
     """Per replica, each of the p stages' entries repeated for every virtual stage: virtual
     stage c * p + g runs on the GPU (group) of stage g (``schedule.interleaved_gpu_order``)."""
     return tuple(tuple(stages[s % len(stages)] for s in range(len(stages) * v)) for stages in per_replica)

@@ -317,21 +317,23 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
     ``tensor_parallel``: the rows are a tensor-parallel shard's (``Piece.collectives``)."""
     st = _Stage(rows, first, is_first_stage, is_last_stage, actions, keep_received and not is_first_stage,
                 keep_received and not is_last_stage, segments, sharding, tensor_parallel)
-    forward, forward_s, split_forward_s = _forward(st, fwd_s)
+    forward, forward_s, split_forward_s, forward_ends = _forward(st, fwd_s)
     redo_s = {"recompute": fwd_s, "selective": np.zeros(len(rows)) if core_s is None else core_s}
     backward, swap_ins, backward_s, remat_s, split_backward_s, ends = _backward(st, redo_s, bwd_s)
     if tensor_parallel:
-        forward = _with_collectives(forward, _forward_collectives(st, fwd_s))
-        backward = _with_collectives(backward, _backward_collectives(st, ends))
+        forward = _with_collectives(forward, _layer_collectives(st, forward_ends, backward=False))
+        backward = _with_collectives(backward, _layer_collectives(st, ends, backward=True))
     return StageProgram(forward, backward, swap_ins, forward_s, backward_s, remat_s["recompute"],
                         remat_s["selective"], split_forward_s, split_backward_s, dict(actions))
 
 
 # ---- forward ---------------------------------------------------------------------------
-def _forward(st: _Stage, fwd_s: np.ndarray) -> tuple[list[Piece], float, float]:
-    """The forward's pieces, its length and the extra time of its split micro-ops."""
+def _forward(st: _Stage, fwd_s: np.ndarray) -> tuple[list[Piece], float, float, list[tuple[float, int]]]:
+    """The forward's pieces, its length, the extra time of its split micro-ops, and (end
+    time, layer) of each layer's forward in order."""
     ev: list[Event] = []
     cuts: list[tuple[int, float, SwapOut | None, int | None]] = []
+    ends: list[tuple[float, int]] = []
     if st.is_first:
         ev.append((0.0, st.rows[0].input_bytes, "buffers", "input tokens"))
     t = split_s = 0.0
@@ -343,6 +345,7 @@ def _forward(st: _Stage, fwd_s: np.ndarray) -> tuple[list[Piece], float, float]:
         split_s += dur - float(fwd_s[k])
         _forward_layer(st, lay, t, dur, ev, cuts)
         t += dur
+        ends.append((t, lay.j))
         if st.per_layer and st.sharding is not None and st.sharding.reshard_after_forward:
             n = st.sharding.gathered(lay.row)
             ev.append((t, -n, "params", f"{lay.name} parameters resharded after the forward"))
@@ -356,7 +359,7 @@ def _forward(st: _Stage, fwd_s: np.ndarray) -> tuple[list[Piece], float, float]:
         i0, start, layer = i1, c1, next_layer
     if i0 < len(ev) or t > start or not forward:
         forward.append(Piece(_template(ev[i0:], start), t - start, layer=layer))
-    return forward, t, split_s
+    return forward, t, split_s, ends
 
 
 def _forward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event],
@@ -492,25 +495,17 @@ def _backward_pieces(st: _Stage, ev: list[Event], cuts: list[tuple[int, float, i
     return pieces
 
 
-def _forward_collectives(st: _Stage, fwd_s: np.ndarray) -> list[tuple[float, list[tuple[str, int]]]]:
-    """(end time in the forward, collectives) of each layer."""
-    out: list[tuple[float, list[tuple[str, int]]]] = []
-    t = 0.0
-    for k in range(len(st.rows)):
-        lay = st.layer(k)
-        t += float(fwd_s[k]) * lay.slowdown
-        out.append((t, [(c.op, c.n_bytes) for c in lay.row.fwd_collectives]))
-    return out
-
-
-def _backward_collectives(st: _Stage, ends: list[tuple[float, int]]) -> list[tuple[float, list[tuple[str, int]]]]:
-    """(end time in the backward, collectives) of each layer, last layer first: a fully
-    recomputed layer's forward ones (its re-run), then its backward's."""
+def _layer_collectives(st: _Stage, ends: list[tuple[float, int]],
+                       backward: bool) -> list[tuple[float, list[tuple[str, int]]]]:
+    """(end time, collectives) of each layer in ``ends`` (``_forward``'s or ``_backward``'s):
+    its forward's, or in the backward a fully recomputed layer's forward ones (its re-run)
+    and then its backward's."""
     out: list[tuple[float, list[tuple[str, int]]]] = []
     for t, j in ends:
-        lay = st.layer(j - st.first)
-        redo = lay.row.fwd_collectives if lay.act.action == "recompute" else []
-        out.append((t, [(c.op, c.n_bytes) for c in (*redo, *lay.row.bwd_collectives)]))
+        row, act = st.rows[j - st.first], st.actions.get(j)
+        redo = row.fwd_collectives if backward and act is not None and act.action == "recompute" else []
+        run = (*redo, *row.bwd_collectives) if backward else row.fwd_collectives
+        out.append((t, [(c.op, c.n_bytes) for c in run]))
     return out
 
 

@@ -28,7 +28,7 @@ from mpsim.sim.result import Span
 class TensorGroup:
     """The collectives of one stage's tensor-parallel group (module doc)."""
 
-    def __init__(self, run: RunContext, stage: int, ring: Sequence[int]) -> None:
+    def __init__(self, run: RunContext, ring: Sequence[int]) -> None:
         self.run = run
         self.gpu = ring[0]
         self.ring = tuple(ring)
