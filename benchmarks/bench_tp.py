@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import time
 
+from bench_dp import best_simulation
+
 from mpsim.catalog import load_trace
 from mpsim.job import job_of
 from mpsim.layouts import parse_layout
-from mpsim.sim import Job, simulate_job
+from mpsim.sim import Job
 from mpsim.tensor_parallel import shard_trace
 
 SERVER, MODEL, MICROBATCHES = "dgx-a100-80gb", "llama-3-8b", 8
@@ -27,14 +29,9 @@ REPEATS = 5
 
 def _best_s(name: str) -> tuple[float, int, float]:
     p = parse_layout(name)
-    job = Job(job_of(SERVER, MODEL, microbatches=MICROBATCHES, n_stages=p.pipeline, parallelism=p))
-    result = simulate_job(job)
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        simulate_job(job)
-        times.append(time.perf_counter() - start)
-    return min(times), result.sim_events, result.iteration_s
+    best_s, result = best_simulation(Job(job_of(SERVER, MODEL, microbatches=MICROBATCHES, n_stages=p.pipeline,
+                                                parallelism=p)), REPEATS)
+    return best_s, result.sim_events, result.iteration_s
 
 
 def main() -> None:
