@@ -7,6 +7,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
+from mpsim.cluster import Cluster, read_cluster_file
 from mpsim.errors import MpsimError
 from mpsim.topology import Topology, read_topology_file
 from mpsim.trace import Trace, read_trace_file
@@ -14,7 +15,9 @@ from mpsim.trace import Trace, read_trace_file
 #: The packages the shipped files are installed as (the top-level ``topologies/`` and
 #: ``traces/`` folders, mapped into the package at build time, see pyproject.toml).
 DATA_PACKAGES = {"topologies": "mpsim.data.topologies", "traces": "mpsim.data.traces",
-                 "hf_configs": "mpsim.data.hf_configs"}
+                 "hf_configs": "mpsim.data.hf_configs", "clusters": "mpsim.data.clusters"}
+_CHECKOUT_PATHS = {"clusters": "topologies/clusters"}
+"""Where a folder sits under ``MPSIM_DATA`` when not at its top (clusters live with servers)."""
 
 
 def data_dir(kind: str) -> Path:
@@ -27,7 +30,7 @@ def data_dir(kind: str) -> Path:
         raise ValueError(f"unknown data folder {kind!r}: expected one of {', '.join(DATA_PACKAGES)}")
     env = os.environ.get("MPSIM_DATA")
     if env:
-        return Path(env) / kind
+        return Path(env) / _CHECKOUT_PATHS.get(kind, kind)
     root = resources.files(DATA_PACKAGES[kind])
     if not isinstance(root, Path):  # a zipped install: the files have no path of their own
         raise MpsimError(f"{DATA_PACKAGES[kind]} is not installed as files; set MPSIM_DATA to a folder with {kind}/")
@@ -36,6 +39,10 @@ def data_dir(kind: str) -> Path:
 
 def shipped_topologies() -> dict[str, Path]:
     return {p.stem: p for p in sorted(data_dir("topologies").glob("*.yaml"))}
+
+
+def shipped_clusters() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(data_dir("clusters").glob("*.yaml"))}
 
 
 def shipped_traces() -> dict[str, Path]:
@@ -55,9 +62,17 @@ def _resolve(name_or_path: str, shipped: dict[str, Path], what: str) -> Path:
 
 
 @lru_cache(maxsize=128)
-def _load_cached(path: str, mtime: float, kind: str) -> Topology | Trace:
+def _load_cached(path: str, mtime: float, kind: str) -> Topology | Trace | Cluster:
     """Parsed files are immutable, so each is read once per modification time."""
+    if kind == "cluster":
+        return read_cluster_file(Path(path))
     return read_topology_file(Path(path)) if kind == "server" else read_trace_file(Path(path))
+
+
+def load_cluster(name_or_path: str) -> Cluster:
+    """A shipped cluster by name (``dgx-h100-superpod``) or a cluster YAML file."""
+    path = _resolve(name_or_path, shipped_clusters(), "cluster")
+    return _load_cached(str(path), path.stat().st_mtime, "cluster")  # type: ignore[return-value]
 
 
 def load_topology(name_or_path: str) -> Topology:

@@ -21,6 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mpsim.cluster import Cluster, place_on_cluster
 from mpsim.errors import MpsimError
 from mpsim.schedule import check_interleaved, check_schedule
 from mpsim.strategies import strategy_named
@@ -65,26 +66,32 @@ class Parallelism(BaseModel):
                               description="gradient bucket size of DDP and ZeRO-1/2, MiB")
     reshard_after_forward: bool = Field(default=True, description="ZeRO-3 / FSDP2: free gathered parameters "
                                                                   "after each unit's forward")
+    hsdp: bool = Field(default=False, description="with ZeRO-3 on a cluster: shard inside each server, replicate "
+                                                  "across servers (HSDP)")
 
     def unsupported(self) -> str | None:
         """What of this layout the engine cannot simulate, or None."""
         if self.sequence_parallel and self.tensor == 1:
             return ("sequence parallel splits what tensor parallelism replicates: it needs a tensor-parallel "
                     "degree of 2 or more")
+        if self.hsdp and self.zero_stage != 3:
+            return "HSDP shards parameters (ZeRO-3) inside a server and replicates them across: use zero stage 3"
         return None
 
-    def stages_on(self, topo: Topology) -> int:
-        """The pipeline depth on ``topo``, checked: at least one stage, a tensor-parallel
-        group of GPUs for each stage of each data-parallel replica (None: the GPUs left per
-        replica)."""
+    def stages_on(self, topo: Topology, servers: int = 1) -> int:
+        """The pipeline depth on ``servers`` servers like ``topo``, checked: at least one
+        stage, a tensor-parallel group of GPUs for each stage of each data-parallel replica
+        (None: the GPUs left per replica)."""
         per_stage = self.data * self.tensor
-        p = max(1, topo.n_gpus // per_stage) if self.pipeline is None else self.pipeline
-        if p * per_stage > topo.n_gpus:
+        n_gpus = topo.n_gpus * servers
+        p = max(1, n_gpus // per_stage) if self.pipeline is None else self.pipeline
+        if p * per_stage > n_gpus:
             stages = f"{p} stage" + ("s" if p > 1 else "")
             what = stages if self.data == 1 else f"{self.data} replicas of {stages}"
             if self.tensor > 1:
                 what += f" of {self.tensor} GPUs each"
-            raise MpsimError(f"{what} need {p * per_stage} GPUs but {topo.name} has {topo.n_gpus}")
+            where = topo.name if servers == 1 else f"{servers} x {topo.name}"
+            raise MpsimError(f"{what} need {p * per_stage} GPUs but {where} has {n_gpus}")
         return p
 
     def describe(self, n_stages: int) -> str:
@@ -93,7 +100,7 @@ class Parallelism(BaseModel):
         x2``, ``FSDP x2 x TP x4`` (Megatron-LM's order read outward: data, tensor, pipeline)."""
         parts = []
         if self.data > 1 or self.zero_stage:
-            parts.append(f"{DP_NAMES[self.zero_stage]} x{self.data}")
+            parts.append(f"{'HSDP' if self.hsdp else DP_NAMES[self.zero_stage]} x{self.data}")
         if self.tensor > 1:
             parts.append(f"TP x{self.tensor}" + ("+SP" if self.sequence_parallel else ""))
         if n_stages > 1 or not parts:
@@ -162,12 +169,20 @@ class JobSpec:
     """The memory-saving strategy that plans the job (``mpsim.strategies``)."""
     record_link_rates: bool = False
     """Keep every change of link rates (Chrome-trace counters); does not change results."""
+    cluster: Cluster | None = None
+    """Servers of ``topology``'s type joined by a fabric (``mpsim.cluster``); None: one server."""
+    servers: int = 1
+    """Servers the job fills, all of their GPUs (with a cluster)."""
 
     def __post_init__(self) -> None:
         why = self.parallelism.unsupported()
         if why is not None:
             raise MpsimError(why)
-        check_schedule(self.schedule, self.parallelism.stages_on(self.topology), self.microbatches)
+        if self.cluster is not None or self.servers != 1:
+            self._check_cluster()
+        elif self.parallelism.hsdp:
+            raise MpsimError("HSDP shards inside a server and replicates across servers: give a cluster")
+        check_schedule(self.schedule, self.n_stages, self.microbatches)
         par = self.parallelism
         if par.virtual_stages > 1:
             self._check_interleaved()
@@ -177,6 +192,26 @@ class JobSpec:
         check_partition(self.partition)
         check_strategy(self.strategy)
         check_shardable(self.trace, par.tensor, par.sequence_parallel)
+
+    def _check_cluster(self) -> None:
+        """A cluster job fills ``servers`` whole servers of the cluster's type, tensor groups
+        inside a server (``cluster.place_on_cluster``), one line each."""
+        cluster = self.cluster
+        if cluster is None:
+            raise MpsimError(f"{self.servers} servers need a cluster (--cluster) to say how they are joined")
+        if self.topology.content_hash != cluster.server.content_hash:
+            raise MpsimError(f"the cluster {cluster.name} is made of {cluster.server.name}, not {self.topology.name}")
+        if not 1 <= self.servers <= cluster.spec.max_servers:
+            raise MpsimError(f"{cluster.name} has 1 to {cluster.spec.max_servers} servers, not {self.servers}")
+        par = self.parallelism
+        p = self.n_stages
+        used, total = par.data * par.tensor * p, self.servers * self.topology.n_gpus
+        if used != total:
+            raise MpsimError(f"{self.layout_name} uses {used} GPUs but {self.servers} x {self.topology.name} have "
+                             f"{total}: a cluster job fills its servers")
+        placed = place_on_cluster(self.topology.n_gpus, par.data, par.tensor, p)
+        if par.hsdp and placed.across == 1:
+            raise MpsimError(f"HSDP x{par.data} stays inside one server: use FSDP (zero stage 3)")
 
     def _check_interleaved(self) -> None:
         """Interleaved 1F1B (``virtual_stages`` > 1): Megatron-LM's rules, one line each."""
@@ -194,7 +229,7 @@ class JobSpec:
     @property
     def n_stages(self) -> int:
         """Pipeline stages, one GPU (or tensor-parallel group) each, per replica."""
-        return self.parallelism.stages_on(self.topology)
+        return self.parallelism.stages_on(self.topology, self.servers)
 
     @property
     def model_stages(self) -> int:
@@ -204,6 +239,18 @@ class JobSpec:
     @property
     def microbatch(self) -> int:
         return self.trace.microbatch
+
+    @property
+    def n_gpus(self) -> int:
+        """GPUs the job may use: the server's, or every GPU of its servers."""
+        return self.topology.n_gpus * self.servers
+
+    @property
+    def where(self) -> str:
+        """``dgx-h100``, or ``64 x dgx-h100 (dgx-h100-superpod)``."""
+        if self.cluster is None:
+            return self.topology.name
+        return f"{self.servers} x {self.topology.name} ({self.cluster.name})"
 
     @property
     def layout_name(self) -> str:
@@ -251,15 +298,20 @@ class OfJob:
         return self.job.record_link_rates
 
 
-def job_of(server: str | Topology, model: str | Trace, *, schedule: str = DEFAULT_SCHEDULE,
+def job_of(server: str | Topology | None, model: str | Trace, *, schedule: str = DEFAULT_SCHEDULE,
            microbatch: int | None = None, microbatches: int = DEFAULT_MICROBATCHES, n_stages: int | None = None,
            strategy: str = "none", partition: str = "compute", record_link_rates: bool = False,
-           parallelism: Parallelism | None = None) -> JobSpec:
+           parallelism: Parallelism | None = None, cluster: str | Cluster | None = None,
+           servers: int = 1) -> JobSpec:
     """A job from names or loaded objects: ``microbatch`` rescales the trace (None keeps the
     traced size); ``n_stages`` None means one stage per GPU of each replica;
-    ``parallelism`` the data parallelism (its pipeline depth is ``n_stages``)."""
-    from mpsim.catalog import load_topology, load_trace  # here: `mpsim --help` reads the defaults above only
+    ``parallelism`` the data parallelism (its pipeline depth is ``n_stages``); ``cluster``
+    and ``servers``: that many of the cluster's servers (``server`` None: the cluster's)."""
+    from mpsim.catalog import load_cluster, load_topology, load_trace  # here: `mpsim --help` reads the defaults only
 
+    joined = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    if server is None:
+        server = joined.server if joined is not None else DEFAULT_SERVER
     topo = load_topology(server) if isinstance(server, str) else server
     trace = load_trace(model) if isinstance(model, str) else model
     if microbatch is not None:
@@ -267,4 +319,5 @@ def job_of(server: str | Topology, model: str | Trace, *, schedule: str = DEFAUL
     layout = pipeline(n_stages)
     if parallelism is not None:
         layout = parallelism.model_copy(update={"pipeline": layout.pipeline})
-    return JobSpec(topo, trace, schedule, microbatches, layout, partition, strategy, record_link_rates)
+    return JobSpec(topo, trace, schedule, microbatches, layout, partition, strategy, record_link_rates, joined,
+                   servers)

@@ -36,8 +36,16 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     from mpsim.backends import make_backend
     from mpsim.calibrate import Calibration, calibrate, calibrated_yaml
     from mpsim.capacity import FitsReport, LayoutFits, fits
-    from mpsim.catalog import load_topology, load_trace, shipped_topologies, shipped_traces
+    from mpsim.catalog import (
+        load_cluster,
+        load_topology,
+        load_trace,
+        shipped_clusters,
+        shipped_topologies,
+        shipped_traces,
+    )
     from mpsim.choose import ChooseReport, choose, parse_price, parse_servers
+    from mpsim.cluster import DEFAULT_BATCH_TOKENS, DEFAULT_CLUSTERS
     from mpsim.job import (
         DEFAULT_MICROBATCHES,
         DEFAULT_MODEL,
@@ -52,6 +60,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     from mpsim.layouts import CHOOSE_LAYOUTS, DEFAULT_LAYOUTS, LAYOUTS_HELP, candidate_layouts, parse_layout
     from mpsim.plan import PlanFile, read_plan_file, write_plan_file
     from mpsim.planners import Planned, plan_job
+    from mpsim.scale import ScaleReport, scale
     from mpsim.sim import SimResult
     from mpsim.sim.progress import reporting
     from mpsim.strategies import STRATEGIES, STRATEGY_HELP
@@ -69,13 +78,16 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.backends": ("make_backend",),
     "mpsim.calibrate": ("Calibration", "calibrate", "calibrated_yaml"),
     "mpsim.capacity": ("FitsReport", "LayoutFits", "fits"),
-    "mpsim.catalog": ("load_topology", "load_trace", "shipped_topologies", "shipped_traces"),
+    "mpsim.catalog": ("load_cluster", "load_topology", "load_trace", "shipped_clusters", "shipped_topologies",
+                      "shipped_traces"),
     "mpsim.choose": ("ChooseReport", "choose", "parse_price", "parse_servers"),
     "mpsim.job": ("DEFAULT_MICROBATCHES", "DEFAULT_MODEL", "DEFAULT_SCHEDULE", "DEFAULT_SERVER", "JobSpec",
                   "PARTITIONS", "Parallelism", "data_parallel", "job_of"),
     "mpsim.layouts": ("CHOOSE_LAYOUTS", "DEFAULT_LAYOUTS", "LAYOUTS_HELP", "candidate_layouts", "parse_layout"),
     "mpsim.plan": ("PlanFile", "read_plan_file", "write_plan_file"),
     "mpsim.planners": ("Planned", "plan_job"),
+    "mpsim.cluster": ("DEFAULT_BATCH_TOKENS", "DEFAULT_CLUSTERS"),
+    "mpsim.scale": ("ScaleReport", "scale"),
     "mpsim.sim": ("SimResult",),
     "mpsim.sim.progress": ("reporting",),
     "mpsim.strategies": ("STRATEGIES", "STRATEGY_HELP"),

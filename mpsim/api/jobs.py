@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mpsim.catalog import load_topology, load_trace
+from mpsim.cluster import Cluster
 from mpsim.errors import MpsimError
 from mpsim.job import (
     DEFAULT_MICROBATCHES,
@@ -25,16 +26,19 @@ from mpsim.topology import Topology
 from mpsim.trace import Trace, measured_elsewhere
 
 
-def plan(server: str | Topology, model: str | Trace, schedule: str = DEFAULT_SCHEDULE, microbatch: int | None = None,
-         microbatches: int = DEFAULT_MICROBATCHES, n_stages: int | None = None, strategy: str = "none",
+def plan(server: str | Topology | None, model: str | Trace, schedule: str = DEFAULT_SCHEDULE,
+         microbatch: int | None = None, microbatches: int = DEFAULT_MICROBATCHES, n_stages: int | None = None,
+         strategy: str = "none",
          partition: str = "compute", record_link_rates: bool = False,
-         parallelism: Parallelism | None = None) -> Planned:
+         parallelism: Parallelism | None = None, cluster: str | Cluster | None = None, servers: int = 1) -> Planned:
     """Make a plan with a named strategy; returns it with its simulated result
     (``record_link_rates``: every change of link rates kept, for Chrome-trace counters;
-    ``parallelism``: data-parallel replicas and ZeRO stage, ``mpsim.job.data_parallel``)."""
+    ``parallelism``: data-parallel replicas and ZeRO stage, ``mpsim.job.data_parallel``;
+    ``cluster`` and ``servers``: that many servers of a cluster, ``mpsim.cluster``)."""
     return plan_job(job_of(server, model, schedule=schedule, microbatch=microbatch, microbatches=microbatches,
                            n_stages=n_stages, strategy=strategy, partition=partition,
-                           record_link_rates=record_link_rates, parallelism=parallelism))
+                           record_link_rates=record_link_rates, parallelism=parallelism, cluster=cluster,
+                           servers=servers))
 
 
 def simulate(server: str | Topology, model: str | Trace, schedule: str = DEFAULT_SCHEDULE,

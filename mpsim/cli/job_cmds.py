@@ -11,6 +11,7 @@ import click
 from mpsim import api
 from mpsim.cli.options import (
     STRATEGY_HELP,
+    cluster_options,
     emit,
     html_option,
     job_options,
@@ -25,6 +26,7 @@ from mpsim.cli.progress import tasks_progress
 @click.command()
 @job_options
 @layout_options
+@cluster_options
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
               help="run this plan file (it fixes schedule, microbatches, partition, mapping and actions)")
 @json_option
@@ -34,8 +36,9 @@ from mpsim.cli.progress import tasks_progress
               help="plot memory over time per GPU, with swap-outs and swap-ins, to this PNG")
 @html_option
 def simulate(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
-             stages: int | None, strategy: str, partition: str, layout: api.Parallelism, plan_path: Path | None,
-             json_out: str | None, chrome_trace: Path | None, plot: Path | None, html_out: Path | None) -> None:
+             stages: int | None, strategy: str, partition: str, layout: api.Parallelism, cluster: str | None,
+             servers: int, plan_path: Path | None, json_out: str | None, chrome_trace: Path | None, plot: Path | None,
+             html_out: Path | None) -> None:
     """Simulate one training iteration: per-GPU peak memory, iteration time, throughput,
     and what each memory-saving technique saved and cost.
 
@@ -44,6 +47,9 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
     like are then refused). --dp and --zero replicate the pipeline (DDP, ZeRO-1/2, FSDP):
     `mpsim simulate --server dgx-a100-80gb --model llama-3-8b --dp 8 --zero 3 --microbatch 1`
     is FSDP on eight GPUs; --tp 4 --sp splits each stage over 4 GPUs as Megatron-LM does.
+    --cluster and --servers fill that many servers of a cluster: `mpsim simulate --cluster
+    dgx-h100-superpod --servers 16 --model llama-3-70b --tp 8 --sp --dp 16 --zero 1` is ZeRO-1
+    across 16 DGX H100s, tensor parallel inside each.
     Exits 1 when the job does not fit (the result still names where it ran out).
     """
     from mpsim.views.chrome import write_chrome_trace
@@ -54,12 +60,17 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
     if plan_path is not None and layout != api.data_parallel(1, 0, None):
         raise click.UsageError("--dp, --zero, --tp, --sp, --virtual-stages and the bucket and reshard options: the "
                                "plan file fixes the layout; leave them out with --plan")
+    if plan_path is not None and (cluster is not None or servers != 1):
+        raise click.UsageError("--cluster and --servers: plan files describe one server; leave them out with --plan")
+    if cluster is not None and server is None:
+        server = api.load_cluster(cluster).server.source
     topo, trace, plan_file = api.load_job(server, model, plan_path)
     warn(api.measured_warning(trace, topo))
     with tasks_progress("simulate"):
         if plan_file is None:  # the plan too, for --html
             planned = api.plan(topo, trace, schedule, microbatch, microbatches, n_stages=stages, strategy=strategy,
-                               partition=partition, record_link_rates=chrome_trace is not None, parallelism=layout)
+                               partition=partition, record_link_rates=chrome_trace is not None, parallelism=layout,
+                               cluster=cluster, servers=servers)
             result, plan_file = planned.result, planned.plan
         else:
             result = api.simulate(topo, trace, plan_file=plan_file, record_link_rates=chrome_trace is not None)

@@ -53,10 +53,10 @@ def layout_options(f: F) -> F:
 
     @functools.wraps(f)
     def with_layout(*args: Any, dp: int, zero: int, bucket_mib: float, reshard: bool, tp: int, sp: bool,
-                    virtual_stages: int, **kwargs: Any) -> Any:
-        return f(*args, layout=api.data_parallel(dp, zero, None, bucket_mib=bucket_mib,
+                    virtual_stages: int, hsdp: bool, **kwargs: Any) -> Any:
+        return f(*args, layout=api.data_parallel(dp, 3 if hsdp else zero, None, bucket_mib=bucket_mib,
                                                  reshard_after_forward=reshard, tensor=tp, sequence_parallel=sp,
-                                                 virtual_stages=virtual_stages),
+                                                 virtual_stages=virtual_stages, hsdp=hsdp),
                  **kwargs)
 
     return _apply(with_layout, [  # type: ignore[return-value]
@@ -77,9 +77,22 @@ def layout_options(f: F) -> F:
         click.option("--sp/--no-sp", default=False, show_default=True,
                      help="sequence parallel with --tp: norms and dropout on a sequence shard, all-gather and "
                           "reduce-scatter instead of all-reduce (Korthikanti et al. 2022)"),
+        click.option("--hsdp", is_flag=True, default=False,
+                     help="on a cluster: shard states inside each server, replicate them across servers (FSDP2's "
+                          "HSDP; implies --zero 3)"),
         click.option("--virtual-stages", type=click.IntRange(min=1, max=64), default=1, show_default=True,
                      help="model chunks per GPU: interleaved 1F1B (Narayanan et al. 2021), with --schedule 1f1b "
                           "and microbatches a multiple of the stages"),
+    ])
+
+
+def cluster_options(f: F) -> F:
+    """--cluster, --servers: run on that many servers of a cluster (``mpsim.cluster``)."""
+    return _apply(f, [
+        click.option("--cluster", help="a shipped cluster (mpsim topo list) or a cluster YAML file: servers of one "
+                                       "type and the fabric joining them; --server defaults to its server"),
+        click.option("--servers", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="with --cluster: servers the job fills (data x tensor x pipeline = all their GPUs)"),
     ])
 
 

@@ -207,13 +207,27 @@ def calibrate_cmd(trace_paths: tuple[str, ...], server: str, output: Path | None
               help="on-demand USD per hour of a server, instead of its file's price; repeat for several")
 @click.option("--rank-by", type=click.Choice(["cost", "throughput"]), default="cost", show_default=True,
               help="cost: USD per million samples, cheapest first; throughput: fastest first")
+@click.option("--tokens", type=float, help="train on this many tokens: answer how many servers of each cluster, "
+                                           "with which layout, for how long and at what cost (e.g. 2e12)")
+@click.option("--days", type=float, help="with --tokens: the deadline; the pick is the fewest servers within it")
+@click.option("--budget", type=float, help="with --tokens: the most to spend, USD")
+@click.option("--clusters", default=",".join(api.DEFAULT_CLUSTERS), show_default=True,
+              help="with --tokens: shipped clusters (mpsim topo list) or cluster YAML files, comma-separated")
+@click.option("--batch-tokens", type=int, default=api.DEFAULT_BATCH_TOKENS, show_default=True,
+              help="with --tokens: tokens an iteration (the global batch, fixed whatever the layout)")
+@click.option("--discount", type=float, default=0.0, show_default=True,
+              help="with --tokens: fraction off the list price (a reserved or negotiated cluster)")
+@click.option("--workers", "-j", type=click.IntRange(min=1), default=1, show_default=True,
+              help="with --tokens: worker processes (or Ray CPUs) the configurations run on")
+@backend_options
 @json_option
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="PNG of throughput against USD per hour, the Pareto front marked")
 @html_option
 def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, microbatches: int, strategies: str,
-               layouts: str, price_overrides: tuple[str, ...], rank_by: str, json_out: str | None, plot: Path | None,
-               html_out: Path | None) -> None:
+               layouts: str, price_overrides: tuple[str, ...], rank_by: str, tokens: float | None, days: float | None,
+               budget: float | None, clusters: str, batch_tokens: int, discount: float, workers: int, backend: str,
+               address: str | None, json_out: str | None, plot: Path | None, html_out: Path | None) -> None:
     """Which server to buy or rent for a model: per server the fastest plan that fits (parallel
     layout x strategy x microbatch size), its samples/s (tokens/s for language models),
     peak memory, and USD per hour and per million samples (tokens), ranked, with a
@@ -223,13 +237,36 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
     nothing fits, the row says by how much it falls short and which technique came
     closest. Exits 1 when the model fits on none of the servers.
 
+    With --tokens it answers "how many servers": per cluster (--clusters) and server count
+    (powers of two) the fastest layout that fits (tensor parallel inside a server, pipeline
+    and ZeRO-1, FSDP or HSDP across), the days and the cost to train, the Pareto front of
+    days against cost (--plot), and the fewest servers within --days and --budget.
+
     \b
-    Example:
+    Examples:
       mpsim choose --model llama-3-8b --servers dgx1-v100,dgx-a100-80gb,dgx-h100 --price dgx-h100=55
+      mpsim choose --model llama-3-70b --tokens 2e12 --days 30 --clusters dgx-h100-superpod -j 2
     """
     from mpsim.views.html import choose_page
-    from mpsim.views.plots import plot_choose
-    from mpsim.views.text import choose_text
+    from mpsim.views.plots import plot_choose, plot_scale
+    from mpsim.views.text import choose_text, scale_text
+
+    if tokens is None and (days is not None or budget is not None):
+        raise click.UsageError("--days and --budget go with --tokens")
+    if tokens is not None:
+        if servers != "all" or html_out:
+            raise click.UsageError("--tokens searches clusters (--clusters); --servers and --html are for one server")
+        runner = None if backend == "local" and workers == 1 else api.make_backend(backend, workers, address)
+        with steps_progress("choose") as step:
+            scaled = api.scale(model, comma_list(clusters, "--clusters"), tokens, days, budget, batch_tokens,
+                               tuple(int_list(sizes, "--microbatch")) if sizes else (1,), discount, runner,
+                               on_point=lambda t: step(f"{t.point.servers} x {t.point.cluster}: {t.layout}"))
+        emit(json_out, scale_text(scaled), scaled.to_dict())
+        if plot:
+            plot_scale(scaled, plot)
+        if not any(a.rows for a in scaled.answers):
+            sys.exit(1)
+        return
 
     prices = dict(api.parse_price(p) for p in price_overrides)
     names = api.parse_servers(servers, schedule, microbatches)

@@ -15,7 +15,7 @@ from mpsim.planners.liveness import live_intervals
 from mpsim.planners.mcap import held_microbatches, mcap_partition
 from mpsim.sim import SimResult, simulate_layout
 from mpsim.sim.layout import data_parallel_plan, interleaved, layout_of_plan, stage_trace, tensor_parallel_plan
-from mpsim.sim.placement import Groups, Replicas, place_groups
+from mpsim.sim.placement import Groups, Replicas, place_job
 from mpsim.topology import Topology
 from mpsim.trace import Trace
 
@@ -49,10 +49,12 @@ class Ctx(OfJob):
     """With tensor parallelism, each stage's group per replica (``placement``); empty without."""
     shard: Trace | None = None
     """With tensor parallelism, what one GPU of a stage runs (``stage_trace``)."""
+    view: Topology | None = None
+    """On a cluster, the servers simulated (``placement.Placed``)."""
 
     @property
     def topo(self) -> Topology:
-        return self.job.topology
+        return self.view if self.view is not None else self.job.topology
 
     @property
     def trace(self) -> Trace:
@@ -123,10 +125,10 @@ def make_context(job: JobSpec, keeps: str = "keep") -> Ctx:
         stages = mcap_partition(trace, job.schedule, p, job.microbatches, keeps == "recompute",
                                 keeps == "selective")
     par = job.parallelism
-    placed, placed_groups = place_groups(job.topology, par.data, par.tensor, p // v)
-    replicas, groups = interleaved(placed, v), interleaved(placed_groups, v)
+    placed = place_job(job, p // v)
+    replicas, groups = interleaved(placed.replicas, v), interleaved(placed.groups, v)
     return Ctx(job, list(stages), list(replicas[0]), replicas if len(replicas) > 1 else (),
-               groups if par.tensor > 1 else (), shard)
+               groups if par.tensor > 1 else (), shard, placed.topology if job.cluster is not None else None)
 
 
 def over(result: SimResult, gpu: int) -> int:

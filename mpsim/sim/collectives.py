@@ -46,12 +46,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, get_args
 
 import simpy
 
+from mpsim.cluster import ClusterView
 from mpsim.errors import MpsimError
 from mpsim.sim.network import Network
 from mpsim.topology import Route, Topology
@@ -199,6 +201,45 @@ def max_hop_bytes(op: str, n_bytes: int, n: int) -> int:
     """The most bytes any GPU of the ring sends (``hop_bytes``), remembered: a job's
     buckets and layers repeat a few sizes many times."""
     return max(hop_bytes(op, n_bytes, n))
+
+
+def inter_server_steps(op: str, servers: int) -> int:
+    """Latency steps of ``op`` across ``servers``: a ring's, or for all-reduce NCCL's
+    double binary tree's 2 x depth when fewer (NCCL's tuner picks the tree for small
+    buffers on many nodes; both move the same bytes per NIC in this model)."""
+    ring = ring_steps(op, servers)
+    return min(ring, 2 * max(1, math.ceil(math.log2(servers)))) if op == "all-reduce" else ring
+
+
+def two_level_transfer(network: Network, view: ClusterView, ring: Sequence[int], intra_op: str | None,
+                       across: int, inter_op: str | None, n_bytes: int) -> simpy.Event:
+    """A collective over a group of ``len(ring)`` GPUs on each of ``across`` identical
+    servers, started now: ``intra_op`` over the server's ring on the whole buffer and
+    ``inter_op`` across servers on each GPU's 1/n share of it, every GPU of the ring
+    running its own inter-server ring through its own NIC (one ring per rail, as NCCL's
+    channels cross servers), over ``ClusterView.mirror_route`` (the other servers are
+    symmetric). NCCL pipelines both levels chunk by chunk, so the flows of both run at
+    once (fused, as ``ring_transfer``): on an idle fabric the time is the latency steps of
+    both levels plus the slower level's bytes over its bandwidth. All-reduce is
+    reduce-scatter inside, all-reduce across, all-gather inside (``intra_op`` and
+    ``inter_op`` ``all-reduce``); ZeRO's reduce-scatter and all-gather are the same op at
+    both levels; HSDP reduces gradients with a reduce-scatter inside and an all-reduce
+    across, and gathers parameters inside only (``inter_op`` None)."""
+    n = len(ring)
+    routes: list[Route] = []
+    sizes: list[int] = []
+    latency_s = 0.0
+    if intra_op is not None and n > 1:
+        hops, hop_latency_s = ring_routes(view, tuple(ring))
+        routes += hops
+        sizes += [max_hop_bytes(intra_op, n_bytes, n)] * n
+        latency_s += ring_steps(intra_op, n) * hop_latency_s
+    if inter_op is not None and across > 1:
+        mirrors = [view.mirror_route(g) for g in ring]
+        routes += mirrors
+        sizes += [max_hop_bytes(inter_op, -(-n_bytes // n), across)] * n
+        latency_s += inter_server_steps(inter_op, across) * max(r.latency_s for r in mirrors)
+    return network.transfer_all(routes, sizes, latency_s)
 
 
 def tree_edges(order: Sequence[int]) -> list[tuple[int, int]]:

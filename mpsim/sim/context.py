@@ -81,10 +81,13 @@ class RunContext:
         self.log = MemoryLog(topo.n_gpus + 2)
         self.memory = [DeviceMemory(self.env, g, topo.capacity_bytes, self.log) for g in range(topo.n_gpus)]
         """The owner of each GPU's memory."""
-        self.replicas = layout.parallelism.data * layout.parallelism.tensor
+        self.replicas = layout.host_ways
         """Copies of the simulated GPU's work: every tensor-parallel rank of every
         data-parallel replica gets its share of the host's memory, NVMe and CPU (the engine
-        simulates one rank of replica 0; ``data_parallel``, ``tensor_group``)."""
+        simulates one rank of replica 0; ``data_parallel``, ``tensor_group``;
+        ``Layout.host_ways``)."""
+        self.servers = layout.view_servers
+        """Servers (hosts) the simulated GPUs sit on."""
         self.host = DeviceMemory(self.env, topo.n_gpus, self.host_share_bytes, self.log)
         """The owner of replica 0's share of pinned host memory (it never waits)."""
         self.nvme = DeviceMemory(self.env, topo.n_gpus + 1, self.nvme_share_bytes, self.log)
@@ -102,12 +105,12 @@ class RunContext:
 
     @property
     def host_share_bytes(self) -> int:
-        return self.topo.host_memory_bytes // self.replicas
+        return self.topo.host_memory_bytes * self.servers // self.replicas
 
     @property
     def nvme_share_bytes(self) -> int:
         nvme = self.topo.spec.nvme
-        return 0 if nvme is None else int(nvme.capacity_gib * GiB) // self.replicas
+        return 0 if nvme is None else int(nvme.capacity_gib * GiB) * self.servers // self.replicas
 
     def nvme_seconds(self, n_bytes: int, write: bool) -> float:
         """Replica 0's share of NVMe traffic: every replica moves as much at once, so the

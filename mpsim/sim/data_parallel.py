@@ -36,7 +36,7 @@ from collections.abc import Callable, Generator
 
 import simpy
 
-from mpsim.sim.collectives import ring_transfer
+from mpsim.sim.collectives import ring_transfer, two_level_transfer
 from mpsim.sim.context import RunContext
 from mpsim.sim.program import Piece, Sharding
 from mpsim.sim.result import Span
@@ -57,7 +57,11 @@ class DataParallel:
         self.gpu = layout.gpu_of[stage]
         self.ring = layout.group(stage)
         """The group in ring order: replica order (``placement`` puts each group in its
-        best ring order; a plan file's replicas are taken in the order written)."""
+        best ring order; a plan file's replicas are taken in the order written). On a
+        cluster, its GPUs on the simulated server."""
+        self.across = layout.across
+        """Servers the group spans: its collectives run at two levels (``two_level_transfer``)."""
+        self.hsdp = layout.parallelism.hsdp
         a, b = layout.stages[stage]
         self.rows = {j: layout.trace.layers[j] for j in range(a, b)}
         self.buckets = _buckets(self.rows, layout.parallelism.bucket_mib * MiB)
@@ -72,7 +76,19 @@ class DataParallel:
 
     @property
     def moves(self) -> bool:
-        return len(self.ring) > 1
+        return len(self.ring) > 1 or self.across > 1
+
+    def _transfer(self, op: str, n_bytes: int) -> simpy.Event:
+        """``op`` over the group started now: one ring inside a server, or two levels
+        across servers (HSDP: a reduce-scatter inside and an all-reduce across for
+        gradients, parameters gathered inside only)."""
+        run = self.run
+        if self.across == 1:
+            return ring_transfer(run.net, run.topo, self.ring, op, n_bytes)
+        inter: str | None = op
+        if self.hsdp:
+            inter = "all-reduce" if op == "reduce-scatter" else None
+        return two_level_transfer(run.net, run.topo, self.ring, op, self.across, inter, n_bytes)  # type: ignore[arg-type]
 
     # -- gradients -------------------------------------------------------------------------
     def backward_piece_started(self, mb: int, piece: Piece, last_backward: bool) -> None:
@@ -199,7 +215,7 @@ class DataParallel:
         after fetching ``fetch_bytes`` of offloaded shard (``_fetch``)."""
         previous = self._tails[lane]
         if (previous is None or previous.processed) and not fetch_bytes and self.moves:
-            landed = self._tails[lane] = ring_transfer(self.run.net, self.run.topo, self.ring, op, n_bytes)
+            landed = self._tails[lane] = self._transfer(op, n_bytes)
             landed.callbacks.append(self._span(label, self.run.env.now))  # the common case: no process
             return landed
         done = self._tails[lane] = self.run.env.event()
@@ -229,7 +245,7 @@ class DataParallel:
             yield from self._fetch(fetch_bytes)
         start = run.env.now
         if self.moves:
-            yield ring_transfer(run.net, run.topo, self.ring, op, n_bytes)
+            yield self._transfer(op, n_bytes)
         run.spans.append(Span(self.gpu, "nccl", label, start, run.env.now))
         done.succeed()
 

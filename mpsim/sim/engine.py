@@ -118,7 +118,8 @@ def sharding_of(layout: Layout) -> Sharding | None:
     offload_grads = par.zero_stage >= 2 and bool(layout.host_optimizer) and all(
         opt == "host-update" and len(on_host) == b - a
         for opt, on_host, (a, b) in zip(layout.optimizer, layout.host_optimizer, layout.stages))
-    return Sharding(par.data, par.zero_stage, par.reshard_after_forward, layout.offload_params, offload_grads)
+    return Sharding(layout.shard_ways, par.zero_stage, par.reshard_after_forward, layout.offload_params,
+                    offload_grads)
 
 
 def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostModel,
@@ -195,8 +196,8 @@ def _result(run: RunContext, stages: list[_Stage], iteration_s: float) -> SimRes
         iteration_s=iteration_s, samples_per_s=replicas * m * trace.microbatch / iteration_s,
         model_tflops=3.0 * trace.fwd_flops_total * m * replicas / iteration_s / 1e12,
         gpus=gpus, oom=oom, links=links, spans=run.spans, makespan_s=run.env.now, sim_events=run.events_scheduled(),
-        host_peak_bytes=host.peak_bytes * run.replicas, host_capacity_bytes=topo.host_memory_bytes,
-        host_memory_times_s=host.times_s, host_memory_used_bytes=host.used_bytes * run.replicas,
+        host_peak_bytes=host.peak_bytes * run.replicas // run.servers, host_capacity_bytes=topo.host_memory_bytes,
+        host_memory_times_s=host.times_s, host_memory_used_bytes=host.used_bytes * run.replicas // run.servers,
         link_rates=run.net.rate_log, layout=layout.job.layout_name, replicas=replicas,
     )
 

@@ -29,7 +29,7 @@ from mpsim.plan import (
     check_plan,
     host_optimizer_layers,
 )
-from mpsim.sim.placement import Groups, Replicas, place_groups
+from mpsim.sim.placement import Groups, Placed, Replicas, place_job
 from mpsim.tensor_parallel import shard_trace
 from mpsim.topology import Topology
 from mpsim.trace import Trace
@@ -147,6 +147,37 @@ class Layout(OfJob):
     empty without tensor parallelism."""
     shard: Trace | None = None
     """With tensor parallelism, one GPU's shard of the job's trace (``stage_trace``)."""
+    view: Topology | None = None
+    """On a cluster, the servers the engine simulates (``ClusterView``); None: the job's server."""
+    across: int = 1
+    """Servers each stage's data-parallel group spans (``placement.Placed``)."""
+
+    @property
+    def topology(self) -> Topology:
+        """What the engine simulates: the server, or a cluster's view of some of its servers."""
+        return self.view if self.view is not None else self.job.topology
+
+    @property
+    def shard_ways(self) -> int:
+        """GPUs a stage's sharded states are split over: the data-parallel group, or under
+        HSDP its GPUs on one server."""
+        par = self.parallelism
+        return par.data // self.across if par.hsdp else par.data
+
+    @property
+    def host_ways(self) -> int:
+        """GPUs whose work shares a host per simulated GPU (host memory, NVMe, the CPU's
+        Adam): on one server every data-parallel replica's every tensor rank; on a
+        cluster the GPUs of a server over the simulated GPUs on it."""
+        par = self.parallelism
+        if self.view is None:
+            return par.data * par.tensor
+        return self.job.topology.n_gpus * self.view_servers // self.job.n_stages
+
+    @property
+    def view_servers(self) -> int:
+        """Servers the engine simulates (1 without a cluster)."""
+        return self.topology.n_gpus // self.job.topology.n_gpus
 
     @property
     def trace(self) -> Trace:
@@ -190,15 +221,23 @@ def _keep_everything(job: Job) -> Layout:
     p = n_stages // v
     if par.pipeline != p:
         spec = spec.but(parallelism=par.model_copy(update={"pipeline": p}))
-    placed, placed_groups = place_groups(topo, par.data, par.tensor, p)
-    replicas, groups = interleaved(placed, v), interleaved(placed_groups, v)
+    placed = place_job(spec, p)
+    topo = placed.topology
+    replicas, groups = interleaved(placed.replicas, v), interleaved(placed.groups, v)
     gpus = job.gpu_of_stage or replicas[0]
     if len(gpus) != n_stages or len(set(gpus)) != p or any(not 0 <= g < topo.n_gpus for g in gpus):
         raise MpsimError(f"the stage-to-GPU map {list(gpus)} must name {n_stages} distinct GPUs of "
                          f"0..{topo.n_gpus - 1}")
     return Layout(spec, stages, tuple(gpus), tuple({} for _ in stages), ("gpu",) * n_stages, ("gpu",) * n_stages,
-                  ((),) * n_stages, spec.strategy, job.runtime, replicas=replicas if par.data > 1 else (),
-                  tp_groups=groups if par.tensor > 1 else (), shard=shard)
+                  ((),) * n_stages, spec.strategy, job.runtime, replicas=replicas if len(replicas) > 1 else (),
+                  tp_groups=groups if par.tensor > 1 else (), shard=shard, **_cluster_fields(placed, spec))
+
+
+def _cluster_fields(placed: Placed, job: JobSpec) -> dict:
+    """A cluster layout's view and span (``Layout.view``, ``Layout.across``); none on one server."""
+    if job.cluster is None:
+        return {}
+    return {"view": placed.topology, "across": placed.across}
 
 
 def interleaved(per_replica: tuple[tuple[T, ...], ...], v: int) -> tuple[tuple[T, ...], ...]:
@@ -233,7 +272,8 @@ def layout_of_plan(plan: PlanFile, job: JobSpec, *, checked: bool = False, runti
                   tuple(host_optimizer_layers(st) for st in plan.stages),
                   plan.strategy, runtime, plan.swap_timing,
                   plan.recompute_checkpoints, replicas, dp is not None and dp.offload_params,
-                  dp.offload_device if dp is not None else "host", groups, stage_trace(job, runtime))
+                  dp.offload_device if dp is not None else "host", groups, stage_trace(job, runtime),
+                  **_cluster_fields(place_job(job, job.n_stages), job) if job.cluster is not None else {})
 
 
 def resolve(job: Job) -> Layout:

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Final
 
+from mpsim.cluster import place_on_cluster
+from mpsim.job import JobSpec
 from mpsim.sim.collectives import best_ring, ring_bottleneck
 from mpsim.topology import Topology
 
@@ -28,6 +31,39 @@ is the stage's GPU in ``Replicas``, the one the engine simulates."""
 
 EXHAUSTIVE_GPUS: Final = 8
 """Servers up to this many GPUs get every grouping searched; larger ones take GPUs in order."""
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where a job's simulated GPUs run: the topology the engine simulates (the server, or
+    a cluster's view of the servers replica 0 uses), per replica on it the GPU of each
+    stage and per stage its tensor-parallel group; each stage's data-parallel group spans
+    ``across`` servers (``mpsim.cluster``), its GPUs on the view's server listed in
+    ``replicas``."""
+
+    topology: Topology
+    replicas: Replicas
+    groups: Groups
+    across: int = 1
+
+
+def place_job(job: JobSpec, n_stages: int) -> Placed:
+    """``job``'s GPUs for ``n_stages`` stages per replica: on one server by
+    ``place_groups``; on a cluster in Megatron-LM's order (``cluster.place_on_cluster``),
+    each tensor-parallel group in its best ring order."""
+    par = job.parallelism
+    if job.cluster is None:
+        return Placed(job.topology, *place_groups(job.topology, par.data, par.tensor, n_stages))
+    return _place_cluster_job(job.cluster.view, job.topology.n_gpus, par.data, par.tensor, n_stages)
+
+
+@lru_cache(maxsize=256)
+def _place_cluster_job(view_of: object, per_server: int, data: int, tensor: int, n_stages: int) -> Placed:
+    placed = place_on_cluster(per_server, data, tensor, n_stages)
+    view: Topology = view_of(placed.servers)  # type: ignore[operator]
+    groups = tuple(tuple(best_ring(view, g) if len(g) > 1 else g for g in replica) for replica in placed.groups)
+    replicas = tuple(tuple(g[0] for g in replica) for replica in groups)
+    return Placed(view, replicas, groups, placed.across)
 
 
 def place_replicas(topo: Topology, data: int, n_stages: int) -> Replicas:

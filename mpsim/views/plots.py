@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from mpsim.choose import ChooseReport
+    from mpsim.scale import ScaleReport
     from mpsim.sim import SimResult
 
 
@@ -294,3 +295,36 @@ def plot_sweep(frame: pd.DataFrame, path: Path) -> Figure:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return fig
+
+
+def plot_scale(report: ScaleReport, path: Path) -> None:
+    """Days against cost to train, a line per cluster through its server counts (labelled),
+    the Pareto front's points filled, the deadline and budget as dashed lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for a in report.answers:
+        rows = [(r, r.usd / 1e6) for r in a.rows if r.usd is not None]
+        if not rows:
+            continue
+        line, = ax.plot([r.days for r, _ in rows], [m for _, m in rows], marker="o", markersize=4,
+                        label=a.cluster, markerfacecolor="white")
+        front = [(r, m) for r, m in rows if r.pareto]
+        ax.plot([r.days for r, _ in front], [m for _, m in front], "o", color=line.get_color(), markersize=5)
+        for r, m in rows:
+            ax.annotate(str(r.servers), (r.days, m), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    if report.days:
+        ax.axvline(report.days, linestyle="--", color="grey", linewidth=0.8)
+    if report.budget_usd:
+        ax.axhline(report.budget_usd / 1e6, linestyle="--", color="grey", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("days to train")
+    ax.set_ylabel("cost to train, million USD")
+    ax.set_title(f"{report.model}, {report.tokens:.3g} tokens (labels: servers; filled: Pareto front)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -10,6 +10,7 @@ from mpsim.choose import ChooseReport, ChooseRow, money
 from mpsim.job import DP_NAMES
 from mpsim.layouts import parse_layout
 from mpsim.plan import PlanFile, optimizer_label
+from mpsim.scale import ScaleReport
 from mpsim.sim.memory import TECHNIQUES
 from mpsim.sim.result import COSTS
 from mpsim.topology import HOST, Topology
@@ -355,3 +356,26 @@ def collective_text(d: dict) -> str:
     lines.append(table_text(["bytes", "MB", "ms", "algbw GB/s", "busbw GB/s"], rows))
     lines.append("(decimal units: MB = 10^6 bytes, GB/s = 10^9 bytes/s; busbw as nccl-tests defines it)")
     return "\n".join(lines)
+
+
+def scale_text(report: ScaleReport) -> str:
+    """``mpsim choose --tokens``: per cluster, per server count the fastest layout that fits,
+    its days and cost to train, and the recommendation."""
+    goal = ", ".join(x for x in (f"in {report.days:g} days" if report.days else "",
+                                 f"within ${report.budget_usd:,.0f}" if report.budget_usd else "") if x)
+    out = [f"{report.model}: {report.tokens:.3g} tokens, {report.batch_tokens:,} tokens an iteration "
+           f"({report.batch_tokens // report.seq_len} x {report.seq_len}), 1f1b" + (f"; goal: {goal}" if goal else "")]
+    header = ["servers", "GPUs", "layout", "strategy", "mb", "iter s", "tokens/s", "days", "cost USD", "peak GiB", ""]
+    for a in report.answers:
+        price = "no price" if a.usd_per_server_hour is None else f"${a.usd_per_server_hour:,.2f} a server-hour"
+        out += ["", f"{a.description}; {price} ({a.price_source or 'no source'}); {a.simulated} configurations "
+                    "simulated"]
+        rows = [[str(r.servers), str(r.gpus), r.tried.layout, r.tried.point.strategy,
+                 str(r.tried.point.shape.microbatch),
+                 f"{r.tried.iteration_s:.2f}", f"{r.tokens_per_s:,.0f}", f"{r.days:.1f}",
+                 "-" if r.usd is None else f"{r.usd:,.0f}", gib(r.tried.peak_bytes),
+                 " ".join(x for x in ("<- pick" if r is a.pick else "", "pareto" if r.pareto else "") if x)]
+                for r in a.rows]
+        out.append(table_text(header, rows) if rows else "nothing fits on any number of servers searched")
+    out += ["", "recommendation: " + report.recommendation()]
+    return "\n".join(out)

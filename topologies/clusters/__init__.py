@@ -1,0 +1,1 @@
+"""Shipped clusters (YAML), installed as the package ``mpsim.data.clusters``."""
