@@ -196,18 +196,34 @@ def job_of_point(point: Point, cluster: Cluster | None = None, trace: Trace | No
         return None
 
 
+def simulated_microbatches(stages: int) -> tuple[int, int]:
+    """The two microbatch counts a long iteration is simulated at (``simulate_point``)."""
+    short = 2 * max(stages, 8)
+    return short, 2 * short
+
+
 def simulate_point(point: Point) -> Tried:
-    """One configuration simulated (runs on a worker)."""
+    """One configuration simulated (runs on a worker). An iteration of m microbatches
+    beyond ``simulated_microbatches`` (m1 < m2) is simulated at both and extended along
+    the line through them: in 1F1B's steady state every further microbatch adds the same
+    forward and backward of the slowest stage, and a stage holds at most p microbatches,
+    so the peak is m2's (``tests/test_scale.py`` holds the line to full runs)."""
     from mpsim.planners.registry import plan_job
 
     job = job_of_point(point)
     if job is None:
         raise MpsimError(f"{point} is not a layout of its servers")
-    r = plan_job(job).result
+    m = job.microbatches
+    m1, m2 = simulated_microbatches(job.n_stages)
+    r = plan_job(job if m <= m2 else job.but(microbatches=m2)).result
+    iteration_s = r.iteration_s
+    if m > m2:
+        short = plan_job(job.but(microbatches=m1)).result
+        iteration_s += (m - m2) * (r.iteration_s - short.iteration_s) / (m2 - m1)
+    samples_per_s = job.parallelism.data * m * job.microbatch / iteration_s
     peak = max(g.peak_bytes for g in r.gpus)
     states = max(sum(g.breakdown.get(k, 0) for k in ("params", "grads", "optimizer")) for g in r.gpus)
-    return Tried(point, job.layout_name, r.fits, r.iteration_s, r.samples_per_s, peak, r.gpus[0].capacity_bytes,
-                 states)
+    return Tried(point, job.layout_name, r.fits, iteration_s, samples_per_s, peak, r.gpus[0].capacity_bytes, states)
 
 
 def server_counts(cluster: Cluster, least: int = 1) -> list[int]:

@@ -217,6 +217,10 @@ def calibrate_cmd(trace_paths: tuple[str, ...], server: str, output: Path | None
               help="with --tokens: tokens an iteration (the global batch, fixed whatever the layout)")
 @click.option("--discount", type=float, default=0.0, show_default=True,
               help="with --tokens: fraction off the list price (a reserved or negotiated cluster)")
+@click.option("--min-servers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="with --tokens: the fewest servers tried (counts are powers of two)")
+@click.option("--max-servers", type=click.IntRange(min=1),
+              help="with --tokens: the most servers tried  [default: each cluster's max_servers]")
 @click.option("--workers", "-j", type=click.IntRange(min=1), default=1, show_default=True,
               help="with --tokens: worker processes (or Ray CPUs) the configurations run on")
 @backend_options
@@ -226,7 +230,8 @@ def calibrate_cmd(trace_paths: tuple[str, ...], server: str, output: Path | None
 @html_option
 def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, microbatches: int, strategies: str,
                layouts: str, price_overrides: tuple[str, ...], rank_by: str, tokens: float | None, days: float | None,
-               budget: float | None, clusters: str, batch_tokens: int, discount: float, workers: int, backend: str,
+               budget: float | None, clusters: str, batch_tokens: int, discount: float, min_servers: int,
+               max_servers: int | None, workers: int, backend: str,
                address: str | None, json_out: str | None, plot: Path | None, html_out: Path | None) -> None:
     """Which server to buy or rent for a model: per server the fastest plan that fits (parallel
     layout x strategy x microbatch size), its samples/s (tokens/s for language models),
@@ -260,7 +265,8 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
         with steps_progress("choose") as step:
             scaled = api.scale(model, comma_list(clusters, "--clusters"), tokens, days, budget, batch_tokens,
                                tuple(int_list(sizes, "--microbatch")) if sizes else (1,), discount, runner,
-                               on_point=lambda t: step(f"{t.point.servers} x {t.point.cluster}: {t.layout}"))
+                               on_point=lambda t: step(f"{t.point.servers} x {t.point.cluster}: {t.layout}"),
+                               min_servers=min_servers, max_servers=max_servers)
         emit(json_out, scale_text(scaled), scaled.to_dict())
         if plot:
             plot_scale(scaled, plot)
