@@ -44,3 +44,7 @@ for model in gpt-10.3b llama-3-8b llama-3-70b; do
   mpsim choose --model "$model" --servers dgx1-v100,a100-40gb-nvswitch,dgx-a100-80gb,dgx-h100 \
     --plot "reports/choose_${model}.png" --html "reports/choose_${model}.html" > "reports/choose_${model}.txt"
 done
+taskset -c 0,1 python benchmarks/bench_cluster.py > reports/bench_cluster.txt
+mpsim choose --model llama-3-70b --tokens 2e12 --days 30 --clusters dgx-h100-superpod --min-servers 32 \
+  --max-servers 512 -j 2 --json reports/scale_llama-3-70b_2T.json --plot reports/scale_llama-3-70b_2T.png \
+  > reports/scale_llama-3-70b_2T.txt

@@ -69,6 +69,20 @@ def _load_cached(path: str, mtime: float, kind: str) -> Topology | Trace | Clust
     return read_topology_file(Path(path)) if kind == "server" else read_trace_file(Path(path))
 
 
+def is_cluster(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` names a shipped cluster or a YAML file with a ``fabric``."""
+    if name_or_path in shipped_clusters():
+        return True
+    path = Path(name_or_path)
+    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+        return False
+    try:
+        head = path.read_text(encoding="utf-8", errors="replace")[:65536]
+    except OSError:
+        return False
+    return any(line.startswith("fabric:") for line in head.splitlines())
+
+
 def load_cluster(name_or_path: str) -> Cluster:
     """A shipped cluster by name (``dgx-h100-superpod``) or a cluster YAML file."""
     path = _resolve(name_or_path, shipped_clusters(), "cluster")

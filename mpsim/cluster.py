@@ -183,6 +183,16 @@ class Cluster:
         spine = fabric.nics_per_server * fabric.nic_bytes_per_s / fabric.oversubscription / self.gpus_per_server
         return min(self.nic_bytes_per_s(gpu), pcie, spine if fabric.kind == "fat-tree" else float("inf"))
 
+    def to_dict(self) -> dict:
+        """JSON-safe summary: the server type, the fabric, and per GPU its NIC group and its
+        bandwidth to another server when every GPU sends (GB/s)."""
+        f = self.spec.fabric
+        return {"name": self.name, "description": self.spec.description, "server": self.server.name,
+                "gpus_per_server": self.gpus_per_server, "max_servers": self.spec.max_servers,
+                "fabric": f.model_dump(exclude={"nic_groups"}),
+                "nic_groups": [g.model_dump() for g in self.nic_groups],
+                "cross_server_gbps": [self.cross_bytes_per_s(g) / 1e9 for g in range(self.gpus_per_server)]}
+
     def view(self, servers: int) -> ClusterView:
         """The first ``servers`` servers as one topology (module doc)."""
         return _view(self, servers)

@@ -271,3 +271,33 @@ def test_hsdp_needs_a_cluster_and_zero_3():
         JobSpec(switch_server(4), trace, "1f1b", 4, Parallelism(data=4, zero_stage=3, hsdp=True, pipeline=1))
     with pytest.raises(MpsimError, match="zero stage 3"):
         JobSpec(switch_server(4), trace, "1f1b", 4, Parallelism(data=4, hsdp=True, pipeline=1))
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    from mpsim.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out + err
+
+
+def test_topo_show_draws_a_cluster_and_topo_list_names_the_shipped_ones(capsys):
+    code, shown = _cli(capsys, "topo", "show", "aws-p4d")
+    assert code == 0, shown
+    assert "GPU1       nic0     1             2                     5.0" in shown
+    _, listed = _cli(capsys, "topo", "list")
+    assert "dgx-h100-superpod" in listed and "clusters (--cluster):" in listed
+
+
+def test_simulate_on_a_cluster_names_the_servers_and_refuses_a_plan_file(capsys, tmp_path):
+    args = ["simulate", "--cluster", "dgx-h100-superpod", "--servers", "2", "--model", "llama-3-8b", "--microbatches", "2", "--dp", "16",
+            "--zero", "3", "--hsdp"]
+    code, out = _cli(capsys, *args)
+    assert code == 0, out
+    assert "2 x dgx-h100 (dgx-h100-superpod): HSDP x16" in out
+    plan = tmp_path / "p.json"
+    plan.write_text("{}")
+    code, refused = _cli(capsys, "simulate", "--cluster", "dgx-h100-superpod", "--plan", str(plan))
+    assert code == 2 and "plan files describe one server" in refused

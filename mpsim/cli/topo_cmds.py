@@ -17,10 +17,10 @@ def topo() -> None:
 
 @topo.command("list")
 def topo_list() -> None:
-    """The shipped servers."""
+    """The shipped servers and clusters."""
     from mpsim.views.text import servers_text
 
-    click.echo(servers_text(api.shipped_servers()))
+    click.echo(servers_text(api.shipped_servers(), {n: api.load_cluster(n) for n in api.shipped_clusters()}))
 
 
 @topo.command("show")
@@ -28,9 +28,14 @@ def topo_list() -> None:
 @json_option
 def topo_show(name: str, json_out: str | None) -> None:
     """GPUs, the connection matrix (nvidia-smi topo -m style) and route bandwidths of NAME
-    (a shipped server or a topology file)."""
-    from mpsim.views.text import topo_text
+    (a shipped server or a topology file); for a cluster (shipped, or a file with a
+    `fabric`), its fabric and each GPU's way to another server."""
+    from mpsim.views.text import cluster_text, topo_text
 
+    if api.is_cluster(name):
+        c = api.load_cluster(name)
+        emit(json_out, cluster_text(c), c.to_dict())
+        return
     t = api.load_topology(name)
     emit(json_out, topo_text(t), t.to_dict())
 
@@ -38,7 +43,11 @@ def topo_show(name: str, json_out: str | None) -> None:
 @topo.command("check")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 def topo_check(file: Path) -> None:
-    """Validate a topology file and print a one-line summary."""
+    """Validate a topology or cluster file and print a one-line summary."""
+    if api.is_cluster(str(file)):
+        c = api.load_cluster(str(file))
+        click.echo(f"{file}: ok ({c.describe()})")
+        return
     t = api.read_topology_file(file)
     click.echo(f"{file}: ok ({t.name}, {t.n_gpus} x {t.spec.gpu.model}, {len(t.links)} directed links)")
 

@@ -191,7 +191,7 @@ def _result(run: RunContext, stages: list[_Stage], iteration_s: float) -> SimRes
     links = {name: {"bytes": int(n), "busy_s": run.net.busy_s_by_link.get(name, 0.0)}
              for name, n in sorted(run.net.bytes_by_link.items())}
     return SimResult(
-        server=topo.name, model=trace.name, schedule=layout.schedule, strategy=layout.label,
+        server=layout.job.where, model=trace.name, schedule=layout.schedule, strategy=layout.label,
         microbatch=trace.microbatch, microbatches=m, stages=list(layout.stages), gpu_of_stage=list(layout.gpu_of),
         iteration_s=iteration_s, samples_per_s=replicas * m * trace.microbatch / iteration_s,
         model_tflops=3.0 * trace.fwd_flops_total * m * replicas / iteration_s / 1e12,

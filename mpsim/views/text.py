@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from mpsim.choose import ChooseReport, ChooseRow, money
+from mpsim.cluster import Cluster
 from mpsim.job import DP_NAMES
 from mpsim.layouts import parse_layout
 from mpsim.plan import PlanFile, optimizer_label
@@ -324,9 +325,34 @@ def topo_text(t: Topology) -> str:
     return "\n".join(lines)
 
 
-def servers_text(servers: Mapping[str, Topology]) -> str:
-    """``mpsim topo list``: a line per server, its shipped name and description."""
-    return "\n".join(f"{name:22s} {t.spec.description}" for name, t in servers.items())
+def servers_text(servers: Mapping[str, Topology], clusters: Mapping[str, Cluster] | None = None) -> str:
+    """``mpsim topo list``: a line per server, its shipped name and description; then the
+    clusters."""
+    lines = [f"{name:22s} {t.spec.description}" for name, t in servers.items()]
+    if clusters:
+        lines += ["", "clusters (--cluster):"] + [f"{name:22s} {c.spec.description}" for name, c in clusters.items()]
+    return "\n".join(lines)
+
+
+def cluster_text(c: Cluster) -> str:
+    """``mpsim topo show`` of a cluster: the fabric, each GPU's NICs and its bandwidth to
+    another server, and a drawing of one server's way out."""
+    f = c.spec.fabric
+    shape = {"rail-optimized": "NIC i of every server on leaf switch i (rail i), non-blocking",
+             "fat-tree": f"a fat tree, oversubscribed {f.oversubscription:g}:1" if f.oversubscription != 1
+             else "a non-blocking fat tree", "single-switch": "one switch, non-blocking"}[f.kind]
+    lines = [c.describe(), f"fabric: {shape}; {f.nic_gbit:g} Gb/s a NIC at {f.efficiency:.0%} of line rate, "
+                           f"{f.latency_us:g} us a network step", f"source: {f.source}", ""]
+    rows = [[f"GPU{g}", f"nic{c.nic_group_of(g)}", str(c.nic_groups[c.nic_group_of(g)].nics),
+             str(len(c.nic_groups[c.nic_group_of(g)].gpus)), f"{c.cross_bytes_per_s(g) / 1e9:.1f}"]
+            for g in range(c.gpus_per_server)]
+    lines.append(table_text(["", "NIC group", "NICs", "GPUs sharing", "to another server GB/s"], rows))
+    lines += ["", "(GB/s = 10^9 bytes/s per direction, every GPU sending at once: the least of its NICs' share, "
+                  "its PCIe link and, on an oversubscribed fat tree, its share of the spine)", "",
+              f"one server: GPU -- PCIe -- NIC group -- {'rail switch' if f.kind == 'rail-optimized' else 'fabric'}"
+              f" -- ... -- NIC group -- PCIe -- GPU of another server; inside: {c.server.name} "
+              f"(mpsim topo show {c.server.name})"]
+    return "\n".join(lines)
 
 
 def presets_text(presets: dict[str, tuple[Any, int, str]]) -> str:
