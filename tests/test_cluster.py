@@ -292,8 +292,8 @@ def test_topo_show_draws_a_cluster_and_topo_list_names_the_shipped_ones(capsys):
 
 
 def test_simulate_on_a_cluster_names_the_servers_and_refuses_a_plan_file(capsys, tmp_path):
-    args = ["simulate", "--cluster", "dgx-h100-superpod", "--servers", "2", "--model", "llama-3-8b", "--microbatches", "2", "--dp", "16",
-            "--zero", "3", "--hsdp"]
+    args = ["simulate", "--cluster", "dgx-h100-superpod", "--servers", "2", "--model", "llama-3-8b",
+            "--microbatches", "2", "--dp", "16", "--zero", "3", "--hsdp"]
     code, out = _cli(capsys, *args)
     assert code == 0, out
     assert "2 x dgx-h100 (dgx-h100-superpod): HSDP x16" in out

@@ -131,3 +131,36 @@ def test_the_70b_prose_in_the_readme_is_what_the_files_say():
     short = re.search(r"come up ([\d.]+) GiB short", prose)
     report = (ROOT / "reports" / "choose_llama-3-70b.txt").read_text()
     assert short is not None and re.search(rf"dgx1-v100 .* OOM \+{re.escape(short[1])} ", report)
+
+
+def test_the_cluster_answer_in_the_readme_is_the_report():
+    """"How many H100 servers for Llama-3-70B on 2T tokens in 30 days": the README's figures
+    are the rows of reports/scale_llama-3-70b_2T.txt (made by benchmarks/make_reports.sh)."""
+    quote = _paragraph((ROOT / "README.md").read_text(), "On the shipped data (`reports/scale_llama-3-70b_2T.txt`")
+    report = (ROOT / "reports" / "scale_llama-3-70b_2T.txt").read_text()
+    superpod, p5 = report.split("\naws-p5: ")
+    rows = {int(m[1]): m for m in re.finditer(r"^(\d+)\s+\d+\s+(.+?)\s+(none|selective|recompute)\s+\d+\s+[\d.]+\s+"
+                                                 r"[\d,]+\s+([\d.]+)\s+([\d,]+)", superpod, re.M)}
+    pick = re.search(r"\*\*(\d+) DGX H100 servers \(([\d,]+) GPUs\), (.+?) with full recomputation: ([\d.]+) days, "
+                     r"\$([\d,]+)\*\*", quote)
+    assert pick is not None
+    row = rows[int(pick[1])]
+    assert (row[2], row[3], row[4], row[5]) == (pick[3], "recompute", pick[4], pick[5])
+    assert "<- pick" in row[0] or re.search(rf"^{pick[1]}\s.*<- pick", superpod, re.M)
+    assert f"64 servers would take {rows[64][4]} days" in quote
+    assert f"256 servers finish in {rows[256][4]} days for ${rows[256][5]}" in quote
+    assert f"512 in {rows[512][4]} days for ${rows[512][5]}" in quote
+    p5_256 = re.search(r"^256\s+.*?\s([\d.]+)\s+[\d,]+\s+[\d.]+\s*pareto", p5, re.M)
+    assert p5_256 is not None and f"256 take {p5_256[1]} days instead of {rows[256][4]}" in quote
+    simulated = sum(int(n) for n in re.findall(r"(\d+) configurations simulated", report))
+    assert f"{simulated} configurations" in quote
+
+
+def test_the_cluster_cost_of_a_simulation_in_the_readme_is_the_benchmark():
+    quote = _paragraph((ROOT / "README.md").read_text(), "reports/bench_cluster.txt")
+    rows = [line.split() for line in (ROOT / "reports" / "bench_cluster.txt").read_text().splitlines()[2:]]
+    big = [r for r in rows if r[0] == "16,384" or r[0] == "16384"]
+    assert big, rows
+    gb = max(float(r[-3]) for r in big) / 1024
+    assert f"simulates in a few seconds, {gb:.1f} GB of memory" in quote
+    assert max(float(r[-5]) for r in big) < 10  # "a few seconds", cold

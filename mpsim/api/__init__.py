@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     from mpsim.calibrate import Calibration, calibrate, calibrated_yaml
     from mpsim.capacity import FitsReport, LayoutFits, fits
     from mpsim.catalog import (
+        is_cluster,
         load_cluster,
         load_topology,
         load_trace,

@@ -10,6 +10,7 @@ link each get half of it.
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 
 import simpy
@@ -207,11 +208,18 @@ class Network:
 def _fill(members: dict[str, list[_Flow]], capacity: dict[str, float]) -> None:
     """Progressive filling of flows whose rate is -1: freeze the flows of the link with
     the smallest fair share at that share, take it from their other links, repeat (ties
-    go to the link met first, in flow order)."""
+    go to the link met first, in flow order). The links wait in a heap of (share, order
+    met); an entry whose share is no longer its link's is skipped (a newer one was pushed
+    when the share changed), so each round costs a pop, not a scan of every link."""
     unfrozen = {name: len(flows) for name, flows in members.items()}
+    order = {name: i for i, name in enumerate(members)}
+    heap = [(capacity[name] / n, order[name], name) for name, n in unfrozen.items()]
+    heapq.heapify(heap)
     while unfrozen:
-        best_name = min(unfrozen, key=lambda name: capacity[name] / unfrozen[name])
-        share = capacity[best_name] / unfrozen[best_name]
+        share, _, best_name = heapq.heappop(heap)
+        waiting = unfrozen.get(best_name)
+        if waiting is None or capacity[best_name] / waiting != share:
+            continue
         for f in members[best_name]:
             if f.rate < 0:
                 f.rate = share
@@ -220,5 +228,6 @@ def _fill(members: dict[str, list[_Flow]], capacity: dict[str, float]) -> None:
                     left = unfrozen[name] - 1
                     if left:
                         unfrozen[name] = left
+                        heapq.heappush(heap, (capacity[name] / left, order[name], name))
                     else:
                         del unfrozen[name]
