@@ -1,7 +1,9 @@
 """What a cluster costs the simulator: one iteration of Llama-3-70B on 128 and on 2,048
 DGX H100 servers (1,024 and 16,384 GPUs), each in a fresh process, the wall time of the
 first simulation (the shard traced, cold) and of the next (warm), and the process's peak
-resident memory.
+resident memory; then the search of ``choose --tokens`` (Llama-3-70B, 2e12 tokens, two H100
+clusters, 16 to 1,024 servers) on two local worker processes and on a local Ray instance
+of two CPUs, each in a fresh process, its wall time and whether both answers are the same.
 
     python benchmarks/bench_cluster.py > reports/bench_cluster.txt
 
@@ -46,7 +48,26 @@ def _one(case: tuple) -> dict:
             "simulated_gpus": len(result.gpus)}
 
 
+SEARCH = {"model": "llama-3-70b", "clusters": ["dgx-h100-superpod", "aws-p5"], "tokens": 2e12, "days": 30.0,
+          "min_servers": 16, "max_servers": 1024}
+
+
+def _search(backend: str) -> dict:
+    from mpsim.backends import make_backend
+    from mpsim.scale import scale
+
+    start = time.perf_counter()
+    report = scale(SEARCH["model"], SEARCH["clusters"], SEARCH["tokens"], SEARCH["days"],
+                   backend=make_backend(backend, 2), min_servers=SEARCH["min_servers"],
+                   max_servers=SEARCH["max_servers"])
+    return {"wall_s": time.perf_counter() - start, "report": report.to_dict(),
+            "configurations": sum(a.simulated for a in report.answers)}
+
+
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--search":
+        print(json.dumps(_search(sys.argv[2])))
+        return
     if len(sys.argv) > 1:
         print(json.dumps(_one(tuple(json.loads(sys.argv[1])))))
         return
@@ -58,6 +79,15 @@ def main() -> None:
         r = json.loads(out.stdout)
         print(f"{r['gpus']:>6}  {r['layout']:<34} {r['cold_s']:>7.2f} {r['warm_s']:>7.2f} {r['rss_mib']:>12.0f} "
               f"{r['events']:>8} {r['iteration_s']:>11.3f}")
+    print()
+    answers = {}
+    for backend in ("local", "ray"):
+        out = subprocess.run([sys.executable, __file__, "--search", backend], capture_output=True, text=True,
+                             check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        answers[backend] = r["report"]
+        print(f"search on {backend} (2 CPUs): {r['configurations']} configurations in {r['wall_s']:.0f} s")
+    print(f"same answer on both: {answers['local'] == answers['ray']}")
 
 
 if __name__ == "__main__":

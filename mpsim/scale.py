@@ -319,6 +319,11 @@ def _mark_pareto(rows: list[ScaleRow]) -> None:
             d <= r.days and u <= r.usd and (d, u) != (r.days, r.usd) for d, u in priced)
 
 
+def days_text(days: float) -> str:
+    """Days with one decimal, or three significant digits under a day."""
+    return f"{days:.1f}" if days >= 1 else f"{days:.3g}"
+
+
 def recommendation(report: ScaleReport) -> str:
     """One line: the cheapest pick over the clusters, or why there is none."""
     picks = [a.pick for a in report.answers if a.pick is not None]
@@ -329,10 +334,11 @@ def recommendation(report: ScaleReport) -> str:
         if not fits:
             return f"{report.model} fits on none of the clusters searched"
         fastest = min(fits, key=lambda r: r.days)
-        return (f"no cluster trains {report.model} on {report.tokens:.3g} tokens {goal or ''}; the fastest is "
-                f"{fastest.servers} x {fastest.cluster} ({fastest.tried.layout}) in {fastest.days:.1f} days").strip()
+        return (f"no cluster trains {report.model} on {report.tokens:.3g} tokens {goal}; the fastest is "
+                f"{fastest.servers} x {fastest.cluster} ({fastest.tried.layout}) in {days_text(fastest.days)} days")
     best = min(picks, key=lambda r: (math.inf if r.usd is None else r.usd, r.days))
     cost = "" if best.usd is None else f" for ${best.usd:,.0f}"
-    return (f"{best.servers} servers of {best.cluster} ({best.gpus} GPUs), {best.tried.layout} with "
+    servers = f"{best.servers} server" + ("s" if best.servers != 1 else "")
+    return (f"{servers} of {best.cluster} ({best.gpus} GPUs), {best.tried.layout} with "
             f"{best.tried.point.strategy}, microbatch {best.tried.point.shape.microbatch}: {report.tokens:.3g} tokens "
-            f"in {best.days:.1f} days{cost}" + (f" ({goal})" if goal else ""))
+            f"in {days_text(best.days)} days{cost}" + (f" ({goal})" if goal else ""))

@@ -158,9 +158,16 @@ def test_the_cluster_answer_in_the_readme_is_the_report():
 
 def test_the_cluster_cost_of_a_simulation_in_the_readme_is_the_benchmark():
     quote = _paragraph((ROOT / "README.md").read_text(), "reports/bench_cluster.txt")
-    rows = [line.split() for line in (ROOT / "reports" / "bench_cluster.txt").read_text().splitlines()[2:]]
+    rows = [line.split() for line in (ROOT / "reports" / "bench_cluster.txt").read_text().splitlines()[2:]
+            if len(line.split()) >= 7]
     big = [r for r in rows if r[0] == "16,384" or r[0] == "16384"]
     assert big, rows
     gb = max(float(r[-3]) for r in big) / 1024
     assert f"simulates in a few seconds, {gb:.1f} GB of memory" in quote
     assert max(float(r[-5]) for r in big) < 10  # "a few seconds", cold
+    text = (ROOT / "reports" / "bench_cluster.txt").read_text()
+    local = re.search(r"search on local \(2 CPUs\): (\d+) configurations in (\d+) s", text)
+    ray = re.search(r"search on ray \(2 CPUs\): (\d+) configurations in (\d+) s", text)
+    assert local and ray and "same answer on both: True" in text
+    assert (f"the search below, {local[1]} configurations, takes {local[2]} s on two local worker processes and "
+            f"{ray[2]} s on a local Ray instance of two CPUs, with the same answer") in quote

@@ -81,3 +81,31 @@ def test_bad_inputs_are_refused_in_one_line(args, message):
     with pytest.raises(MpsimError) as err:
         _check(*args)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_choose_tokens_prints_json_and_html_as_the_study_returns(capsys, tmp_path):
+    from mpsim.cli import main
+    from mpsim.scale import scale
+
+    html = tmp_path / "s.html"
+    code = main(["choose", "-m", "bert-0.35b", "--tokens", "1e9", "--clusters", "aws-p4d", "--max-servers", "2",
+                 "--json", "-", "--html", str(html)])
+    out = capsys.readouterr().out
+    assert code == 0
+    import json
+
+    answer = json.loads(out)
+    direct = scale("bert-0.35b", ["aws-p4d"], 1e9, max_servers=2).to_dict()
+    assert answer == direct
+    assert [r["servers"] for r in answer["clusters"][0]["rows"]] == [1, 2]
+    assert answer["recommendation"].startswith("1 server of aws-p4d (8 GPUs)")
+    assert "<svg" in html.read_text() and answer["clusters"][0]["description"] in html.read_text()
+
+
+def test_no_pick_names_the_goal_and_the_fastest():
+    from mpsim.scale import ClusterAnswer
+
+    rows = [_row(4, 40.0, 100.0), _row(8, 35.0, 120.0)]
+    report = ScaleReport("m", 1e12, 4 * 2**20, 8192, 30.0, None, 0.0, [ClusterAnswer("c", "c", 10.0, "", rows, 2)])
+    assert recommendation(report) == ("no cluster trains m on 1e+12 tokens within 30 days; the fastest is 8 x c "
+                                      "(ZeRO-1 x8) in 35.0 days")

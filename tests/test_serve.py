@@ -194,6 +194,8 @@ def test_requests_for_another_host_are_refused(server):
     JobInputs(server="dgx-h100", model="llama-3-8b", schedule="gpipe", microbatch=4, microbatches=32,
               strategy="mpress", partition="memory"),
     JobInputs(view="choose", model="gpt-10.3b", servers=("dgx1-v100", "dgx-h100"), microbatch=2),
+    JobInputs(view="scale", model="llama-3-70b", clusters=("aws-p5", "dgx-h100-superpod"), tokens=2e12, days=30.0,
+              budget=7.5e6, min_servers=64, max_servers=128),
 ])
 def test_the_bookmark_query_round_trips(server, inputs):
     assert from_query(parse_qs(inputs.query())) == inputs
@@ -206,6 +208,9 @@ def test_the_bookmark_query_round_trips(server, inputs):
 
 def test_bad_parameters_are_one_line_errors(server):
     for query, message in [("microbatch=two", "microbatch: expected a whole number, got 'two'"),
+                           ("view=scale&tokens=lots", "tokens: expected a positive number"),
+                           ("view=scale&clusters=../etc/passwd", "unknown cluster '../etc/passwd'"),
+                           ("view=scale&min_servers=64&max_servers=8", "servers: expected 1 <= min_servers"),
                            ("colour=red", "unknown parameter 'colour'"), ("view=all", "view: expected one of"),
                            ("strategy=magic", None)]:
         status, answer = call_json(server, "POST", "/api/jobs?" + query)
@@ -242,6 +247,19 @@ def test_choose_view_ranks_the_servers_as_mpsim_choose_does(server):
     assert status == 200
     assert [r["server"] for r in answer["report"]["rows"]] == [r["server"] for r in direct["rows"]]
     assert "<svg" in answer["html"] and "dgx-a100-80gb" in answer["html"]
+
+
+def test_scale_view_answers_how_many_servers_as_choose_tokens_does(server):
+    """The page's "how many servers" view is ``mpsim.scale.scale``: the same rows and pick."""
+    from mpsim.scale import scale
+
+    job = run_job(server, view="scale", model="gpt2-xl", clusters="dgx-h100-superpod", tokens="1e10",
+                  min_servers=1, max_servers=2)
+    assert job["state"] == "done", job
+    status, answer = call_json(server, "GET", f"/api/jobs/{job['id']}/result.json")
+    direct = scale("gpt2-xl", ["dgx-h100-superpod"], 1e10, min_servers=1, max_servers=2).to_dict()
+    assert status == 200 and answer["report"] == direct
+    assert "<svg" in answer["html"] and answer["report"]["recommendation"] in answer["html"]
 
 
 def test_mpsim_serve_prints_its_address_and_answers(tmp_path):
@@ -315,6 +333,24 @@ def test_browser_runs_a_job_and_shows_verdict_charts_and_plan(page, server):
 
 
 @pytest.mark.browser
+def test_browser_answers_how_many_servers(page, server):
+    page.click("#tab-scale")
+    assert page.is_visible("#scale-field") and not page.is_visible("#server-field")
+    page.select_option("#model", "gpt2-xl")
+    page.select_option("#clusters", ["dgx-h100-superpod"])
+    page.fill("#tokens", "1e10")
+    page.fill("#min_servers", "1")
+    page.fill("#max_servers", "2")
+    page.click("#run")
+    page.wait_for_selector("#choose-result:not([hidden])")
+    assert page.inner_text("#choose-heading") == "How many servers: time and cost to train"
+    assert page.inner_text("#choose-out .verdict").startswith("1 server of dgx-h100-superpod")
+    assert page.query_selector("#choose-out svg") is not None
+    assert "view=scale" in page.url and "clusters=dgx-h100-superpod" in page.url
+    screenshot(page, "scale")
+
+
+@pytest.mark.browser
 def test_browser_shows_where_a_job_runs_out_of_memory(page):
     fill_job(page, "gpt-10.3b", 2, "none")
     page.click("#run")
@@ -362,3 +398,15 @@ def test_browser_cancels_a_long_run(page):
     page.click("#cancel")
     page.wait_for_function("document.getElementById('progress').textContent.startsWith('cancelled')")
     assert page.is_hidden("#cancel") and page.is_hidden("#result")
+
+
+def test_a_cancelled_scale_run_is_cancelled_not_done(server):
+    status, job = call_json(server, "POST", "/api/jobs?" + urlencode(
+        {"view": "scale", "model": "llama-3-70b", "clusters": "dgx-h100-superpod", "min_servers": 16,
+         "max_servers": 256}))
+    for _ in range(2400):
+        if call_json(server, "GET", f"/api/jobs/{job['id']}")[1]["tasks"] > 0:
+            break
+        time.sleep(0.05)
+    call_json(server, "POST", f"/api/jobs/{job['id']}/cancel")
+    assert wait_finished(server, job["id"])["state"] == "cancelled"

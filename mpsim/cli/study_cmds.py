@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -252,24 +253,23 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
       mpsim choose --model llama-3-8b --servers dgx1-v100,dgx-a100-80gb,dgx-h100 --price dgx-h100=55
       mpsim choose --model llama-3-70b --tokens 2e12 --days 30 --clusters dgx-h100-superpod -j 2
     """
-    from mpsim.views.html import choose_page
+    from mpsim.views.html import choose_page, scale_page
     from mpsim.views.plots import plot_choose, plot_scale
     from mpsim.views.text import choose_text, scale_text
 
     if tokens is None and (days is not None or budget is not None):
         raise click.UsageError("--days and --budget go with --tokens")
     if tokens is not None:
-        if servers != "all" or html_out:
-            raise click.UsageError("--tokens searches clusters (--clusters); --servers and --html are for one server")
+        if servers != "all":
+            raise click.UsageError("--tokens searches clusters (--clusters); --servers is for one server")
         runner = None if backend == "local" and workers == 1 else api.make_backend(backend, workers, address)
         with steps_progress("choose") as step:
             scaled = api.scale(model, comma_list(clusters, "--clusters"), tokens, days, budget, batch_tokens,
                                tuple(int_list(sizes, "--microbatch")) if sizes else (1,), discount, runner,
                                on_point=lambda t: step(f"{t.point.servers} x {t.point.cluster}: {t.layout}"),
                                min_servers=min_servers, max_servers=max_servers)
-        emit(json_out, scale_text(scaled), scaled.to_dict())
-        if plot:
-            plot_scale(scaled, plot)
+        _show(json_out, scale_text(scaled), scaled.to_dict(), (lambda: plot_scale(scaled, plot)) if plot else None,
+              html_out, lambda: scale_page(scaled))
         if not any(a.rows for a in scaled.answers):
             sys.exit(1)
         return
@@ -280,10 +280,17 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
     with steps_progress("choose") as step:
         report = api.choose(model, names, schedule, mb_sizes, tuple(comma_list(strategies, "--strategy")),
                             microbatches, prices, rank_by, on_point=step, layouts=layouts)
-    emit(json_out, choose_text(report), report.to_dict())
-    if plot:
-        plot_choose(report, plot)
-    if html_out:
-        html_out.write_text(choose_page(report), encoding="utf-8")
+    _show(json_out, choose_text(report), report.to_dict(), (lambda: plot_choose(report, plot)) if plot else None,
+          html_out, lambda: choose_page(report))
     if not any(r.fits for r in report.rows):
         sys.exit(1)
+
+
+def _show(json_out: str | None, text: str, data: dict, draw: Callable[[], None] | None, html_out: Path | None,
+          html: Callable[[], str]) -> None:
+    """A study's text or JSON, its plot (``draw``, when asked) and its HTML file (when asked)."""
+    emit(json_out, text, data)
+    if draw:
+        draw()
+    if html_out:
+        html_out.write_text(html(), encoding="utf-8")

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mpsim.views.plots import choose_figure, memory_figure, plot_sweep
+from mpsim.views.plots import choose_figure, memory_figure, plot_sweep, scale_figure
 from mpsim.views.text import (
     UNITS_LEGEND,
     choose_header,
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from mpsim.choose import ChooseReport
     from mpsim.plan import PlanFile
+    from mpsim.scale import ScaleReport
     from mpsim.sim import SimResult
 
 CSS = """
@@ -272,6 +273,35 @@ def choose_page(report: ChooseReport) -> str:
         parts.append(section(f"Peak memory per GPU on {top.server}", verdict_html(top.result),
                              memory_bars_html(top.result)))
     return page(f"mpsim choose: {report.model}", parts)
+
+
+# -- how many servers (choose --tokens) ---------------------------------------------------------------
+
+def scale_html(report: ScaleReport) -> str:
+    """The recommendation, per cluster the server counts with their layout, days and cost,
+    and the chart of days against cost: the web page's "how many servers" view."""
+    parts = [f"<div class=\"verdict {'fits' if any(a.pick for a in report.answers) else 'oom'}\">"
+             f"{esc(report.recommendation())}</div>"]
+    header = ["servers", "GPUs", "layout", "strategy", "microbatch", "iteration s", "tokens/s", "days", "cost USD",
+              "peak GiB", ""]
+    for a in report.answers:
+        rows = [[r.servers, r.gpus, r.tried.layout, r.tried.point.strategy, r.tried.point.shape.microbatch,
+                 f"{r.tried.iteration_s:.2f}", f"{r.tokens_per_s:,.0f}", f"{r.days:.1f}",
+                 "-" if r.usd is None else f"{r.usd:,.0f}", gib(r.tried.peak_bytes),
+                 " ".join(x for x in ("pick" if r is a.pick else "", "front" if r.pareto else "") if x)]
+                for r in a.rows]
+        price = "no price" if a.usd_per_server_hour is None else f"${a.usd_per_server_hour:,.2f} a server-hour"
+        parts.append(f"<h3>{esc(a.cluster)}</h3><p class=\"note\">{esc(a.description)}; {esc(price)} "
+                     f"({esc(a.price_source)}); {a.simulated} configurations simulated</p>")
+        parts.append(table_html(header, rows) if rows else "<p>nothing fits on any number of servers tried</p>")
+    parts.append(svg_of(scale_figure(report)))
+    return "".join(parts)
+
+
+def scale_page(report: ScaleReport) -> str:
+    """The HTML file of ``mpsim choose --tokens --html``."""
+    return page(f"mpsim choose: {report.model} on {report.tokens:.3g} tokens",
+                [section("How many servers: time and cost to train", scale_html(report))])
 
 
 # -- sweep ------------------------------------------------------------------------------------------

@@ -298,6 +298,15 @@ def plot_sweep(frame: pd.DataFrame, path: Path) -> Figure:
 
 
 def plot_scale(report: ScaleReport, path: Path) -> None:
+    """``scale_figure`` to a file (PNG, or SVG by the suffix)."""
+    import matplotlib.pyplot as plt
+
+    fig = scale_figure(report)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def scale_figure(report: ScaleReport) -> Figure:
     """Days against cost to train, a line per cluster through its server counts (labelled),
     the Pareto front's points filled, the deadline and budget as dashed lines."""
     import matplotlib
@@ -324,7 +333,7 @@ def plot_scale(report: ScaleReport, path: Path) -> None:
     ax.set_xlabel("days to train")
     ax.set_ylabel("cost to train, million USD")
     ax.set_title(f"{report.model}, {report.tokens:.3g} tokens (labels: servers; filled: Pareto front)", fontsize=9)
-    ax.legend(fontsize=8)
+    if any(a.rows for a in report.answers):
+        ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig

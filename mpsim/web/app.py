@@ -46,7 +46,7 @@ from mpsim.errors import MpsimError
 from mpsim.web import charts
 from mpsim.web.inputs import MAX_UPLOAD_BYTES, UPLOAD_KINDS, JobInputs, UploadStore, check_size, from_query
 from mpsim.web.jobs import Busy, Job, JobRunner
-from mpsim.web.work import JobOutcome, job_payload, run_choose, run_job
+from mpsim.web.work import JobOutcome, job_payload, run_choose, run_job, run_scale
 
 #: The page's files: URL path to (file in ``mpsim/web/static``, content type). Nothing
 #: else is ever read from disk for a request.
@@ -81,10 +81,10 @@ class App:
         return {"servers": list(api.shipped_topologies()), "models": list(api.shipped_traces()),
                 "schedules": ["1f1b", "gpipe", "pipedream"], "strategies": list(api.STRATEGIES),
                 "partitions": ["compute", "memory"], "upload_kinds": list(UPLOAD_KINDS),
-                "max_upload_bytes": MAX_UPLOAD_BYTES}
+                "max_upload_bytes": MAX_UPLOAD_BYTES, "clusters": list(api.shipped_clusters())}
 
     def start(self, inputs: JobInputs) -> Job:
-        work = run_choose if inputs.view == "choose" else run_job
+        work = {"choose": run_choose, "scale": run_scale}.get(inputs.view, run_job)
         return self.jobs.start(inputs, lambda job: work(inputs, self.uploads, job))
 
     def job(self, job_id: str) -> Job:
@@ -280,7 +280,7 @@ class Handler(BaseHTTPRequestHandler):
         status = app.status(app.job(job_id))
         if status["state"] != "done" or (what == "plan" and "plan" not in status):
             raise HttpError(HTTPStatus.NOT_FOUND, f"this run has no {what} to download ({status['state']})")
-        data = status.get("choose") if what == "result" and status["view"] == "choose" else status[what]
+        data = status.get("choose") if what == "result" and status["view"] in ("choose", "scale") else status[what]
         self._send_json(data, download=f"mpsim-{what}.json")
 
     def api_chart(self, query: dict, job_id: str, name: str, fmt: str) -> None:

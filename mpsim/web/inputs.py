@@ -34,10 +34,14 @@ UPLOAD_KINDS = {"server": ((".yaml", ".yml"), "a topology file in YAML (.yaml or
                 "trace": ((".json",), "a trace file in JSON (.json)"),
                 "hf": ((".json",), "a Hugging Face config.json (.json)")}
 
-VIEWS = ("job", "choose")
-_INT_KEYS = ("microbatch", "microbatches")
+VIEWS = ("job", "choose", "scale")
+_INT_KEYS = ("microbatch", "microbatches", "min_servers", "max_servers")
+_FLOAT_KEYS = ("tokens", "days", "budget")
 _KEYS = ("view", "server", "model", "servers", "schedule", "microbatch", "microbatches", "strategy", "partition",
-         "server_upload", "model_upload", "run")
+         "server_upload", "model_upload", "clusters", "tokens", "days", "budget", "min_servers", "max_servers", "run")
+_NUMBER = re.compile(r"[0-9]{1,16}(\.[0-9]{0,16})?([eE]\+?[0-9]{1,2})?")
+SCALE_DEFAULTS = {"clusters": ("dgx-h100-superpod",), "min_servers": 16, "max_servers": 256}
+"""The page's "how many servers" view searches one cluster and 16 to 256 servers unless told."""
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -57,6 +61,13 @@ class JobInputs:
     partition: str = "compute"
     server_upload: str | None = None
     model_upload: str | None = None
+    clusters: tuple[str, ...] = SCALE_DEFAULTS["clusters"]  # type: ignore[assignment]
+    """The clusters a ``scale`` view searches (``mpsim choose --tokens``)."""
+    tokens: float = 2e12
+    days: float | None = None
+    budget: float | None = None
+    min_servers: int = SCALE_DEFAULTS["min_servers"]  # type: ignore[assignment]
+    max_servers: int = SCALE_DEFAULTS["max_servers"]  # type: ignore[assignment]
 
     @property
     def bookmarkable(self) -> bool:
@@ -66,7 +77,11 @@ class JobInputs:
     def query(self) -> str:
         """The URL query of these inputs (uploads left out: they cannot be bookmarked)."""
         pairs: list[tuple[str, str]] = [("view", self.view)]
-        if self.view == "choose":
+        if self.view == "scale":
+            pairs += [("clusters", ",".join(self.clusters)), ("tokens", f"{self.tokens:g}"),
+                      ("min_servers", str(self.min_servers)), ("max_servers", str(self.max_servers))]
+            pairs += [(k, f"{v:g}") for k, v in (("days", self.days), ("budget", self.budget)) if v is not None]
+        elif self.view == "choose":
             pairs.append(("servers", ",".join(self.servers)))
         elif self.server_upload is None:
             pairs.append(("server", self.server))
@@ -82,13 +97,21 @@ class JobInputs:
         return {"view": self.view, "server": self.server, "model": self.model, "servers": list(self.servers),
                 "schedule": self.schedule, "microbatch": self.microbatch, "microbatches": self.microbatches,
                 "strategy": self.strategy, "partition": self.partition, "server_upload": self.server_upload,
-                "model_upload": self.model_upload}
+                "model_upload": self.model_upload, "clusters": list(self.clusters), "tokens": self.tokens,
+                "days": self.days, "budget": self.budget, "min_servers": self.min_servers,
+                "max_servers": self.max_servers}
 
 
 def _whole_number(key: str, text: str) -> int:
     if not re.fullmatch(r"[0-9]{1,9}", text.strip()):
         raise MpsimError(f"{key}: expected a whole number, got {text!r}")
     return int(text)
+
+
+def _number(key: str, text: str) -> float:
+    if not _NUMBER.fullmatch(text.strip()) or not 0 < float(text) < 1e16:
+        raise MpsimError(f"{key}: expected a positive number such as 2e12, got {text!r}")
+    return float(text)
 
 
 def _one_value(query: Mapping[str, list[str]], key: str) -> str | None:
@@ -113,11 +136,14 @@ def from_query(query: Mapping[str, list[str]]) -> JobInputs:
     if "view" in given and given["view"] not in VIEWS:
         raise MpsimError(f"view: expected one of {', '.join(VIEWS)}, got {given['view']!r}")
     ints = {k: _whole_number(k, given.pop(k)) for k in _INT_KEYS if k in given}
+    floats = {k: _number(k, given.pop(k)) for k in _FLOAT_KEYS if k in given}
     servers = tuple(s for s in given.pop("servers", "").split(",") if s)
+    if "clusters" in given:
+        floats["clusters"] = tuple(c for c in given.pop("clusters").split(",") if c)  # type: ignore[assignment]
     for key in ("server_upload", "model_upload"):
         if key in given and not _UPLOAD_ID.fullmatch(given[key]):
             raise MpsimError(f"{key}: not an upload id")
-    fields: dict[str, Any] = {**given, **ints, "servers": servers}
+    fields: dict[str, Any] = {**given, **ints, **floats, "servers": servers}
     inputs = replace(inputs, **fields)
     check_shipped(inputs)
     return inputs
@@ -132,6 +158,14 @@ def check_shipped(inputs: JobInputs) -> None:
             raise MpsimError(f"unknown server {name!r}: expected one of {', '.join(topologies)}")
     if inputs.model_upload is None and inputs.model not in traces:
         raise MpsimError(f"unknown model {inputs.model!r}: expected one of {', '.join(traces)}")
+    if inputs.view == "scale":
+        clusters = api.shipped_clusters()
+        for name in inputs.clusters or ("",):
+            if name not in clusters:
+                raise MpsimError(f"unknown cluster {name!r}: expected one of {', '.join(clusters)}")
+        if not 1 <= inputs.min_servers <= inputs.max_servers <= 4096:
+            raise MpsimError(f"servers: expected 1 <= min_servers <= max_servers <= 4096, got {inputs.min_servers} "
+                             f"and {inputs.max_servers}")
 
 
 def safe_file_name(name: str) -> str:

@@ -12,10 +12,10 @@ from typing import Any
 from mpsim import api
 from mpsim.api import Planned, Topology, Trace
 from mpsim.errors import MpsimError
-from mpsim.views.html import choose_html
+from mpsim.views.html import choose_html, scale_html
 from mpsim.views.text import plan_text, simulate_text
 from mpsim.web.inputs import JobInputs, UploadStore
-from mpsim.web.jobs import Job
+from mpsim.web.jobs import Cancelled, Job
 
 
 @dataclass
@@ -62,6 +62,17 @@ def run_choose(inputs: JobInputs, uploads: UploadStore, job: Job) -> dict[str, A
                         microbatch_sizes=[inputs.microbatch] if inputs.microbatch else None,
                         microbatches=inputs.microbatches)
     return {"report": report.to_dict(), "html": choose_html(report)}
+
+
+def run_scale(inputs: JobInputs, uploads: UploadStore, job: Job) -> dict[str, Any]:
+    """The "how many servers" view: ``mpsim.api.scale`` (``mpsim choose --tokens``) over
+    the chosen clusters and server counts, shown as ``scale_html``."""
+    report = api.scale(model_of(inputs, uploads), list(inputs.clusters), inputs.tokens, inputs.days, inputs.budget,
+                       microbatch_sizes=(inputs.microbatch or 1,), min_servers=inputs.min_servers,
+                       max_servers=inputs.max_servers)
+    if job.cancel.is_set():  # each configuration left stopped at its first task: none of them counts
+        raise Cancelled
+    return {"report": report.to_dict(), "html": scale_html(report)}
 
 
 def job_payload(outcome: JobOutcome) -> dict:

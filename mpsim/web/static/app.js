@@ -6,6 +6,7 @@
 const $ = (id) => document.getElementById(id);
 const UPLOADED = "__upload__";
 const FIELDS = ["server", "model", "schedule", "microbatch", "microbatches", "strategy", "partition"];
+const SCALE_FIELDS = ["tokens", "days", "budget", "min_servers", "max_servers"];
 // This server's token, put in the page by the server: sent on every request that changes
 // anything, so that no other site's page can (it cannot read this page to learn it).
 const TOKEN = document.querySelector('meta[name="mpsim-token"]').content;
@@ -39,15 +40,18 @@ function setView(view) {
   for (const tab of document.querySelectorAll(".tab")) tab.classList.toggle("active", tab.dataset.view === view);
   $("server-field").hidden = view !== "job";
   $("servers-field").hidden = view !== "choose";
+  $("scale-field").hidden = view !== "scale";
   $("strategy-label").hidden = view !== "job";
   $("partition-label").hidden = view !== "job";
 }
 
 function fromQuery(params) {
-  setView(params.get("view") === "choose" ? "choose" : "job");
-  for (const key of FIELDS) {
+  setView(["choose", "scale"].includes(params.get("view")) ? params.get("view") : "job");
+  for (const key of [...FIELDS, ...SCALE_FIELDS]) {
     if (params.has(key)) $(key).value = params.get(key);
   }
+  const clusters = (params.get("clusters") || "").split(",");
+  for (const option of $("clusters").options) option.selected = clusters.includes(option.value);
   const servers = (params.get("servers") || "").split(",");
   for (const option of $("servers").options) option.selected = servers.includes(option.value);
 }
@@ -55,7 +59,13 @@ function fromQuery(params) {
 // The query of the current form: shipped names only, unless withUploads (for the API).
 function toQuery(withUploads) {
   const q = new URLSearchParams({ view: state.view });
-  if (state.view === "choose") {
+  if (state.view === "scale") {
+    const clusters = [...$("clusters").selectedOptions].map((o) => o.value);
+    if (clusters.length) q.set("clusters", clusters.join(","));
+    for (const key of SCALE_FIELDS) {
+      if ($(key).value !== "") q.set(key, $(key).value);
+    }
+  } else if (state.view === "choose") {
     q.set("servers", [...$("servers").selectedOptions].map((o) => o.value).join(","));
   } else if ($("server").value === UPLOADED) {
     if (withUploads) q.set("server_upload", state.uploads.server.upload);
@@ -151,7 +161,7 @@ async function poll() {
   if (["done", "failed", "cancelled"].includes(job.state)) {
     stopPolling();
     if (job.state === "failed") showError(job.error);
-    if (job.state === "done") (job.view === "choose" ? showChoose : showResult)(job);
+    if (job.state === "done") (job.view === "job" ? showResult : showChoose)(job);
   }
 }
 
@@ -203,6 +213,8 @@ function showPlan(plan) {
 
 function showChoose(job) {
   $("dl-choose").href = `/api/jobs/${job.id}/result.json`;
+  $("choose-heading").textContent = job.view === "scale" ? "How many servers: time and cost to train"
+    : "Choose: the servers compared";
   $("choose-out").innerHTML = job.choose.html;  // escaped on the server (mpsim.htmlreport)
   $("choose-result").hidden = false;
 }
@@ -213,6 +225,7 @@ async function init() {
     state.maxUploadBytes = catalog.max_upload_bytes;
     fillSelect($("server"), catalog.servers);
     fillSelect($("servers"), catalog.servers);
+    fillSelect($("clusters"), catalog.clusters);
     fillSelect($("model"), catalog.models);
     fillSelect($("schedule"), catalog.schedules);
     fillSelect($("strategy"), catalog.strategies);
