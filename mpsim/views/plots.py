@@ -315,8 +315,11 @@ def scale_figure(report: ScaleReport) -> Figure:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    top = max((r.usd for a in report.answers for r in a.rows if r.usd is not None), default=1.0)
+    scale, unit = (1e6, "million USD") if top >= 1e6 else (1e3, "thousand USD") if top >= 1e3 else (1.0, "USD")
+    days = [r.days for a in report.answers for r in a.rows] or [1.0]
     for a in report.answers:
-        rows = [(r, r.usd / 1e6) for r in a.rows if r.usd is not None]
+        rows = [(r, r.usd / scale) for r in a.rows if r.usd is not None]
         if not rows:
             continue
         line, = ax.plot([r.days for r, _ in rows], [m for _, m in rows], marker="o", markersize=4,
@@ -328,10 +331,14 @@ def scale_figure(report: ScaleReport) -> Figure:
     if report.days:
         ax.axvline(report.days, linestyle="--", color="grey", linewidth=0.8)
     if report.budget_usd:
-        ax.axhline(report.budget_usd / 1e6, linestyle="--", color="grey", linewidth=0.8)
-    ax.set_xscale("log")
+        ax.axhline(report.budget_usd / scale, linestyle="--", color="grey", linewidth=0.8)
+    if max(days) > 10 * min(days):  # server counts double: days halve, a log axis spaces them evenly
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _pos: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.ticklabel_format(axis="y", style="plain", useOffset=False)
     ax.set_xlabel("days to train")
-    ax.set_ylabel("cost to train, million USD")
+    ax.set_ylabel(f"cost to train, {unit}")
     ax.set_title(f"{report.model}, {report.tokens:.3g} tokens (labels: servers; filled: Pareto front)", fontsize=9)
     if any(a.rows for a in report.answers):
         ax.legend(fontsize=8)

@@ -43,6 +43,8 @@ function setView(view) {
   $("scale-field").hidden = view !== "scale";
   $("strategy-label").hidden = view !== "job";
   $("partition-label").hidden = view !== "job";
+  $("schedule-label").hidden = view === "scale";  // choose --tokens: 1F1B at a fixed global batch
+  $("microbatches-label").hidden = view === "scale";
 }
 
 function fromQuery(params) {
