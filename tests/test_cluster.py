@@ -301,3 +301,17 @@ def test_simulate_on_a_cluster_names_the_servers_and_refuses_a_plan_file(capsys,
     plan.write_text("{}")
     code, refused = _cli(capsys, "simulate", "--cluster", "dgx-h100-superpod", "--plan", str(plan))
     assert code == 2 and "plan files describe one server" in refused
+
+
+def test_text_of_a_deep_pipeline_across_servers_shows_each_stages_own_gpu():
+    from mpsim.views.text import simulate_text
+
+    cluster = toy_cluster(8)
+    trace = tiny_trace([layer(f"l{i}", params=10**5) for i in range(16)])
+    job = JobSpec(cluster.server, trace, "1f1b", 16, Parallelism(data=2, pipeline=16), cluster=cluster, servers=4)
+    result = simulate_job(Job(job))
+    text = simulate_text(result)
+    assert len(result.gpus) == 32
+    rows = [line for line in text.split("(breakdown")[0].splitlines() if line[:1].isdigit()]
+    assert [int(line.split()[0]) for line in rows] == list(result.gpu_of_stage)
+    assert "the other 16 GPUs of the simulated servers replicate them" in text

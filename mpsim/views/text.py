@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from mpsim.capacity import FitsReport, LayoutFits
     from mpsim.sim import SimResult
+    from mpsim.sim.result import GpuResult
     from mpsim.trace import Trace
 
 
@@ -66,14 +67,32 @@ def _verdict_lines(r: SimResult) -> list[str]:
             f"needed {gib(o['need_bytes'])} GiB with {gib(o['free_bytes'])} GiB free"]
 
 
+MAX_GPU_ROWS = 16
+"""Above this many GPUs (a cluster's simulated servers) the tables show the stages' own GPUs only."""
+
+
+def shown_gpus(r: SimResult) -> list[GpuResult]:
+    """Every GPU, or on more than ``MAX_GPU_ROWS`` the simulated GPU of each stage (the
+    others replicate them: tensor-parallel ranks, data-parallel replicas)."""
+    if len(r.gpus) <= MAX_GPU_ROWS:
+        return list(r.gpus)
+    own = set(r.gpu_of_stage)
+    return [g for g in r.gpus if g.gpu in own]
+
+
 def simulate_text(r: SimResult) -> str:
     """The verdict first (fits, or where it ran out), then the per-GPU table, the
     techniques, iteration time and throughput."""
     cats = ["params", "grads", "optimizer", "activations", "stash", "buffers", "workspace"]
     header = ["gpu", "stage", "layers", "peak GiB", "capacity GiB", "fits"] + cats
+    shown = shown_gpus(r)
     rows = [[str(g.gpu), "-" if g.stage is None else str(g.stage), layer_range(g.layers), gib(g.peak_bytes),
-             gib(g.capacity_bytes), "yes" if g.fits else "NO"] + [gib(g.breakdown[c]) for c in cats] for g in r.gpus]
-    lines = _verdict_lines(r) + ["", table_text(header, rows), f"(breakdown at each GPU's peak; {UNITS_LEGEND})", ""]
+             gib(g.capacity_bytes), "yes" if g.fits else "NO"] + [gib(g.breakdown[c]) for c in cats] for g in shown]
+    legend = f"(breakdown at each GPU's peak; {UNITS_LEGEND})"
+    if len(shown) < len(r.gpus):
+        legend += (f"\n(each stage's own GPU; the other {len(r.gpus) - len(shown)} GPUs of the simulated servers "
+                   "replicate them: tensor-parallel ranks and data-parallel replicas; --json lists every one)")
+    lines = _verdict_lines(r) + ["", table_text(header, rows), legend, ""]
     technique = techniques_text(r)
     if technique:
         lines += [technique, ""]
@@ -101,7 +120,7 @@ def techniques_text(r: SimResult) -> str:
         return ""
     header = ["gpu"] + [f"saved {t} GiB" for t in saved_cols] + [f"{c[:-2].replace('_', ' ')} ms" for c in cost_cols]
     rows = [[str(g.gpu)] + [gib(g.saved_at_peak.get(t, 0)) for t in saved_cols]
-            + [f"{g.costs_s.get(c, 0.0) * 1e3:.1f}" for c in cost_cols] for g in r.gpus if g.stage is not None
+            + [f"{g.costs_s.get(c, 0.0) * 1e3:.1f}" for c in cost_cols] for g in shown_gpus(r) if g.stage is not None
             or any(g.saved_at_peak.values()) or g.breakdown.get("peer_swap")]
     return ("what each technique saved at the GPU's peak, and what it cost per iteration\n"
             + table_text(header, rows))
