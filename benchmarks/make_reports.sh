@@ -45,6 +45,6 @@ for model in gpt-10.3b llama-3-8b llama-3-70b; do
     --plot "reports/choose_${model}.png" --html "reports/choose_${model}.html" > "reports/choose_${model}.txt"
 done
 taskset -c 0,1 python benchmarks/bench_cluster.py > reports/bench_cluster.txt
-mpsim choose --model llama-3-70b --tokens 2e12 --days 30 --clusters dgx-h100-superpod --min-servers 32 \
-  --max-servers 512 -j 2 --json reports/scale_llama-3-70b_2T.json --plot reports/scale_llama-3-70b_2T.png \
+mpsim choose --model llama-3-70b --tokens 2e12 --days 30 --clusters dgx-h100-superpod,aws-p5 --min-servers 16 \
+  --max-servers 1024 -j 2 --json reports/scale_llama-3-70b_2T.json --plot reports/scale_llama-3-70b_2T.png \
   > reports/scale_llama-3-70b_2T.txt
