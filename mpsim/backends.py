@@ -294,6 +294,11 @@ def make_backend(name: str = "local", workers: int = 1, address: str | None = No
     raise MpsimError(f"unknown backend {name!r}: expected local or ray")
 
 
+def backend_for(name: str = "local", workers: int = 1, address: str | None = None) -> Backend | None:
+    """``make_backend``, or None (run in this process) for one local worker."""
+    return None if name == "local" and workers == 1 and address is None else make_backend(name, workers, address)
+
+
 def auto_batch(n_points: int, slots: int) -> int:
     """Points per task: about four tasks per slot (so a slow batch does not leave the others
     idle at the end), at most ``MAX_AUTO_BATCH``."""

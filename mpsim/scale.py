@@ -20,7 +20,7 @@ train within ``days`` (and ``budget_usd``), and the Pareto front of days against
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from mpsim.backends import Backend, run_points
@@ -288,14 +288,12 @@ def _search(points: list[Point], backend: Backend | None, on_point: Callable[[Tr
     return done
 
 
-def _answer(cluster: Cluster, name: str, tried: Iterable[Tried], report: ScaleReport) -> ClusterAnswer:
+def _answer(cluster: Cluster, name: str, tried: Sequence[Tried], report: ScaleReport) -> ClusterAnswer:
     price = cluster.price
     hourly = price.on_demand.usd_per_hour * (1 - report.discount) if price and price.on_demand else None
     source = price.on_demand.source if price and price.on_demand else ""
     best: dict[int, Tried] = {}
-    simulated = 0
     for t in tried:
-        simulated += 1
         if t.fits and (t.point.servers not in best or t.samples_per_s > best[t.point.servers].samples_per_s):
             best[t.point.servers] = t
     rows = []
@@ -308,7 +306,7 @@ def _answer(cluster: Cluster, name: str, tried: Iterable[Tried], report: ScaleRe
         rows.append(ScaleRow(name, n, n * cluster.gpus_per_server, t, tokens_per_s, days, usd, within))
     _mark_pareto(rows)
     pick = next((r for r in rows if r.within), None)
-    return ClusterAnswer(cluster.name, cluster.describe(), hourly, source, rows, simulated, pick)
+    return ClusterAnswer(cluster.name, cluster.describe(), hourly, source, rows, len(tried), pick)
 
 
 def _mark_pareto(rows: list[ScaleRow]) -> None:

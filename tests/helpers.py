@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import signal
 
 from mpsim.topology import Topology, parse_topology
 from mpsim.trace import Trace, parse_trace
@@ -50,3 +53,26 @@ def trace_dict(layers: list[dict], microbatch: int = 1) -> dict:
 
 def tiny_trace(layers: list[dict], microbatch: int = 1) -> Trace:
     return parse_trace(trace_dict(layers, microbatch), "toy.json")
+
+
+class CliHang(Exception):
+    """A command that ran past its time limit (a hang, not a slow machine: the limit is generous)."""
+
+
+def run_cli(limit_s: int, *argv: str) -> tuple[int, str, str]:
+    """``mpsim argv`` in this process: its exit code, stdout and stderr; ``CliHang`` past ``limit_s``."""
+    from mpsim.cli import main
+
+    def alarm(signum: int, frame: object) -> None:
+        raise CliHang(f"a command ran past {limit_s} s")
+
+    out, err = io.StringIO(), io.StringIO()
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(limit_s)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(argv))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    return code, out.getvalue(), err.getvalue()

@@ -10,21 +10,17 @@ a hang (each run has a time limit; simulations stay small: 8 microbatches).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import itertools
 import json
 import re
-import signal
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from mpsim.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGY = yaml.safe_load((ROOT / "topologies" / "dgx1-v100.yaml").read_text())
@@ -118,14 +114,6 @@ def corrupted(draw, text: str) -> bytes:
     return "".join(lines[: i + 1] + [lines[i]] + lines[i + 1:]).encode()
 
 
-class _Hang(Exception):
-    pass
-
-
-def _alarm(signum, frame):
-    raise _Hang(f"a command ran past {RUN_LIMIT_S} s")
-
-
 _counter = itertools.count()
 
 
@@ -137,16 +125,7 @@ def _write(tmp_path: Path, suffix: str, data: bytes) -> str:
 
 
 def _cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(RUN_LIMIT_S)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(list(argv))
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-    return code, out.getvalue(), err.getvalue()
+    return run_cli(RUN_LIMIT_S, *argv)
 
 
 def _check(code: int, out: str, err: str, expect_on_success: str) -> None:

@@ -11,17 +11,14 @@ constructors (``data_parallel``, ``job_of``, ``parse_layout``) must raise a one-
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import itertools
 import json
-import signal
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
-from mpsim.cli import main
 from mpsim.errors import MpsimError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,25 +41,8 @@ TWO_REPLICAS = {"degree": 2, "zero_stage": 1, "replicas": [[0, 2, 0, 2], [4, 6, 
 TWO_REPLICA_GROUPS = [[[0, 1], [2, 3], [0, 1], [2, 3]], [[4, 5], [6, 7], [4, 5], [6, 7]]]
 
 
-class _Hang(Exception):
-    pass
-
-
-def _alarm(signum, frame):
-    raise _Hang(f"a command ran past {RUN_LIMIT_S} s")
-
-
 def _cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(RUN_LIMIT_S)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(list(argv))
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-    return code, out.getvalue(), err.getvalue()
+    return run_cli(RUN_LIMIT_S, *argv)
 
 
 def _refused(argv: tuple[str, ...], words: tuple[str, ...]) -> None:

@@ -153,6 +153,10 @@ def test_the_cluster_answer_in_the_readme_is_the_report():
     p5_rows = {int(m[1]): float(m[2]) for m in re.finditer(r"^(\d+)\s+\d+\s+.+?\s+(?:none|selective|recompute)"
                                                           r"\s+\d+\s+[\d.]+\s+[\d,]+\s+([\d.]+)\s", p5, re.M)}
     assert "the days are within 1% of these up to 128 servers" in quote
+    from mpsim.catalog import load_cluster
+
+    efa = load_cluster("aws-p5").spec.fabric
+    assert f"On AWS p5 (EFA, {efa.latency_us:g} us a step, {efa.efficiency:.0%} of line rate)" in quote
     assert all(abs(p5_rows[n] / float(rows[n][4]) - 1) < 0.01 for n in (16, 32, 64, 128))
     p5_256 = re.search(r"^256\s+.*?\s([\d.]+)\s+[\d,]+\s+[\d.]+\s*pareto", p5, re.M)
     assert p5_256 is not None and f"256 take {p5_256[1]} days instead of {rows[256][4]}" in quote

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     )
     from mpsim.api.servers import collective, probe_server, shipped_servers, transfer
     from mpsim.api.studies import FitsRequest, fits_request, reproduce, sweep_warnings
-    from mpsim.backends import make_backend
+    from mpsim.backends import backend_for, make_backend
     from mpsim.calibrate import Calibration, calibrate, calibrated_yaml
     from mpsim.capacity import FitsReport, LayoutFits, fits
     from mpsim.catalog import (
@@ -76,7 +76,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
                          "trace_hf", "trace_module", "trace_shape"),
     "mpsim.api.servers": ("collective", "probe_server", "shipped_servers", "transfer"),
     "mpsim.api.studies": ("FitsRequest", "fits_request", "reproduce", "sweep_warnings"),
-    "mpsim.backends": ("make_backend",),
+    "mpsim.backends": ("backend_for", "make_backend"),
     "mpsim.calibrate": ("Calibration", "calibrate", "calibrated_yaml"),
     "mpsim.capacity": ("FitsReport", "LayoutFits", "fits"),
     "mpsim.catalog": ("is_cluster", "load_cluster", "load_topology", "load_trace", "shipped_clusters",

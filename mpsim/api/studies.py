@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpsim.api.jobs import measured_warning
-from mpsim.backends import Backend, make_backend
+from mpsim.backends import Backend, backend_for
 from mpsim.capacity import LayoutFits, family_job, family_traces, fits_layouts, model_traces
 from mpsim.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
@@ -69,7 +69,7 @@ def fits_request(server: str, family: str, models: Sequence[str] = (), schedule:
     # one stage: the base job checks the schedule and count; each layout takes its share
     job = family_job(topo, traces, schedule, microbatch, microbatches, "none", partition, pipeline(1))
     workers = workers or os.cpu_count() or 1
-    runner = None if backend == "local" and workers == 1 else make_backend(backend, workers, address)
+    runner = backend_for(backend, workers, address)
     # in one process a point is a simulated size (the searches' count estimated); in
     # parallel, a shipped size under a strategy, or one strategy's search
     points = (len(traces) + (SEARCH_PROBES if runner is None else 1)) * len(strategies) * n_layouts

@@ -262,7 +262,7 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
     if tokens is not None:
         if servers != "all":
             raise click.UsageError("--tokens searches clusters (--clusters); --servers is for one server")
-        runner = None if backend == "local" and workers == 1 else api.make_backend(backend, workers, address)
+        runner = api.backend_for(backend, workers, address)
         with steps_progress("choose") as step:
             scaled = api.scale(model, comma_list(clusters, "--clusters"), tokens, days, budget, batch_tokens,
                                tuple(int_list(sizes, "--microbatch")) if sizes else (1,), discount, runner,

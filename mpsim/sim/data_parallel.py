@@ -36,6 +36,7 @@ from collections.abc import Callable, Generator
 
 import simpy
 
+from mpsim.cluster import ClusterView
 from mpsim.sim.collectives import ring_transfer, two_level_transfer
 from mpsim.sim.context import RunContext
 from mpsim.sim.program import Piece, Sharding
@@ -61,6 +62,8 @@ class DataParallel:
         cluster, its GPUs on the simulated server."""
         self.across = layout.across
         """Servers the group spans: its collectives run at two levels (``two_level_transfer``)."""
+        self.view = run.topo if isinstance(run.topo, ClusterView) else None
+        """The cluster's simulated servers (None on one server)."""
         self.hsdp = layout.parallelism.hsdp
         a, b = layout.stages[stage]
         self.rows = {j: layout.trace.layers[j] for j in range(a, b)}
@@ -89,12 +92,12 @@ class DataParallel:
         across servers (HSDP: a reduce-scatter inside and an all-reduce across for
         gradients, parameters gathered inside only)."""
         run = self.run
-        if self.across == 1:
+        if self.view is None or self.across == 1:
             return ring_transfer(run.net, run.topo, self.ring, op, n_bytes)
         inter: str | None = op
         if self.hsdp:
             inter = "all-reduce" if op == "reduce-scatter" else None
-        return two_level_transfer(run.net, run.topo, self.ring, op, self.across, inter, n_bytes)  # type: ignore[arg-type]
+        return two_level_transfer(run.net, self.view, self.ring, op, self.across, inter, n_bytes)
 
     # -- gradients -------------------------------------------------------------------------
     def backward_piece_started(self, mb: int, piece: Piece, last_backward: bool) -> None:

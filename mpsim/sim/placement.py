@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Final
 
-from mpsim.cluster import place_on_cluster
+from mpsim.cluster import Cluster, place_on_cluster
 from mpsim.job import JobSpec
 from mpsim.sim.collectives import best_ring, ring_bottleneck
 from mpsim.topology import Topology
@@ -54,13 +54,13 @@ def place_job(job: JobSpec, n_stages: int) -> Placed:
     par = job.parallelism
     if job.cluster is None:
         return Placed(job.topology, *place_groups(job.topology, par.data, par.tensor, n_stages))
-    return _place_cluster_job(job.cluster.view, job.topology.n_gpus, par.data, par.tensor, n_stages)
+    return _place_cluster_job(job.cluster, par.data, par.tensor, n_stages)
 
 
 @lru_cache(maxsize=256)
-def _place_cluster_job(view_of: object, per_server: int, data: int, tensor: int, n_stages: int) -> Placed:
-    placed = place_on_cluster(per_server, data, tensor, n_stages)
-    view: Topology = view_of(placed.servers)  # type: ignore[operator]
+def _place_cluster_job(cluster: Cluster, data: int, tensor: int, n_stages: int) -> Placed:
+    placed = place_on_cluster(cluster.gpus_per_server, data, tensor, n_stages)
+    view = cluster.view(placed.servers)
     groups = tuple(tuple(best_ring(view, g) if len(g) > 1 else g for g in replica) for replica in placed.groups)
     replicas = tuple(tuple(g[0] for g in replica) for replica in groups)
     return Placed(view, replicas, groups, placed.across)

@@ -40,7 +40,8 @@ _FLOAT_KEYS = ("tokens", "days", "budget")
 _KEYS = ("view", "server", "model", "servers", "schedule", "microbatch", "microbatches", "strategy", "partition",
          "server_upload", "model_upload", "clusters", "tokens", "days", "budget", "min_servers", "max_servers", "run")
 _NUMBER = re.compile(r"[0-9]{1,16}(\.[0-9]{0,16})?([eE]\+?[0-9]{1,2})?")
-SCALE_DEFAULTS = {"clusters": ("dgx-h100-superpod",), "min_servers": 16, "max_servers": 256}
+SCALE_CLUSTERS: tuple[str, ...] = ("dgx-h100-superpod",)
+SCALE_SERVERS = (16, 256)
 """The page's "how many servers" view searches one cluster and 16 to 256 servers unless told."""
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -61,13 +62,13 @@ class JobInputs:
     partition: str = "compute"
     server_upload: str | None = None
     model_upload: str | None = None
-    clusters: tuple[str, ...] = SCALE_DEFAULTS["clusters"]  # type: ignore[assignment]
+    clusters: tuple[str, ...] = SCALE_CLUSTERS
     """The clusters a ``scale`` view searches (``mpsim choose --tokens``)."""
     tokens: float = 2e12
     days: float | None = None
     budget: float | None = None
-    min_servers: int = SCALE_DEFAULTS["min_servers"]  # type: ignore[assignment]
-    max_servers: int = SCALE_DEFAULTS["max_servers"]  # type: ignore[assignment]
+    min_servers: int = SCALE_SERVERS[0]
+    max_servers: int = SCALE_SERVERS[1]
 
     @property
     def bookmarkable(self) -> bool:
@@ -137,13 +138,12 @@ def from_query(query: Mapping[str, list[str]]) -> JobInputs:
         raise MpsimError(f"view: expected one of {', '.join(VIEWS)}, got {given['view']!r}")
     ints = {k: _whole_number(k, given.pop(k)) for k in _INT_KEYS if k in given}
     floats = {k: _number(k, given.pop(k)) for k in _FLOAT_KEYS if k in given}
-    servers = tuple(s for s in given.pop("servers", "").split(",") if s)
-    if "clusters" in given:
-        floats["clusters"] = tuple(c for c in given.pop("clusters").split(",") if c)  # type: ignore[assignment]
+    lists: dict[str, tuple[str, ...]] = {k: tuple(x for x in given.pop(k).split(",") if x)
+                                         for k in ("servers", "clusters") if k in given}
     for key in ("server_upload", "model_upload"):
         if key in given and not _UPLOAD_ID.fullmatch(given[key]):
             raise MpsimError(f"{key}: not an upload id")
-    fields: dict[str, Any] = {**given, **ints, **floats, "servers": servers}
+    fields: dict[str, Any] = {**given, **ints, **floats, **lists}
     inputs = replace(inputs, **fields)
     check_shipped(inputs)
     return inputs
