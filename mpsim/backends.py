@@ -296,7 +296,7 @@ def make_backend(name: str = "local", workers: int = 1, address: str | None = No
 
 def backend_for(name: str = "local", workers: int = 1, address: str | None = None) -> Backend | None:
     """``make_backend``, or None (run in this process) for one local worker."""
-    return None if name == "local" and workers == 1 and address is None else make_backend(name, workers, address)
+    return None if name == "local" and workers == 1 else make_backend(name, workers, address)
 
 
 def auto_batch(n_points: int, slots: int) -> int:
