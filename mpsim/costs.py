@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mpsim.errors import MpsimError
+from mpsim.kernel_time import ITEMSIZE, KernelRates, can_time, pass_seconds
 from mpsim.topology import Dtype, GpuSpec, OpEfficiency
 
 if TYPE_CHECKING:
@@ -67,6 +68,8 @@ class CostModel:
     compute datatype's efficiency block does not apply to it."""
     layer_times: LayerTimes
     """Per-layer forward and backward seconds (``_layer_times``)."""
+    kernel_rates: KernelRates | None
+    """What timed the layers kernel by kernel (``mpsim.kernel_time``); None: the roofline."""
     attention_core_s: np.ndarray
     """Per layer, the attention core's forward seconds (``attention_core_seconds`` at
     ``memory_rate``); 0 where the layer has no attention core."""
@@ -92,35 +95,52 @@ def cost_model(trace: Trace, gpu: GpuSpec) -> CostModel:
     return model
 
 
+def kernel_rates(trace: Trace, gpu: GpuSpec) -> KernelRates | None:
+    """What times ``trace``'s kernels on ``gpu``: None where the trace records no kernels or
+    the GPU has no table for its rate dtype (``GpuSpec.kernel_table``)."""
+    dtype = trace.rate_dtype(gpu)
+    table = gpu.kernel_table()
+    if table is None or not can_time(table, dtype) or not any(r.fwd_kernels for r in trace.layers):
+        return None
+    peak_flops_per_s, peak_bytes_per_s = peak_rates(gpu, dtype)
+    return KernelRates(table, dtype, peak_flops_per_s, peak_bytes_per_s,
+                       ITEMSIZE[trace.spec.precision.compute_dtype])
+
+
 def _build(trace: Trace, gpu: GpuSpec) -> CostModel:
     dtype = trace.rate_dtype(gpu)
     eff = gpu.op_efficiency(dtype)
     peak_flops_per_s, peak_bytes_per_s = peak_rates(gpu, dtype)
-    memory_rate = peak_bytes_per_s * eff.memory
-    times = _layer_times(trace, gpu, peak_flops_per_s * eff.matmul, peak_flops_per_s * eff.attention, memory_rate)
+    rates = kernel_rates(trace, gpu)
+    memory_rate = rates.stream_bytes_per_s if rates else peak_bytes_per_s * eff.memory
+    times = _layer_times(trace, gpu, peak_flops_per_s * eff.matmul, peak_flops_per_s * eff.attention, memory_rate,
+                         rates)
     core_s = attention_core_seconds(trace.layers, times.fwd_s, memory_rate)
     core_s.setflags(write=False)
-    update_rate = peak_bytes_per_s * gpu.memory_efficiency
-    return CostModel(dtype, eff, memory_rate, update_rate, times, core_s)
+    update_rate = rates.stream_bytes_per_s if rates else peak_bytes_per_s * gpu.memory_efficiency
+    return CostModel(dtype, eff, memory_rate, update_rate, times, rates, core_s)
 
 
 def _layer_times(trace: Trace, gpu: GpuSpec, matmul_rate: float, attention_rate: float,
-                 mem_rate: float) -> LayerTimes:
-    """Seconds per layer: measured times where the trace has them, else a roofline by op
+                 mem_rate: float, rates: KernelRates | None = None) -> LayerTimes:
+    """Seconds per layer: measured times where the trace has them, else the layer's kernels
+    each timed from its shape (``mpsim.kernel_time``, with ``rates``), else a roofline by op
     class, summed because a layer's ops run one after another:
     t = (FLOPs - attention FLOPs) / (peak x e_matmul) + attention FLOPs / (peak x e_attention)
     + bytes / (bandwidth x e_memory), with peak the rate datatype's (``Trace.rate_dtype``)
     and the efficiencies the GPU's for that datatype (``GpuSpec.op_efficiency``); backward
     likewise with the backward FLOPs (about twice the forward) and bytes."""
 
-    def derived_s(flops: float, attention_flops: float, mem_bytes: float) -> float:
+    def derived_s(flops: float, attention_flops: float, mem_bytes: float, kernels: list) -> float:
+        if rates is not None and kernels:
+            return pass_seconds(kernels, rates)
         return (flops - attention_flops) / matmul_rate + attention_flops / attention_rate + mem_bytes / mem_rate
 
     rows = trace.layers
     fwd = np.array([r.fwd_ms * 1e-3 if r.fwd_ms is not None
-                    else derived_s(r.fwd_flops, r.fwd_attention_flops, r.fwd_mem_bytes) for r in rows])
+                    else derived_s(r.fwd_flops, r.fwd_attention_flops, r.fwd_mem_bytes, r.fwd_kernels) for r in rows])
     bwd = np.array([r.bwd_ms * 1e-3 if r.bwd_ms is not None
-                    else derived_s(r.bwd_flops, r.bwd_attention_flops, r.bwd_mem_bytes) for r in rows])
+                    else derived_s(r.bwd_flops, r.bwd_attention_flops, r.bwd_mem_bytes, r.bwd_kernels) for r in rows])
     if not (np.isfinite(fwd).all() and np.isfinite(bwd).all()):
         raise MpsimError(f"{trace.name}: layer times on a {gpu.model} are not finite numbers")
     fwd.setflags(write=False)

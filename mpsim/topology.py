@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mpsim.datafile import read_data_file, validate
 from mpsim.errors import MpsimError, SchemaError
+from mpsim.gpu_tables import KernelTable, shipped_table
 from mpsim.units import MAX_BYTES, GiB, MiB, gbps_to_bytes_per_s
 
 SCHEMA_VERSION = 1
@@ -91,6 +92,14 @@ class GpuSpec(_Strict):
     compute_capability: float | None = Field(
         default=None, ge=1, le=20, description="CUDA compute capability (7.0 V100, 8.0 A100, 9.0 H100): which "
                                                "attention kernel PyTorch uses")
+    kernels: KernelTable | None = Field(
+        default=None, description="the GPU's kernel table (mpsim.gpu_tables); absent: the shipped one for its "
+                                  "model, if any")
+    time_model: Literal["auto", "kernels", "roofline"] = Field(
+        default="auto", description="kernels: each kernel timed from its shape (mpsim.kernel_time) where the "
+                                    "trace records kernels and a table exists; roofline: the per-class "
+                                    "efficiencies of `efficiency`; auto: kernels where the GPU's table has been "
+                                    "checked against measurements of that GPU (KernelTable.checked), else roofline")
 
     @model_validator(mode="after")
     def _reserved_below_memory(self) -> GpuSpec:
@@ -103,6 +112,14 @@ class GpuSpec(_Strict):
             if dtype not in self.peak_tflops:
                 raise ValueError(f"efficiency.{dtype}: no peak_tflops.{dtype} to take a fraction of")
         return self
+
+    def kernel_table(self) -> KernelTable | None:
+        """The table that times this GPU's kernels: its own, else the shipped one for its
+        model (``mpsim.gpu_tables.shipped_table``); None under ``time_model: roofline``."""
+        table = self.kernels or shipped_table(self.model)
+        if self.time_model == "roofline" or (self.time_model == "auto" and not (table and table.checked)):
+            return None
+        return table
 
     def op_efficiency(self, dtype: Dtype) -> OpEfficiency:
         """The efficiencies at ``dtype``: its ``efficiency`` block, else the GPU-wide

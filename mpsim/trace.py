@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mpsim.datafile import read_data_file, validate
 from mpsim.errors import MpsimError, SchemaError
+from mpsim.kernel_records import Kernel, rescale_kernel
 from mpsim.limits import MAX_LAYERS, check_trace_data
 from mpsim.schedule import MAX_MICROBATCH, check_microbatch
 from mpsim.topology import Dtype, GpuSpec
@@ -153,6 +154,10 @@ class LayerRow(_Strict):
         default_factory=list, description="a tensor-parallel shard's collectives in the forward, in order")
     bwd_collectives: list[Collective] = Field(
         default_factory=list, description="a tensor-parallel shard's collectives in the backward, in order")
+    fwd_kernels: list[Kernel] = Field(
+        default_factory=list, description="the forward's GPU kernels by shape (mpsim.kernel_records); empty in "
+                                          "traces made before kernels were recorded")
+    bwd_kernels: list[Kernel] = Field(default_factory=list, description="the backward's GPU kernels by shape")
 
     @model_validator(mode="after")
     def _saved_input_fits(self) -> LayerRow:
@@ -187,6 +192,8 @@ _SCALED = ("act_bytes", "input_bytes", "output_bytes", "workspace_bytes", "fwd_f
 _SCALED_OPTIONAL = ("fwd_ms", "bwd_ms", "bwd_workspace_bytes")
 _COLLECTIVE_FIELDS = ("fwd_collectives", "bwd_collectives")
 """Only a tensor-parallel shard's rows have them; linear in the batch (they move activations)."""
+_KERNEL_FIELDS = ("fwd_kernels", "bwd_kernels")
+"""Rescaled kernel by kernel (``kernel_records.rescale_kernel``); left out of the file when empty."""
 _BYTE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "act_bytes", "input_bytes", "output_bytes",
                 "workspace_bytes", "bwd_workspace_bytes")
 
@@ -245,7 +252,7 @@ class Trace:
         tensor-parallel shards have them)."""
         data = self.spec.model_dump(by_alias=True)
         for row in data["layers"]:
-            for k in _COLLECTIVE_FIELDS:
+            for k in (*_COLLECTIVE_FIELDS, *_KERNEL_FIELDS):
                 if not row[k]:
                     del row[k]
         return json.dumps(data, indent=1)
@@ -270,6 +277,9 @@ class Trace:
             for k in _COLLECTIVE_FIELDS:
                 if getattr(r, k):
                     upd[k] = [c.model_copy(update={"n_bytes": round(c.n_bytes * f)}) for c in getattr(r, k)]
+            for k in _KERNEL_FIELDS:
+                if getattr(r, k):
+                    upd[k] = [rescale_kernel(kern, f) for kern in getattr(r, k)]
             rows.append(r.model_copy(update=upd))
         return Trace(self.spec.model_copy(update={"layers": rows, "microbatch": microbatch}), self.source)
 

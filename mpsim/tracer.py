@@ -58,6 +58,8 @@ class _OpBytes(TorchDispatchMode):
 
     def __init__(self, probe: kernels.TraceProbe | None = None, remember: bool = True) -> None:
         super().__init__()
+        self.launches: list[RawKernel] = []
+        """Every kernel the pass launches, in order (``_raw_kernel``)."""
         self.mem_bytes = 0
         self.core_mem_bytes = 0
         self.probe = probe
@@ -72,6 +74,9 @@ class _OpBytes(TorchDispatchMode):
             self.outputs.setdefault(storage_key(t), t.untyped_storage().nbytes())
             self._alive.append(t)
         moved = self._moved(func, outs, args, kwargs)
+        launch = _raw_kernel(func, args, outs, moved)
+        if launch is not None:
+            self.launches.append(launch)
         self.mem_bytes += moved
         if self.probe is not None and self.probe.in_core:
             self.core_mem_bytes += moved
@@ -88,6 +93,60 @@ class _OpBytes(TorchDispatchMode):
         return _nbytes(ins + outs)
 
 
+RawKernel = tuple[Any, ...]
+"""One launch as dispatched: ("gemm", m, n, k, batch), ("attention", backend, backward, b,
+heads, kv heads, s_q, s_k, d, causal), ("conv", pass, n, c_in, h, w, c_out, r, s, p, q,
+stride, groups) or ("memory", bytes)."""
+_GEMM_OPS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}
+"""Operators run as one GEMM, and the positions of their two factors."""
+
+
+def _raw_kernel(func: Any, args: tuple, outs: list[torch.Tensor], moved: int) -> RawKernel | None:
+    """The kernel an operator launches, by shape (``mpsim.kernel_records``), or None for
+    metadata, views and allocations. A convolution's backward is two kernels (data and
+    weight gradient), recorded as one entry that ``_kernel_records`` splits."""
+    op = func.__name__.split(".")[0]
+    if op in _GEMM_OPS:
+        a, b = (args[i] for i in _GEMM_OPS[op])
+        batch = a.shape[0] if a.dim() == 3 else 1
+        return ("gemm", a.shape[-2], b.shape[-1], a.shape[-1], batch)
+    if op in FUSED_ATTENTION_OPS:
+        return _raw_attention(op, args)
+    if op in ("convolution", "convolution_backward") and args[0].dim() == 4:
+        return _raw_conv(op, args, outs)
+    if moved > 0:
+        return ("memory", moved)
+    return None
+
+
+def _raw_attention(op: str, args: tuple) -> RawKernel:
+    """mpsim's fused attention operators (``mpsim.kernels``): the forward's log-sum-exp row
+    padding tells FlashAttention (1) from the memory-efficient kernel (32); a backward is
+    marked flash here and takes its forward's backend in ``_kernel_records``."""
+    backward = op.endswith("backward")
+    q, k = (args[1], args[2]) if backward else (args[0], args[1])
+    causal = bool(args[6] if backward else args[3])
+    backend = "flash" if backward or args[5] == 1 else "mem-efficient"
+    b, heads, s_q, d = q.shape
+    return ("attention", backend, backward, b, heads, k.shape[1], s_q, k.shape[2], d, causal)
+
+
+def _raw_conv(op: str, args: tuple, outs: list[torch.Tensor]) -> RawKernel:
+    """aten.convolution(input, weight, bias, stride, padding, dilation, transposed,
+    output_padding, groups) and convolution_backward(grad_out, input, weight, bias_sizes,
+    stride, ..., groups, output_mask)."""
+    if op == "convolution":
+        x, w, stride, groups, out = args[0], args[1], args[3], args[8], outs[0]
+        passes: tuple[str, ...] = ("fwd",)
+    else:
+        x, w, stride, groups, out = args[1], args[2], args[4], args[9], args[0]
+        passes = tuple(p for p, on in zip(("dgrad", "wgrad"), args[10][:2], strict=True) if on)
+    n, c_in, h, width = x.shape
+    c_out, _per_group, r, s = w.shape
+    return ("conv", passes, n, c_in, h, width, c_out, r, s, out.shape[2], out.shape[3], int(stride[0]),
+            int(groups))
+
+
 def _fused_attention_flops(counter: FlopCounterMode) -> float:
     counts = counter.get_flop_counts().get("Global", {})
     return float(sum(n for op, n in counts.items() if str(op).split(".")[-1] in FUSED_ATTENTION_OPS))
@@ -101,8 +160,9 @@ def _selective_saving(probe: kernels.TraceProbe, saved: dict[int, int]) -> int:
     return max(0, dropped - checkpoint)
 
 
-def _traffic(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run) -> tuple[int, int]:
-    """Bytes the forward and the backward of ``run(module, *inputs)`` move, from fresh gradients."""
+def _traffic(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run) -> tuple[_OpBytes, _OpBytes]:
+    """The forward's and the backward's traffic and kernels of ``run(module, *inputs)``,
+    from fresh gradients."""
     for p in module.parameters():
         p.grad = None
     fwd, bwd = _OpBytes(remember=False), _OpBytes(remember=False)
@@ -112,22 +172,65 @@ def _traffic(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run) -> t
         out.backward(torch.ones_like(out))
     for p in module.parameters():
         p.grad = None
-    return fwd.mem_bytes, bwd.mem_bytes
+    return fwd, bwd
 
 
-def _fixed_traffic(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run, fwd_bytes: float,
-                   bwd_bytes: float) -> tuple[float, float]:
-    """The parts of the forward's and the backward's traffic that do not grow with the
-    batch (weights read, weight gradients written, a positional table): the layer runs
-    again on every input doubled along its first dimension, and traffic affine in the
-    batch, m(b) = fixed + b x per-sample, gives fixed = 2 m(b) - m(2b).
-    A layer whose inputs do not double that way keeps none fixed (all scaled, as before)."""
+def _doubled_run(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run) -> tuple[_OpBytes, _OpBytes] | None:
+    """The layer run again on every input doubled along its first dimension: what tells the
+    traffic and the kernel dimensions that grow with the batch from those that do not
+    (``_fixed``, ``_kernel_records``). None for a layer whose inputs do not double that way."""
     doubled = [torch.cat([t, t]).detach().requires_grad_(t.requires_grad) for t in inputs]
     try:
-        fwd2, bwd2 = _traffic(module, doubled, run)
+        return _traffic(module, doubled, run)
     except (RuntimeError, ValueError, TypeError, IndexError):
-        return 0.0, 0.0
-    return (min(fwd_bytes, max(0.0, 2 * fwd_bytes - fwd2)), min(bwd_bytes, max(0.0, 2 * bwd_bytes - bwd2)))
+        return None
+
+
+def _fixed(at_b: float, at_2b: float) -> float:
+    """The part of traffic affine in the batch, m(b) = fixed + b x per-sample, that does
+    not grow: fixed = 2 m(b) - m(2b), within [0, m(b)]."""
+    return min(at_b, max(0.0, 2 * at_b - at_2b))
+
+
+_GEMM_DIMS = ("m", "n", "k", "batch")
+
+
+def _kernel_records(at_b: list[RawKernel], at_2b: list[RawKernel] | None,
+                    attention_backend: str | None = None) -> list[dict[str, Any]]:
+    """The records of ``mpsim.kernel_records`` for a pass's launches at the traced batch,
+    identical ones counted once; ``at_2b``, the same pass at twice the batch, tells each
+    record how it grows (unaligned or absent: a GEMM grows in m, no traffic is fixed).
+    ``attention_backend`` overrides the attention kernels' backend (a backward's is its
+    forward's)."""
+    aligned = (at_2b is not None and len(at_2b) == len(at_b)
+               and all(x[0] == y[0] for x, y in zip(at_b, at_2b, strict=True)))
+    counts: dict[tuple[tuple[str, Any], ...], int] = {}
+    for i, raw in enumerate(at_b):
+        twin = at_2b[i] if aligned and at_2b is not None else None
+        for record in _records(raw, twin, attention_backend):
+            key = tuple(record.items())
+            counts[key] = counts.get(key, 0) + 1
+    return [dict(key, count=n) for key, n in counts.items()]
+
+
+def _records(raw: RawKernel, twin: RawKernel | None, attention_backend: str | None) -> list[dict[str, Any]]:
+    kind = raw[0]
+    if kind == "gemm":
+        grown = [d for d, a, b in zip(_GEMM_DIMS, raw[1:5], twin[1:5], strict=True) if a != b] if twin else ["m"]
+        return [{"op": "gemm", **dict(zip(_GEMM_DIMS, raw[1:5], strict=True)),
+                 "grows": grown[0] if grown else "none"}]
+    if kind == "attention":
+        fields = ("backend", "backward", "batch", "heads", "kv_heads", "s_q", "s_k", "head_dim", "causal")
+        record = {"op": "attention", **dict(zip(fields, raw[1:], strict=True))}
+        if attention_backend is not None:
+            record["backend"] = attention_backend
+        return [record]
+    if kind == "conv":
+        shape = dict(zip(("n", "c_in", "h", "w", "c_out", "r", "s", "p", "q", "stride", "groups"), raw[2:],
+                         strict=True))
+        return [{"op": "conv", "pass": p, **shape} for p in raw[1]]
+    fixed = round(_fixed(raw[1], twin[1])) if twin is not None else 0
+    return [{"op": "memory", "bytes": raw[1], "fixed_bytes": fixed}]
 
 
 def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
@@ -164,8 +267,12 @@ def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
         out.backward(torch.ones_like(out))
     core_bytes = _selective_saving(probe, saved)
     with tp_ops.recording(tp_ops.CommProbe()):  # the doubled run's collectives are not the layer's
-        fixed = (_fixed_traffic(module, inputs, run, float(counter.mem_bytes), float(counter_b.mem_bytes))
-                 if fixed_traffic else (0.0, 0.0))
+        doubled = _doubled_run(module, inputs, run) if fixed_traffic else None
+    fixed = ((0.0, 0.0) if doubled is None else
+             (_fixed(counter.mem_bytes, doubled[0].mem_bytes), _fixed(counter_b.mem_bytes, doubled[1].mem_bytes)))
+    fwd_kernels = _kernel_records(counter.launches, doubled[0].launches if doubled else None)
+    backend = next((k["backend"] for k in fwd_kernels if k["op"] == "attention"), None)
+    bwd_kernels = _kernel_records(counter_b.launches, doubled[1].launches if doubled else None, backend)
     return {
         "params": sum(p.numel() for p in module.parameters()),
         "act_bytes": sum(saved.values()),
@@ -186,6 +293,8 @@ def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
         "attention_core_mem_bytes": float(counter.core_mem_bytes) if core_bytes else 0.0,
         "fwd_collectives": [{"op": op, "n_bytes": n} for op, n in comms.forward],
         "bwd_collectives": [{"op": op, "n_bytes": n} for op, n in comms.backward],
+        "fwd_kernels": fwd_kernels,
+        "bwd_kernels": bwd_kernels,
     }
 
 
