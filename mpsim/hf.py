@@ -17,6 +17,12 @@ Everything else runs as the model writes it, one eager kernel per op, as it woul
 GPU without a compiler: Llama's RMSNorm upcasts to fp32 and keeps fp32 copies, GPT-2's
 tanh GELU keeps its intermediate tensors.
 
+A rotary model's cos and sin are built once per forward and read by every block, as the
+backbone's forward builds them (``LlamaModel.rotary_emb``): the embedding's row keeps them
+once, a block holds them as buffers and so does not count them. The trace's model names
+the framework ``hf`` (``mpsim.workloads.FRAMEWORKS``): mpsim's own ``hf`` layer keeps the
+same bytes (tests/test_hf.py), and a tensor-parallel shard of the trace is re-traced with it.
+
 Ops whose output shape depends on the data (``nonzero``, ``.item()``) cannot run on fake
 tensors; they end the trace with an ``MpsimError`` naming the op and the model.
 """
@@ -256,6 +262,29 @@ def _build(transformers: Any, config: Any, layout: FamilyLayout, dtype: torch.dt
     return model.train()
 
 
+class _SharedTables(nn.Module):
+    """The tables a decoder's rotary embedding builds once per forward and hands to every
+    block (``LlamaModel.forward``: ``position_embeddings``), held as buffers: a traced block
+    leaves them out of its saved bytes, as it does parameters, since the embedding's row
+    keeps them once (``_embed``)."""
+
+    def __init__(self, tables: tuple[torch.Tensor, ...]) -> None:
+        super().__init__()
+        for i, table in enumerate(tables):
+            self.register_buffer(f"table{i}", table, persistent=False)
+
+
+def _embed(model: Any, layout: FamilyLayout, rotary: nn.Module | None, tokens: torch.Tensor) -> torch.Tensor:
+    """The embedding and, for a rotary model, the (cos, sin) every block reads, built once
+    right after it as the backbone's forward does, kept until the backward."""
+    from mpsim.workloads import hold_for_backward
+
+    x = layout.embed(model, tokens)
+    if rotary is None:
+        return x
+    return hold_for_backward(x, *rotary(x, position_ids=_positions(x).unsqueeze(0)))
+
+
 def _trace_rows(model: Any, layout: FamilyLayout, b: int, s: int,
                 dtype: torch.dtype) -> tuple[dict, dict, dict]:
     from mpsim.tracer import trace_layer
@@ -265,17 +294,15 @@ def _trace_rows(model: Any, layout: FamilyLayout, b: int, s: int,
     rotary = _submodule(base, layout.rotary) if layout.rotary else None
     h = model.config.hidden_size
     tokens = torch.zeros(b, s, dtype=torch.long)
-    emb = trace_layer(_group(model, layout.embed_modules), [tokens], lambda _m, t: layout.embed(model, t))
-
-    def run_block(_m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        extra: dict[str, Any] = {}
-        if rotary is not None:
-            positions = _positions(x).unsqueeze(0)
-            extra = {"position_ids": positions, "position_embeddings": rotary(x, position_ids=positions)}
-        return _first(block(x, attention_mask=None, **extra))
-
+    emb = trace_layer(_group(model, layout.embed_modules), [tokens], lambda _m, t: _embed(model, layout, rotary, t))
     x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
-    layer = trace_layer(nn.ModuleList([block]), [x], run_block)
+    positions = _positions(x).unsqueeze(0)
+    extra: dict[str, Any] = {}
+    if rotary is not None:
+        extra = {"position_ids": positions, "position_embeddings": rotary(x, position_ids=positions)}
+    shared = _SharedTables(extra.get("position_embeddings", ()))
+    layer = trace_layer(nn.ModuleList([block, shared]), [x],
+                        lambda _m, x: _first(block(x, attention_mask=None, **extra)))
 
     def run_head(_m: nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = layout.head(model, x)
@@ -290,6 +317,20 @@ def _full_params(model: nn.Module, layout: FamilyLayout, layers: int) -> int:
     """Unique parameters of the full model: the one-block model's, plus the other blocks."""
     block = _submodule(_submodule(model, layout.base), layout.blocks)[0]
     return sum(p.numel() for p in model.parameters()) + (layers - 1) * sum(p.numel() for p in block.parameters())
+
+
+def _decoder_shape(model: Any, layout: FamilyLayout) -> dict[str, Any]:
+    """A Llama-layout model's MLP width, q|k|v biases, RoPE base and dropout in
+    ``mpsim.workloads.ModelConfig``'s terms, so that a tensor-parallel shard of the trace
+    (re-traced with mpsim's own hf-framework layer) has the model's shape."""
+    if layout.family != "llama":
+        return {}
+    config = model.config
+    attention = _submodule(_submodule(model, layout.base), layout.blocks)[0].self_attn
+    rope = getattr(config, "rope_parameters", None) or {}
+    return {"ffn_hidden": config.intermediate_size, "qkv_bias": attention.q_proj.bias is not None,
+            "rope_theta": float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            "dropout": float(getattr(config, "attention_dropout", 0.0))}
 
 
 def _defaults(source: str) -> tuple[int | None, int, str]:
@@ -333,8 +374,8 @@ def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = No
     model_info = {"family": layout.family, "model_type": config.model_type, "layers": layers,
                   "hidden": config.hidden_size, "heads": config.num_attention_heads,
                   "kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-                  "seq_len": seq_len, "vocab": config.vocab_size, "attention": backend,
-                  "source": f"hf:{config.model_type}"}
+                  "seq_len": seq_len, "vocab": config.vocab_size, "attention": backend, "framework": "hf",
+                  **_decoder_shape(model, layout), "source": f"hf:{config.model_type}"}
     named = [("embedding", "embedding", emb), *[(f"layer{i}", "transformer", layer) for i in range(layers)],
              ("head", "head", head)]
     plain = not overrides and microbatch in (None, preset_mb) and preset_seq == seq_len

@@ -13,13 +13,37 @@ Families:
 - ``llama``: pre-RMSNorm, causal, SwiGLU MLP, rotary positions (RoPE), grouped-query
   attention (``kv_heads``), no biases unless ``qkv_bias`` (Qwen2), untied output
   projection (Llama 2/3, Mistral, Qwen2.5).
+
+A Llama layer is written as one of three frameworks writes it (``ModelConfig.framework``,
+``FRAMEWORKS``), which changes what it keeps for the backward but not its parameters or
+FLOPs:
+
+- ``megatron`` (the default, every shipped trace): one fused q|k|v projection; v reaches
+  the attention kernel as a view of its output, so the pre-RoPE q and k stay alive with
+  it; a fused RMSNorm; the RoPE cos and sin rebuilt for q and again for k in every layer
+  (Megatron-LM's ``SelfAttention.linear_qkv`` and its unfused ``_apply_rotary_pos_emb_bshd``;
+  its ``apply_rope_fusion`` kernel, which keeps only the shared frequencies, is not modelled);
+- ``hf``: transformers' ``LlamaDecoderLayer``: separate ``q_proj``, ``k_proj``, ``v_proj``,
+  the eager ``LlamaRMSNorm`` (it runs in fp32 and keeps an fp32 copy of its input; no fused
+  kernel unless one is installed from the hub or Liger), cos and sin built once per forward
+  by ``LlamaModel.rotary_emb`` and handed to every layer;
+- ``torchtitan``: torchtitan's Llama 3 (``models/llama3``): separate ``wq``, ``wk``, ``wv``,
+  ``nn.RMSNorm`` (PyTorch's fused CUDA kernel, ``_fused_rms_norm``), RoPE as a complex64
+  ``freqs_cis`` buffer built once per model and read by every layer. (Its mid-2026
+  ``FusedQKVLinear`` copies q, k and v out contiguously, which keeps the same bytes.)
+
+A table shared by every layer is counted once: the layers hold it as a non-persistent
+buffer (``RotaryTable``), which the tracer leaves out of a layer's saved bytes as it does
+parameters, and the embedding keeps one copy for the backward (``hold_for_backward``), so
+the embedding row carries its bytes. GPT and BERT layers are the same in every framework
+(transformers' ``GPT2Block`` and ``BertLayer`` keep the bytes of mpsim's: tests/test_hf.py).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -32,6 +56,17 @@ from mpsim.tp_ops import NO_SHARD, TensorShard
 
 Family = Literal["gpt", "bert", "llama"]
 FAMILIES: tuple[str, ...] = ("gpt", "bert", "llama")
+Framework = Literal["megatron", "hf", "torchtitan"]
+FRAMEWORKS: tuple[Framework, ...] = get_args(Framework)
+FRAMEWORK_LAYERS: dict[str, str] = {
+    "megatron": "fused q|k|v projection (pre-RoPE q and k kept with v), fused RMSNorm, RoPE cos/sin rebuilt in "
+                "every layer (Megatron-LM)",
+    "hf": "separate q, k, v projections, eager fp32 RMSNorm (LlamaRMSNorm), RoPE cos/sin built once per forward and "
+          "shared by every layer (transformers)",
+    "torchtitan": "separate q, k, v projections, fused RMSNorm (nn.RMSNorm), RoPE freqs_cis built once per model and "
+                  "shared by every layer (torchtitan)",
+}
+"""What each framework means for a Llama layer (the module docstring has the details)."""
 
 
 @dataclass(frozen=True)
@@ -53,10 +88,15 @@ class ModelConfig:
     """Biases on the q, k, v projections; None: the family's (GPT, BERT yes; Llama no)."""
     attention: AttentionBackend = "eager"
     rope_theta: float = 10000.0
+    framework: Framework = "megatron"
+    """How the Llama layer is written (``FRAMEWORKS``, module docstring); GPT and BERT
+    layers are the same in every framework."""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"family {self.family!r}: expected one of {', '.join(FAMILIES)}")
+        if self.framework not in FRAMEWORKS:
+            raise ValueError(f"framework {self.framework!r}: expected one of {', '.join(FRAMEWORKS)}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
         if self.heads % self.kv:
@@ -85,6 +125,13 @@ class ModelConfig:
     @property
     def has_qkv_bias(self) -> bool:
         return self.biases if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def shared_rope(self) -> bool:
+        """A Llama layer with separate q, k, v projections and RoPE tables built once and
+        shared by every layer (hf, torchtitan); else a fused q|k|v and, for Llama, tables
+        rebuilt in each layer (megatron)."""
+        return self.family == "llama" and self.framework != "megatron"
 
     @property
     def tied(self) -> bool:
@@ -137,6 +184,8 @@ class Embedding(nn.Module):
         self.token_type = nn.Embedding(2, cfg.hidden) if cfg.family == "bert" else None
         self.norm = nn.LayerNorm(cfg.hidden) if cfg.family == "bert" else None
         self.p = cfg.dropout
+        self.rope_cfg = cfg if cfg.shared_rope else None
+        """hf, torchtitan: the RoPE tables every layer shares, kept here once (module doc)."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = tp_ops.row_parallel_output(self.word(tokens), self.shard)
@@ -146,7 +195,30 @@ class Embedding(nn.Module):
             x = x + self.token_type(torch.zeros_like(tokens[:, : x.shape[1]]))
         if self.norm is not None:
             x = self.norm(x)
-        return kernels.dropout(x, self.p, self.training)
+        x = kernels.dropout(x, self.p, self.training)
+        if self.rope_cfg is None:
+            return x
+        return hold_for_backward(x, *rope_tables(self.rope_cfg, x.dtype, x.device))
+
+
+class _Hold(torch.autograd.Function):
+    """Identity on ``x`` that keeps the other inputs until the backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *kept: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*kept)
+        ctx.kept = len(kept)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (grad, *[None] * ctx.kept)
+
+
+def hold_for_backward(x: torch.Tensor, *kept: torch.Tensor) -> torch.Tensor:
+    """``x``, with ``kept`` alive until the backward: how a trace counts once, on the row that
+    builds it, a table that every later layer reads (the RoPE tables of hf and torchtitan)."""
+    return _Hold.apply(x, *kept)
 
 
 class RMSNorm(nn.Module):
@@ -159,34 +231,135 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps)
 
 
+class EagerRMSNorm(RMSNorm):
+    """transformers' ``LlamaRMSNorm`` as it runs by default, op by op: the input upcast to
+    fp32, normalised there, cast back and scaled. It keeps the fp32 copy of its input, one
+    fp32 reciprocal RMS per row and the normalised rows in the input's dtype, where a fused
+    kernel keeps the input and the reciprocal RMS: 4 more bytes per element at bf16."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.to(torch.float32)
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
 def _norm(cfg: ModelConfig) -> nn.Module:
-    return RMSNorm(cfg.hidden) if cfg.family == "llama" else nn.LayerNorm(cfg.hidden)
+    if cfg.family != "llama":
+        return nn.LayerNorm(cfg.hidden)
+    return EagerRMSNorm(cfg.hidden) if cfg.framework == "hf" else RMSNorm(cfg.hidden)
 
 
-def _rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding (Su et al. 2021) on (b, heads, s, d), half-split layout."""
-    s, d = x.shape[-2], x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv_freq)
-    cos, sin = (torch.cat((f(angles), f(angles)), dim=-1).to(x.dtype) for f in (torch.cos, torch.sin))
+def _angles(s: int, d: int, theta: float, device: torch.device | None) -> torch.Tensor:
+    """RoPE's angles (s, d/2) in fp32: position p, pair i at p * theta^(-2i/d)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+    return torch.outer(torch.arange(s, device=device, dtype=torch.float32), inv_freq)
+
+
+def _half_split_tables(s: int, d: int, theta: float, dtype: torch.dtype,
+                       device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin (s, d) in ``dtype``, half-split layout: pair i's angle in columns
+    i and i + d/2."""
+    angles = _angles(s, d, theta, device)
+    cos, sin = (torch.cat((f(angles), f(angles)), dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    return cos, sin
+
+
+def _rotate_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021) on (b, heads, s, d) with (s, d) tables:
+    transformers' ``apply_rotary_pos_emb`` (multiplications keep cos and sin, not x)."""
+    d = x.shape[-1]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-class SelfAttention(nn.Module):
-    """Fused q|k|v projection, attention core, output projection. The forward takes its
-    head counts from the projection's width, so the same code runs a tensor-parallel
-    shard (``shard``: 1/t of the heads and of the KV heads, Megatron-LM's column-parallel
-    q|k|v and row-parallel output projection, Shoeybi et al. 2019, section 3) and a module
-    that DTensor shards (its q|k|v rows ordered rank by rank, see ``qkv_rank_order``)."""
+def _rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """megatron: RoPE on (b, heads, s, d) with cos and sin built for this call, so each layer
+    keeps its own, for q and again for k (Megatron-LM's unfused ``_apply_rotary_pos_emb_bshd``
+    takes cos and sin of its frequencies on every call)."""
+    cos, sin = _half_split_tables(x.shape[-2], x.shape[-1], theta, x.dtype, x.device)
+    return _rotate_half_split(x, cos, sin)
 
-    def __init__(self, cfg: ModelConfig, causal: bool, shard: TensorShard = NO_SHARD) -> None:
+
+def _rotate_complex(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """torchtitan's ``apply_rotary_emb`` on (b, heads, s, d) (torchtitan rotates before it
+    moves the heads ahead of the sequence: the same tensors): adjacent pairs of x in fp32
+    as complex numbers times ``freqs_cis`` (here its real view, (s, d/2, 2) fp32), cast
+    back. The product keeps only the table."""
+    s, d = x.shape[-2], x.shape[-1]
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], d // 2, 2))
+    cis = torch.view_as_complex(freqs.float()[:s])
+    return torch.view_as_real(pairs * cis).flatten(-2).type_as(x)
+
+
+def rope_tables(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
+    """The RoPE tables a shared-table framework builds once for ``cfg.seq_len`` positions:
+    hf, cos and sin (s, d) in the activations' dtype (``LlamaRotaryEmbedding``); torchtitan,
+    ``freqs_cis`` as (s, d/2, 2) fp32 (``precompute_freqs_cis``'s complex64). 4*s*d bytes
+    either way at bf16."""
+    d = cfg.head_dim
+    if cfg.framework == "hf":
+        return _half_split_tables(cfg.seq_len, d, cfg.rope_theta, dtype, device)
+    angles = _angles(cfg.seq_len, d, cfg.rope_theta, device)
+    return (torch.stack((torch.cos(angles), torch.sin(angles)), dim=-1),)
+
+
+class RotaryTable(nn.Module):
+    """RoPE tables built once per model and read by every layer (hf, torchtitan), held as
+    non-persistent buffers: model state, which the tracer leaves out of a layer's saved
+    bytes (the embedding's row counts them once, ``Embedding``)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    """hf: cos and sin (s, d)."""
+    freqs: torch.Tensor
+    """torchtitan: freqs_cis as (s, d/2, 2) fp32."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.framework = cfg.framework
+        tables = rope_tables(cfg, torch.get_default_dtype())
+        names = ("cos", "sin") if cfg.framework == "hf" else ("freqs",)
+        for name, table in zip(names, tables, strict=True):
+            self.register_buffer(name, table, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (b, heads, s, d) rotated as the framework does it."""
+        s = x.shape[-2]
+        if self.framework == "hf":
+            return _rotate_half_split(x, self.cos[:s], self.sin[:s])
+        return _rotate_complex(x, self.freqs)
+
+
+class SelfAttention(nn.Module):
+    """q, k, v projections, RoPE (Llama), attention core, output projection.
+
+    megatron (and every GPT or BERT layer): one fused q|k|v projection. hf, torchtitan:
+    three (``q``, ``k``, ``v``), rotating with the ``RotaryTable`` every layer shares.
+
+    The forward takes its head counts from the projections' widths, so the same code runs
+    a tensor-parallel shard (``shard``: 1/t of the heads and of the KV heads, Megatron-LM's
+    column-parallel projections and row-parallel output projection, Shoeybi et al. 2019,
+    section 3) and a module that DTensor shards (its q|k|v rows ordered rank by rank, see
+    ``qkv_rank_order``). Separate projections share one ``f`` (one collective each way, as
+    torchtitan's ``PrepareModuleInput`` gathers once before ``wq``, ``wk``, ``wv``), except
+    under Megatron's sequence parallelism, where each is its own ``ColumnParallelLinear``
+    keeping the sequence shard: three all-gathers forward."""
+
+    def __init__(self, cfg: ModelConfig, causal: bool, shard: TensorShard = NO_SHARD,
+                 rope: RotaryTable | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.shard = shard
         t = shard.degree
         kv_dim = cfg.kv * cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden, (cfg.hidden + 2 * kv_dim) // t, bias=cfg.has_qkv_bias)
+        bias = cfg.has_qkv_bias
+        if cfg.shared_rope:
+            self.q = nn.Linear(cfg.hidden, cfg.hidden // t, bias=bias)
+            self.k = nn.Linear(cfg.hidden, kv_dim // t, bias=bias)
+            self.v = nn.Linear(cfg.hidden, kv_dim // t, bias=bias)
+            self.rope = rope if rope is not None else RotaryTable(cfg)
+        else:
+            self.qkv = nn.Linear(cfg.hidden, (cfg.hidden + 2 * kv_dim) // t, bias=bias)
         self.proj = nn.Linear(cfg.hidden // t, cfg.hidden, bias=cfg.biases)
         self.causal = causal
         self.checkpoint_core = False
@@ -194,18 +367,38 @@ class SelfAttention(nn.Module):
         keeps only q, k, v and re-runs in the backward (``torch.utils.checkpoint``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        d, kv_dim = cfg.head_dim, cfg.kv * cfg.head_dim
-        qkv = tp_ops.column_parallel(x, self.qkv, self.shard)
-        b, s, width = qkv.shape
-        t = (cfg.hidden + 2 * kv_dim) // width  # the tensor-parallel degree this module runs at
-        q, k, v = qkv.split([cfg.hidden // t, kv_dim // t, kv_dim // t], dim=2)
-        q = q.reshape(b, s, -1, d).transpose(1, 2)
-        k, v = (y.reshape(b, s, -1, d).transpose(1, 2) for y in (k, v))
-        if cfg.family == "llama":
-            q, k = _rotate(q, cfg.rope_theta), _rotate(k, cfg.rope_theta)
+        q, k, v = (y.transpose(1, 2) for y in self._project(x))
+        q, k = self._rotate(q), self._rotate(k)
+        b, s = q.shape[0], q.shape[2]
         out = checkpoint(self._core, q, k, v, use_reentrant=False) if self.checkpoint_core else self._core(q, k, v)
         return tp_ops.row_parallel_output(self.proj(out.transpose(1, 2).reshape(b, s, -1)), self.shard)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q (b, s, heads, d), k and v (b, s, KV heads, d) of this module's shard."""
+        cfg = self.cfg
+        if cfg.shared_rope:
+            parts = self._separate(x)
+        else:
+            kv_dim = cfg.kv * cfg.head_dim
+            qkv = tp_ops.column_parallel(x, self.qkv, self.shard)
+            t = (cfg.hidden + 2 * kv_dim) // qkv.shape[2]  # the tensor-parallel degree this module runs at
+            parts = qkv.split([cfg.hidden // t, kv_dim // t, kv_dim // t], dim=2)
+        b, s = parts[0].shape[:2]
+        return tuple(y.reshape(b, s, -1, cfg.head_dim) for y in parts)
+
+    def _separate(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        linears = (self.q, self.k, self.v)
+        if self.shard.sequence_parallel and not self.shard.saves_gathered:
+            return tuple(tp_ops.column_parallel(x, linear, self.shard) for linear in linears)
+        x = tp_ops.gather_sequence(x, self.shard)
+        return tuple(linear(x) for linear in linears)
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.family != "llama":
+            return x
+        if self.cfg.shared_rope:
+            return self.rope(x)
+        return _rotate(x, self.cfg.rope_theta)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernels.attention(q, k, v, causal=self.causal, dropout_p=self.cfg.dropout, training=self.training,
@@ -218,13 +411,13 @@ class TransformerLayer(nn.Module):
     row-parallel pairs; the norms, dropouts and residuals run on the whole sequence
     (replicated) or, with sequence parallelism, on the shard's 1/t of it."""
 
-    def __init__(self, cfg: ModelConfig, shard: TensorShard = NO_SHARD) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TensorShard = NO_SHARD, rope: RotaryTable | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.shard = shard
         self.pre_norm = cfg.family != "bert"
         self.ln1 = _norm(cfg)
-        self.attn = SelfAttention(cfg, causal=cfg.family != "bert", shard=shard)
+        self.attn = SelfAttention(cfg, causal=cfg.family != "bert", shard=shard, rope=rope)
         self.ln2 = _norm(cfg)
         swiglu = cfg.family == "llama"
         self.fc = nn.Linear(cfg.hidden, (2 if swiglu else 1) * cfg.ffn // shard.degree, bias=cfg.biases)
@@ -273,8 +466,10 @@ class LossHead(nn.Module):
 
 
 def build_layers(cfg: ModelConfig) -> list[nn.Module]:
-    """The model as the ordered list of layers a pipeline partitions."""
-    return [Embedding(cfg)] + [TransformerLayer(cfg) for _ in range(cfg.layers)] + [LossHead(cfg)]
+    """The model as the ordered list of layers a pipeline partitions; hf and torchtitan
+    layers share one ``RotaryTable``."""
+    rope = RotaryTable(cfg) if cfg.shared_rope else None
+    return [Embedding(cfg)] + [TransformerLayer(cfg, rope=rope) for _ in range(cfg.layers)] + [LossHead(cfg)]
 
 
 def qkv_rank_order(cfg: ModelConfig, degree: int) -> torch.Tensor:

@@ -63,8 +63,8 @@ def test_every_family_traces_with_rows_and_its_source(tmp_path, model_type):
 
 @pytest.mark.parametrize("preset", ["llama-2-7b", "llama-3-8b"])
 def test_llama_block_matches_our_own_llama_layer_up_to_the_eager_norms(preset):
-    """The same Llama block, transformers' modules against mpsim's own (flash, bf16, two
-    layers). The saved bytes differ by exactly 8*s*b*h - 2*s*b*(h + kv*d) - 4*s*d:
+    """The same Llama block, transformers' modules against mpsim's megatron layer (flash,
+    bf16, two layers). The saved bytes differ by exactly 8*s*b*h - 2*s*b*(h + kv*d) - 8*s*d:
 
     - +8*s*b*h: each of HF's two eager RMSNorms keeps an fp32 copy of its input
       (4 B/element) and the bf16 normalised tensor (2 B) where a fused kernel keeps the
@@ -72,8 +72,9 @@ def test_llama_block_matches_our_own_llama_layer_up_to_the_eager_norms(preset):
     - -2*s*b*(h + kv*d): mpsim's fused qkv projection hands v to the attention as a view
       of the whole q|k|v output, 2*(h + 2*kv*d) bytes a row, where HF's own v_proj output
       is 2*kv*d (with kv = heads, as Llama-2-7B, that is -4*s*b*h);
-    - -4*s*d: mpsim's rotary embedding keeps cos and sin for q and k apart (four s x d
-      bf16 tensors), HF shares one cos and one sin between q and k.
+    - -8*s*d: mpsim's megatron layer builds cos and sin for q and for k (four s x d bf16
+      tensors); HF's block reads the one cos and sin the model builds for every block,
+      which the embedding's row keeps once: +4*s*d there.
 
     The head's final norm adds +4*s*b*h the same way. Parameters and FLOPs agree exactly."""
     cfg, mb, recipe = PRESETS[preset]
@@ -82,9 +83,53 @@ def test_llama_block_matches_our_own_llama_layer_up_to_the_eager_norms(preset):
     theirs = hf.trace_hf(preset, overrides={"layers": 2, "seq_len": s}).spec.layers
     assert [r.params for r in theirs] == [r.params for r in ours]
     assert [r.fwd_flops for r in theirs] == [r.fwd_flops for r in ours]
-    assert theirs[1].act_bytes - ours[1].act_bytes == 8 * s * b * h - 2 * s * b * (h + kv * d) - 4 * s * d
+    assert theirs[1].act_bytes - ours[1].act_bytes == 8 * s * b * h - 2 * s * b * (h + kv * d) - 8 * s * d
     assert theirs[-1].act_bytes - ours[-1].act_bytes == 4 * s * b * h
-    assert theirs[0].act_bytes == ours[0].act_bytes
+    assert theirs[0].act_bytes - ours[0].act_bytes == 4 * s * d
+
+
+@pytest.mark.parametrize("preset", ["llama-2-7b", "llama-3-8b", "qwen2.5-7b"])
+def test_transformers_own_block_keeps_exactly_what_our_hf_framework_layer_keeps(preset):
+    """mpsim's hf framework (separate q, k, v, eager fp32 RMSNorm, RoPE tables built once)
+    is transformers' LlamaDecoderLayer byte for byte: every row's saved bytes, whether it
+    keeps its input, parameters and FLOPs; the block's forward moves the same bytes too (its
+    backward not quite: mpsim's one gate|up matmul concatenates two gradients that HF's
+    gate_proj and up_proj add into the input's)."""
+    cfg, mb, recipe = PRESETS[preset]
+    ours = trace_model(replace(cfg, layers=2, seq_len=512, framework="hf"), mb, recipe).spec.layers
+    theirs = hf.trace_hf(preset, overrides={"layers": 2, "seq_len": 512}).spec.layers
+    for mine, their in zip(ours, theirs, strict=True):
+        assert (their.act_bytes, their.saves_input, their.params) == (mine.act_bytes, mine.saves_input, mine.params)
+        assert (their.fwd_flops, their.bwd_flops) == (mine.fwd_flops, mine.bwd_flops)
+    assert theirs[1].fwd_mem_bytes == ours[1].fwd_mem_bytes
+
+
+def test_rope_tables_are_counted_once_not_per_block():
+    """LlamaModel builds cos and sin once per forward for every block: the embedding row
+    keeps them (2 tables of s x d bf16), the blocks none, so a block's bytes do not
+    depend on whether the model has one layer or three."""
+    s, d = 256, 128
+    one, three = (hf.trace_hf("llama-2-7b", overrides={"layers": n, "seq_len": s}).spec.layers for n in (1, 3))
+    token_ids = 1 * s * 8  # the embedding keeps its int64 token ids (microbatch 1)
+    assert one[0].act_bytes == three[0].act_bytes == token_ids + 2 * 2 * s * d
+    assert one[1].act_bytes == three[1].act_bytes == three[3].act_bytes
+
+
+def test_a_hf_trace_names_its_framework_and_shards_with_the_models_shape():
+    """The model block says hf and carries the MLP width, biases and RoPE base, so a
+    tensor-parallel shard (re-traced with mpsim's hf layer) is the model's: half the
+    layer's parameters at t = 2 but for its two RMSNorms (replicated), and the bytes
+    mpsim's own hf shard keeps."""
+    from mpsim.tensor_parallel import shard_trace
+    from mpsim.tp_ops import TensorShard
+
+    t = hf.trace_hf("qwen2.5-7b", overrides={"layers": 2, "seq_len": 256})
+    assert t.spec.model["framework"] == "hf" and t.spec.model["ffn_hidden"] == 18944 and t.spec.model["qkv_bias"]
+    shard = shard_trace(t, 2).spec.layers
+    assert 2 * shard[1].params - 2 * 3584 == t.spec.layers[1].params
+    cfg, mb, recipe = PRESETS["qwen2.5-7b"]
+    own = trace_model(replace(cfg, layers=2, seq_len=256, framework="hf"), mb, recipe, shard=TensorShard(2))
+    assert [r.act_bytes for r in shard] == [r.act_bytes for r in own.spec.layers]
 
 
 def test_flash_keeps_no_s_by_s_tensor_eager_does():

@@ -49,9 +49,10 @@ def default_attention(server: str | None, recipe: str | None) -> str:
 def model_config(preset: str | None, shape: dict[str, Any], attention: str | None = None, server: str | None = None,
                  recipe: str | None = None) -> tuple[ModelConfig, int, str, bool]:
     """The configuration a preset (``DEFAULT_PRESET`` when None) takes with ``shape``'s
-    values that are not None; the attention kernel as given, else the preset's, else (no
-    preset, or a ``server`` named) the one PyTorch picks. Returns it with the preset's
-    microbatch and recipe, and whether it is the preset unchanged but for the kernel."""
+    values that are not None (the framework among them); the attention kernel as given,
+    else the preset's, else (no preset, or a ``server`` named) the one PyTorch picks.
+    Returns it with the preset's microbatch and recipe, and whether it is the preset
+    unchanged but for the kernel (a framework named that is the preset's own changes nothing)."""
     zoo = presets()
     if preset is not None and preset not in zoo:
         raise MpsimError(f"unknown --preset {preset!r}: expected one of {', '.join(zoo)}")
@@ -63,7 +64,7 @@ def model_config(preset: str | None, shape: dict[str, Any], attention: str | Non
         cfg = replace(base, **changes)
     except ValueError as e:
         raise MpsimError(f"bad model shape: {e}") from None
-    return cfg, base_mb, base_recipe, set(changes) <= {"attention"} and cfg == base
+    return cfg, base_mb, base_recipe, set(changes) <= {"attention", "framework"} and cfg == base
 
 
 def trace_shape(preset: str | None, shape: dict[str, Any], attention: str | None = None, server: str | None = None,

@@ -14,6 +14,11 @@ ATTENTION_HELP = ("attention kernel whose saved tensors and FLOPs the trace reco
                   "fused-softmax (Megatron), mem-efficient (xFormers/CUTLASS), flash (FlashAttention-2)  "
                   "[default: the preset's; otherwise what PyTorch picks on --server's GPU: flash from A100 on, "
                   "mem-efficient before; flash without --server]")
+FRAMEWORK_HELP = ("how the Llama layer is written, which sets what it keeps for the backward (parameters and FLOPs "
+                  "are the same): megatron (fused q|k|v, fused RMSNorm, RoPE tables rebuilt in every layer), hf "
+                  "(transformers: separate q, k, v, eager fp32 RMSNorm, RoPE tables built once and shared), "
+                  "torchtitan (separate q, k, v, fused RMSNorm, RoPE tables built once and shared); GPT and BERT "
+                  "layers are the same in each  [default: megatron; with --hf: hf]")
 
 
 def _list_presets(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
@@ -49,6 +54,7 @@ def _list_presets(ctx: click.Context, _param: click.Parameter, value: bool) -> N
               help="dropout probability; 0 keeps no masks  [default: the preset's]")
 @click.option("--attention", type=click.Choice(["eager", "fused-softmax", "mem-efficient", "flash"]),
               help=ATTENTION_HELP)
+@click.option("--framework", type=click.Choice(["megatron", "hf", "torchtitan"]), help=FRAMEWORK_HELP)
 @click.option("--server", "-s", help="with no --attention: pick the kernel PyTorch uses on this server's GPUs")
 @click.option("--microbatch", type=click.IntRange(min=1), help="samples per microbatch  [default: the preset's]")
 @click.option("--recipe", type=click.Choice(["mixed-fp16", "mixed-bf16", "mixed-fp16-fp32grad", "mixed-bf16-fp32grad",
@@ -64,12 +70,13 @@ def _list_presets(ctx: click.Context, _param: click.Parameter, value: bool) -> N
 @click.option("--hf", "hf_source", metavar="SOURCE",
               help="trace a Hugging Face model with its own modules: a folder with config.json, a config.json or "
                    "a shipped one (llama-2-7b, llama-3-70b, mistral-7b, qwen2.5-7b, gpt2-xl ...); takes --layers, "
-                   "--hidden, --heads, --seq-len, --microbatch, --recipe, --attention, --server, --name")
+                   "--hidden, --heads, --seq-len, --microbatch, --recipe, --attention, --server, --name; its "
+                   "layers are the hf framework")
 def trace(output: Path, preset: str | None, family: str | None, layers: int | None, hidden: int | None,
           heads: int | None, kv_heads: int | None, ffn_hidden: int | None, seq_len: int | None, vocab: int | None,
           dropout: float | None, attention: str | None, server: str | None, microbatch: int | None,
           recipe: str | None, name: str | None, measure: bool, device: str, threads: int, repeats: int,
-          module_spec: str | None = None, hf_source: str | None = None) -> None:
+          module_spec: str | None = None, hf_source: str | None = None, framework: str | None = None) -> None:
     """Trace a model: a preset or a GPT, BERT or Llama-style shape.
 
     By default under FakeTensor mode (no memory allocated): per layer the saved-for-backward
@@ -86,11 +93,15 @@ def trace(output: Path, preset: str | None, family: str | None, layers: int | No
 
     With --hf a Hugging Face model is traced with its own modules from its config.json
     (`--hf llama-3-70b -o llama.json`; no weights, no network).
+
+    --framework writes a Llama layer as Megatron-LM, transformers or torchtitan do
+    (`--preset llama-3-8b --framework hf`); the trace's model names it.
     """
     from mpsim.views.text import trace_line
 
     if module_spec is not None and hf_source is not None:
         raise MpsimError("--module and --hf each name a whole model: give one of them")
+    _check_framework(framework, module_spec, hf_source)
     if module_spec is not None:
         if measure:
             raise MpsimError("--module traces under FakeTensor mode; --measure is for the GPT, BERT and Llama shapes")
@@ -107,8 +118,21 @@ def trace(output: Path, preset: str | None, family: str | None, layers: int | No
         result = api.trace_hf(hf_source, microbatch, recipe, kernel, overrides, name)
     else:
         shape = {"family": family, "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
-                 "ffn_hidden": ffn_hidden, "seq_len": seq_len, "vocab": vocab, "dropout": dropout}
+                 "ffn_hidden": ffn_hidden, "seq_len": seq_len, "vocab": vocab, "dropout": dropout,
+                 "framework": framework}
         measured = api.Measure(device, threads, repeats) if measure else None
         result = api.trace_shape(preset, shape, attention, server, microbatch, recipe, name, measured)
     output.write_text(result.to_json() + "\n")
     click.echo(trace_line(output, result))
+
+
+def _check_framework(framework: str | None, module_spec: str | None, hf_source: str | None) -> None:
+    """--framework is for presets and shapes: --hf runs transformers' own modules (the hf
+    framework by definition), --module the user's."""
+    if framework is None:
+        return
+    if module_spec is not None:
+        raise MpsimError("--framework is for presets and shapes; --module traces your own modules as they are written")
+    if hf_source is not None and framework != "hf":
+        raise MpsimError(f"--hf traces transformers' own modules, the hf framework; for --framework {framework} "
+                         "trace a preset or a shape (--preset NAME --framework ...)")
