@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -140,3 +141,28 @@ def test_the_h100_table_reproduces_the_probe_it_came_from():
     r = KernelRates(t, "bf16", 989e12, 3350e9, 2)
     assert 2 * 8192**3 / gemm_seconds(8192, 8192, 8192, 1, r) / 1e12 == pytest.approx(769.0, rel=2e-3)
     assert not math.isnan(t.gemm["bf16"].fraction)
+
+
+def test_calibrate_fits_a_kernel_table_to_a_profiler_trace(tmp_path):
+    """tests/data/kineto/h100_train_step.json: 8 bf16 kernels with shapes (GEMMs, attention,
+    element-wise); the fitted table's classes are scaled by the printed multipliers and the
+    written topology times its kernels with it."""
+    import json
+
+    from helpers import run_cli
+
+    from mpsim.topology import read_topology_file
+
+    profile = Path(__file__).parent / "data" / "kineto" / "h100_train_step.json"
+    out, fit_json = tmp_path / "h100-fitted.yaml", tmp_path / "fit.json"
+    code, text, _ = run_cli(120, "calibrate", "--profile", str(profile), "--server", "dgx-h100", "-o", str(out),
+                            "--json", str(fit_json))
+    assert code == 0 and "kernel table fitted to 8 profiled bf16 kernels" in text
+    fit = json.loads(fit_json.read_text())
+    gpu = read_topology_file(out).spec.gpu
+    base = shipped_table("H100-SXM5-80GB")
+    assert gpu.time_model == "kernels" and gpu.kernels is not None and base is not None
+    assert gpu.kernels.gemm["bf16"].fraction == pytest.approx(base.gemm["bf16"].fraction / fit["multipliers"]["gemm"])
+    assert gpu.kernels.checked == profile.name
+    code, _, err = run_cli(60, "calibrate", "--server", "dgx-h100")
+    assert code == 2 and "either --trace" in err

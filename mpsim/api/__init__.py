@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     from mpsim.api.studies import FitsRequest, fits_request, reproduce, sweep_warnings
     from mpsim.backends import backend_for, make_backend
     from mpsim.calibrate import Calibration, calibrate, calibrated_yaml
+    from mpsim.calibrate_kernels import calibrate_profile_file, kernel_table_yaml
     from mpsim.capacity import FitsReport, LayoutFits, fits
     from mpsim.catalog import (
         is_cluster,
@@ -78,6 +79,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.api.studies": ("FitsRequest", "fits_request", "reproduce", "sweep_warnings"),
     "mpsim.backends": ("backend_for", "make_backend"),
     "mpsim.calibrate": ("Calibration", "calibrate", "calibrated_yaml"),
+    "mpsim.calibrate_kernels": ("calibrate_profile_file", "kernel_table_yaml"),
     "mpsim.capacity": ("FitsReport", "LayoutFits", "fits"),
     "mpsim.catalog": ("is_cluster", "load_cluster", "load_topology", "load_trace", "shipped_clusters",
                       "shipped_topologies", "shipped_traces"),

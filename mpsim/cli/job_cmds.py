@@ -35,10 +35,13 @@ from mpsim.cli.progress import tasks_progress
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="plot memory over time per GPU, with swap-outs and swap-ins, to this PNG")
 @html_option
+@click.option("--headroom", "headroom_gib", type=click.FloatRange(min=0, max=1024), default=1.0, show_default=True,
+              help="GiB a plan should leave free: a GPU whose reserved estimate (caching allocator, CUDA context, "
+                   "NCCL buffers) comes closer to its memory is reported 'at risk'")
 def simulate(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
              stages: int | None, strategy: str, partition: str, layout: api.Parallelism, cluster: str | None,
              servers: int, plan_path: Path | None, json_out: str | None, chrome_trace: Path | None, plot: Path | None,
-             html_out: Path | None) -> None:
+             html_out: Path | None, headroom_gib: float) -> None:
     """Simulate one training iteration: per-GPU peak memory, iteration time, throughput,
     and what each memory-saving technique saved and cost.
 
@@ -74,7 +77,10 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
             result, plan_file = planned.result, planned.plan
         else:
             result = api.simulate(topo, trace, plan_file=plan_file, record_link_rates=chrome_trace is not None)
-    emit(json_out, simulate_text(result), result.to_dict())
+    data = result.to_dict()
+    for g, d in zip(result.gpus, data["gpus"], strict=True):
+        d["reserved"] = g.reserved().to_dict(headroom_gib)  # to_dict's at the default headroom
+    emit(json_out, simulate_text(result, headroom_gib), data)
     if chrome_trace:
         write_chrome_trace(result, chrome_trace)
     if plot:

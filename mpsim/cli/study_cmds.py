@@ -166,27 +166,53 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
 
 
 @click.command("calibrate")
-@click.option("--trace", "trace_paths", required=True, multiple=True,
+@click.option("--trace", "trace_paths", multiple=True,
               help="measured trace JSON (`mpsim trace --measure`); repeat for several shapes of one precision, "
                    "measured on one device, fitted together")
+@click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="instead of --trace: a PyTorch profiler trace (Chrome JSON, .json.gz; record_shapes=True) whose "
+                   "kernels fit the GPU's kernel table (mpsim.kernel_time) per class")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "tf32"]), default="bf16", show_default=True,
+              help="with --profile: the precision whose kernels are fitted")
 @click.option("--server", "-s", required=True, help=SERVER_HELP)
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
               help="write the topology YAML with the fitted efficiency block to this file")
 @click.option("--force", is_flag=True, help="fit even when the trace was measured on another kind of device")
 @json_option
-def calibrate_cmd(trace_paths: tuple[str, ...], server: str, output: Path | None, force: bool,
-                  json_out: str | None) -> None:
+def calibrate_cmd(trace_paths: tuple[str, ...], profile_path: Path | None, dtype: str, server: str,
+                  output: Path | None, force: bool, json_out: str | None) -> None:
     """Fit the server GPU's matmul, attention-kernel and memory efficiencies for the trace's
     precision to the measured layer times (non-negative least squares), print them with
-    each row's residual, and optionally write the topology with them."""
+    each row's residual, and optionally write the topology with them.
+
+    With --profile, fit the GPU's kernel table instead (GEMM, attention and memory-bound
+    kernels each scaled by one factor) to the kernels of a PyTorch profiler trace, print
+    the factors with each class's residuals, and optionally write the topology with the
+    table (gpu.kernels, time_model: kernels)."""
     from mpsim.views.measured import calibration_text
 
     topo = api.load_topology(server)
+    if (profile_path is None) == (not trace_paths):
+        raise click.UsageError("give either --trace (measured layers) or --profile (a profiler trace)")
+    if profile_path is not None:
+        _calibrate_profile(profile_path, dtype, topo, output, json_out)
+        return
     cal = api.calibrate([api.load_trace(p) for p in trace_paths], topo, force)
     if output:
         output.write_text(api.calibrated_yaml(topo, cal))
     if json_out != "-":
         click.echo(calibration_text(cal))
+        if output:
+            click.echo(f"wrote {output}")
+    write_json(json_out, cal.to_dict())
+
+
+def _calibrate_profile(path: Path, dtype: str, topo: api.Topology, output: Path | None, json_out: str | None) -> None:
+    cal = api.calibrate_profile_file(topo, path, dtype)
+    if output:
+        output.write_text(api.kernel_table_yaml(topo, cal, path.name))
+    if json_out != "-":
+        click.echo(cal.text())
         if output:
             click.echo(f"wrote {output}")
     write_json(json_out, cal.to_dict())

@@ -236,5 +236,6 @@ def _gpu_result(run: RunContext, stages: list[_Stage], g: int, analysis: GpuMemo
         capacity_bytes=topo.capacity_bytes, reserved_bytes=topo.reserved_bytes,
         breakdown={k: analysis.breakdown.get(k, 0) for k in CATEGORIES}, compute_s=busy_s,
         memory_times_s=analysis.times_s, memory_used_bytes=analysis.used_bytes,
-        saved_at_peak=analysis.saved, costs_s=costs,
+        saved_at_peak=analysis.saved, costs_s=costs, compute_capability=topo.spec.gpu.compute_capability,
+        nccl_peers=int(bool(layout.replicas or layout.tp_groups)),
     )

@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from mpsim.sim.reserved import ReservedEstimate, estimate
+
 COSTS: tuple[str, ...] = ("recompute_s", "selective_s", "swap_wait_s", "peer_wait_s", "memory_wait_s", "split_s",
                           "optimizer_s", "dp_wait_s", "tp_comm_s")
 """Time a plan's techniques cost a GPU per iteration: recompute and selective (attention
@@ -45,10 +47,23 @@ class GpuResult:
     """Bytes each technique kept off this GPU at its peak (``mpsim.sim.memory`` ledger)."""
     costs_s: dict[str, float] = field(default_factory=dict)
     """Seconds each technique cost this GPU per iteration (``COSTS``)."""
+    compute_capability: float | None = None
+    """The GPU's (its cuBLAS workspace size follows it: ``mpsim.sim.reserved``)."""
+    nccl_peers: int = 0
+    """Peers this GPU runs NCCL collectives with on each channel (their buffers count)."""
+    _reserved: ReservedEstimate | None = field(default=None, repr=False, compare=False)
 
     @property
     def fits(self) -> bool:
         return self.peak_bytes <= self.capacity_bytes
+
+    def reserved(self) -> ReservedEstimate:
+        """This GPU's memory through PyTorch's caching allocator (``mpsim.sim.reserved``),
+        computed on first use."""
+        if self._reserved is None:
+            self._reserved = estimate(self.memory_used_bytes, self.capacity_bytes + self.reserved_bytes,
+                                      self.compute_capability, self.nccl_peers)
+        return self._reserved
 
     def to_dict(self) -> dict:
         return {
@@ -63,6 +78,7 @@ class GpuResult:
             "breakdown": dict(self.breakdown),
             "saved_at_peak": dict(self.saved_at_peak),
             "costs_s": dict(self.costs_s),
+            "reserved": self.reserved().to_dict(),
         }
 
 

@@ -13,7 +13,8 @@ from mpsim.layouts import parse_layout
 from mpsim.plan import PlanFile, optimizer_label
 from mpsim.scale import ScaleReport
 from mpsim.sim.memory import TECHNIQUES
-from mpsim.sim.result import COSTS
+from mpsim.sim.reserved import DEFAULT_HEADROOM_GIB
+from mpsim.sim.result import COSTS, GpuResult
 from mpsim.topology import HOST, Topology
 from mpsim.units import GiB
 
@@ -80,15 +81,25 @@ def shown_gpus(r: SimResult) -> list[GpuResult]:
     return [g for g in r.gpus if g.gpu in own]
 
 
-def simulate_text(r: SimResult) -> str:
-    """The verdict first (fits, or where it ran out), then the per-GPU table, the
+def _fits_word(g: GpuResult, headroom_gib: float) -> str:
+    if not g.fits:
+        return "NO"
+    return "at risk" if g.reserved().at_risk(headroom_gib) else "yes"
+
+
+def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> str:
+    """The verdict first (fits, or where it ran out), then the per-GPU table (peak
+    allocated and the allocator's reserved estimate, ``mpsim.sim.reserved``), the
     techniques, iteration time and throughput."""
     cats = ["params", "grads", "optimizer", "activations", "stash", "buffers", "workspace"]
-    header = ["gpu", "stage", "layers", "peak GiB", "capacity GiB", "fits"] + cats
+    header = ["gpu", "stage", "layers", "peak GiB", "reserved GiB", "capacity GiB", "fits"] + cats
     shown = shown_gpus(r)
     rows = [[str(g.gpu), "-" if g.stage is None else str(g.stage), layer_range(g.layers), gib(g.peak_bytes),
-             gib(g.capacity_bytes), "yes" if g.fits else "NO"] + [gib(g.breakdown[c]) for c in cats] for g in shown]
-    legend = f"(breakdown at each GPU's peak; {UNITS_LEGEND})"
+             gib(g.reserved().reserved_peak_bytes), gib(g.capacity_bytes), _fits_word(g, headroom_gib)]
+            + [gib(g.breakdown[c]) for c in cats] for g in shown]
+    legend = (f"(breakdown at each GPU's peak; reserved: the caching allocator's estimate, allocator model; "
+              f"at risk: reserved + CUDA context + NCCL within {headroom_gib:g} GiB of the GPU's memory; "
+              f"{UNITS_LEGEND})")
     if len(shown) < len(r.gpus):
         legend += (f"\n(each stage's own GPU; the other {len(r.gpus) - len(shown)} GPUs of the simulated servers "
                    "replicate them: tensor-parallel ranks and data-parallel replicas; --json lists every one)")
