@@ -22,7 +22,7 @@ written).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -141,7 +141,10 @@ class MemoryKernel(_Kernel):
 Kernel = Annotated[GemmKernel | AttentionKernel | ConvKernel | MemoryKernel, Field(discriminator="op")]
 
 
-def rescale_kernel(kernel: Kernel, factor: float) -> Kernel:
+K = TypeVar("K", GemmKernel, AttentionKernel, ConvKernel, MemoryKernel)
+
+
+def rescale_kernel(kernel: K, factor: float) -> K:
     """``kernel`` at ``factor`` times the microbatch (see the module doc)."""
     if factor == 1.0:
         return kernel

@@ -24,7 +24,7 @@ def table(**changes) -> KernelTable:
                                                    bwd_half_seq=100, block_rows=100)},
                   winograd={"fp32": 2.25}, sources=SOURCES)
     fields.update(changes)
-    return KernelTable(**fields)
+    return KernelTable.model_validate(fields)
 
 
 def rates(dtype: str = "fp16", **changes) -> KernelRates:
@@ -94,7 +94,8 @@ def test_attention_blocks_quantize_into_waves():
 
 def test_winograd_divides_a_3x3_convolution_by_its_reduction():
     """fp32 on the table runs Winograd F(2x2,3x3): 2.25x fewer FLOPs than the implicit GEMM."""
-    conv = ConvKernel(**{"pass": "fwd"}, n=10, c_in=100, h=10, w=10, c_out=100, r=3, s=3, p=10, q=10)
+    conv = ConvKernel.model_validate({"pass": "fwd", "n": 10, "c_in": 100, "h": 10, "w": 10, "c_out": 100, "r": 3,
+                                      "s": 3, "p": 10, "q": 10})
     assert conv.gemm_shape() == (1000, 100, 900)
     r32 = rates("fp32")
     implicit = gemm_seconds(1000, 100, 900, 1, r32)
