@@ -48,3 +48,5 @@ taskset -c 0,1 python benchmarks/bench_cluster.py > reports/bench_cluster.txt
 mpsim choose --model llama-3-70b --tokens 2e12 --days 30 --clusters dgx-h100-superpod,aws-p5 --min-servers 16 \
   --max-servers 1024 -j 2 --json reports/scale_llama-3-70b_2T.json --plot reports/scale_llama-3-70b_2T.png \
   > reports/scale_llama-3-70b_2T.txt
+python benchmarks/kernel_time_report.py > reports/kernel_time.md
+python benchmarks/framework_activations.py --output reports/framework_activations.md

@@ -81,8 +81,10 @@ def fit_kernel_table(passes: list[TimedPass], rates: KernelRates, checked: str) 
     u = np.ones(len(KERNEL_CLASSES))
     u[active] = nnls_small(x[:, active], t)
     u = np.where(u > 0, u, 1.0)
-    table = scaled_table(rates.table, dict(zip(KERNEL_CLASSES, u, strict=True)), checked)
     fitted = x @ u
+    rms_pct = float(np.sqrt(np.mean(np.square(100 * (fitted - t) / t))))
+    table = scaled_table(rates.table, dict(zip(KERNEL_CLASSES, u, strict=True)), checked).model_copy(
+        update={"residual_pct": round(rms_pct, 2)})
     kept = tuple(KERNEL_CLASSES[c] for c in range(len(KERNEL_CLASSES)) if c not in active)
     return KernelFit(table, dict(zip(KERNEL_CLASSES, u.tolist(), strict=True)), kept,
                      tuple((p.label, p.measured_s, float(f)) for p, f in zip(distinct, fitted, strict=True)))

@@ -31,6 +31,7 @@ from mpsim.job import (
     partitions_of,
 )
 from mpsim.layouts import candidate_layouts, on_layout
+from mpsim.limits import DEFAULT_HEADROOM_GIB
 from mpsim.planners.best import Part, combine, parts
 from mpsim.planners.context import Planned
 from mpsim.planners.registry import plan_job
@@ -50,7 +51,7 @@ class FitRow:
     layers: int
     result: SimResult
 
-    def to_dict(self) -> dict:
+    def to_dict(self, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> dict:
         r = self.result
         worst = max(r.gpus, key=lambda g: g.peak_bytes)
         return {
@@ -58,6 +59,7 @@ class FitRow:
             "params": self.params,
             "transformer_layers": self.layers,
             "fits": r.fits,
+            "at_risk": r.at_risk(headroom_gib),
             "max_peak_bytes": worst.peak_bytes,
             "max_peak_gpu": worst.gpu,
             "capacity_bytes": worst.capacity_bytes,
@@ -92,13 +94,14 @@ class FitsReport(OfJob):
     def strategy(self) -> str:
         return self.job.strategy
 
-    def to_dict(self) -> dict:
+    def to_dict(self, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> dict:
+        largest = self.largest
         return {
             "server": self.server, "family": self.family, "schedule": self.schedule,
             "microbatch": self.microbatch, "microbatches": self.microbatches, "strategy": self.strategy,
             "partition": self.partition, "layout": self.job.layout_name,
-            "rows": [r.to_dict() for r in self.rows],
-            "largest": None if self.largest is None else dict(self.largest.to_dict(), template=self.largest_template),
+            "rows": [r.to_dict(headroom_gib) for r in self.rows],
+            "largest": None if largest is None else dict(largest.to_dict(headroom_gib), template=self.largest_template),
         }
 
 
@@ -175,15 +178,16 @@ class LayoutFits:
             return None
         return max(found, key=lambda x: (x[1].params, x[1].result.samples_per_s))
 
-    def to_dict(self) -> dict:
+    def to_dict(self, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> dict:
         top = self.largest
         first = self.reports[0]
         return {"server": first.server, "family": first.family, "schedule": first.schedule,
                 "microbatch": first.microbatch, "microbatches": self.microbatches, "strategy": self.strategy,
                 "partition": first.partition,
-                "rows": [self.best_row(i).to_dict() for i in range(len(self.reports[0].rows))],
-                "largest": None if top is None else dict(top[1].to_dict(), template=top[0].largest_template),
-                "layouts": [r.to_dict() for r in self.reports]}
+                "rows": [self.best_row(i).to_dict(headroom_gib) for i in range(len(self.reports[0].rows))],
+                "largest": (None if top is None
+                            else dict(top[1].to_dict(headroom_gib), template=top[0].largest_template)),
+                "layouts": [r.to_dict(headroom_gib) for r in self.reports]}
 
 
 def fits_layouts(job: JobSpec, family: str, traces: list[Trace], strategies: Sequence[str], layouts: str,

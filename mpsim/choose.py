@@ -21,6 +21,7 @@ from mpsim.catalog import load_topology, load_trace, shipped_topologies
 from mpsim.errors import MpsimError
 from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_strategy, partitions_of, pipeline
 from mpsim.layouts import CHOOSE_LAYOUTS, candidate_layouts, on_layout
+from mpsim.limits import DEFAULT_HEADROOM_GIB
 from mpsim.planners.registry import plan_job
 from mpsim.sim import SimResult
 from mpsim.strategies import combines
@@ -87,10 +88,23 @@ class ChooseRow:
     seq_len: int | None
     pareto: bool = False
     rank: int = 0
+    headroom_gib: float = DEFAULT_HEADROOM_GIB
+    faster_at_risk: SimResult | None = None
+    """A faster plan that fits but is at risk, passed over for ``result``."""
 
     @property
     def fits(self) -> bool:
         return self.result.fits
+
+    @property
+    def at_risk(self) -> str:
+        """Why the plan that stands for the server may still run out (``SimResult.at_risk``), or ``""``."""
+        return self.result.at_risk(self.headroom_gib)
+
+    @property
+    def band_pct(self) -> float:
+        """Its throughput's error band, % either side (``SimResult.time_band_pct``)."""
+        return self.result.time_band_pct
 
     @property
     def microbatch(self) -> int:
@@ -142,6 +156,9 @@ class ChooseRow:
         return {
             "rank": self.rank, "server": self.server, "source": self.source, "n_gpus": self.n_gpus,
             "gpu_model": self.gpu_model, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
+            "at_risk": self.at_risk, "samples_per_s_band": self.result.samples_per_s_band,
+            "faster_at_risk": None if self.faster_at_risk is None else _risky(self.faster_at_risk, self.headroom_gib),
+            "time_band_pct": self.band_pct,
             "layout": self.layout, "replicas": self.result.replicas, "microbatch": self.microbatch,
             "microbatches": self.result.microbatches, "strategy": self.strategy,
             "technique": self.technique, "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
@@ -151,6 +168,11 @@ class ChooseRow:
             "usd_per_million_tokens": self.usd_per_million_tokens, "pareto": self.pareto,
             "tried": [t.to_dict() for t in self.tried],
         }
+
+
+def _risky(r: SimResult, headroom_gib: float) -> dict:
+    return {"layout": r.layout, "strategy": r.strategy, "microbatch": r.microbatch, "samples_per_s": r.samples_per_s,
+            "at_risk": r.at_risk(headroom_gib)}
 
 
 @dataclass
@@ -166,17 +188,29 @@ class ChooseReport:
     rows: list[ChooseRow] = field(default_factory=list)
     layouts: str = CHOOSE_LAYOUTS
     """The layouts searched (``--layouts``: words and names, ``mpsim.layouts``)."""
-    """Ranked: best first."""
+    headroom_gib: float = DEFAULT_HEADROOM_GIB
+    """The margin a plan should leave (``--headroom``): plans closer are at risk."""
 
     @property
     def recommendation(self) -> str:
         return recommendation(self)
 
+    @property
+    def ties(self) -> list[ChooseRow]:
+        """Servers that fit whose ranking figure (cost per unit of work, or throughput) is
+        within the error band of the first's (the wider of the two rows' bands): which of
+        them is better, the model cannot tell."""
+        if not self.rows or not self.rows[0].fits:
+            return []
+        top = self.rows[0]
+        return [r for r in self.rows[1:] if r.fits and _within_band(self, top, r)]
+
     def to_dict(self) -> dict:
         return {"model": self.model, "schedule": self.schedule, "n_microbatches": self.microbatches,
                 "microbatches": list(self.microbatch_sizes), "strategies": list(self.strategies),
                 "layouts": self.layouts, "rank_by": self.rank_by, "seq_len": self.seq_len,
-                "recommendation": self.recommendation,
+                "headroom_gib": self.headroom_gib, "recommendation": self.recommendation,
+                "ties": [r.server for r in self.ties],
                 "rows": [r.to_dict() for r in self.rows]}
 
 
@@ -271,13 +305,24 @@ def _server_plans(jobs: Sequence[JobSpec], scaled: Sequence[Trace], strategies: 
     return out
 
 
-def _standing(tried: list[tuple[Tried, SimResult]]) -> SimResult:
-    """The fastest that fits, else the smallest shortfall."""
+def _standing(tried: list[tuple[Tried, SimResult]], headroom_gib: float) -> SimResult:
+    """The fastest that fits and is not at risk (``SimResult.at_risk``), else the fastest
+    that fits, else the smallest shortfall. Plans are checked for risk fastest first, and
+    only until one is safe."""
     def key(pair: tuple[Tried, SimResult]) -> tuple:
         t = pair[0]
         return (0, -t.samples_per_s, t.max_peak_bytes) if t.fits else (1, t.shortfall_bytes, -t.samples_per_s)
 
-    return min(tried, key=key)[1]
+    ordered = sorted(tried, key=key)
+    safe = next((r for t, r in ordered if t.fits and not r.at_risk(headroom_gib)), None)
+    return safe if safe is not None else ordered[0][1]
+
+
+def _faster_at_risk(tried: list[tuple[Tried, SimResult]], standing: SimResult) -> SimResult | None:
+    """The fastest plan that fits, where a slower safe one stands for the server instead."""
+    fitting = [r for t, r in tried if t.fits]
+    fastest = max(fitting, key=lambda r: r.samples_per_s, default=None)
+    return fastest if fastest is not None and fastest.samples_per_s > standing.samples_per_s else None
 
 
 def _rank_key(rank_by: str) -> Callable[[ChooseRow], tuple]:
@@ -305,14 +350,16 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
            microbatch_sizes: Sequence[int] | None = None, strategies: Sequence[str] = ("best",),
            microbatches: int = DEFAULT_MICROBATCHES, prices: Mapping[str, float] | None = None,
            rank_by: str = "cost", on_point: Callable[[str], None] | None = None,
-           layouts: str = CHOOSE_LAYOUTS) -> ChooseReport:
+           layouts: str = CHOOSE_LAYOUTS, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> ChooseReport:
     """Rank ``servers`` for training ``model``: per server the fastest plan that fits over
     ``layouts`` (``mpsim.layouts.candidate_layouts``: words and names), ``strategies``
     (each single planner under both partitions; ``best`` tries them all) and
     ``microbatch_sizes`` (None: the trace's own), ``microbatches`` per iteration over all
     replicas (``ceil(microbatches / replicas)`` each, at least one per stage for 1f1b).
     ``prices`` maps a server (as given, or its name) to USD per hour and overrides its
-    file's ``price``. ``on_point`` hears a line after each plan."""
+    file's ``price``. ``on_point`` hears a line after each plan. A plan that fits with
+    less than ``headroom_gib`` to spare is at risk: a safe one stands for its server when
+    there is one."""
     if rank_by not in RANK_BY:
         raise MpsimError(f"--rank-by: expected one of {', '.join(RANK_BY)}, got {rank_by!r}")
     if not isinstance(microbatches, int):
@@ -333,13 +380,16 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
     rows = []
     for key, topo, on_topo in jobs:
         tried = _server_plans(on_topo, scaled, strategies, on_point)
+        standing = _standing(tried, headroom_gib)
         rows.append(ChooseRow(topo.name, topo.source or key, topo.n_gpus, topo.spec.gpu.model, topo.capacity_bytes,
-                              _standing(tried), [t for t, _ in tried], _price_of(topo, key, overrides), seq_len))
+                              standing, [t for t, _ in tried], _price_of(topo, key, overrides), seq_len,
+                              headroom_gib=headroom_gib, faster_at_risk=_faster_at_risk(tried, standing)))
     rows.sort(key=_rank_key(rank_by))
     for i, row in enumerate(rows, 1):
         row.rank = i
     _mark_pareto(rows)
-    return ChooseReport(trace.name, schedule, microbatches, sizes, tuple(strategies), rank_by, seq_len, rows, layouts)
+    return ChooseReport(trace.name, schedule, microbatches, sizes, tuple(strategies), rank_by, seq_len, rows, layouts,
+                        headroom_gib)
 
 
 def _jobs_on(topo: Topology, trace: Trace, schedule: str, microbatches: int, strategies: Sequence[str],
@@ -374,6 +424,33 @@ def _closest(rows: list[ChooseRow]) -> str:
             f"{r.technique} at microbatch {r.microbatch}")
 
 
+def _merit(report: ChooseReport, row: ChooseRow) -> float:
+    """What the ranking compares, higher is better: samples per USD when ranked by cost and
+    priced, else samples/s."""
+    cost = row.usd_per_million_samples
+    return 1 / cost if report.rank_by == "cost" and cost else row.samples_per_s
+
+
+def _within_band(report: ChooseReport, a: ChooseRow, b: ChooseRow) -> bool:
+    """``a`` and ``b`` differ by no more than the wider of their error bands (``ChooseReport.ties``);
+    a priced row and an unpriced one are compared by throughput."""
+    band = max(a.band_pct, b.band_pct) / 100
+    if report.rank_by == "cost" and (a.usd_per_million_samples is None) != (b.usd_per_million_samples is None):
+        hi, lo = max(a.samples_per_s, b.samples_per_s), min(a.samples_per_s, b.samples_per_s)
+    else:
+        hi, lo = max(_merit(report, a), _merit(report, b)), min(_merit(report, a), _merit(report, b))
+    return band > 0 and lo > 0 and hi / lo - 1 <= band
+
+
+def _ties_clause(report: ChooseReport) -> str:
+    ties = report.ties
+    if not ties:
+        return ""
+    band = max(r.band_pct for r in [report.rows[0], *ties])
+    return (f"; a tie within the time model's ±{band:g}% band with {', '.join(r.server for r in ties)}: "
+            "which is better, the simulation cannot tell")
+
+
 def recommendation(report: ChooseReport) -> str:
     """One line: which server, and why (fastest, cheapest per unit of work, or both)."""
     fitting = [r for r in report.rows if r.fits]
@@ -396,6 +473,13 @@ def recommendation(report: ChooseReport) -> str:
                  + (f" at USD {money(_cost(report, fastest))} per {unit}" if _cost(report, fastest) else ""))
     if cheapest is not None and top is not cheapest:
         line += f"; {cheapest.server} is cheapest at USD {money(_cost(report, cheapest))} per {unit}"
+    line += _ties_clause(report)
+    if top.at_risk:
+        line += f"; its plan is at risk ({top.at_risk})"
+    elif top.faster_at_risk is not None:
+        f = top.faster_at_risk
+        line += (f"; a faster plan on {top.server} ({f.layout}, {f.samples_per_s:.2f} samples/s) is at risk: "
+                 f"{f.at_risk(top.headroom_gib)}")
     misses = [r for r in report.rows if not r.fits]
     if misses:
         line += f"; does not fit on {', '.join(r.server for r in misses)}"

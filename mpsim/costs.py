@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 
 __all__ = ["COST_MODELS", "CostModel", "LayerTimes", "attention_core_seconds", "cost_model", "peak_rates"]
 
+UNCHECKED_TIME_BAND_PCT = 13.0
+"""The band of a time prediction on a GPU whose time model has not been checked against
+measurements of that GPU: the rms error of the unfitted H100 kernel table on our measured
+H100 transformer-layer and head passes (bf16, ``reports/kernel_time.md``)."""
+
 COST_MODELS = 64
 """Cost models remembered per process (``cost_model``)."""
 _MODELS: OrderedDict[tuple[str, str], CostModel] = OrderedDict()
@@ -73,6 +78,15 @@ class CostModel:
     attention_core_s: np.ndarray
     """Per layer, the attention core's forward seconds (``attention_core_seconds`` at
     ``memory_rate``); 0 where the layer has no attention core."""
+
+    def time_band(self) -> tuple[float, str]:
+        """The relative error band of times made with this model, % (either side), and why:
+        a checked kernel table's own residual, else ``UNCHECKED_TIME_BAND_PCT``."""
+        table = self.kernel_rates.table if self.kernel_rates else None
+        if table is not None and table.checked and table.residual_pct is not None:
+            return table.residual_pct, f"rms error of its kernel table against {table.checked}"
+        return UNCHECKED_TIME_BAND_PCT, ("time model not checked on this GPU: the rms error of the unfitted H100 "
+                                         "kernel table on measured H100 layers, likely a floor on other GPUs")
 
     def update_s(self, rows: list[LayerRow]) -> float:
         """Adam step of ``rows``, memory bound: read gradients, read and write master

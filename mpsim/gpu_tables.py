@@ -69,6 +69,9 @@ class KernelTable(_Strict):
         default=None, description="the measurements of this GPU the table has been checked against (layer or "
                                   "kernel times under validate/results/); only then does it time layers by "
                                   "default (GpuSpec.time_model: auto)")
+    residual_pct: float | None = Field(
+        default=None, ge=0, le=1e4, description="rms relative error of the layer or kernel times it was checked "
+                                                "against, %: the band of its predictions")
 
     @model_validator(mode="after")
     def _sources_named(self) -> KernelTable:

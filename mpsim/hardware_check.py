@@ -319,11 +319,15 @@ def _gpu_row(plan: PlanFile, predicted: SimResult, place: RankPlace, m: dict | N
     pred_bd["activations"] = g.peak_bytes - sum(pred_bd.values())
     row: dict = {"replica": place.replica, "stage": s, "tp_rank": place.tp_rank, "gpu": gpu,
                  "layers": list(plan.stages[s].layers),
-                 "predicted_peak_bytes": g.peak_bytes, "predicted_breakdown": pred_bd, "predicted_fits": g.fits}
+                 "predicted_peak_bytes": g.peak_bytes, "predicted_breakdown": pred_bd, "predicted_fits": g.fits,
+                 "predicted_reserved_bytes": g.reserved().reserved_peak_bytes}
     if m is not None and not m.get("oom"):
         bd = {k: m["breakdown"].get(k, 0) for k in (*MODEL_STATES, "activations")}
         row.update(measured_peak_bytes=m["peak_bytes"], measured_breakdown=bd, measured_step_s=m["step_s"],
                    peak_error_pct=_error_pct(g.peak_bytes, m["peak_bytes"]))
+        if m.get("reserved_bytes") is not None:  # on CUDA: torch.cuda.max_memory_reserved
+            row.update(measured_reserved_bytes=m["reserved_bytes"],
+                       reserved_error_pct=_error_pct(row["predicted_reserved_bytes"], m["reserved_bytes"]))
         if "model_state_bytes" in m:
             row["measured_model_state_bytes"] = m["model_state_bytes"]
         if "host_state_bytes" in m:

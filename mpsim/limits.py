@@ -21,6 +21,12 @@ from pathlib import Path
 
 from mpsim.errors import MpsimError
 
+DEFAULT_HEADROOM_GIB = 1.0
+"""Margin below a GPU's memory that a plan should leave (``--headroom``): a plan whose
+reserved estimate (``mpsim.sim.reserved``) comes closer is reported at risk."""
+MAX_HEADROOM_GIB = 1024.0
+"""The largest ``--headroom`` taken (more than any GPU's memory)."""
+
 MAX_LAYERS = 10_000
 """The most layers (trace rows) a trace may have: see the module docstring."""
 

@@ -69,6 +69,16 @@ FRAMEWORK_LAYERS: dict[str, str] = {
 """What each framework means for a Llama layer (the module docstring has the details)."""
 
 
+def framework_line(framework: str, family: str | None = None) -> str:
+    """One line naming how a trace's layers are written, for every output that shows
+    activations: the framework and, for Llama layers, what it keeps."""
+    if not framework:
+        return "layers: a traced module (activations as it keeps them)"
+    if family == "llama" and framework in FRAMEWORK_LAYERS:
+        return f"layers: {framework}, {FRAMEWORK_LAYERS[framework]}"
+    return f"layers: {framework}"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a model of one of ``FAMILIES``. Parameter count follows from it (``param_count``)."""

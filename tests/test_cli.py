@@ -394,7 +394,8 @@ def test_simulate_that_does_not_fit_says_so_first_in_half_open_layers(capsys):
     assert code == 1
     assert lines[0] == "DOES NOT FIT: gpt-10.3b on dgx1-v100: 1f1b, microbatch 2 x 16, strategy none"
     assert lines[1].startswith("  GPU 0 ran out at ") and "GiB free" in lines[1]
-    assert lines[5].split()[:3] == ["0", "0", "[0,"] and lines[5].split()[3] == "8)"  # layers 0 to 7, as in JSON
+    assert lines[2] == "layers: megatron"
+    assert lines[6].split()[:3] == ["0", "0", "[0,"] and lines[6].split()[3] == "8)"  # layers 0 to 7, as in JSON
     assert "layers [a, b) = a to b - 1" in out and "memory in GiB = 2^30 bytes" in out
     assert out.index("DOES NOT FIT") < out.index("throughput")
     assert "GB (10^9 bytes) carried" in out

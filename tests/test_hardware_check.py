@@ -221,3 +221,26 @@ def test_a_rank_that_fails_without_a_signal_after_another_reported_is_not_retrie
     with pytest.raises(MpsimError, match="the executor failed"):
         _run_fake(tmp_path)
     assert calls == [1]
+
+
+def test_validation_sets_the_reserved_prediction_beside_max_memory_reserved(tiny, cpu2):
+    """A CUDA rank reports ``max_memory_reserved``; the report gives the allocator model's
+    prediction beside it, per stage, with its error (here from a hand-made measurement: a
+    rank that reserved 10% more than predicted, and one on CPU that reports none)."""
+    from mpsim.hardware_check import compare, simulate_plan
+
+    plan = _plan(tiny, cpu2, "1f1b", "keep")
+    predicted = simulate_plan(plan, cpu2, tiny)
+    reserved = [predicted.gpus[g].reserved().reserved_peak_bytes for g in (0, 1)]
+    assert all(r >= predicted.gpus[g].peak_bytes for g, r in enumerate(reserved))
+    kinds = ("params", "grads", "optimizer", "activations")
+    measured = [{"peak_bytes": predicted.gpus[0].peak_bytes, "breakdown": dict.fromkeys(kinds, 0), "step_s": 0.1,
+                 "reserved_bytes": int(reserved[0] * 1.1), "oom": None},
+                {"peak_bytes": predicted.gpus[1].peak_bytes, "breakdown": dict.fromkeys(kinds, 0), "step_s": 0.1,
+                 "reserved_bytes": None, "oom": None}]
+    report = compare(plan, predicted, measured)  # type: ignore[arg-type]
+    first, second = report["stages"]
+    assert first["predicted_reserved_bytes"] == reserved[0]
+    assert first["reserved_error_pct"] == pytest.approx(100 * (1 / 1.1 - 1), abs=0.01)
+    assert "measured_reserved_bytes" not in second
+    assert "reserved MiB, predicted / measured: stage 0 " in validation_text(dict(report, device="cuda:0"))

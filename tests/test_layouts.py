@@ -155,7 +155,7 @@ def test_a_model_too_big_for_the_pipeline_is_answered_with_fsdp_where_it_fits():
     # activations of the whole model); GPUs of 37 GiB hold only the latter
     topo = _dgx1_with(37.0)
     trace = load_trace("gpt-5.3b").with_layers(38)
-    report = choose(trace, [topo], strategies=("none",), layouts="pipeline,fsdp8")
+    report = choose(trace, [topo], strategies=("none",), layouts="pipeline,fsdp8", headroom_gib=0.0)
     row = report.rows[0]
     pipeline = next(t for t in row.tried if t.layout == "pipeline x8")
     assert not pipeline.fits and pipeline.max_peak_bytes > topo.capacity_bytes
@@ -167,6 +167,21 @@ def test_a_model_too_big_for_the_pipeline_is_answered_with_fsdp_where_it_fits():
     assert not answer.reports[0].rows[0].result.fits  # the pipeline's row
     top = answer.largest
     assert top is not None and top[1].result.layout == "FSDP x8" and top[1].layers >= 38
+
+
+def test_choose_passes_over_a_faster_plan_at_risk_for_a_safe_one_and_says_so():
+    """The same 37 GiB GPUs: FSDP peaks at 35.67 GiB, leaving less than the default 1 GiB
+    headroom once the allocator's reserve and the CUDA context are counted; the pipeline
+    under the memory-balanced partition fits with room, slower, and stands for the server."""
+    topo = _dgx1_with(37.0)
+    trace = load_trace("gpt-5.3b").with_layers(38)
+    row = choose(trace, [topo], strategies=("none",), layouts="pipeline,fsdp8").rows[0]
+    assert row.fits and not row.at_risk and row.layout == "pipeline x8"
+    assert row.faster_at_risk is not None and row.faster_at_risk.layout == "FSDP x8"
+    assert row.faster_at_risk.samples_per_s > row.samples_per_s
+    report = choose(trace, [topo], strategies=("none",), layouts="pipeline,fsdp8")
+    assert "a faster plan on dgx1-37gb (FSDP x8, 8.64 samples/s) is at risk: GPU " in report.recommendation
+    assert report.to_dict()["rows"][0]["faster_at_risk"]["layout"] == "FSDP x8"
 
 
 def test_the_cli_refuses_a_bad_layout_in_one_line(capsys):

@@ -179,3 +179,12 @@ def test_the_cluster_cost_of_a_simulation_in_the_readme_is_the_benchmark():
     assert local and ray and "same answer on both: True" in text
     assert (f"the search below, {local[1]} configurations, takes {local[2]} s on two local worker processes and "
             f"{ray[2]} s on a local Ray instance of two CPUs, with the same answer") in quote
+
+
+def test_the_choose_example_in_the_readme_is_reports_choose_llama_3_8b():
+    """The README's `mpsim choose` block is the command's output as make_reports.sh wrote it."""
+    text = (ROOT / "README.md").read_text()
+    command = "$ mpsim choose --model llama-3-8b --servers dgx1-v100,a100-40gb-nvswitch,dgx-a100-80gb,dgx-h100\n"
+    start = text.index(command)
+    block = text[start:text.index("```", start)].split("\n", 1)[1]
+    assert block == (ROOT / "reports" / "choose_llama-3-8b.txt").read_text()

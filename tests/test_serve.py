@@ -313,7 +313,9 @@ def test_browser_runs_a_job_and_shows_verdict_charts_and_plan(page, server):
     fill_job(page, "gpt-10.3b", 2, "mpress")
     page.click("#run")
     page.wait_for_selector("#result:not([hidden])")
-    assert page.inner_text("#verdict").startswith("FITS on every GPU: gpt-10.3b on dgx1-v100")
+    # MPress fills the V100s to within the default 1 GiB headroom: it fits, at risk, and says where
+    assert page.inner_text("#verdict").startswith("FITS on every GPU, AT RISK: gpt-10.3b on dgx1-v100")
+    assert page.inner_text("#oom").startswith("at risk: GPU ") and "GiB reserved for" in page.inner_text("#oom")
     page.wait_for_function("[...document.querySelectorAll('img.chart')].every(i => i.complete && i.naturalWidth > 0)")
     assert charts_loaded(page)
     actions = page.eval_on_selector_all("#plan-table td:nth-child(4)", "cells => cells.map(c => c.textContent)")

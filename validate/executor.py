@@ -391,6 +391,7 @@ def measure_peak(step: Stepper, module: nn.Module, device: torch.device, cap: in
     snap = tracker.get_tracker_snapshot("peak")[device]
     return {"tracker_peak_bytes": int(snap["Total"]),
             "peak_bytes": int(torch.cuda.max_memory_allocated(device)) if use_cuda else int(snap["Total"]),
+            "reserved_bytes": int(torch.cuda.max_memory_reserved(device)) if use_cuda else None,
             "breakdown": peak_breakdown(snap)}
 
 

@@ -60,6 +60,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
         job_of,
     )
     from mpsim.layouts import CHOOSE_LAYOUTS, DEFAULT_LAYOUTS, LAYOUTS_HELP, candidate_layouts, parse_layout
+    from mpsim.limits import DEFAULT_HEADROOM_GIB, MAX_HEADROOM_GIB
     from mpsim.plan import PlanFile, read_plan_file, write_plan_file
     from mpsim.planners import Planned, plan_job
     from mpsim.scale import ScaleReport, scale
@@ -86,6 +87,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.choose": ("ChooseReport", "choose", "parse_price", "parse_servers"),
     "mpsim.job": ("DEFAULT_MICROBATCHES", "DEFAULT_MODEL", "DEFAULT_SCHEDULE", "DEFAULT_SERVER", "JobSpec",
                   "PARTITIONS", "Parallelism", "data_parallel", "job_of"),
+    "mpsim.limits": ("DEFAULT_HEADROOM_GIB", "MAX_HEADROOM_GIB"),
     "mpsim.layouts": ("CHOOSE_LAYOUTS", "DEFAULT_LAYOUTS", "LAYOUTS_HELP", "candidate_layouts", "parse_layout"),
     "mpsim.plan": ("PlanFile", "read_plan_file", "write_plan_file"),
     "mpsim.planners": ("Planned", "plan_job"),

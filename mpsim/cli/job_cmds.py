@@ -13,6 +13,7 @@ from mpsim.cli.options import (
     STRATEGY_HELP,
     cluster_options,
     emit,
+    headroom_option,
     html_option,
     job_options,
     json_option,
@@ -35,9 +36,7 @@ from mpsim.cli.progress import tasks_progress
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="plot memory over time per GPU, with swap-outs and swap-ins, to this PNG")
 @html_option
-@click.option("--headroom", "headroom_gib", type=click.FloatRange(min=0, max=1024), default=1.0, show_default=True,
-              help="GiB a plan should leave free: a GPU whose reserved estimate (caching allocator, CUDA context, "
-                   "NCCL buffers) comes closer to its memory is reported 'at risk'")
+@headroom_option
 def simulate(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
              stages: int | None, strategy: str, partition: str, layout: api.Parallelism, cluster: str | None,
              servers: int, plan_path: Path | None, json_out: str | None, chrome_trace: Path | None, plot: Path | None,

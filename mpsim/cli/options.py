@@ -116,6 +116,15 @@ def json_option(f: F) -> F:
                         help="write the result as JSON to FILE ('-' for stdout)")(f)
 
 
+def headroom_option(f: F) -> F:
+    """``--headroom GiB``: the margin a plan should leave (``mpsim.sim.reserved``)."""
+    return click.option(
+        "--headroom", "headroom_gib", type=click.FloatRange(min=0, max=api.MAX_HEADROOM_GIB),
+        default=api.DEFAULT_HEADROOM_GIB,
+        show_default=True, help="GiB a plan should leave free: a plan that fits but whose reserved estimate (caching "
+                                "allocator, CUDA context, NCCL buffers) comes closer to a GPU's memory is 'at risk'")(f)
+
+
 def html_option(f: F) -> F:
     return click.option("--html", "html_out", type=click.Path(dir_okay=False, path_type=Path),
                         help="write the same views as one self-contained HTML file (inline CSS and SVG charts, "

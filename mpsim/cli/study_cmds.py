@@ -17,6 +17,7 @@ from mpsim.cli.options import (
     backend_options,
     comma_list,
     emit,
+    headroom_option,
     html_option,
     int_list,
     json_option,
@@ -45,10 +46,11 @@ from mpsim.cli.progress import points_progress, steps_progress
               help="worker processes (sizes and strategies in parallel; 1: all in this process)  "
                    "[default: one per core]")
 @backend_options
+@headroom_option
 @json_option
 def fits(server: str, family: str, models: str | None, schedule: str, microbatch: int | None, microbatches: int,
          strategies: str, partition: str, layouts: str, workers: int | None, backend: str, address: str | None,
-         json_out: str | None) -> None:
+         headroom_gib: float, json_out: str | None) -> None:
     """Which shipped sizes of a family (or which --model) fit under each strategy, in which
     parallel layout, and the largest that does.
 
@@ -65,7 +67,8 @@ def fits(server: str, family: str, models: str | None, schedule: str, microbatch
                                workers, backend, address, layouts)
     with points_progress(f"fits {request.family}", request.points) as bar:
         reps = request.run(on_point=bar.point_done)
-    emit(json_out, fits_layouts_text(reps), {"reports": [r.to_dict() for r in reps]})
+    emit(json_out, fits_layouts_text(reps, headroom_gib),
+         {"headroom_gib": headroom_gib, "reports": [r.to_dict(headroom_gib) for r in reps]})
 
 
 @click.command("reproduce")
@@ -251,6 +254,7 @@ def _calibrate_profile(path: Path, dtype: str, topo: api.Topology, output: Path 
 @click.option("--workers", "-j", type=click.IntRange(min=1), default=1, show_default=True,
               help="with --tokens: worker processes (or Ray CPUs) the configurations run on")
 @backend_options
+@headroom_option
 @json_option
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="PNG of throughput against USD per hour, the Pareto front marked")
@@ -258,8 +262,8 @@ def _calibrate_profile(path: Path, dtype: str, topo: api.Topology, output: Path 
 def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, microbatches: int, strategies: str,
                layouts: str, price_overrides: tuple[str, ...], rank_by: str, tokens: float | None, days: float | None,
                budget: float | None, clusters: str, batch_tokens: int, discount: float, min_servers: int,
-               max_servers: int | None, workers: int, backend: str,
-               address: str | None, json_out: str | None, plot: Path | None, html_out: Path | None) -> None:
+               max_servers: int | None, workers: int, backend: str, address: str | None, headroom_gib: float,
+               json_out: str | None, plot: Path | None, html_out: Path | None) -> None:
     """Which server to buy or rent for a model: per server the fastest plan that fits (parallel
     layout x strategy x microbatch size), its samples/s (tokens/s for language models),
     peak memory, and USD per hour and per million samples (tokens), ranked, with a
@@ -305,7 +309,7 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
     mb_sizes = int_list(sizes, "--microbatch") if sizes else None
     with steps_progress("choose") as step:
         report = api.choose(model, names, schedule, mb_sizes, tuple(comma_list(strategies, "--strategy")),
-                            microbatches, prices, rank_by, on_point=step, layouts=layouts)
+                            microbatches, prices, rank_by, on_point=step, layouts=layouts, headroom_gib=headroom_gib)
     _show(json_out, choose_text(report), report.to_dict(), (lambda: plot_choose(report, plot)) if plot else None,
           html_out, lambda: choose_page(report))
     if not any(r.fits for r in report.rows):

@@ -71,8 +71,11 @@ def simulate_layout(layout: Layout) -> SimResult:
         raise RuntimeError(f"simulation stalled at {run.env.now:.6f} s with stages {stuck} unfinished")
     if layout.schedule == "pipedream":
         start_s, end_s = _measured_window(stages[0].updater, layout.microbatches)
-        return _result(run, stages, end_s - start_s)
-    return _result(run, stages, run.env.now)
+        result = _result(run, stages, end_s - start_s)
+    else:
+        result = _result(run, stages, run.env.now)
+    result.time_band_pct, result.time_band_source = costs.time_band()
+    return result
 
 
 def _measured_window(updater: Updater, microbatches: int) -> tuple[float, float]:
@@ -199,6 +202,7 @@ def _result(run: RunContext, stages: list[_Stage], iteration_s: float) -> SimRes
         host_peak_bytes=host.peak_bytes * run.replicas // run.servers, host_capacity_bytes=topo.host_memory_bytes,
         host_memory_times_s=host.times_s, host_memory_used_bytes=host.used_bytes * run.replicas // run.servers,
         link_rates=run.net.rate_log, layout=layout.job.layout_name, replicas=replicas,
+        framework=str(trace.spec.model.get("framework", "")), family=str(trace.spec.model.get("family", "")),
     )
 
 

@@ -20,12 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpsim.limits import DEFAULT_HEADROOM_GIB
 from mpsim.sim.allocator import CUBLAS_WORKSPACES_TRAINING, DeviceOverheads, cublas_workspace_bytes, replay
 from mpsim.units import GiB
-
-DEFAULT_HEADROOM_GIB = 1.0
-"""Margin below the device's memory that a plan should leave (``--headroom``): a plan whose
-reserved estimate comes closer is reported at risk."""
 
 
 def allocator_events(used_bytes: np.ndarray) -> list[tuple[str, int, int]]:

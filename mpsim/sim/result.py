@@ -7,7 +7,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from mpsim.limits import DEFAULT_HEADROOM_GIB
 from mpsim.sim.reserved import ReservedEstimate, estimate
+from mpsim.units import GiB
 
 COSTS: tuple[str, ...] = ("recompute_s", "selective_s", "swap_wait_s", "peer_wait_s", "memory_wait_s", "split_s",
                           "optimizer_s", "dp_wait_s", "tp_comm_s")
@@ -57,12 +59,16 @@ class GpuResult:
     def fits(self) -> bool:
         return self.peak_bytes <= self.capacity_bytes
 
+    @property
+    def device_bytes(self) -> int:
+        return self.capacity_bytes + self.reserved_bytes
+
     def reserved(self) -> ReservedEstimate:
         """This GPU's memory through PyTorch's caching allocator (``mpsim.sim.reserved``),
         computed on first use."""
         if self._reserved is None:
-            self._reserved = estimate(self.memory_used_bytes, self.capacity_bytes + self.reserved_bytes,
-                                      self.compute_capability, self.nccl_peers)
+            self._reserved = estimate(self.memory_used_bytes, self.device_bytes, self.compute_capability,
+                                      self.nccl_peers)
         return self._reserved
 
     def to_dict(self) -> dict:
@@ -116,6 +122,19 @@ class SimResult:
     """The parallel layout (``JobSpec.layout_name``): ``pipeline x8``, ``FSDP x8``, ..."""
     replicas: int = 1
     """Data-parallel replicas (``samples_per_s`` and ``model_tflops`` count them all)."""
+    framework: str = ""
+    """How the model's layers are written, which sets their activations (the trace's
+    ``model.framework``: ``mpsim.workloads.FRAMEWORKS``; empty for a traced module)."""
+    family: str = ""
+    """The trace's ``model.family`` (gpt, bert, llama; empty when it has none)."""
+    time_band_pct: float = 0.0
+    """The iteration time's error band, % either side (``CostModel.time_band``)."""
+    time_band_source: str = ""
+
+    @property
+    def samples_per_s_band(self) -> float:
+        """Samples/s either side: a time t(1 +- e) gives a throughput within about +- e of it."""
+        return self.samples_per_s * self.time_band_pct / 100
 
     @property
     def data_parallel(self) -> bool:
@@ -125,6 +144,28 @@ class SimResult:
     @property
     def fits(self) -> bool:
         return self.oom is None
+
+    def at_risk(self, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> str:
+        """Why a plan that fits may still run out, or ``""``: the first GPU (of those the
+        stages run on; the others replicate them) whose caching-allocator reserve, with the
+        CUDA context and NCCL buffers (``GpuResult.reserved``), leaves less than
+        ``headroom_gib`` of its memory free. ``""`` as well when the plan does not fit."""
+        if not self.fits:
+            return ""
+        own = set(self.gpu_of_stage)
+        for g in self.gpus:
+            if g.gpu not in own:
+                continue
+            r = g.reserved()
+            if r.at_risk(headroom_gib):
+                outside = sum(r.outside_bytes.values())
+                free = r.free_bytes() / GiB
+                verdict = (f"leave {free:.2f} GiB of {r.device_bytes / GiB:.2f} GiB free, under the {headroom_gib:g} "
+                           "GiB headroom" if free >= 0
+                           else f"come to {-free:.2f} GiB more than its {r.device_bytes / GiB:.2f} GiB")
+                return (f"GPU {g.gpu}: {r.reserved_peak_bytes / GiB:.2f} GiB reserved for {g.peak_bytes / GiB:.2f} "
+                        f"GiB allocated, plus {outside / GiB:.2f} GiB of CUDA context and NCCL buffers, {verdict}")
+        return ""
 
     @property
     def max_peak_bytes(self) -> int:
@@ -138,11 +179,15 @@ class SimResult:
         utilization = self.link_utilization()
         return {
             "fits": self.fits,
+            "time_band_pct": self.time_band_pct,
+            "time_band_source": self.time_band_source,
+            "samples_per_s_band": self.samples_per_s_band,
             "server": self.server,
             "model": self.model,
             "schedule": self.schedule,
             "strategy": self.strategy,
             "layout": self.layout,
+            "framework": self.framework,
             "replicas": self.replicas,
             "microbatch": self.microbatch,
             "microbatches": self.microbatches,

@@ -31,6 +31,24 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:9.1f}"
 
 
+def _reserved_lines(rows: list[dict]) -> list[str]:
+    """Predicted reserved peak per stage (``mpsim.sim.reserved``), and the measured one
+    (``max_memory_reserved``) where the run was on CUDA."""
+    cells = []
+    for row in rows:
+        if "predicted_reserved_bytes" not in row:
+            continue
+        cell = f"stage {row['stage']} {_mib(row['predicted_reserved_bytes']).strip()}"
+        if "measured_reserved_bytes" in row:
+            cell += f" / {_mib(row['measured_reserved_bytes']).strip()} ({row['reserved_error_pct']:+.1f}%)"
+        cells.append(cell)
+    if not cells:
+        return []
+    measured = any("measured_reserved_bytes" in row for row in rows)
+    head = "reserved MiB, predicted / measured: " if measured else "reserved MiB, predicted (measured on CUDA only): "
+    return [head + "; ".join(cells), ""]
+
+
 def validation_text(report: dict) -> str:
     """The report as a table a person reads."""
     lines = [f"{report['model']} on {report['server']} ({report['device']}), {report['schedule']}, "
@@ -50,6 +68,7 @@ def validation_text(report: dict) -> str:
         else:
             lines.append(f"{row['stage']:>5} {f'[{a}, {b})':>8}  {_mib(row['predicted_peak_bytes'])} {'-':>9}")
     lines += ["(memory in MiB = 2^20 bytes; layers [a, b) = a to b - 1, as in the plan)", ""]
+    lines += _reserved_lines(report["stages"])
     if report["oom"]:
         o = report["oom"]
         pred = "predicted it" if not report["predicted_fits"] else "the simulator predicted it fits"

@@ -10,13 +10,14 @@ from mpsim.choose import ChooseReport, ChooseRow, money
 from mpsim.cluster import Cluster
 from mpsim.job import DP_NAMES
 from mpsim.layouts import parse_layout
+from mpsim.limits import DEFAULT_HEADROOM_GIB
 from mpsim.plan import PlanFile, optimizer_label
 from mpsim.scale import ScaleReport
 from mpsim.sim.memory import TECHNIQUES
-from mpsim.sim.reserved import DEFAULT_HEADROOM_GIB
 from mpsim.sim.result import COSTS, GpuResult
 from mpsim.topology import HOST, Topology
 from mpsim.units import GiB
+from mpsim.workloads import framework_line
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -56,12 +57,13 @@ UNITS_LEGEND = "memory in GiB = 2^30 bytes; layers [a, b) = a to b - 1, as in pl
 
 # -- one job ------------------------------------------------------------------------------------
 
-def _verdict_lines(r: SimResult) -> list[str]:
+def _verdict_lines(r: SimResult, headroom_gib: float) -> list[str]:
     layout = f"{r.layout}, " if r.data_parallel else ""
     job = (f"{r.model} on {r.server}: {layout}{r.schedule}, microbatch {r.microbatch} x {r.microbatches}, "
            f"strategy {r.strategy}")
     if not r.oom:
-        return [f"FITS on every GPU: {job}"]
+        risk = r.at_risk(headroom_gib)
+        return [f"FITS on every GPU, AT RISK: {job}", f"  {risk}"] if risk else [f"FITS on every GPU: {job}"]
     o = r.oom
     return [f"DOES NOT FIT: {job}",
             f"  GPU {o['gpu']} ran out at {o['time_s'] * 1e3:.1f} ms during {o['task']}: "
@@ -103,7 +105,8 @@ def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> s
     if len(shown) < len(r.gpus):
         legend += (f"\n(each stage's own GPU; the other {len(r.gpus) - len(shown)} GPUs of the simulated servers "
                    "replicate them: tensor-parallel ranks and data-parallel replicas; --json lists every one)")
-    lines = _verdict_lines(r) + ["", table_text(header, rows), legend, ""]
+    lines = _verdict_lines(r, headroom_gib) + [framework_line(r.framework, r.family), "", table_text(header, rows),
+                                                legend, ""]
     technique = techniques_text(r)
     if technique:
         lines += [technique, ""]
@@ -113,7 +116,10 @@ def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> s
     if r.oom:
         lines.append("(time and throughput of the whole demand, as if the GPUs had the memory)")
     lines.append(f"iteration     {r.iteration_s * 1e3:.1f} ms")
-    lines.append(f"throughput    {r.samples_per_s:.2f} samples/s, {r.model_tflops:.1f} model TFLOP/s")
+    lines.append(f"throughput    {r.samples_per_s:.2f} ± {r.samples_per_s_band:.2f} samples/s, "
+                 f"{r.model_tflops:.1f} model TFLOP/s")
+    if r.time_band_pct:
+        lines.append(f"              (± {r.time_band_pct:g}%: {r.time_band_source})")
     utilization = {k: u for k, u in r.link_utilization().items() if r.links[k]["bytes"]}
     if utilization:
         name = max(utilization, key=lambda k: (utilization[k], k))
@@ -170,22 +176,48 @@ def plan_text(plan: PlanFile) -> str:
 
 # -- studies ------------------------------------------------------------------------------------
 
-def fits_strategies_text(reports: list[FitsReport]) -> str:
+def _framework_of(r: SimResult) -> str:
+    return framework_line(r.framework, r.family)
+
+
+def _fit_cell(res: SimResult, headroom_gib: float, layout: bool = False) -> str:
+    """``fits``' cell: samples/s (``*`` when at risk) where it fits, else OOM and the highest
+    peak; the layout after either when ``layout``."""
+    cell = (f"{res.samples_per_s:.2f}/s" + ("*" if res.at_risk(headroom_gib) else "") if res.fits
+            else f"OOM {gib(res.max_peak_bytes)}G")
+    return f"{cell} {res.layout}" if layout else cell
+
+
+def _at_risk_legend(results: list[SimResult], headroom_gib: float) -> list[str]:
+    """The legend of ``*``, when a cell has one."""
+    if not any(r.at_risk(headroom_gib) for r in results):
+        return []
+    return [f"(*: fits but at risk: the caching allocator's reserve with the CUDA context and NCCL buffers leaves "
+            f"less than --headroom {headroom_gib:g} GiB of a GPU's memory free; `mpsim simulate` names the GPU)"]
+
+
+def _largest_risk(res: SimResult, headroom_gib: float) -> str:
+    return ", at risk" if res.at_risk(headroom_gib) else ""
+
+
+def fits_strategies_text(reports: list[FitsReport], headroom_gib: float = DEFAULT_HEADROOM_GIB) -> str:
     """One column per strategy: samples/s where the size fits, else the highest peak."""
     first = reports[0]
     header = ["model", "params (B)"] + [r.strategy for r in reports]
     rows = []
+    shown = []
     for i, fr in enumerate(first.rows):
         cells = [fr.model, f"{fr.params / 1e9:.2f}"]
         for rep in reports:
-            res = rep.rows[i].result
-            cells.append(f"{res.samples_per_s:.2f}/s" if res.fits else f"OOM {gib(res.max_peak_bytes)}G")
+            shown.append(rep.rows[i].result)
+            cells.append(_fit_cell(rep.rows[i].result, headroom_gib))
         rows.append(cells)
     cap = first.rows[0].result.gpus[0].capacity_bytes
     lines = [f"{first.family} on {first.server}: {first.schedule}, microbatch {first.microbatch} x "
              f"{first.microbatches}, {first.partition}-balanced partition, capacity {gib(cap)} GiB per GPU",
-             "(samples/s where it fits; OOM and the highest per-GPU peak in GiB where it does not)", "",
-             table_text(header, rows), "", "largest that fits, by strategy:"]
+             _framework_of(first.rows[0].result),
+             "(samples/s where it fits; OOM and the highest per-GPU peak in GiB where it does not)",
+             *_at_risk_legend(shown, headroom_gib), "", table_text(header, rows), "", "largest that fits, by strategy:"]
     for rep in reports:
         if rep.largest is None:
             lines.append(f"  {rep.strategy:10s} none, even with one transformer layer per GPU")
@@ -193,33 +225,34 @@ def fits_strategies_text(reports: list[FitsReport]) -> str:
         d = rep.largest.to_dict()
         lines.append(f"  {rep.strategy:10s} {d['params'] / 1e9:6.2f}B ({d['transformer_layers']} layers at the shape "
                      f"of {rep.largest_template}), {d['samples_per_s']:.2f} samples/s, max peak "
-                     f"{gib(d['max_peak_bytes'])} GiB")
+                     f"{gib(d['max_peak_bytes'])} GiB{_largest_risk(rep.largest.result, headroom_gib)}")
     return "\n".join(lines)
 
 
-def fits_layouts_text(answers: list[LayoutFits]) -> str:
+def fits_layouts_text(answers: list[LayoutFits], headroom_gib: float = DEFAULT_HEADROOM_GIB) -> str:
     """``fits`` over layouts: per model and strategy the fastest layout that fits (samples/s
     and its name), else the layout with the lowest peak; the largest size any layout
     reaches. With one layout, ``fits_strategies_text`` as before."""
     if all(len(a.reports) == 1 for a in answers):
-        return fits_strategies_text([a.reports[0] for a in answers])
+        return fits_strategies_text([a.reports[0] for a in answers], headroom_gib)
     first = answers[0].reports[0]
     header = ["model", "params (B)"] + [a.strategy for a in answers]
     rows = []
+    shown = []
     for i, fr in enumerate(first.rows):
         cells = [fr.model, f"{fr.params / 1e9:.2f}"]
         for a in answers:
-            res = a.best_row(i).result
-            cells.append(f"{res.samples_per_s:.2f}/s {res.layout}" if res.fits
-                         else f"OOM {gib(res.max_peak_bytes)}G {res.layout}")
+            shown.append(a.best_row(i).result)
+            cells.append(_fit_cell(shown[-1], headroom_gib, layout=True))
         rows.append(cells)
     cap = first.rows[0].result.gpus[0].capacity_bytes
     lines = [f"{first.family} on {first.server}: {first.schedule}, microbatch {first.microbatch} x "
              f"{answers[0].microbatches} per iteration over all replicas, {first.partition}-balanced partition, "
              f"capacity {gib(cap)} GiB per GPU",
              "layouts: " + ", ".join(r.job.layout_name for r in answers[0].reports),
+             _framework_of(first.rows[0].result),
              "(the fastest layout that fits: samples/s and the layout; where none fits, OOM, the lowest highest "
-             "per-GPU peak in GiB and its layout)", "",
+             "per-GPU peak in GiB and its layout)", *_at_risk_legend(shown, headroom_gib), "",
              table_text(header, rows), "", "largest that fits, by strategy (over the layouts):"]
     for a in answers:
         top = a.largest
@@ -230,7 +263,7 @@ def fits_layouts_text(answers: list[LayoutFits]) -> str:
         d = row.to_dict()
         lines.append(f"  {a.strategy:10s} {d['params'] / 1e9:6.2f}B ({d['transformer_layers']} layers at the shape "
                      f"of {rep.largest_template}), {d['layout']}, {d['samples_per_s']:.2f} samples/s, max peak "
-                     f"{gib(d['max_peak_bytes'])} GiB")
+                     f"{gib(d['max_peak_bytes'])} GiB{_largest_risk(row.result, headroom_gib)}")
     return "\n".join(lines)
 
 
@@ -284,8 +317,8 @@ def choose_header(lm: bool) -> list[str]:
 def choose_row(report: ChooseReport, r: ChooseRow) -> list[str]:
     """One server's cells under ``choose_header``."""
     lm = report.seq_len is not None
-    fits = "yes" if r.fits else f"OOM +{r.shortfall_bytes / GiB:.2f}"
-    rate = [f"{r.samples_per_s:.2f}" if r.fits else "-"]
+    fits = ("at risk" if r.at_risk else "yes") if r.fits else f"OOM +{r.shortfall_bytes / GiB:.2f}"
+    rate = [f"{r.samples_per_s:.2f} ± {r.result.samples_per_s_band:.2f}" if r.fits else "-"]
     if lm:
         rate.append(f"{r.tokens_per_s:,.0f}" if r.fits else "-")
     cost = [money(r.usd_per_million_samples)] + ([money(r.usd_per_million_tokens)] if lm else [])
@@ -301,13 +334,16 @@ def choose_text(report: ChooseReport) -> str:
     sizes = "/".join(map(str, report.microbatch_sizes))
     lines = [f"{report.model} on {len(report.rows)} server(s): {report.schedule}, {report.microbatches} "
              f"microbatches of {sizes} per iteration over all replicas, strategies {strategies}, layouts "
-             f"{report.layouts}; ranked by {report.rank_by}", "",
+             f"{report.layouts}; ranked by {report.rank_by}",
+             *([_framework_of(report.rows[0].result)] if report.rows else []), "",
              table_text(choose_header(report.seq_len is not None), rows),
              "(layout and plan: the parallel layout and technique of the fastest plan that fits, else of the one "
              "that came closest; DDP, ZeRO-1/2 and FSDP (ZeRO-3) xN: N data-parallel replicas; TP xN: N-way "
              "tensor parallel (+SP: sequence parallel); OOM +x: the "
-             "smallest highest per-GPU peak above capacity, GiB; front: on the Pareto front of throughput against "
-             "USD per hour; M = 10^6; memory in GiB = 2^30 bytes)"]
+             "smallest highest per-GPU peak above capacity, GiB; at risk: fits, but the caching allocator's reserve "
+             f"with the CUDA context and NCCL buffers leaves less than --headroom {report.headroom_gib:g} GiB free "
+             "(a safe plan stands for the server where there is one); samples/s ± the time model's error band; "
+             "front: on the Pareto front of throughput against USD per hour; M = 10^6; memory in GiB = 2^30 bytes)"]
     sources = [f"  {r.server}: USD {money(r.price.usd_per_hour)}/h, "
                + ("given with --price" if r.price.override else f"{r.price.source} ({r.price.date})")
                for r in report.rows if r.price.usd_per_hour is not None]

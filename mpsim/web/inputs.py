@@ -38,7 +38,8 @@ VIEWS = ("job", "choose", "scale")
 _INT_KEYS = ("microbatch", "microbatches", "min_servers", "max_servers")
 _FLOAT_KEYS = ("tokens", "days", "budget")
 _KEYS = ("view", "server", "model", "servers", "schedule", "microbatch", "microbatches", "strategy", "partition",
-         "server_upload", "model_upload", "clusters", "tokens", "days", "budget", "min_servers", "max_servers", "run")
+         "server_upload", "model_upload", "clusters", "tokens", "days", "budget", "min_servers", "max_servers",
+         "headroom", "run")
 _NUMBER = re.compile(r"[0-9]{1,16}(\.[0-9]{0,16})?([eE]\+?[0-9]{1,2})?")
 SCALE_CLUSTERS: tuple[str, ...] = ("dgx-h100-superpod",)
 SCALE_SERVERS = (16, 256)
@@ -69,6 +70,8 @@ class JobInputs:
     budget: float | None = None
     min_servers: int = SCALE_SERVERS[0]
     max_servers: int = SCALE_SERVERS[1]
+    headroom: float = api.DEFAULT_HEADROOM_GIB
+    """GiB a plan should leave free (``--headroom``), 0 to ``api.MAX_HEADROOM_GIB``."""
 
     @property
     def bookmarkable(self) -> bool:
@@ -92,6 +95,8 @@ class JobInputs:
                   ("strategy", self.strategy), ("partition", self.partition)]
         if self.microbatch is not None:
             pairs.append(("microbatch", str(self.microbatch)))
+        if self.headroom != api.DEFAULT_HEADROOM_GIB and self.view != "scale":
+            pairs.append(("headroom", f"{self.headroom:g}"))
         return urlencode(pairs)
 
     def to_dict(self) -> dict:
@@ -100,7 +105,7 @@ class JobInputs:
                 "strategy": self.strategy, "partition": self.partition, "server_upload": self.server_upload,
                 "model_upload": self.model_upload, "clusters": list(self.clusters), "tokens": self.tokens,
                 "days": self.days, "budget": self.budget, "min_servers": self.min_servers,
-                "max_servers": self.max_servers}
+                "max_servers": self.max_servers, "headroom": self.headroom}
 
 
 def _whole_number(key: str, text: str) -> int:
@@ -112,6 +117,12 @@ def _whole_number(key: str, text: str) -> int:
 def _number(key: str, text: str) -> float:
     if not _NUMBER.fullmatch(text.strip()) or not 0 < float(text) < 1e16:
         raise MpsimError(f"{key}: expected a positive number such as 2e12, got {text!r}")
+    return float(text)
+
+
+def _headroom(text: str) -> float:
+    if not _NUMBER.fullmatch(text.strip()) or not 0 <= float(text) <= api.MAX_HEADROOM_GIB:
+        raise MpsimError(f"headroom: expected GiB from 0 to {api.MAX_HEADROOM_GIB:g}, got {text!r}")
     return float(text)
 
 
@@ -143,6 +154,8 @@ def from_query(query: Mapping[str, list[str]]) -> JobInputs:
     for key in ("server_upload", "model_upload"):
         if key in given and not _UPLOAD_ID.fullmatch(given[key]):
             raise MpsimError(f"{key}: not an upload id")
+    if "headroom" in given:
+        floats["headroom"] = _headroom(given.pop("headroom"))
     fields: dict[str, Any] = {**given, **ints, **floats, **lists}
     inputs = replace(inputs, **fields)
     check_shipped(inputs)

@@ -22,6 +22,7 @@ from mpsim.web.jobs import Cancelled, Job
 class JobOutcome:
     planned: Planned
     warning: str | None
+    headroom_gib: float
 
 
 def server_of(inputs: JobInputs, uploads: UploadStore) -> Topology:
@@ -52,7 +53,7 @@ def run_job(inputs: JobInputs, uploads: UploadStore, job: Job) -> JobOutcome:
     warning = api.measured_warning(trace, topo)
     planned = api.plan(topo, trace, inputs.schedule, inputs.microbatch, inputs.microbatches, strategy=inputs.strategy,
                    partition=inputs.partition)
-    return JobOutcome(planned, warning)
+    return JobOutcome(planned, warning, inputs.headroom)
 
 
 def run_choose(inputs: JobInputs, uploads: UploadStore, job: Job) -> dict[str, Any]:
@@ -60,7 +61,7 @@ def run_choose(inputs: JobInputs, uploads: UploadStore, job: Job) -> dict[str, A
     the schedule can fill when none is chosen), shown as ``mpsim choose --html`` shows it."""
     report = api.choose(model_of(inputs, uploads), list(inputs.servers) or "all", schedule=inputs.schedule,
                         microbatch_sizes=[inputs.microbatch] if inputs.microbatch else None,
-                        microbatches=inputs.microbatches)
+                        microbatches=inputs.microbatches, headroom_gib=inputs.headroom)
     return {"report": report.to_dict(), "html": choose_html(report)}
 
 
@@ -79,7 +80,8 @@ def job_payload(outcome: JobOutcome) -> dict:
     """What the page shows of a finished job: the verdict first, the CLI's text, the
     result and plan as their JSON files."""
     r, plan_file = outcome.planned.result, outcome.planned.plan
-    text = simulate_text(r)
+    text = simulate_text(r, outcome.headroom_gib)
     return {"verdict": text.splitlines()[0], "oom": text.splitlines()[1].strip() if r.oom else None,
-            "fits": r.fits, "warning": outcome.warning, "text": text, "plan_text": plan_text(plan_file),
+            "fits": r.fits, "at_risk": r.at_risk(outcome.headroom_gib), "warning": outcome.warning,
+            "text": text, "plan_text": plan_text(plan_file),
             "result": r.to_dict(), "plan": json.loads(plan_file.to_json())}

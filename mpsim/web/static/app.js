@@ -5,7 +5,7 @@
 
 const $ = (id) => document.getElementById(id);
 const UPLOADED = "__upload__";
-const FIELDS = ["server", "model", "schedule", "microbatch", "microbatches", "strategy", "partition"];
+const FIELDS = ["server", "model", "schedule", "microbatch", "microbatches", "strategy", "partition", "headroom"];
 const SCALE_FIELDS = ["tokens", "days", "budget", "min_servers", "max_servers"];
 // This server's token, put in the page by the server: sent on every request that changes
 // anything, so that no other site's page can (it cannot read this page to learn it).
@@ -45,6 +45,7 @@ function setView(view) {
   $("partition-label").hidden = view !== "job";
   $("schedule-label").hidden = view === "scale";  // choose --tokens: 1F1B at a fixed global batch
   $("microbatches-label").hidden = view === "scale";
+  $("headroom-label").hidden = view === "scale";
 }
 
 function fromQuery(params) {
@@ -81,6 +82,9 @@ function toQuery(withUploads) {
   }
   for (const key of ["schedule", "microbatches", "microbatch"]) {
     if ($(key).value !== "") q.set(key, $(key).value);
+  }
+  if (state.view !== "scale" && $("headroom").value !== "" && Number($("headroom").value) !== 1) {
+    q.set("headroom", $("headroom").value);
   }
   if (state.view === "job") {
     q.set("strategy", $("strategy").value);
@@ -181,7 +185,7 @@ function showResult(job) {
   const r = job.result;
   $("verdict").textContent = job.verdict;
   $("verdict").className = job.fits ? "fits" : "oom";
-  $("oom").textContent = job.oom || "";
+  $("oom").textContent = job.oom || (job.at_risk ? `at risk: ${job.at_risk}` : "");
   $("warning").textContent = job.warning ? `warning: ${job.warning}` : "";
   $("summary").textContent = `iteration ${(r.iteration_s * 1e3).toFixed(1)} ms, ` +
     `${r.samples_per_s.toFixed(2)} samples/s, ${r.model_tflops.toFixed(1)} model TFLOP/s` +
