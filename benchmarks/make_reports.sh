@@ -2,6 +2,8 @@
 # Regenerates every figure in reports/ from the shipped data (run from the repo root).
 set -euo pipefail
 python benchmarks/mpress_table2.py > reports/mpress_table2.md
+# the README's "What it prints" block (tests/test_readme_numbers.py holds it to this file)
+mpsim fits --server dgx1-v100 --family gpt --schedule 1f1b --microbatch 2 > reports/fits_dgx1_gpt_1f1b_layouts.txt
 for server in dgx1-v100 a100-40gb-nvswitch; do
   short=${server%%-*}
   mpsim fits --server "$server" --family gpt --schedule 1f1b --microbatch 2 --layouts pipeline \

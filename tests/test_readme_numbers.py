@@ -181,10 +181,10 @@ def test_the_cluster_cost_of_a_simulation_in_the_readme_is_the_benchmark():
             f"{ray[2]} s on a local Ray instance of two CPUs, with the same answer") in quote
 
 
-def test_the_choose_example_in_the_readme_is_reports_choose_llama_3_8b():
-    """The README's `mpsim choose` block is the command's output as make_reports.sh wrote it."""
+def test_the_fits_example_in_the_readme_is_reports_fits_dgx1_gpt_1f1b_layouts():
+    """The README's first example output is the command's output as make_reports.sh wrote it."""
     text = (ROOT / "README.md").read_text()
-    command = "$ mpsim choose --model llama-3-8b --servers dgx1-v100,a100-40gb-nvswitch,dgx-a100-80gb,dgx-h100\n"
+    command = "$ mpsim fits --server dgx1-v100 --family gpt --schedule 1f1b --microbatch 2\n"
     start = text.index(command)
     block = text[start:text.index("```", start)].split("\n", 1)[1]
-    assert block == (ROOT / "reports" / "choose_llama-3-8b.txt").read_text()
+    assert block == (ROOT / "reports" / "fits_dgx1_gpt_1f1b_layouts.txt").read_text()
