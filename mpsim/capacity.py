@@ -85,6 +85,8 @@ class FitsReport(OfJob):
     not_above: int = 0
     """Searched above another layout's largest (``fits_job``'s ``beat``) and found not to
     fit at this many layers: ``largest`` is None though smaller sizes may fit."""
+    searched: bool = True
+    """False under ``fits --no-largest``: the shipped sizes only, ``largest`` None."""
 
     @property
     def server(self) -> str:
@@ -102,6 +104,7 @@ class FitsReport(OfJob):
             "partition": self.partition, "layout": self.job.layout_name,
             "rows": [r.to_dict(headroom_gib) for r in self.rows],
             "largest": None if largest is None else dict(largest.to_dict(headroom_gib), template=self.largest_template),
+            "searched": self.searched,
         }
 
 
@@ -131,7 +134,7 @@ def fits_strategies(server: str | Topology, family: str, schedule: str = DEFAULT
 
 def fits_all(job: JobSpec, family: str, traces: list[Trace], strategies: Sequence[str], models: tuple[str, ...] = (),
              on_point: Callable[[str], None] | None = None, backend: Backend | None = None,
-             hints: Mapping[str, dict[str, int]] | None = None) -> list[FitsReport]:
+             hints: Mapping[str, dict[str, int]] | None = None, search: bool = True) -> list[FitsReport]:
     """``fits_strategies`` for a checked ``job`` (``family_job``; its strategy is set per
     report) over ``traces`` (those of ``family``, or of the named ``models``). ``hints``:
     per strategy, per template, a layer count to search above (``fits_layouts``: what
@@ -140,7 +143,7 @@ def fits_all(job: JobSpec, family: str, traces: list[Trace], strategies: Sequenc
     jobs = {s: job.but(strategy=s) for s in strategies}  # each strategy checked before anything runs
     base = _FitsUnit(job, family, tuple(models))
     if backend is not None:
-        return _fits_parallel(base, strategies, backend, on_point, hints)
+        return _fits_parallel(base, strategies, backend, on_point, hints, search)
     done: dict[str, FitsReport] = {}
     for strategy in sorted(strategies, key=combines):
         best = combines(strategy)
@@ -148,7 +151,7 @@ def fits_all(job: JobSpec, family: str, traces: list[Trace], strategies: Sequenc
                                   on_point=None if on_point is None else _prefixed(on_point, strategy),
                                   known_fitting=_known(done.values(), job.partition) if best else None,
                                   known_failing=_known_failing(done.values()) if best else None,
-                                  beat=hints.get(strategy))
+                                  beat=hints.get(strategy), search=search)
     return [done[s] for s in strategies]
 
 
@@ -192,11 +195,12 @@ class LayoutFits:
 
 def fits_layouts(job: JobSpec, family: str, traces: list[Trace], strategies: Sequence[str], layouts: str,
                  microbatches: int, models: tuple[str, ...] = (), on_point: Callable[[str], None] | None = None,
-                 backend: Backend | None = None) -> list[LayoutFits]:
+                 backend: Backend | None = None, search: bool = True) -> list[LayoutFits]:
     """``fits_all`` in each of ``layouts`` (``mpsim.layouts.candidate_layouts`` on the job's
     server), ``microbatches`` per iteration over all replicas; one ``LayoutFits`` per
     strategy, in the order given. Every layout's job is checked before anything runs
-    (``on_layout``; each strategy by ``fits_all`` before its first layout runs)."""
+    (``on_layout``; each strategy by ``fits_all`` before its first layout runs).
+    ``search=False``: the shipped sizes only (``fits --no-largest``)."""
     jobs = [on_layout(job, p, microbatches) for p in candidate_layouts(job.topology, layouts, job.schedule, job.trace)]
     reached: dict[str, dict[str, int]] = {}
     per_layout = []
@@ -204,7 +208,8 @@ def fits_layouts(job: JobSpec, family: str, traces: list[Trace], strategies: Seq
         tell = None if on_point is None or len(jobs) == 1 else _prefixed(on_point, j.layout_name)
         # after the first layout most searches are one probe each: in this process (a
         # backend's rounds of worker processes cost more than they save there)
-        reps = fits_all(j, family, traces, strategies, models, tell or on_point, None if reached else backend, reached)
+        reps = fits_all(j, family, traces, strategies, models, tell or on_point, None if reached else backend, reached,
+                        search)
         for rep in reps:
             if rep.largest is not None and rep.largest.result.fits:
                 got = reached.setdefault(rep.strategy, {})
@@ -281,7 +286,8 @@ def _fits_unit(unit: _FitsUnit) -> FitRow | FitsReport:
 
 
 def _fits_parallel(base: _FitsUnit, strategies: tuple[str, ...], backend: Backend,
-                   on_point: Callable[[str], None] | None, hints: Mapping[str, dict[str, int]]) -> list[FitsReport]:
+                   on_point: Callable[[str], None] | None, hints: Mapping[str, dict[str, int]],
+                   search: bool = True) -> list[FitsReport]:
     n_sizes = len(base.traces())
 
     def run(units: list[_FitsUnit]) -> list[FitRow | FitsReport]:
@@ -300,6 +306,8 @@ def _fits_parallel(base: _FitsUnit, strategies: tuple[str, ...], backend: Backen
     names = list(dict.fromkeys(strategies))
     sized = run([base.under(st, size=i) for st in names for i in range(n_sizes)])
     rows = {st: tuple(_as_row(v) for v in sized[k * n_sizes:(k + 1) * n_sizes]) for k, st in enumerate(names)}
+    if not search:
+        return [_unsearched(base.job.but(strategy=st), base.family, list(rows[st]), base.traces()) for st in strategies]
     singles = [st for st in names if not combines(st)]
     done = {st: _as_report(v) for st, v in zip(singles, run([
         base.under(st, rows=rows[st], known=tuple(sorted(hints.get(st, {}).items()))) for st in singles]))}
@@ -408,31 +416,38 @@ def fits(server: str | Topology, family: str, schedule: str = DEFAULT_SCHEDULE, 
 def fits_job(job: JobSpec, family: str, traces: list[Trace], on_point: Callable[[str], None] | None = None,
              known_fitting: dict[str, int] | None = None, rows: list[FitRow] | None = None,
              known_failing: Failing | None = None, backend: Backend | None = None,
-             beat: Mapping[str, int] | None = None) -> FitsReport:
+             beat: Mapping[str, int] | None = None, search: bool = True) -> FitsReport:
     """``fits`` for a checked ``job`` (``family_job``) over ``traces``, smallest first.
     ``beat``: per template, layers another layout fits; the search only looks above
     them (one probe first: when one layer more does not fit, the report has no largest
     and says so in ``not_above``)."""
-    search = _Search(job, family, on_point, known_failing or {}, backend)
+    probes = _Search(job, family, on_point, known_failing or {}, backend)
     if not rows:
-        rows = [FitRow(t.name, t.spec.params, _n_transformer(t), search.run(t)) for t in traces]
+        rows = [FitRow(t.name, t.spec.params, _n_transformer(t), probes.run(t)) for t in traces]
+    if not search:
+        return _unsearched(job, family, rows, traces)
     fitting = [(t, row) for t, row in zip(traces, rows) if row.result.fits]
     if fitting:
-        search.start(fitting[-1][0], fitting[-1][1])
-        hint = (known_fitting or {}).get(search.template.name, 0)
-        floor = (beat or {}).get(search.template.name, 0)
-        if floor >= max(hint, search.n0):
-            if not search.probe(floor + 1).result.fits:
-                return replace(search.report(rows, None), not_above=floor + 1)
+        probes.start(fitting[-1][0], fitting[-1][1])
+        hint = (known_fitting or {}).get(probes.template.name, 0)
+        floor = (beat or {}).get(probes.template.name, 0)
+        if floor >= max(hint, probes.n0):
+            if not probes.probe(floor + 1).result.fits:
+                return replace(probes.report(rows, None), not_above=floor + 1)
             hint = floor + 1
-        lo, hi = search.grow(hint)
+        lo, hi = probes.grow(hint)
     else:
-        search.start(traces[0], None)
-        bounds = search.shrink()
+        probes.start(traces[0], None)
+        bounds = probes.shrink()
         if bounds is None:
-            return search.report(rows, None)
+            return probes.report(rows, None)
         lo, hi = bounds
-    return search.report(rows, search.probe(search.bisect(lo, hi)))
+    return probes.report(rows, probes.probe(probes.bisect(lo, hi)))
+
+
+def _unsearched(job: JobSpec, family: str, rows: list[FitRow], traces: list[Trace]) -> FitsReport:
+    """The shipped sizes' report without the largest-size search (``fits --no-largest``)."""
+    return FitsReport(job, family, rows, None, traces[-1].name, searched=False)
 
 
 class _Search:

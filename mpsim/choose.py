@@ -366,7 +366,8 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
         raise MpsimError(f"microbatches is the count per iteration, got {microbatches!r}; "
                          "the sizes go in microbatch_sizes")
     trace = load_trace(model) if isinstance(model, str) else model
-    server_list = parse_servers(servers, schedule, microbatches) if isinstance(servers, str) else list(servers)
+    server_list = (parse_servers(servers, schedule, microbatches) if isinstance(servers, str)
+                   else list({(s if isinstance(s, str) else id(s)): s for s in servers}.values()))  # each once
     sizes = tuple(microbatch_sizes) if microbatch_sizes else (trace.microbatch,)
     overrides = dict(prices or {})
     _check_inputs(server_list, strategies, overrides)

@@ -30,14 +30,12 @@ tensors; they end the trace with an ``MpsimError`` naming the op and the model.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,6 +44,8 @@ from torch.nn import functional as F
 
 from mpsim import kernels
 from mpsim.errors import MpsimError
+from mpsim.hf_fields import config_path, precheck
+from mpsim.hf_fields import shipped_configs as shipped_configs  # where callers have found it
 from mpsim.trace import RECIPES, Trace
 
 #: Overrides ``trace_hf`` accepts, mapped to the config's canonical key (each config's
@@ -134,49 +134,37 @@ def _transformers() -> Any:
     return transformers
 
 
-def shipped_configs() -> dict[str, Path]:
-    """The shipped config.json files of public models, by preset name."""
-    from mpsim.catalog import data_dir
-
-    return {p.stem: p for p in sorted(data_dir("hf_configs").glob("*.json"))}
-
-
-def _config_path(source: str) -> Path:
-    """SOURCE as a config.json file: a preset name, a model folder or the file itself."""
-    shipped = shipped_configs()
-    if source in shipped:
-        return shipped[source]
-    path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise MpsimError(f"--hf {source}: no such config.json, model folder or preset "
-                         f"(presets: {', '.join(shipped)})")
-    return path
-
-
 def load_config(source: str) -> Any:
     """The ``PretrainedConfig`` of SOURCE, built locally from its JSON (never the network)."""
-    transformers = _transformers()
-    path = _config_path(source)
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise MpsimError(f"{path}: not a JSON config ({e})") from None
-    if not isinstance(raw, dict) or "model_type" not in raw:
+    path = config_path(source)
+    raw = precheck(source)
+    if "model_type" not in raw:
         raise MpsimError(f"{path}: no model_type in the config")
     model_type = raw["model_type"]
-    if model_type not in LAYOUTS:
+    if not isinstance(model_type, str) or model_type not in LAYOUTS:
         raise MpsimError(f"{path}: model_type {model_type!r} is not supported; expected one of {', '.join(LAYOUTS)}")
+    transformers = _transformers()
     config_class = transformers.CONFIG_MAPPING[model_type]
     aliases = getattr(config_class, "attribute_map", {})
     missing = [k for k in LAYOUTS[model_type].required if k not in raw and aliases.get(k) not in raw]
     if missing:
         raise MpsimError(f"{path}: {model_type} config lacks {', '.join(missing)}")
     try:
-        return config_class.from_dict(raw)
-    except (TypeError, ValueError) as e:
-        raise MpsimError(f"{path}: bad {model_type} config: {e}") from None
+        config = config_class.from_dict(raw)
+    except Exception as e:  # noqa: BLE001 (transformers' and huggingface_hub's checks raise their own types)
+        raise MpsimError(f"{path}: bad {model_type} config: {_one_line(e)}") from None
+    for field in ("hidden_act", "activation_function"):
+        name = raw.get(field)
+        if isinstance(name, str) and name not in transformers.activations.ACT2FN:
+            raise MpsimError(f"{path}: {field}: unknown activation {name!r}; transformers has "
+                             f"{', '.join(sorted(transformers.activations.ACT2FN))}")
+    return config
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception's message on one line: its first lines joined, at most 200 characters."""
+    text = " ".join(line.strip() for line in str(e).strip().splitlines()[:3] if line.strip())
+    return (text or type(e).__name__)[:200]
 
 
 def _apply_overrides(config: Any, overrides: dict[str, int], seq_len: int) -> None:
@@ -226,6 +214,20 @@ def _attention_backend(transformers: Any, backend: str) -> Iterator[None]:
         yield
     finally:
         _BACKEND.reset(token)
+
+
+@contextmanager
+def _config_errors(source: str, model_type: str) -> Iterator[None]:
+    """A config whose values transformers accepts but its modules cannot run with (an
+    unknown activation, a string where a number belongs) fails while the model is built
+    or traced: one line naming the config and what failed, never a traceback."""
+    try:
+        yield
+    except MpsimError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError, RuntimeError) as e:
+        raise MpsimError(f"{config_path(source)}: the {model_type} model cannot be built from this config "
+                         f"({type(e).__name__}: {_one_line(e)})") from None
 
 
 @contextmanager
@@ -365,8 +367,8 @@ def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = No
     layers = config.num_hidden_layers
     config.num_hidden_layers = 1
     b = microbatch or preset_mb
-    with (_fake_errors(config.model_type), _attention_backend(transformers, backend), compute_dtype(recipe),
-          FakeTensorMode()):
+    with (_config_errors(source, config.model_type), _fake_errors(config.model_type),
+          _attention_backend(transformers, backend), compute_dtype(recipe), FakeTensorMode()):
         dtype = DTYPES[RECIPES[recipe].compute_dtype]
         model = _build(transformers, config, layout, dtype)
         emb, layer, head = _trace_rows(model, layout, b, seq_len, dtype)
@@ -379,5 +381,5 @@ def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = No
     named = [("embedding", "embedding", emb), *[(f"layer{i}", "transformer", layer) for i in range(layers)],
              ("head", "head", head)]
     plain = not overrides and microbatch in (None, preset_mb) and preset_seq == seq_len
-    default_name = source if plain else f"hf-{config.model_type}-{layers}l-{config.hidden_size}h"
+    default_name = source if plain else f"hf-{config.model_type}-{layers}l-{config.hidden_size}h-{seq_len}s"
     return make_trace(name or default_name, model_info, params, b, recipe, named)  # type: ignore[arg-type]

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 from torch import nn
@@ -51,32 +51,13 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from mpsim import kernels, tp_ops
+from mpsim.frameworks import FRAMEWORK_LAYERS as FRAMEWORK_LAYERS  # where callers have found it
+from mpsim.frameworks import FRAMEWORKS, Framework
 from mpsim.kernels import AttentionBackend
 from mpsim.tp_ops import NO_SHARD, TensorShard
 
 Family = Literal["gpt", "bert", "llama"]
 FAMILIES: tuple[str, ...] = ("gpt", "bert", "llama")
-Framework = Literal["megatron", "hf", "torchtitan"]
-FRAMEWORKS: tuple[Framework, ...] = get_args(Framework)
-FRAMEWORK_LAYERS: dict[str, str] = {
-    "megatron": "fused q|k|v projection (pre-RoPE q and k kept with v), fused RMSNorm, RoPE cos/sin rebuilt in "
-                "every layer (Megatron-LM)",
-    "hf": "separate q, k, v projections, eager fp32 RMSNorm (LlamaRMSNorm), RoPE cos/sin built once per forward and "
-          "shared by every layer (transformers)",
-    "torchtitan": "separate q, k, v projections, fused RMSNorm (nn.RMSNorm), RoPE freqs_cis built once per model and "
-                  "shared by every layer (torchtitan)",
-}
-"""What each framework means for a Llama layer (the module docstring has the details)."""
-
-
-def framework_line(framework: str, family: str | None = None) -> str:
-    """One line naming how a trace's layers are written, for every output that shows
-    activations: the framework and, for Llama layers, what it keeps."""
-    if not framework:
-        return "layers: a traced module (activations as it keeps them)"
-    if family == "llama" and framework in FRAMEWORK_LAYERS:
-        return f"layers: {framework}, {FRAMEWORK_LAYERS[framework]}"
-    return f"layers: {framework}"
 
 
 @dataclass(frozen=True)

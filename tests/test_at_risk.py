@@ -147,6 +147,17 @@ def test_outputs_that_show_activations_name_the_framework(tmp_path):
     assert code == 0 and text.splitlines()[1] == "layers: megatron"
 
 
+def test_the_page_bounds_a_runs_work_and_names_each_server_once():
+    with pytest.raises(MpsimError, match=r"^microbatches: at most 256 on the page, got 4096 \(the command line"):
+        from_query({"microbatches": ["4096"]})
+    with pytest.raises(MpsimError, match=r"^microbatch: at most 256 samples on the page, got 1000$"):
+        from_query({"microbatch": ["1000"]})
+    many = from_query({"view": ["choose"], "servers": [",".join(["dgx1-v100"] * 3000 + ["dgx-h100"])]})
+    assert many.servers == ("dgx1-v100", "dgx-h100")
+    report = choose("gpt-5.3b", ["dgx1-v100"] * 50, strategies=("none",), layouts="pipeline")
+    assert [r.server for r in report.rows] == ["dgx1-v100"]
+
+
 def test_the_page_takes_a_headroom_and_refuses_a_bad_one():
     inputs = from_query({"view": ["choose"], "headroom": ["2.5"], "model": ["gpt-5.3b"]})
     assert inputs.headroom == 2.5 and "headroom=2.5" in inputs.query()
@@ -155,3 +166,17 @@ def test_the_page_takes_a_headroom_and_refuses_a_bad_one():
     for bad in ("-1", "2000", "1e400", "x"):
         with pytest.raises(MpsimError, match="^headroom: expected GiB from 0 to 1024"):
             from_query({"headroom": [bad]})
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_fits_no_largest_gives_the_same_rows_without_the_search(tmp_path, workers):
+    args = ["fits", "--server", "dgx1-v100", "--model", "gpt-5.3b,gpt-10.3b", "--layouts", "pipeline", "--strategy",
+            "none,recompute", "-j", workers]
+    searched, quick = tmp_path / "searched.json", tmp_path / "quick.json"
+    assert run_cli(600, *args, "--json", str(searched))[0] == 0
+    code, text, _ = run_cli(600, *args, "--no-largest", "--json", str(quick))
+    assert code == 0 and text.rstrip().endswith("largest that fits: not searched (--no-largest)")
+    full, short = (json.loads(p.read_text())["reports"] for p in (searched, quick))
+    assert [r["rows"] for r in short] == [r["rows"] for r in full]
+    assert all(r["largest"] is None and r["layouts"][0]["searched"] is False for r in short)
+    assert all(r["largest"] is not None and r["layouts"][0]["searched"] is True for r in full)

@@ -1,6 +1,7 @@
 """The command line: golden outputs, JSON shape, and bad input rejected with one clear line."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -401,6 +402,22 @@ def test_simulate_that_does_not_fit_says_so_first_in_half_open_layers(capsys):
     assert "GB (10^9 bytes) carried" in out
 
 
+def test_simulate_ends_a_run_that_does_not_fit_with_what_to_try_and_gives_tokens_per_second(capsys):
+    code, out, _ = run(capsys, "simulate", "--model", "gpt-10.3b", "--microbatch", "2")
+    assert code == 1
+    assert out.splitlines()[-1] == (
+        "hint: --strategy best tries every memory-saving plan (recompute, swaps, MPress, TSPLIT); --dp N --zero 3 "
+        "shards the model states (FSDP); `mpsim fits --model gpt-10.3b --server dgx1-v100` tries every layout, "
+        "`mpsim choose --model gpt-10.3b` other servers")
+    throughput = next(line for line in out.splitlines() if line.startswith("throughput"))
+    found = re.match(r"throughput +([\d.]+) ± [\d.]+ samples/s, ([\d,]+) tokens/s", throughput)
+    assert found is not None
+    samples, tokens = found.groups()
+    assert abs(float(samples) * 1024 - int(tokens.replace(",", ""))) <= 1024 * 0.005 + 1  # GPT: 1024 tokens a sample
+    code, out, _ = run(capsys, "simulate", "--model", "gpt-5.3b", "--microbatch", "2")
+    assert code == 0 and "hint:" not in out
+
+
 def test_simulate_plot_of_a_run_that_does_not_fit_leaks_no_warnings(tmp_path):
     import subprocess
     import sys
@@ -449,3 +466,18 @@ def test_a_sweep_warns_once_per_server_of_a_trace_measured_elsewhere(capsys, tmp
     assert code == 0
     warnings = [line for line in err.splitlines() if line.startswith("mpsim: warning: toy: times measured on cpu")]
     assert len(warnings) == 2 and "dgx1-v100" in warnings[0] and "h100-x1" in warnings[1]
+
+
+def test_the_html_report_shows_what_each_technique_saved_as_a_table(tmp_path, capsys):
+    page = tmp_path / "r.html"
+    code, _, _ = run(capsys, "simulate", "--model", "gpt-15.4b", "--microbatch", "2", "--strategy", "cpu-swap",
+                     "--html", str(page))
+    html = page.read_text()
+    title = "what each technique saved at the GPU&#x27;s peak, and what it cost per iteration"
+    assert code == 0 and title in html  # it fits on the DGX-1, swapping to host
+    after = html[html.index(title):]
+    assert after.index("<table>") < after.index("</section>") and "<th>saved host GiB</th>" in after
+    assert "<pre>" not in after[:after.index("</section>")]
+    timeline = html[html.index("aria-label=\"pipeline timeline\""):]
+    timeline = timeline[:timeline.index("</svg>")]
+    assert timeline.count('text-anchor="end"') == 1  # the last tick ends where the axis does, inside the svg

@@ -93,3 +93,12 @@ def test_the_command_line_starts_without_the_simulator():
     code = f"import sys, mpsim.cli; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_views_print_without_torch():
+    """Every command prints through the views: they load no torch (a refusal of a bad input
+    in one line should not wait for it)."""
+    code = ("import sys, mpsim.views.text, mpsim.views.html, mpsim.views.measured, mpsim.hf_fields; "
+            "print([m for m in ('torch', 'transformers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -135,6 +135,25 @@ def test_wrong_file_types_and_huge_files_are_refused_in_one_line(server):
     assert call_json(server, "GET", "/api/catalog")[0] == 200  # still serving
 
 
+def test_choose_compares_an_uploaded_server_beside_the_shipped_ones(server):
+    yaml_text = (Path(__file__).resolve().parents[1] / "topologies" / "h100-x1.yaml").read_text()
+    mine = yaml_text.replace("name: h100-x1", "name: my-h100", 1).encode()
+    assert mine != yaml_text.encode()
+    _, topo = call_json(server, "POST", "/api/upload?kind=server&name=mine.yaml", mine)
+    job = run_job(server, view="choose", servers="dgx1-v100", server_upload=topo["upload"], model="gpt-5.3b",
+                  microbatch=2)
+    assert job["state"] == "done", job["error"]
+    assert sorted(r["server"] for r in job["choose"]["report"]["rows"]) == ["dgx1-v100", "my-h100"]
+
+
+def test_a_job_takes_its_stage_count_from_the_page(server):
+    job = run_job(server, server="dgx1-v100", model="gpt-5.3b", microbatch=2, stages=4)
+    assert job["state"] == "done", job["error"]
+    assert len(job["result"]["gpu_of_stage"]) == 4 and "stages=4" in job["bookmark"]
+    refused = run_job(server, server="dgx1-v100", model="gpt-5.3b", microbatch=2, microbatches=2)
+    assert refused["state"] == "failed" and "stages" in refused["error"]
+
+
 def test_an_uploaded_server_and_trace_run_and_cannot_be_bookmarked(server):
     from mpsim.catalog import data_dir
 
@@ -160,6 +179,17 @@ def test_an_uploaded_hugging_face_config_is_traced_as_trace_hf_does(server):
     assert job["result"]["model"] == trace_hf(str(path), microbatch=2).name
     status, answer = call_json(server, "POST", "/api/upload?kind=hf&name=config.json", b'{"model_type": "bogus"}')
     assert status == 400 and answer["error"].startswith("config.json: model_type 'bogus' is not supported")
+
+
+def test_a_200_byte_config_asking_for_20000_layers_is_refused_in_one_line_and_leaves_no_file(server):
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_hidden_layers": 20000, "vocab_size": 1000}
+    body = json.dumps(config).encode()
+    assert len(body) < 200
+    before = set(server.app.uploads.root.iterdir())
+    status, answer = call_json(server, "POST", "/api/upload?kind=hf&name=config.json", body)
+    assert status == 400 and answer["error"] == "config.json: num_hidden_layers: expected 1 to 9,998, got 20000"
+    assert set(server.app.uploads.root.iterdir()) == before  # the rejected upload's folder is gone
 
 
 @pytest.mark.parametrize("query", ["server=../../etc/passwd", "model=/etc/passwd", "model=../traces/gpt-5.3b.json",
@@ -277,6 +307,26 @@ def test_mpsim_serve_prints_its_address_and_answers(tmp_path):
         proc.wait(timeout=30)
 
 
+def test_sigterm_stops_mpsim_serve_and_removes_its_uploads(tmp_path):
+    """As Ctrl-C does: the upload folder (under TMPDIR) is gone, the exit code is 143."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", "from mpsim.cli import run; run()", "serve", "--port", "0"],
+                            stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().split()[2]
+        trace = (Path(__file__).resolve().parents[1] / "traces" / "gpt-5.3b.json").read_bytes()
+        req = urllib.request.Request(url + "api/upload?kind=trace&name=t.json", data=trace, method="POST")
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert resp.status == 200
+        [folder] = tmp_path.glob("mpsim-serve-*")
+        assert any(folder.iterdir())
+    finally:
+        proc.terminate()
+        code = proc.wait(timeout=30)
+    assert code == 143 and not list(tmp_path.glob("mpsim-serve-*"))
+
+
 # --- the page in a real browser ----------------------------------------------------------
 
 @pytest.fixture
@@ -392,6 +442,36 @@ def test_browser_uploads_a_server_and_says_it_cannot_be_bookmarked(page):
 
 
 @pytest.mark.browser
+def test_browser_sets_the_stage_count_of_a_job(page):
+    fill_job(page, "gpt-5.3b", 2, "none")
+    page.fill("#stages", "4")
+    page.click("#run")
+    page.wait_for_selector("#result:not([hidden])")
+    assert "gpt-5.3b on dgx1-v100" in page.inner_text("#verdict")
+    stages = page.eval_on_selector_all("#plan-table td:nth-child(2)", "cells => cells.map(c => c.textContent)")
+    assert sorted(set(stages)) == ["0", "1", "2", "3"] and "stages=4" in page.url
+
+
+@pytest.mark.browser
+def test_browser_compares_an_uploaded_server_in_choose(page):
+    text = (Path(__file__).parent.parent / "topologies" / "h100-x1.yaml").read_text()
+    page.click("#tab-choose")
+    assert page.is_visible("#servers-field") and not page.is_visible("#strategy-label")
+    assert not page.is_visible("#stages-label")
+    page.select_option("#servers", ["dgx1-v100"])
+    page.set_input_files("#servers-file", files=[{"name": "mine.yaml", "mimeType": "application/yaml",
+                                                  "buffer": text.replace("name: h100-x1", "name: my-h100").encode()}])
+    page.wait_for_function("[...document.getElementById('servers').selectedOptions].length === 2")
+    page.select_option("#model", "gpt-5.3b")
+    page.fill("#microbatch", "2")
+    page.click("#run")
+    page.wait_for_selector("#choose-result:not([hidden])")
+    table = page.inner_text("#choose-out")
+    assert "my-h100" in table and "dgx1-v100" in table
+    assert "cannot be bookmarked" in page.inner_text("#bookmark-note")
+
+
+@pytest.mark.browser
 def test_browser_cancels_a_long_run(page):
     fill_job(page, "gpt-25.5b", 2, "best", microbatches=64)
     page.click("#run")
@@ -412,3 +492,11 @@ def test_a_cancelled_scale_run_is_cancelled_not_done(server):
         time.sleep(0.05)
     call_json(server, "POST", f"/api/jobs/{job['id']}/cancel")
     assert wait_finished(server, job["id"])["state"] == "cancelled"
+
+
+def test_the_catalog_says_a_word_on_each_server_and_strategy(server):
+    status, catalog = call_json(server, "GET", "/api/catalog")
+    assert status == 200
+    assert catalog["labels"]["servers"]["dgx1-v100"] == "8 x V100-SXM2-32GB"
+    assert set(catalog["labels"]["strategies"]) <= set(catalog["strategies"])
+    assert {"none", "recompute", "mpress", "tsplit", "best"} <= set(catalog["labels"]["strategies"])

@@ -84,6 +84,26 @@ def test_a_sweep_of_70_series_plots_as_small_multiples(tmp_path):
     assert (tmp_path / "s.png").stat().st_size > 10_000
 
 
+def test_the_sweep_plot_names_its_server_starts_at_zero_and_keeps_the_capacity_line_in_view(tmp_path):
+    """One model, two strategies with equal throughput (the second must not hide the first)
+    and one 372 GiB peak on a 32 GiB GPU: it is drawn at the top with its value."""
+    import pandas as pd
+
+    from mpsim.sweep import plot_sweep
+
+    rows = [dict(server="dgx1-v100", model="gpt-5.3b", microbatches=16, strategy=st, microbatch=mb,
+                 fits=mb < 8, samples_per_s=100.0 + mb if mb < 8 else "", max_peak_gib=372.0 if mb == 8 else 20.0,
+                 capacity_gib=32.0) for st in ("none", "recompute") for mb in (1, 2, 4, 8)]
+    fig = plot_sweep(pd.DataFrame(rows), tmp_path / "s.png")
+    throughput, memory = (ax for ax in fig.axes if ax.get_visible())
+    assert "dgx1-v100" in throughput.get_title() and "dgx1-v100" in memory.get_title()
+    assert throughput.get_ylim()[0] == 0
+    assert memory.get_ylim()[1] == pytest.approx(2 * 32.0 * 1.08)  # clipped at twice the capacity
+    assert [t.get_text() for t in memory.texts] == ["372", "372"]
+    first, second = (line for line in throughput.get_lines() if line.get_label() in ("none", "recompute"))
+    assert first.get_markersize() > second.get_markersize() and first.get_marker() != second.get_marker()
+
+
 def test_the_layout_axis_is_a_column_and_holds_the_global_batch(tmp_path, capsys):
     pts = grid(["dgx1-v100"], ["gpt-5.3b"], "1f1b", [1], [16], ["none"], layouts="pipeline,fsdp8")
     assert [p.layout for p in pts] == ["pp8", "fsdp8"]

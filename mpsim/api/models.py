@@ -97,13 +97,27 @@ def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = No
              overrides: dict[str, int] | None = None, name: str | None = None) -> Trace:
     """Trace a Hugging Face model with its own modules from its config.json (a folder, the
     file, or a shipped one); ``overrides``: layers, hidden, heads, seq_len."""
+    from mpsim.hf_fields import precheck
+
+    precheck(source, overrides)  # a config asking for too much is refused before torch is imported
     from mpsim.hf import trace_hf as traced
 
     return traced(source, microbatch, recipe, attention, overrides, name)
 
 
+def check_hf(source: str, overrides: dict[str, int] | None = None) -> None:
+    """SOURCE's config.json read and its shape (with ``overrides``) checked, in one line
+    where it is bad, without importing torch or transformers (``mpsim.hf_fields``)."""
+    from mpsim.hf_fields import precheck
+
+    precheck(source, overrides)
+
+
 def hf_config(source: str) -> Any:
     """The ``PretrainedConfig`` of ``source``, built locally (the checks of ``trace --hf``)."""
+    from mpsim.hf_fields import precheck
+
+    precheck(source)
     from mpsim.hf import load_config
 
     return load_config(source)

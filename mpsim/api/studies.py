@@ -40,23 +40,26 @@ class FitsRequest:
     points: int
     layouts: str = DEFAULT_LAYOUTS
     microbatches: int = DEFAULT_MICROBATCHES
+    search: bool = True
+    """False: the shipped sizes only, no largest-size search (``--no-largest``)."""
 
     def run(self, on_point: Callable[[str], None] | None = None) -> list[LayoutFits]:
         """One answer per strategy over the layouts, in the order asked
         (:func:`mpsim.capacity.fits_layouts`)."""
         return fits_layouts(self.job, self.family, list(self.traces), self.strategies, self.layouts,
-                            self.microbatches, self.models, on_point, self.backend)
+                            self.microbatches, self.models, on_point, self.backend, self.search)
 
 
 def fits_request(server: str, family: str, models: Sequence[str] = (), schedule: str = DEFAULT_SCHEDULE,
                  microbatch: int | None = None, microbatches: int = DEFAULT_MICROBATCHES,
                  strategies: Sequence[str] = ("none",),
                  partition: str = "compute", workers: int | None = None, backend: str = "local",
-                 address: str | None = None, layouts: str = DEFAULT_LAYOUTS) -> FitsRequest:
+                 address: str | None = None, layouts: str = DEFAULT_LAYOUTS, search: bool = True) -> FitsRequest:
     """Check a ``fits`` over ``strategies`` and ``layouts`` of ``family``'s shipped sizes (or
     of ``models``), ``microbatches`` per iteration over all replicas, and pick where it
     runs: one process when ``backend`` is local with one worker, else ``workers`` local
-    processes (default: one per core) or a Ray cluster at ``address``."""
+    processes (default: one per core) or a Ray cluster at ``address``. ``search=False``
+    leaves out the largest-size search (``--no-largest``)."""
     for name in strategies:
         check_strategy(name)
     if not strategies:
@@ -72,9 +75,10 @@ def fits_request(server: str, family: str, models: Sequence[str] = (), schedule:
     runner = backend_for(backend, workers, address)
     # in one process a point is a simulated size (the searches' count estimated); in
     # parallel, a shipped size under a strategy, or one strategy's search
-    points = (len(traces) + (SEARCH_PROBES if runner is None else 1)) * len(strategies) * n_layouts
+    probes = 0 if not search else SEARCH_PROBES if runner is None else 1
+    points = (len(traces) + probes) * len(strategies) * n_layouts
     return FitsRequest(job, family, tuple(traces), tuple(models), tuple(strategies), runner, points, layouts,
-                       microbatches)
+                       microbatches, search)
 
 
 def sweep_warnings(points: Sequence[Point]) -> Iterator[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import click
@@ -17,11 +18,13 @@ def serve(host: str, port: int, verbose: bool) -> None:
     """A local web page over the same API: pick or upload a server and a model, run, and see
     the verdict, per-GPU memory, memory over time, the pipeline timeline and the plan.
 
-    Works offline (the page and its script come with the package). Ctrl-C stops it.
+    Works offline (the page and its script come with the package). Ctrl-C or SIGTERM
+    stops it and removes its uploads.
     """
     from mpsim.web.app import make_server
 
     server = make_server(host, port, verbose)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwinds through the cleanup
     click.echo(f"mpsim serve: {server.url} (Ctrl-C to stop)")
     sys.stdout.flush()
     try:

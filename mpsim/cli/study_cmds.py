@@ -45,12 +45,14 @@ from mpsim.cli.progress import points_progress, steps_progress
 @click.option("--workers", "-j", type=click.IntRange(min=1),
               help="worker processes (sizes and strategies in parallel; 1: all in this process)  "
                    "[default: one per core]")
+@click.option("--no-largest", is_flag=True,
+              help="simulate the shipped sizes only: skip the search for the largest size that fits (most of the time)")
 @backend_options
 @headroom_option
 @json_option
 def fits(server: str, family: str, models: str | None, schedule: str, microbatch: int | None, microbatches: int,
-         strategies: str, partition: str, layouts: str, workers: int | None, backend: str, address: str | None,
-         headroom_gib: float, json_out: str | None) -> None:
+         strategies: str, partition: str, layouts: str, workers: int | None, no_largest: bool, backend: str,
+         address: str | None, headroom_gib: float, json_out: str | None) -> None:
     """Which shipped sizes of a family (or which --model) fit under each strategy, in which
     parallel layout, and the largest that does.
 
@@ -64,7 +66,7 @@ def fits(server: str, family: str, models: str | None, schedule: str, microbatch
     names = comma_list(strategies, "--strategy")
     chosen = comma_list(models, "--model") if models else []
     request = api.fits_request(server, family, chosen, schedule, microbatch, microbatches, names, partition,
-                               workers, backend, address, layouts)
+                               workers, backend, address, layouts, search=not no_largest)
     with points_progress(f"fits {request.family}", request.points) as bar:
         reps = request.run(on_point=bar.point_done)
     emit(json_out, fits_layouts_text(reps, headroom_gib),

@@ -107,7 +107,6 @@ def trace(output: Path, preset: str | None, family: str | None, layers: int | No
             raise MpsimError("--module traces under FakeTensor mode; --measure is for the GPT, BERT and Llama shapes")
         result = api.trace_module(module_spec, microbatch, recipe, name)
     elif hf_source is not None:
-        kernel = attention or api.default_attention(server, recipe)
         others = {"--preset": preset, "--family": family, "--kv-heads": kv_heads, "--ffn-hidden": ffn_hidden,
                   "--vocab": vocab, "--dropout": dropout, "--measure": measure or None}
         unsupported = [k for k, v in others.items() if v is not None]
@@ -115,6 +114,8 @@ def trace(output: Path, preset: str | None, family: str | None, layers: int | No
             raise MpsimError(f"--hf does not take {', '.join(unsupported)}: set them in the config.json")
         overrides = {k: v for k, v in {"layers": layers, "hidden": hidden, "heads": heads, "seq_len": seq_len}.items()
                      if v is not None}
+        api.check_hf(hf_source, overrides)  # before torch loads: a config asking too much is refused at once
+        kernel = attention or api.default_attention(server, recipe)
         result = api.trace_hf(hf_source, microbatch, recipe, kernel, overrides, name)
     else:
         shape = {"family": family, "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,

@@ -127,9 +127,15 @@ class SimResult:
     ``model.framework``: ``mpsim.workloads.FRAMEWORKS``; empty for a traced module)."""
     family: str = ""
     """The trace's ``model.family`` (gpt, bert, llama; empty when it has none)."""
+    seq_len: int | None = None
+    """Tokens per sample (the trace's ``model.seq_len``; None for a model without one)."""
     time_band_pct: float = 0.0
     """The iteration time's error band, % either side (``CostModel.time_band``)."""
     time_band_source: str = ""
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return None if self.seq_len is None else self.samples_per_s * self.seq_len
 
     @property
     def samples_per_s_band(self) -> float:
@@ -182,6 +188,7 @@ class SimResult:
             "time_band_pct": self.time_band_pct,
             "time_band_source": self.time_band_source,
             "samples_per_s_band": self.samples_per_s_band,
+            "tokens_per_s": self.tokens_per_s,
             "server": self.server,
             "model": self.model,
             "schedule": self.schedule,

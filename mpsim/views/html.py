@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from mpsim.views.plots import choose_figure, memory_figure, plot_sweep, scale_figure
 from mpsim.views.text import (
+    TECHNIQUES_TITLE,
     UNITS_LEGEND,
     choose_header,
     choose_row,
@@ -22,7 +23,7 @@ from mpsim.views.text import (
     layer_range,
     plan_counts,
     sweep_text,
-    techniques_text,
+    techniques_table,
 )
 
 if TYPE_CHECKING:
@@ -165,8 +166,10 @@ def memory_timeline_html(r: SimResult) -> str:
 
 
 def techniques_html(r: SimResult) -> str:
-    text = techniques_text(r)
-    return pre_html(text) if text else "<p class=\"note\">The plan uses no memory-saving technique.</p>"
+    header, rows = techniques_table(r)
+    if not header:
+        return "<p class=\"note\">The plan uses no memory-saving technique.</p>"
+    return f"<p>{esc(TECHNIQUES_TITLE)}</p>\n" + table_html(header, rows)
 
 
 def pipeline_timeline_html(r: SimResult, max_spans: int = 20000) -> str:
@@ -190,8 +193,9 @@ def pipeline_timeline_html(r: SimResult, max_spans: int = 20000) -> str:
     labels = "".join(f"<text x=\"0\" y=\"{i * row_h + 11}\" font-size=\"10\">GPU {g} {esc(lane)}</text>"
                      for i, (g, lane) in enumerate(lanes))
     axis_y = len(lanes) * row_h + 12
-    ticks = "".join(f"<text x=\"{left + k / 4 * width:.0f}\" y=\"{axis_y}\" font-size=\"10\">"
-                    f"{end_s * k / 4 * 1e3:.0f} ms</text>" for k in range(5))
+    anchors = ("start", "middle", "middle", "middle", "end")  # the last label ends at the axis' end, inside the svg
+    ticks = "".join(f"<text x=\"{left + k / 4 * width:.0f}\" y=\"{axis_y}\" font-size=\"10\" "
+                    f"text-anchor=\"{anchors[k]}\">{end_s * k / 4 * 1e3:.0f} ms</text>" for k in range(5))
     svg = (f"<svg width=\"{left + width + 40}\" height=\"{axis_y + 6}\" "
            f"role=\"img\" aria-label=\"pipeline timeline\">{labels}{''.join(shapes)}{ticks}</svg>")
     cut = f" (first {max_spans} of {len(r.spans)} spans)" if len(r.spans) > max_spans else ""

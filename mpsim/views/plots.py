@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -240,14 +240,20 @@ def plot_choose(report: ChooseReport, path: Path) -> None:
     plt.close(fig)
 
 
+SWEEP_PEAK_CLIP = 2.0
+"""The sweep's memory panels reach at most this many times the GPU capacity: a peak far
+above it is drawn at the top with its value, so the capacity line keeps its place."""
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+
+
 def plot_sweep(frame: pd.DataFrame, path: Path) -> Figure:
     """Throughput and highest per-GPU peak against microbatch size: small multiples, a pair
     of panels (throughput, peak memory) per server/model/microbatch count, a line per
-    strategy in the same colour in every panel, one legend, shared microbatch axes and a
-    shared memory axis, so a sweep of many models and strategies stays readable. Returns
-    the (closed) figure."""
+    strategy in the same colour and marker in every panel (drawn largest first, so equal
+    lines stay visible), one legend, shared microbatch axes, throughput from zero and a
+    shared memory axis clipped at ``SWEEP_PEAK_CLIP`` times capacity; every panel names its
+    model and server. Returns the (closed) figure."""
     import matplotlib
-    import pandas as pd
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -256,45 +262,68 @@ def plot_sweep(frame: pd.DataFrame, path: Path) -> Figure:
     strategies = list(dict.fromkeys(frame["strategy"]))
     cmap = plt.get_cmap("tab10" if len(strategies) <= 10 else "tab20")
     colour = {st: cmap(i % cmap.N) for i, st in enumerate(strategies)}
-    servers, counts = frame["server"].nunique(), frame["microbatches"].nunique()
+    counts = frame["microbatches"].nunique()
     per_row = 1 if len(groups) == 1 else 2  # pairs of panels per row
     n_rows = -(-len(groups) // per_row)
     fig, axes = plt.subplots(n_rows, 2 * per_row, figsize=(5.5 * 2 * per_row, 3.2 * n_rows + 0.8), squeeze=False,
                              sharex=True)
     cap = frame["capacity_gib"].astype(float).max()
+    top = min(max(cap, float(frame["max_peak_gib"].astype(float).max())), SWEEP_PEAK_CLIP * cap) * 1.08
     mem_axes = []
     for i, ((sv, md, m), group) in enumerate(groups):
         ax_t, ax_m = axes[i // per_row][2 * (i % per_row)], axes[i // per_row][2 * (i % per_row) + 1]
         mem_axes.append(ax_m)
-        where = ", ".join([str(md)] + ([str(sv)] if servers > 1 else []) + ([f"m={m}"] if counts > 1 else []))
+        where = ", ".join([str(md), str(sv)] + ([f"m={m}"] if counts > 1 else []))
         for st, part in group.groupby("strategy", sort=False):
-            part = part.assign(mb=part["microbatch"].astype(int)).sort_values("mb")
-            fits = part["fits"].astype(str) == "True"
-            thr = pd.to_numeric(part["samples_per_s"].where(fits), errors="coerce")
-            ax_t.plot(part["mb"], thr, marker="o", markersize=3, color=colour[st], label=st)
-            ax_m.plot(part["mb"], part["max_peak_gib"].astype(float), marker="o", markersize=3, color=colour[st])
-            oom = part[~fits]
-            ax_m.scatter(oom["mb"], oom["max_peak_gib"].astype(float), marker="x", color=colour[st], s=40)
+            _sweep_series(ax_t, ax_m, part, _series_style(str(st), strategies, colour), top / 1.08)
         ax_m.axhline(float(group["capacity_gib"].astype(float).max()), color="grey", linestyle="--", linewidth=1)
         ax_t.set_title(f"{where}: samples/s", fontsize=9)
         ax_m.set_title(f"{where}: peak GiB (x: OOM)", fontsize=9)
+        ax_t.set_ylim(bottom=0)
         for ax in (ax_t, ax_m):
             ax.tick_params(labelsize=8)
             ax.grid(alpha=0.3)
     for ax in mem_axes:
-        ax.set_ylim(0, max(cap, float(frame["max_peak_gib"].astype(float).max())) * 1.08)
+        ax.set_ylim(0, top)
     for j in range(len(groups), n_rows * per_row):  # empty slots in the last row
         axes[j // per_row][2 * (j % per_row)].set_visible(False)
         axes[j // per_row][2 * (j % per_row) + 1].set_visible(False)
     for ax in axes[-1]:
         ax.set_xlabel("microbatch size", fontsize=8)
-    handles = [plt.Line2D([], [], color=colour[st], marker="o", label=st) for st in strategies]
+    handles = [plt.Line2D([], [], color=colour[st], marker=MARKERS[i % len(MARKERS)], label=st)
+               for i, st in enumerate(strategies)]
     handles.append(plt.Line2D([], [], color="grey", linestyle="--", label=f"GPU capacity (max {cap:.1f} GiB)"))
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 8), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig.get_figheight()))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return fig
+
+
+def _series_style(strategy: str, strategies: list[str], colour: dict) -> dict:
+    """A strategy's colour and marker; the first drawn largest, so a later equal line
+    leaves it showing around its own."""
+    k, last = strategies.index(strategy), max(1, len(strategies) - 1)
+    return {"color": colour[strategy], "marker": MARKERS[k % len(MARKERS)], "markersize": 7 - 4 * k / last,
+            "linewidth": 2.6 - 1.6 * k / last, "label": strategy}
+
+
+def _sweep_series(ax_t: Any, ax_m: Any, part: pd.DataFrame, style: dict, clip_gib: float) -> None:
+    """One strategy's throughput (where it fits) and peak memory against microbatch size; a
+    peak above ``clip_gib`` at the panel's top with its value, OOM points as crosses."""
+    import pandas as pd
+
+    part = part.assign(mb=part["microbatch"].astype(int)).sort_values("mb")
+    fits = part["fits"].astype(str) == "True"
+    ax_t.plot(part["mb"], pd.to_numeric(part["samples_per_s"].where(fits), errors="coerce"), **style)
+    peaks = part["max_peak_gib"].astype(float)
+    ax_m.plot(part["mb"], peaks.clip(upper=clip_gib), **{k: v for k, v in style.items() if k != "label"})
+    ax_m.scatter(part["mb"][~fits], peaks[~fits].clip(upper=clip_gib), marker="x", color=style["color"], s=40,
+                 zorder=3)
+    for mb, peak in zip(part["mb"], peaks, strict=True):
+        if peak > clip_gib:
+            ax_m.annotate(f"{peak:.0f}", (mb, clip_gib), fontsize=7, color=style["color"], xytext=(0, 3),
+                          textcoords="offset points", ha="center")
 
 
 def plot_scale(report: ScaleReport, path: Path) -> None:

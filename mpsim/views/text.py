@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpsim.choose import ChooseReport, ChooseRow, money
 from mpsim.cluster import Cluster
+from mpsim.frameworks import framework_line
 from mpsim.job import DP_NAMES
 from mpsim.layouts import parse_layout
 from mpsim.limits import DEFAULT_HEADROOM_GIB
@@ -17,7 +18,6 @@ from mpsim.sim.memory import TECHNIQUES
 from mpsim.sim.result import COSTS, GpuResult
 from mpsim.topology import HOST, Topology
 from mpsim.units import GiB
-from mpsim.workloads import framework_line
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -116,7 +116,8 @@ def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> s
     if r.oom:
         lines.append("(time and throughput of the whole demand, as if the GPUs had the memory)")
     lines.append(f"iteration     {r.iteration_s * 1e3:.1f} ms")
-    lines.append(f"throughput    {r.samples_per_s:.2f} ± {r.samples_per_s_band:.2f} samples/s, "
+    tokens = f", {r.tokens_per_s:,.0f} tokens/s" if r.tokens_per_s is not None else ""
+    lines.append(f"throughput    {r.samples_per_s:.2f} ± {r.samples_per_s_band:.2f} samples/s{tokens}, "
                  f"{r.model_tflops:.1f} model TFLOP/s")
     if r.time_band_pct:
         lines.append(f"              (± {r.time_band_pct:g}%: {r.time_band_source})")
@@ -125,22 +126,43 @@ def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> s
         name = max(utilization, key=lambda k: (utilization[k], k))
         lines.append(f"busiest link  {name}: busy {100 * utilization[name]:.1f}% of the run, "
                      f"{r.links[name]['bytes'] / 1e9:.2f} GB (10^9 bytes) carried")
+    if r.oom:
+        lines += ["", _oom_hint(r)]
     return "\n".join(lines)
 
 
-def techniques_text(r: SimResult) -> str:
+def _oom_hint(r: SimResult) -> str:
+    """What to try when a job does not fit: the strategies that search, a sharded layout,
+    other servers."""
+    tried_all = r.strategy.startswith("best")
+    first = ("nothing mpsim plans fits this layout" if tried_all
+             else "--strategy best tries every memory-saving plan (recompute, swaps, MPress, TSPLIT)")
+    layout = "" if r.data_parallel else "; --dp N --zero 3 shards the model states (FSDP)"
+    return (f"hint: {first}{layout}; `mpsim fits --model {r.model} --server {r.server}` tries every layout, "
+            f"`mpsim choose --model {r.model}` other servers")
+
+
+TECHNIQUES_TITLE = "what each technique saved at the GPU's peak, and what it cost per iteration"
+
+
+def techniques_table(r: SimResult) -> tuple[list[str], list[list[str]]]:
     """Per GPU and technique: GiB kept off the GPU at its peak, and ms it cost per
-    iteration (MPress Table IV). Empty when the plan uses no technique."""
+    iteration (MPress Table IV), as header and rows; no rows when the plan uses no technique."""
     saved_cols = [t for t in TECHNIQUES if any(g.saved_at_peak.get(t) for g in r.gpus)]
     cost_cols = [c for c in COSTS if any(g.costs_s.get(c, 0.0) > 1e-12 for g in r.gpus)]
     if not saved_cols and not cost_cols:
-        return ""
+        return [], []
     header = ["gpu"] + [f"saved {t} GiB" for t in saved_cols] + [f"{c[:-2].replace('_', ' ')} ms" for c in cost_cols]
     rows = [[str(g.gpu)] + [gib(g.saved_at_peak.get(t, 0)) for t in saved_cols]
             + [f"{g.costs_s.get(c, 0.0) * 1e3:.1f}" for c in cost_cols] for g in shown_gpus(r) if g.stage is not None
             or any(g.saved_at_peak.values()) or g.breakdown.get("peer_swap")]
-    return ("what each technique saved at the GPU's peak, and what it cost per iteration\n"
-            + table_text(header, rows))
+    return header, rows
+
+
+def techniques_text(r: SimResult) -> str:
+    """``techniques_table`` as text under its title; empty when the plan uses no technique."""
+    header, rows = techniques_table(r)
+    return f"{TECHNIQUES_TITLE}\n{table_text(header, rows)}" if header else ""
 
 
 def plan_counts(plan: PlanFile) -> list[list[Any]]:
@@ -217,7 +239,10 @@ def fits_strategies_text(reports: list[FitsReport], headroom_gib: float = DEFAUL
              f"{first.microbatches}, {first.partition}-balanced partition, capacity {gib(cap)} GiB per GPU",
              _framework_of(first.rows[0].result),
              "(samples/s where it fits; OOM and the highest per-GPU peak in GiB where it does not)",
-             *_at_risk_legend(shown, headroom_gib), "", table_text(header, rows), "", "largest that fits, by strategy:"]
+             *_at_risk_legend(shown, headroom_gib), "", table_text(header, rows), ""]
+    if not first.searched:
+        return "\n".join(lines + ["largest that fits: not searched (--no-largest)"])
+    lines.append("largest that fits, by strategy:")
     for rep in reports:
         if rep.largest is None:
             lines.append(f"  {rep.strategy:10s} none, even with one transformer layer per GPU")
@@ -253,7 +278,10 @@ def fits_layouts_text(answers: list[LayoutFits], headroom_gib: float = DEFAULT_H
              _framework_of(first.rows[0].result),
              "(the fastest layout that fits: samples/s and the layout; where none fits, OOM, the lowest highest "
              "per-GPU peak in GiB and its layout)", *_at_risk_legend(shown, headroom_gib), "",
-             table_text(header, rows), "", "largest that fits, by strategy (over the layouts):"]
+             table_text(header, rows), ""]
+    if not first.searched:
+        return "\n".join(lines + ["largest that fits: not searched (--no-largest)"])
+    lines.append("largest that fits, by strategy (over the layouts):")
     for a in answers:
         top = a.largest
         if top is None:
@@ -431,9 +459,10 @@ def presets_text(presets: dict[str, tuple[Any, int, str]]) -> str:
 def trace_line(output: object, trace: Trace) -> str:
     """What ``mpsim trace`` says of the trace it wrote to ``output``."""
     attention = trace.spec.model.get("attention", "")
+    seq_len = trace.spec.model.get("seq_len")
     return (f"wrote {output}: {trace.name}, {trace.spec.params / 1e9:.2f}B parameters, {trace.n_layers} layers, "
-            f"microbatch {trace.microbatch}, {trace.spec.precision.recipe}"
-            + (f", {attention} attention" if attention else ""))
+            f"microbatch {trace.microbatch}" + (f" x {seq_len} tokens" if seq_len else "")
+            + f", {trace.spec.precision.recipe}" + (f", {attention} attention" if attention else ""))
 
 
 def collective_text(d: dict) -> str:

@@ -28,6 +28,7 @@ uploads here, and a rebound DNS name must not reach the server at all.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import re
@@ -62,12 +63,38 @@ TOKEN_PLACEHOLDER = b"__MPSIM_TOKEN__"
 _HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[0-9A-Za-z.-]+)(?::([0-9]{1,5}))?")
 _DRAIN_LIMIT_BYTES = 64 * 2**20
 """An oversized upload is read and dropped up to this, so the browser sees the answer."""
+CONNECTION_TIMEOUT_S = 30.0
+"""A connection idle this long (no request line, no headers, a body that stops short of its
+Content-Length) is closed: each holds a thread."""
+MAX_CONNECTIONS = 64
+"""Connections served at once; one more is answered 503 and closed (the page needs a few)."""
 
 
 class HttpError(Exception):
     def __init__(self, status: HTTPStatus, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+#: A word on each strategy for the page's list (the command line's --help says more).
+STRATEGY_WORDS = {
+    "none": "keep everything on the GPU", "recompute": "recompute layers until it fits",
+    "recompute-segments": "recompute runs of layers (GPipe, DAPPLE)", "recompute-all": "recompute every layer",
+    "selective": "recompute the attention core (Megatron)", "cpu-swap": "swap to host on demand (MPress baseline)",
+    "host-swap": "swap to host, prefetched", "d2d": "swap to NVLink peers' spare memory",
+    "mpress": "MPress: host swap, recompute and D2D", "tsplit": "TSPLIT: swap, recompute, split tensors",
+    "zero-offload": "ZeRO-Offload: optimizer on the host CPU", "zero-infinity": "ZeRO-Infinity: states in host memory",
+    "best": "every planner, the fastest that fits",
+}
+
+
+def _labels() -> dict[str, dict[str, str]]:
+    """A word on each server (its GPUs) and strategy (``STRATEGY_WORDS``) for the page's lists."""
+    servers = {}
+    for name in api.shipped_topologies():
+        topo = api.load_topology(name)
+        servers[name] = f"{topo.n_gpus} x {topo.spec.gpu.model}"
+    return {"servers": servers, "strategies": dict(STRATEGY_WORDS)}
 
 
 class App:
@@ -81,7 +108,9 @@ class App:
         return {"servers": list(api.shipped_topologies()), "models": list(api.shipped_traces()),
                 "schedules": ["1f1b", "gpipe", "pipedream"], "strategies": list(api.STRATEGIES),
                 "partitions": ["compute", "memory"], "upload_kinds": list(UPLOAD_KINDS),
-                "max_upload_bytes": MAX_UPLOAD_BYTES, "clusters": list(api.shipped_clusters())}
+                "max_upload_bytes": MAX_UPLOAD_BYTES, "clusters": list(api.shipped_clusters()),
+                "labels": _labels()}
+
 
     def start(self, inputs: JobInputs) -> Job:
         work = {"choose": run_choose, "scale": run_scale}.get(inputs.view, run_job)
@@ -130,8 +159,13 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self._dispatch("POST")
 
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.timeout_s)  # idle and short bodies: see CONNECTION_TIMEOUT_S
+
     def _dispatch(self, method: str) -> None:
         try:
+            self._check_framing()
             host = self._check_host()
             if method not in SAFE_METHODS:
                 self._check_same_origin(host)
@@ -148,9 +182,28 @@ class Handler(BaseHTTPRequestHandler):
             self._send_json({"error": str(exc)}, HTTPStatus.TOO_MANY_REQUESTS)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
+        except TimeoutError:  # a body that stopped short of its Content-Length
+            self.close_connection = True
+            self._send_json({"error": f"the request's body did not arrive within {self.server.timeout_s:g} s"},
+                            HTTPStatus.REQUEST_TIMEOUT)
         except Exception as exc:  # one bad request never stops the server
             print(f"mpsim serve: {method} {self.path}: {type(exc).__name__}: {exc}", file=sys.stderr)
             self._send_json({"error": f"internal error: {type(exc).__name__}"}, HTTPStatus.INTERNAL_SERVER_ERROR)
+
+    def _check_framing(self) -> None:
+        """One way to read the body, or none: at most one Content-Length (a number), no
+        Transfer-Encoding (never parsed here, so its bytes would be read as a request), and
+        every header line a ``name: value`` (a line without a colon would hide the rest).
+        400 and the connection closed otherwise."""
+        if self.headers.defects:
+            raise HttpError(HTTPStatus.BAD_REQUEST, "malformed header line (no colon): headers are name: value")
+        if self.headers.get_all("Transfer-Encoding"):
+            raise HttpError(HTTPStatus.BAD_REQUEST, "Transfer-Encoding is not supported: send a Content-Length")
+        lengths = self.headers.get_all("Content-Length") or []
+        if len(lengths) > 1:
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"{len(lengths)} Content-Length headers: send one")
+        if lengths and not lengths[0].strip().isdigit():
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"Content-Length {lengths[0][:40]!r} is not a number")
 
     def _check_host(self) -> str:
         """The request's one ``Host``, checked (see the module docstring); 400 or 403 if not."""
@@ -303,13 +356,38 @@ ROUTES: list[tuple[str, str, Callable[..., None]]] = [
 
 
 class MpsimServer(ThreadingHTTPServer):
+    """The standard library's threading server, bounded: ``max_connections`` at once (one
+    more is answered 503 and closed) and each closed after ``timeout_s`` idle
+    (``CONNECTION_TIMEOUT_S``). The page is a local tool for one person: a few
+    connections, small bodies, no TLS; the standard library's server with these bounds and
+    the framing checks of ``Handler._check_framing`` keeps mpsim free of a web stack."""
+
     daemon_threads = True
 
-    def __init__(self, host: str, port: int, verbose: bool = False) -> None:
+    def __init__(self, host: str, port: int, verbose: bool = False, timeout_s: float = CONNECTION_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.app = App()
         self.verbose = verbose
         self.token = secrets.token_urlsafe(32)  # the page's X-Mpsim-Token, new at each start
+        self.timeout_s = timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
         super().__init__((host, port), Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            body = json.dumps({"error": "too many connections to mpsim serve at once"}).encode()
+            with contextlib.suppress(OSError):
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     @property
     def host_names(self) -> tuple[str, ...]:

@@ -35,9 +35,10 @@ UPLOAD_KINDS = {"server": ((".yaml", ".yml"), "a topology file in YAML (.yaml or
                 "hf": ((".json",), "a Hugging Face config.json (.json)")}
 
 VIEWS = ("job", "choose", "scale")
-_INT_KEYS = ("microbatch", "microbatches", "min_servers", "max_servers")
+_INT_KEYS = ("microbatch", "microbatches", "stages", "min_servers", "max_servers")
 _FLOAT_KEYS = ("tokens", "days", "budget")
-_KEYS = ("view", "server", "model", "servers", "schedule", "microbatch", "microbatches", "strategy", "partition",
+_KEYS = ("view", "server", "model", "servers", "schedule", "microbatch", "microbatches", "stages", "strategy",
+         "partition",
          "server_upload", "model_upload", "clusters", "tokens", "days", "budget", "min_servers", "max_servers",
          "headroom", "run")
 _NUMBER = re.compile(r"[0-9]{1,16}(\.[0-9]{0,16})?([eE]\+?[0-9]{1,2})?")
@@ -59,6 +60,8 @@ class JobInputs:
     schedule: str = api.DEFAULT_SCHEDULE
     microbatch: int | None = None
     microbatches: int = api.DEFAULT_MICROBATCHES
+    stages: int | None = None
+    """Pipeline stages of a job view (None: one per GPU)."""
     strategy: str = "none"
     partition: str = "compute"
     server_upload: str | None = None
@@ -95,6 +98,8 @@ class JobInputs:
                   ("strategy", self.strategy), ("partition", self.partition)]
         if self.microbatch is not None:
             pairs.append(("microbatch", str(self.microbatch)))
+        if self.stages is not None and self.view == "job":
+            pairs.append(("stages", str(self.stages)))
         if self.headroom != api.DEFAULT_HEADROOM_GIB and self.view != "scale":
             pairs.append(("headroom", f"{self.headroom:g}"))
         return urlencode(pairs)
@@ -102,6 +107,7 @@ class JobInputs:
     def to_dict(self) -> dict:
         return {"view": self.view, "server": self.server, "model": self.model, "servers": list(self.servers),
                 "schedule": self.schedule, "microbatch": self.microbatch, "microbatches": self.microbatches,
+                "stages": self.stages,
                 "strategy": self.strategy, "partition": self.partition, "server_upload": self.server_upload,
                 "model_upload": self.model_upload, "clusters": list(self.clusters), "tokens": self.tokens,
                 "days": self.days, "budget": self.budget, "min_servers": self.min_servers,
@@ -157,9 +163,29 @@ def from_query(query: Mapping[str, list[str]]) -> JobInputs:
     if "headroom" in given:
         floats["headroom"] = _headroom(given.pop("headroom"))
     fields: dict[str, Any] = {**given, **ints, **floats, **lists}
+    if "servers" in fields:
+        fields["servers"] = tuple(dict.fromkeys(fields["servers"]))  # each server once
     inputs = replace(inputs, **fields)
     check_shipped(inputs)
+    check_cost(inputs)
     return inputs
+
+
+PAGE_MAX_MICROBATCHES = 256
+"""Microbatches per iteration a run from the page may ask for (the command line: 4096)."""
+PAGE_MAX_MICROBATCH = 256
+"""Samples per microbatch a run from the page may ask for."""
+
+
+def check_cost(inputs: JobInputs) -> None:
+    """The page's bounds on a run's work, stricter than the command line's: the simulator's
+    events grow with the microbatches and their size, ``choose`` with the servers (each
+    named once) and ``best``'s planners; the page serves one person at a time."""
+    if inputs.microbatches > PAGE_MAX_MICROBATCHES:
+        raise MpsimError(f"microbatches: at most {PAGE_MAX_MICROBATCHES} on the page, got {inputs.microbatches} "
+                         "(the command line takes up to 4096)")
+    if inputs.microbatch is not None and inputs.microbatch > PAGE_MAX_MICROBATCH:
+        raise MpsimError(f"microbatch: at most {PAGE_MAX_MICROBATCH} samples on the page, got {inputs.microbatch}")
 
 
 def check_shipped(inputs: JobInputs) -> None:
@@ -226,6 +252,9 @@ class UploadStore:
         except MpsimError as exc:
             shutil.rmtree(folder, ignore_errors=True)
             raise MpsimError(str(exc).replace(f"{folder}/", "")) from None
+        except BaseException:  # an internal error keeps no file either
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
         upload = Upload(upload_id, kind, name, path, value)
         self._keep(upload)
         return upload

@@ -51,15 +51,17 @@ def model_of(inputs: JobInputs, uploads: UploadStore) -> Trace:
 def run_job(inputs: JobInputs, uploads: UploadStore, job: Job) -> JobOutcome:
     topo, trace = server_of(inputs, uploads), model_of(inputs, uploads)
     warning = api.measured_warning(trace, topo)
-    planned = api.plan(topo, trace, inputs.schedule, inputs.microbatch, inputs.microbatches, strategy=inputs.strategy,
-                   partition=inputs.partition)
+    planned = api.plan(topo, trace, inputs.schedule, inputs.microbatch, inputs.microbatches, n_stages=inputs.stages,
+                       strategy=inputs.strategy, partition=inputs.partition)
     return JobOutcome(planned, warning, inputs.headroom)
 
 
 def run_choose(inputs: JobInputs, uploads: UploadStore, job: Job) -> dict[str, Any]:
     """The choose view: ``mpsim.api.choose`` over the chosen servers (every shipped one
     the schedule can fill when none is chosen), shown as ``mpsim choose --html`` shows it."""
-    report = api.choose(model_of(inputs, uploads), list(inputs.servers) or "all", schedule=inputs.schedule,
+    uploaded = [server_of(inputs, uploads)] if inputs.server_upload is not None else []
+    servers: list[str | Topology] = [*inputs.servers, *uploaded]
+    report = api.choose(model_of(inputs, uploads), servers or "all", schedule=inputs.schedule,
                         microbatch_sizes=[inputs.microbatch] if inputs.microbatch else None,
                         microbatches=inputs.microbatches, headroom_gib=inputs.headroom)
     return {"report": report.to_dict(), "html": choose_html(report)}

@@ -5,12 +5,14 @@
 
 const $ = (id) => document.getElementById(id);
 const UPLOADED = "__upload__";
-const FIELDS = ["server", "model", "schedule", "microbatch", "microbatches", "strategy", "partition", "headroom"];
+const FIELDS = ["server", "model", "schedule", "microbatch", "microbatches", "stages", "strategy", "partition",
+  "headroom"];
 const SCALE_FIELDS = ["tokens", "days", "budget", "min_servers", "max_servers"];
 // This server's token, put in the page by the server: sent on every request that changes
 // anything, so that no other site's page can (it cannot read this page to learn it).
 const TOKEN = document.querySelector('meta[name="mpsim-token"]').content;
-const state = { view: "job", job: null, timer: null, maxUploadBytes: 0, uploads: { server: null, model: null } };
+const state = { view: "job", job: null, timer: null, maxUploadBytes: 0,
+  uploads: { server: null, servers: null, model: null } };
 
 async function api(method, url, body) {
   let response;
@@ -31,8 +33,10 @@ function showError(message) {
   $("error").hidden = !message;
 }
 
-function fillSelect(select, names) {
-  select.replaceChildren(...names.map((n) => new Option(n, n)));
+// Options named as the command line names them, with a word on what each is where the
+// catalog has one ("dgx1-v100: 8 x V100-SXM2-32GB").
+function fillSelect(select, names, labels = {}) {
+  select.replaceChildren(...names.map((n) => new Option(labels[n] ? `${n}: ${labels[n]}` : n, n)));
 }
 
 function setView(view) {
@@ -43,6 +47,7 @@ function setView(view) {
   $("scale-field").hidden = view !== "scale";
   $("strategy-label").hidden = view !== "job";
   $("partition-label").hidden = view !== "job";
+  $("stages-label").hidden = view !== "job";
   $("schedule-label").hidden = view === "scale";  // choose --tokens: 1F1B at a fixed global batch
   $("microbatches-label").hidden = view === "scale";
   $("headroom-label").hidden = view === "scale";
@@ -69,7 +74,9 @@ function toQuery(withUploads) {
       if ($(key).value !== "") q.set(key, $(key).value);
     }
   } else if (state.view === "choose") {
-    q.set("servers", [...$("servers").selectedOptions].map((o) => o.value).join(","));
+    const chosen = [...$("servers").selectedOptions].map((o) => o.value);
+    q.set("servers", chosen.filter((v) => v !== UPLOADED).join(","));
+    if (chosen.includes(UPLOADED) && withUploads) q.set("server_upload", state.uploads.servers.upload);
   } else if ($("server").value === UPLOADED) {
     if (withUploads) q.set("server_upload", state.uploads.server.upload);
   } else {
@@ -89,6 +96,7 @@ function toQuery(withUploads) {
   if (state.view === "job") {
     q.set("strategy", $("strategy").value);
     q.set("partition", $("partition").value);
+    if ($("stages").value !== "") q.set("stages", $("stages").value);
   }
   return q;
 }
@@ -109,7 +117,8 @@ async function upload(kind, input, slot) {
     select.querySelector(`option[value="${UPLOADED}"]`)?.remove();
     const option = new Option(`uploaded: ${up.name}`, UPLOADED);
     select.prepend(option);
-    select.value = UPLOADED;
+    if (select.multiple) option.selected = true;  // Choose: compared beside the shipped ones picked
+    else select.value = UPLOADED;
   } catch (err) {
     showError(err.message);
   } finally {
@@ -187,8 +196,11 @@ function showResult(job) {
   $("verdict").className = job.fits ? "fits" : "oom";
   $("oom").textContent = job.oom || (job.at_risk ? `at risk: ${job.at_risk}` : "");
   $("warning").textContent = job.warning ? `warning: ${job.warning}` : "";
+  const peakGiB = Math.max(...r.gpus.map((g) => g.peak_bytes)) / 2 ** 30;
+  const tokens = r.tokens_per_s ? `, ${Math.round(r.tokens_per_s).toLocaleString("en-US")} tokens/s` : "";
   $("summary").textContent = `iteration ${(r.iteration_s * 1e3).toFixed(1)} ms, ` +
-    `${r.samples_per_s.toFixed(2)} samples/s, ${r.model_tflops.toFixed(1)} model TFLOP/s` +
+    `${r.samples_per_s.toFixed(2)} ± ${r.samples_per_s_band.toFixed(2)} samples/s${tokens}, ` +
+    `${r.model_tflops.toFixed(1)} model TFLOP/s, peak ${peakGiB.toFixed(2)} GiB per GPU at most` +
     (job.fits ? "" : " (as if the GPUs had the memory)");
   $("dl-result").href = `${base}/result.json`;
   $("dl-plan").href = `${base}/plan.json`;
@@ -229,12 +241,12 @@ async function init() {
   try {
     const catalog = await api("GET", "/api/catalog");
     state.maxUploadBytes = catalog.max_upload_bytes;
-    fillSelect($("server"), catalog.servers);
-    fillSelect($("servers"), catalog.servers);
+    fillSelect($("server"), catalog.servers, catalog.labels.servers);
+    fillSelect($("servers"), catalog.servers, catalog.labels.servers);
     fillSelect($("clusters"), catalog.clusters);
     fillSelect($("model"), catalog.models);
     fillSelect($("schedule"), catalog.schedules);
-    fillSelect($("strategy"), catalog.strategies);
+    fillSelect($("strategy"), catalog.strategies, catalog.labels.strategies);
     fillSelect($("partition"), catalog.partitions);
     $("server").value = "dgx1-v100";
     $("model").value = "gpt-5.3b";
@@ -246,6 +258,7 @@ async function init() {
   fromQuery(params);
   for (const tab of document.querySelectorAll(".tab")) tab.addEventListener("click", () => setView(tab.dataset.view));
   $("server-file").addEventListener("change", () => upload("server", $("server-file"), "server"));
+  $("servers-file").addEventListener("change", () => upload("server", $("servers-file"), "servers"));
   $("trace-file").addEventListener("change", () => upload("trace", $("trace-file"), "model"));
   $("hf-file").addEventListener("change", () => upload("hf", $("hf-file"), "model"));
   $("form").addEventListener("submit", (event) => { event.preventDefault(); run(); });
