@@ -225,7 +225,8 @@ def _config_errors(source: str, model_type: str) -> Iterator[None]:
         yield
     except MpsimError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError, RuntimeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError, RuntimeError,
+            AssertionError) as e:
         raise MpsimError(f"{config_path(source)}: the {model_type} model cannot be built from this config "
                          f"({type(e).__name__}: {_one_line(e)})") from None
 

@@ -89,7 +89,8 @@ def test_values_only_the_modules_reject_are_one_line_too(tmp_path):
     pytest.importorskip("transformers", reason="the hf extra")
     for fields, says in (({"hidden_act": "nope"}, "hidden_act: unknown activation 'nope'"),
                          ({"attention_bias": "yes"}, "bad llama config: Validation error for field 'attention_bias'"),
-                         ({"rope_scaling": {"type": "nope"}}, "the llama model cannot be built from this config")):
+                         ({"rope_scaling": {"type": "nope"}}, "the llama model cannot be built from this config"),
+                         ({"pad_token_id": 32000}, "(AssertionError: Padding_idx must be within num_embeddings)")):
         path = _config(tmp_path, **fields)
         code, _, err = run_cli(120, "trace", "--hf", str(path), "-o", str(tmp_path / "x.json"))
         lines = err.strip().splitlines()

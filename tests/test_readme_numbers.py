@@ -188,3 +188,34 @@ def test_the_fits_example_in_the_readme_is_reports_fits_dgx1_gpt_1f1b_layouts():
     start = text.index(command)
     block = text[start:text.index("```", start)].split("\n", 1)[1]
     assert block == (ROOT / "reports" / "fits_dgx1_gpt_1f1b_layouts.txt").read_text()
+
+
+def test_the_simulate_example_in_the_readme_is_what_the_command_prints():
+    """Each line the README shows of its `mpsim simulate` example (``...`` stands for the
+    lines left out) is a line of the command's output today, in the same order."""
+    from helpers import run_cli
+
+    text = (ROOT / "README.md").read_text()
+    command = ("$ mpsim simulate --server dgx-a100-80gb --model llama-3-8b --dp 8 --zero 3 --microbatch 1 "
+               "--microbatches 2")
+    start = text.index(command)
+    shown = [x for x in text[start:text.index("```", start)].splitlines()[1:] if x and x != "..."]
+    code, out, _ = run_cli(300, *command.split()[2:])
+    lines = out.splitlines()
+    assert code == 0 and shown
+    at = [lines.index(x) for x in shown]  # each shown line is printed
+    assert at == sorted(at)
+
+
+def test_the_resnet50_example_in_the_readme_is_what_the_commands_give(tmp_path):
+    pytest.importorskip("torch")
+    from helpers import run_cli
+
+    quote = re.search(r"titanrtx-x1 +# fits: peak ([\d.]+) GiB, ([\d.]+) samples/s", (ROOT / "README.md").read_text())
+    assert quote is not None
+    trace = tmp_path / "resnet50.json"
+    assert run_cli(300, "trace", "--module", "mpsim.cnn:resnet50", "-o", str(trace))[0] == 0
+    from mpsim.api import plan
+
+    r = plan("titanrtx-x1", str(trace), "1f1b", None, 16).result
+    assert r.fits and (f"{r.max_peak_bytes / 2**30:.2f}", f"{r.samples_per_s:.2f}") == quote.groups()
