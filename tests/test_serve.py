@@ -146,6 +146,17 @@ def test_choose_compares_an_uploaded_server_beside_the_shipped_ones(server):
     assert sorted(r["server"] for r in job["choose"]["report"]["rows"]) == ["dgx1-v100", "my-h100"]
 
 
+def test_a_run_past_the_pages_work_bound_is_refused_before_planning(server):
+    big = load_trace("gpt-5.3b").with_layers(800)  # 802 layers x 256 microbatches x best's 10 plans
+    compact = json.dumps(json.loads(big.to_json()), separators=(",", ":")).encode()  # under the 4 MiB upload limit
+    _, up = call_json(server, "POST", "/api/upload?kind=trace&name=big.json", compact)
+    job = run_job(server, server="dgx1-v100", model_upload=up["upload"], microbatch=2, microbatches=256,
+                  strategy="best")
+    assert job["state"] == "failed" and job["tasks"] == 0
+    assert job["error"] == ("this run would simulate 802 layers x 256 microbatches x 10 plan(s) = 2,053,120; the page "
+                            "takes at most 2,000,000 (fewer microbatches, one strategy, or the command line)")
+
+
 def test_a_job_takes_its_stage_count_from_the_page(server):
     job = run_job(server, server="dgx1-v100", model="gpt-5.3b", microbatch=2, stages=4)
     assert job["state"] == "done", job["error"]
