@@ -30,6 +30,8 @@ from mpsim.units import MAX_BYTES
 
 MAX_DIM = 2**40
 """Largest size of one kernel dimension (rows, tokens, channels)."""
+Dim = Annotated[int, Field(ge=1, le=MAX_DIM)]
+"""A kernel dimension: a whole number from 1 to ``MAX_DIM``."""
 MAX_COUNT = 2**20
 """Most launches of one kernel shape in one layer's pass."""
 
@@ -47,9 +49,9 @@ class GemmKernel(_Kernel):
     """C[batch, m, n] = A[batch, m, k] @ B[batch, k, n]."""
 
     op: Literal["gemm"] = "gemm"
-    m: int = Field(ge=1, le=MAX_DIM)
-    n: int = Field(ge=1, le=MAX_DIM)
-    k: int = Field(ge=1, le=MAX_DIM)
+    m: Dim
+    n: Dim
+    k: Dim
     batch: int = Field(default=1, ge=1, le=MAX_DIM)
     grows: GemmDim = Field(default="m", description="the dimension proportional to the microbatch")
 
@@ -66,12 +68,12 @@ class AttentionKernel(_Kernel):
     op: Literal["attention"] = "attention"
     backend: Literal["flash", "mem-efficient"] = "flash"
     backward: bool = False
-    batch: int = Field(ge=1, le=MAX_DIM)
-    heads: int = Field(ge=1, le=MAX_DIM)
-    kv_heads: int = Field(ge=1, le=MAX_DIM)
-    s_q: int = Field(ge=1, le=MAX_DIM)
-    s_k: int = Field(ge=1, le=MAX_DIM)
-    head_dim: int = Field(ge=1, le=MAX_DIM)
+    batch: Dim
+    heads: Dim
+    kv_heads: Dim
+    s_q: Dim
+    s_k: Dim
+    head_dim: Dim
     causal: bool = False
 
     @property
@@ -97,15 +99,15 @@ class ConvKernel(_Kernel):
 
     op: Literal["conv"] = "conv"
     pass_: Literal["fwd", "dgrad", "wgrad"] = Field(alias="pass")
-    n: int = Field(ge=1, le=MAX_DIM)
-    c_in: int = Field(ge=1, le=MAX_DIM)
-    h: int = Field(ge=1, le=MAX_DIM)
-    w: int = Field(ge=1, le=MAX_DIM)
-    c_out: int = Field(ge=1, le=MAX_DIM)
-    r: int = Field(ge=1, le=MAX_DIM)
-    s: int = Field(ge=1, le=MAX_DIM)
-    p: int = Field(ge=1, le=MAX_DIM)
-    q: int = Field(ge=1, le=MAX_DIM)
+    n: Dim
+    c_in: Dim
+    h: Dim
+    w: Dim
+    c_out: Dim
+    r: Dim
+    s: Dim
+    p: Dim
+    q: Dim
     stride: int = Field(default=1, ge=1, le=MAX_DIM)
     groups: int = Field(default=1, ge=1, le=MAX_DIM)
 
