@@ -30,6 +30,7 @@ tensors; they end the trace with an ``MpsimError`` naming the op and the model.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -87,12 +88,23 @@ def _positions(tokens: torch.Tensor) -> torch.Tensor:
 _SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
 
 
-def _decoder() -> FamilyLayout:
-    """Llama's layout, shared by Mistral and Qwen2."""
-    return FamilyLayout(family="llama", masked_lm=False, base="model", blocks="layers", rotary="rotary_emb",
+def _decoder(family: str = "llama", head: Callable[[Any, torch.Tensor], torch.Tensor] | None = None) -> FamilyLayout:
+    """Llama's layout, shared by Mistral and Qwen2, and by Phi-3 and Gemma 2 and 3 under
+    their own family names (their blocks are not mpsim's Llama layer, so a tensor-parallel
+    shard cannot be re-traced with it: ``mpsim.tensor_parallel`` refuses them)."""
+    return FamilyLayout(family=family, masked_lm=False, base="model", blocks="layers", rotary="rotary_emb",
                         embed_modules=("model.embed_tokens",), head_modules=("model.norm", "lm_head"),
-                        embed=lambda m, t: m.model.embed_tokens(t), head=lambda m, x: m.lm_head(m.model.norm(x)),
-                        required=_SHAPE_KEYS)
+                        embed=lambda m, t: m.model.embed_tokens(t),
+                        head=head or (lambda m, x: m.lm_head(m.model.norm(x))), required=_SHAPE_KEYS)
+
+
+def _soft_capped_head(model: Any, x: torch.Tensor) -> torch.Tensor:
+    """Gemma's head: the final norm, the vocabulary projection, and the logits soft-capped
+    as its config says (``final_logit_softcapping``: cap x tanh(logits / cap), whose tanh
+    keeps a logits-sized tensor for the backward)."""
+    logits = model.lm_head(model.model.norm(x))
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 #: model_type -> layout.
@@ -100,6 +112,9 @@ LAYOUTS: dict[str, FamilyLayout] = {
     "llama": _decoder(),
     "mistral": _decoder(),
     "qwen2": _decoder(),
+    "phi3": _decoder("phi3"),
+    "gemma2": _decoder("gemma2", _soft_capped_head),
+    "gemma3_text": _decoder("gemma3", _soft_capped_head),
     "gpt2": FamilyLayout(
         family="gpt", masked_lm=False, base="transformer", blocks="h", rotary=None,
         embed_modules=("transformer.wte", "transformer.wpe", "transformer.drop"),
@@ -195,7 +210,9 @@ def _mpsim_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     """An ``AttentionInterface`` function: q (b, a, s, d), k and v (b, kv_heads, s, d) to
     (b, s, a, d), as transformers' own functions return it. Blocks are called without a
     mask (training without padding): causal as the module says. Sliding windows
-    (Mistral) are not modelled, as in ``mpsim.workloads``."""
+    (Mistral, Gemma's local layers) are not modelled, as in ``mpsim.workloads``: their
+    kernels keep the same tensors, and the FLOPs counted are the full causal ones. Gemma 2's
+    attention soft-capping (``softcap``) runs inside the fused kernel and keeps nothing more."""
     if attention_mask is not None:
         raise MpsimError("mpsim attention takes no explicit attention mask (causal or bidirectional only)")
     causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
@@ -285,7 +302,18 @@ def _embed(model: Any, layout: FamilyLayout, rotary: nn.Module | None, tokens: t
     x = layout.embed(model, tokens)
     if rotary is None:
         return x
-    return hold_for_backward(x, *rotary(x, position_ids=_positions(x).unsqueeze(0)))
+    tables = _rotary_tables(model.config, rotary, x, _positions(x).unsqueeze(0))
+    return hold_for_backward(x, *[t for pair in tables.values() for t in pair])
+
+
+def _rotary_tables(config: Any, rotary: nn.Module, x: torch.Tensor,
+                   positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, ...]]:
+    """The (cos, sin) the backbone builds once per forward: one pair, or one per attention
+    type where the layers alternate (Gemma 3: local layers with their own RoPE base)."""
+    types = getattr(config, "layer_types", None)
+    if types and "layer_type" in inspect.signature(rotary.forward).parameters:
+        return {t: tuple(rotary(x, positions, t)) for t in dict.fromkeys(types)}
+    return {None: tuple(rotary(x, position_ids=positions))}
 
 
 def _trace_rows(model: Any, layout: FamilyLayout, b: int, s: int,
@@ -301,9 +329,12 @@ def _trace_rows(model: Any, layout: FamilyLayout, b: int, s: int,
     x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
     positions = _positions(x).unsqueeze(0)
     extra: dict[str, Any] = {}
-    if rotary is not None:
-        extra = {"position_ids": positions, "position_embeddings": rotary(x, position_ids=positions)}
-    shared = _SharedTables(extra.get("position_embeddings", ()))
+    tables: dict[str | None, tuple[torch.Tensor, ...]] = {}
+    if rotary is not None:  # the traced block is layer 0, of layer type 0 where they alternate
+        tables = _rotary_tables(model.config, rotary, x, positions)
+        first = (getattr(model.config, "layer_types", None) or [None])[0]
+        extra = {"position_ids": positions, "position_embeddings": tables.get(first, next(iter(tables.values())))}
+    shared = _SharedTables(tuple(t for pair in tables.values() for t in pair))
     layer = trace_layer(nn.ModuleList([block, shared]), [x],
                         lambda _m, x: _first(block(x, attention_mask=None, **extra)))
 

@@ -34,6 +34,8 @@ NUMBER_FIELDS: dict[str, tuple[float, float]] = {
     "attention_dropout": (0.0, 1.0), "hidden_dropout": (0.0, 1.0), "hidden_dropout_prob": (0.0, 1.0),
     "attention_probs_dropout_prob": (0.0, 1.0), "resid_pdrop": (0.0, 1.0), "embd_pdrop": (0.0, 1.0),
     "attn_pdrop": (0.0, 1.0), "partial_rotary_factor": (0.0, 1.0), "rotary_pct": (0.0, 1.0),
+    "final_logit_softcapping": (1e-6, 1e6), "attn_logit_softcapping": (1e-6, 1e6),
+    "query_pre_attn_scalar": (1e-6, 1e9), "rope_local_base_freq": (1e-6, 1e12),
 }
 #: Fields that name something and must be a string.
 NAME_FIELDS = ("model_type", "hidden_act", "activation_function", "torch_dtype", "position_embedding_type")
@@ -50,6 +52,7 @@ SHAPE_FIELDS: dict[str, tuple[tuple[str, ...], bool, int]] = {
     "intermediate_size": (("intermediate_size", "n_inner", "ffn_dim"), True, MAX_WIDTH),
     "max_position_embeddings": (("max_position_embeddings", "n_positions"), True, MAX_POSITIONS),
     "head_dim": (("head_dim",), True, MAX_HEAD_DIM),
+    "sliding_window": (("sliding_window",), True, MAX_POSITIONS),
 }
 
 
