@@ -270,3 +270,20 @@ def test_html_escapes_text(files, tmp_path):
 def test_the_count_of_microbatches_is_not_taken_for_their_sizes():
     with pytest.raises(MpsimError, match="microbatches is the count per iteration"):
         choose(parse_trace(_trace_dict(), "toy.json"), [], microbatches=[2])  # type: ignore[arg-type]
+
+
+def test_the_choose_plot_keeps_server_names_apart_and_draws_the_band(tmp_path):
+    """Two servers at nearly the same price and rate (the A100 40 GB and 80 GB boxes for
+    Llama-3-8B): their labels do not overlap; each point has its band as an error bar."""
+    from mpsim.views.plots import choose_figure
+
+    report = choose("llama-3-8b", ["a100-40gb-nvswitch", "dgx-a100-80gb", "dgx-h100"])
+    fig = choose_figure(report)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    boxes = [t.get_window_extent(renderer) for t in ax.texts]
+    assert sorted(t.get_text() for t in ax.texts) == ["a100-40gb-nvswitch", "dgx-a100-80gb", "dgx-h100"]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    bars = [c for c in ax.containers if type(c).__name__ == "ErrorbarContainer"]
+    assert len(bars) == 3

@@ -195,20 +195,27 @@ def timeline_figure(r: SimResult) -> Figure:
 
 def choose_figure(report: ChooseReport) -> Figure:
     """Throughput (tokens/s for language models, else samples/s) against USD per hour, a
-    point per priced server that fits, the Pareto front joined and marked."""
+    point per priced server that fits with the time model's band as an error bar (points
+    whose bars overlap are the ties of ``ChooseReport.ties``), the Pareto front joined and
+    marked, labels placed clear of each other."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     lm = report.seq_len is not None
-    points = [(r.server, r.price.usd_per_hour, r.samples_per_s * (report.seq_len or 1), r.pareto)
-              for r in report.rows if r.fits and r.price.usd_per_hour is not None]
+    rows = sorted((r for r in report.rows if r.fits and r.price.usd_per_hour is not None),
+                  key=lambda r: r.price.usd_per_hour or 0.0)
+    points = [(r.server, r.price.usd_per_hour or 0.0, r.samples_per_s * (report.seq_len or 1), r.pareto) for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (server, usd, rate, pareto) in enumerate(sorted(points, key=lambda p: p[1])):
-        ax.scatter([usd], [rate], s=60 if pareto else 30, zorder=3, color="tab:red" if pareto else "tab:gray",
-                   marker="D" if pareto else "o")
-        ax.annotate(server, (usd, rate), xytext=(6, 4 if i % 2 else -12), textcoords="offset points", fontsize=8)
+    top_usd = max((p[1] for p in points), default=1.0)
+    top_rate = max((p[2] for p in points), default=1.0)
+    ax.set_xlim(0, top_usd * 1.3)
+    ax.set_ylim(0, top_rate * 1.15)
+    for r, (_, usd, rate, pareto) in zip(rows, points, strict=True):
+        ax.errorbar([usd], [rate], yerr=[rate * r.band_pct / 100], fmt="D" if pareto else "o", capsize=3,
+                    markersize=7 if pareto else 5, zorder=3, color="tab:red" if pareto else "tab:gray")
+    _label_points(fig, ax, [(server, usd, rate) for server, usd, rate, _ in points])
     front = sorted((usd, rate) for _, usd, rate, pareto in points if pareto)
     if front:
         ax.plot([p[0] for p in front], [p[1] for p in front], color="tab:red", linestyle="--", linewidth=1,
@@ -217,11 +224,7 @@ def choose_figure(report: ChooseReport) -> Figure:
     shown = {p[0] for p in points}
     left_out = [r.server for r in report.rows if r.server not in shown]
     ax.set_xlabel("USD per hour (on-demand)")
-    ax.set_ylabel("tokens/s" if lm else "samples/s")
-    top_usd = max((p[1] for p in points), default=1.0)
-    top_rate = max((p[2] for p in points), default=1.0)
-    ax.set_xlim(0, top_usd * 1.3)
-    ax.set_ylim(0, top_rate * 1.15)
+    ax.set_ylabel(("tokens/s" if lm else "samples/s") + " (bars: the time model's band)")
     title = f"{report.model}, {report.schedule}: throughput against price"
     if left_out:
         title += f"\n(not shown, no fit or no price: {', '.join(left_out)})"
@@ -229,6 +232,29 @@ def choose_figure(report: ChooseReport) -> Figure:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+#: Where a point's label may go, in points from it: right above, right below, left above, left below.
+LABEL_SPOTS = ((6, 4, "left"), (6, -12, "left"), (-6, 4, "right"), (-6, -12, "right"))
+
+
+def _label_points(fig: Figure, ax: Any, points: list[tuple[str, float, float]]) -> None:
+    """Each point's name beside it, at the first of ``LABEL_SPOTS`` whose box overlaps no
+    label placed before (two servers at about the same price and rate stay readable)."""
+    fig.canvas.draw()  # lays the axes out, so each label's box is where it will be drawn
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]  # Agg's canvas has one
+    placed: list[Any] = []
+    for name, x, y in points:
+        for dx, dy, ha in LABEL_SPOTS:
+            label = ax.annotate(name, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=8, ha=ha)
+            box = label.get_window_extent(renderer)
+            if not any(box.overlaps(other) for other in placed):
+                break
+            label.remove()
+        else:  # every spot taken: the first, above the others
+            label = ax.annotate(name, (x, y), xytext=LABEL_SPOTS[0][:2], textcoords="offset points", fontsize=8)
+            box = label.get_window_extent(renderer)
+        placed.append(box)
 
 
 def plot_choose(report: ChooseReport, path: Path) -> None:

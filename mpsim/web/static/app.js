@@ -11,7 +11,7 @@ const SCALE_FIELDS = ["tokens", "days", "budget", "min_servers", "max_servers"];
 // This server's token, put in the page by the server: sent on every request that changes
 // anything, so that no other site's page can (it cannot read this page to learn it).
 const TOKEN = document.querySelector('meta[name="mpsim-token"]').content;
-const state = { view: "job", job: null, timer: null, maxUploadBytes: 0,
+const state = { view: "job", job: null, timer: null, started: 0, maxUploadBytes: 0,
   uploads: { server: null, servers: null, model: null } };
 
 async function api(method, url, body) {
@@ -134,6 +134,7 @@ async function run() {
   try {
     const job = await api("POST", `/api/jobs?${toQuery(true)}`);
     state.job = job.id;
+    state.started = Date.now();
     const bookmark = `${location.pathname}?${job.bookmark}&run=1`;
     history.replaceState(null, "", bookmark);
     $("bookmark-note").textContent = job.bookmarkable ? "This page's address reruns this view: bookmark it."
@@ -158,7 +159,10 @@ function showProgress(job) {
   const words = { waiting: "waiting for the run before it", running: "running", cancelled: "cancelled",
                   done: "done", failed: "failed" };
   $("progress").hidden = false;
-  $("progress").textContent = `${words[job.state]}: ${job.tasks} simulated tasks`;
+  // a task: one forward or backward of one microbatch on one stage, a swap, a collective
+  const seconds = state.started ? Math.round((Date.now() - state.started) / 1000) : 0;
+  $("progress").textContent = `${words[job.state]}: ${job.tasks.toLocaleString("en-US")} tasks simulated` +
+    (job.state === "running" || job.state === "waiting" ? `, ${seconds} s` : "");
 }
 
 async function poll() {
