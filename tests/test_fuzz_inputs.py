@@ -201,3 +201,29 @@ def test_mutated_plan(tmp_path_factory, plan_dict, data):
     raw = _dump_json(mutated) if mutated is not None else data.draw(corrupted(json.dumps(plan_dict, indent=1)))
     path = _write(tmp_path_factory.mktemp("plan"), ".json", raw)
     _check(*_cli("simulate", "--plan", path), "iteration")
+
+
+HF_CONFIGS = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+              "vocab_size": 1000, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "hidden_act": "silu", "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1,
+              "eos_token_id": 2},
+    "gemma2": {"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 1000,
+               "max_position_embeddings": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+               "sliding_window": 64, "query_pre_attn_scalar": 16, "pad_token_id": 0, "bos_token_id": 1,
+               "eos_token_id": 2},
+}
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_hugging_face_config(tmp_path_factory, data):
+    """A config with one or two fields changed (other types, signs, magnitudes, deleted):
+    traced, or refused in one line; never a traceback."""
+    pytest.importorskip("transformers", reason="the hf extra")
+    config = data.draw(structured(HF_CONFIGS[data.draw(st.sampled_from(sorted(HF_CONFIGS)))]))
+    tmp_path = tmp_path_factory.mktemp("hf")
+    path = _write(tmp_path, ".json", _dump_json(config))
+    _check(*_cli("trace", "--hf", path, "-o", str(tmp_path / "out.json")), "wrote ")
