@@ -157,6 +157,16 @@ def test_a_run_past_the_pages_work_bound_is_refused_before_planning(server):
                             "takes at most 2,000,000 (fewer microbatches, one strategy, or the command line)")
 
 
+def test_a_job_takes_its_parallel_layout_by_name_from_the_page(server):
+    job = run_job(server, server="dgx-a100-80gb", model="llama-3-8b", microbatch=1, microbatches=2, layout="fsdp8")
+    assert job["state"] == "done", job["error"]
+    direct = api.plan("dgx-a100-80gb", "llama-3-8b", "1f1b", 1, 2, parallelism=api.parse_layout("fsdp8")).result
+    assert job["result"]["layout"] == "FSDP x8" and job["result"]["iteration_s"] == direct.iteration_s
+    assert "layout=fsdp8" in job["bookmark"]
+    status, answer = call_json(server, "POST", "/api/jobs?" + urlencode({"server": "dgx1-v100", "layout": "fsdp"}))
+    assert status == 400 and answer["error"].startswith("unknown layout 'fsdp': expected")
+
+
 def test_a_job_takes_its_stage_count_from_the_page(server):
     job = run_job(server, server="dgx1-v100", model="gpt-5.3b", microbatch=2, stages=4)
     assert job["state"] == "done", job["error"]

@@ -37,8 +37,8 @@ UPLOAD_KINDS = {"server": ((".yaml", ".yml"), "a topology file in YAML (.yaml or
 VIEWS = ("job", "choose", "scale")
 _INT_KEYS = ("microbatch", "microbatches", "stages", "min_servers", "max_servers")
 _FLOAT_KEYS = ("tokens", "days", "budget")
-_KEYS = ("view", "server", "model", "servers", "schedule", "microbatch", "microbatches", "stages", "strategy",
-         "partition",
+_KEYS = ("view", "server", "model", "servers", "schedule", "microbatch", "microbatches", "stages", "layout",
+         "strategy", "partition",
          "server_upload", "model_upload", "clusters", "tokens", "days", "budget", "min_servers", "max_servers",
          "headroom", "run")
 _NUMBER = re.compile(r"[0-9]{1,16}(\.[0-9]{0,16})?([eE]\+?[0-9]{1,2})?")
@@ -62,6 +62,9 @@ class JobInputs:
     microbatches: int = api.DEFAULT_MICROBATCHES
     stages: int | None = None
     """Pipeline stages of a job view (None: one per GPU)."""
+    layout: str = ""
+    """A job view's parallel layout by name (``mpsim.layouts.parse_layout``: ``fsdp8``,
+    ``tp4spxpp2``, ...); empty: the pipeline over the GPUs."""
     strategy: str = "none"
     partition: str = "compute"
     server_upload: str | None = None
@@ -100,6 +103,8 @@ class JobInputs:
             pairs.append(("microbatch", str(self.microbatch)))
         if self.stages is not None and self.view == "job":
             pairs.append(("stages", str(self.stages)))
+        if self.layout and self.view == "job":
+            pairs.append(("layout", self.layout))
         if self.headroom != api.DEFAULT_HEADROOM_GIB and self.view != "scale":
             pairs.append(("headroom", f"{self.headroom:g}"))
         return urlencode(pairs)
@@ -107,7 +112,7 @@ class JobInputs:
     def to_dict(self) -> dict:
         return {"view": self.view, "server": self.server, "model": self.model, "servers": list(self.servers),
                 "schedule": self.schedule, "microbatch": self.microbatch, "microbatches": self.microbatches,
-                "stages": self.stages,
+                "stages": self.stages, "layout": self.layout,
                 "strategy": self.strategy, "partition": self.partition, "server_upload": self.server_upload,
                 "model_upload": self.model_upload, "clusters": list(self.clusters), "tokens": self.tokens,
                 "days": self.days, "budget": self.budget, "min_servers": self.min_servers,
@@ -168,6 +173,8 @@ def from_query(query: Mapping[str, list[str]]) -> JobInputs:
     inputs = replace(inputs, **fields)
     check_shipped(inputs)
     check_cost(inputs)
+    if inputs.layout:
+        api.parse_layout(inputs.layout)  # a bad name refused in one line before the run starts
     return inputs
 
 

@@ -72,8 +72,9 @@ def run_job(inputs: JobInputs, uploads: UploadStore, job: Job) -> JobOutcome:
     topo, trace = server_of(inputs, uploads), model_of(inputs, uploads)
     check_work(trace, inputs)
     warning = api.measured_warning(trace, topo)
+    layout = api.parse_layout(inputs.layout) if inputs.layout else None
     planned = api.plan(topo, trace, inputs.schedule, inputs.microbatch, inputs.microbatches, n_stages=inputs.stages,
-                       strategy=inputs.strategy, partition=inputs.partition)
+                       strategy=inputs.strategy, partition=inputs.partition, parallelism=layout)
     return JobOutcome(planned, warning, inputs.headroom)
 
 

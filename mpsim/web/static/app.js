@@ -5,8 +5,8 @@
 
 const $ = (id) => document.getElementById(id);
 const UPLOADED = "__upload__";
-const FIELDS = ["server", "model", "schedule", "microbatch", "microbatches", "stages", "strategy", "partition",
-  "headroom"];
+const FIELDS = ["server", "model", "schedule", "microbatch", "microbatches", "stages", "layout", "strategy",
+  "partition", "headroom"];
 const SCALE_FIELDS = ["tokens", "days", "budget", "min_servers", "max_servers"];
 // This server's token, put in the page by the server: sent on every request that changes
 // anything, so that no other site's page can (it cannot read this page to learn it).
@@ -48,6 +48,7 @@ function setView(view) {
   $("strategy-label").hidden = view !== "job";
   $("partition-label").hidden = view !== "job";
   $("stages-label").hidden = view !== "job";
+  $("layout-label").hidden = view !== "job";
   $("schedule-label").hidden = view === "scale";  // choose --tokens: 1F1B at a fixed global batch
   $("microbatches-label").hidden = view === "scale";
   $("headroom-label").hidden = view === "scale";
@@ -97,6 +98,7 @@ function toQuery(withUploads) {
     q.set("strategy", $("strategy").value);
     q.set("partition", $("partition").value);
     if ($("stages").value !== "") q.set("stages", $("stages").value);
+    if ($("layout").value.trim() !== "") q.set("layout", $("layout").value.trim());
   }
   return q;
 }
