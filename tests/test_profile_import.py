@@ -488,3 +488,21 @@ def test_argument_positions_match_a_real_cpu_trace(tmp_path):
     assert op_bytes("aten::add", dims, types) == (3 * 100 * 4, "inputs_and_output")
     profile_read = read_profile(path)
     assert profile_read.samples == () and profile_read.steps == 2
+
+
+def test_the_gpu_checks_profiler_script_runs_and_calibrate_says_a_cpu_trace_has_no_gpu_kernels(tmp_path):
+    """validate/profile_layers.py (what validate/gpu_checks.sh runs on a GPU) writes a
+    Kineto trace on a CPU too; `mpsim calibrate --profile` refuses it in one line."""
+    from helpers import run_cli
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, str(root / "validate" / "profile_layers.py"), "--preset", "gpt2-xl",
+                           "--layers", "1", "--seq-len", "32", "--recipe", "fp32", "--device", "cpu", "--steps", "1",
+                           "-o", str(out)], capture_output=True, text=True, check=False, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert read_profile(out).samples == ()
+    code, _, err = run_cli(120, "calibrate", "--profile", str(out), "--dtype", "fp32", "--server", "h100-x1")
+    assert code == 2 and err.strip().splitlines() == [
+        "mpsim: error: profile.json: no fp32 kernel with a shape to fit; profile with record_shapes=True and the "
+        "model's precision"]

@@ -6,7 +6,11 @@
 #   trace_bf16*.json      measured mixed-bf16 Llama layers, three shapes (flash attention, fused RMSNorm)
 #   calibrate_*.json      `mpsim calibrate` of each precision against the shipped single-GPU server
 #   validate_*.json       `mpsim validate --device cuda`: keep, recompute, selective, host swap;
-#                         peer swap too where there are two or more GPUs
+#                         peer swap too where there are two or more GPUs; each stage's measured
+#                         max_memory_reserved beside the caching-allocator model's prediction
+#   validate_bf16_*.json  the same for the mixed-bf16 Llama layers, validate_bert_*.json for BERT
+#   profile_*.json        PyTorch profiler traces of the Llama (bf16) and GPT (fp32) layers
+#   kernels_*.yaml        `mpsim calibrate --profile`: the GPU's kernel table fitted to them
 #   log.txt               everything printed
 # A step that fails or outlasts STEP_TIMEOUT_S is logged and the next one runs.
 # Usage: validate/gpu_checks.sh OUTDIR [SERVER]   (SERVER: shipped topology to calibrate against)
@@ -60,6 +64,24 @@ plan = {"schema": 1, "model": "gpt-8l-1024h-fp32", "server": "probe", "microbatc
 json.dump(plan, open(f"{sys.argv[1]}/plan_host.json", "w"), indent=1)
 EOF
 step "${validate[@]}" --plan "$out/plan_host.json" --json "$out/validate_host.json"
+# the layers of other families and precisions, with their reserved memory (issue 30)
+step mpsim trace --family bert --layers 4 --hidden 1024 --heads 16 --seq-len 512 --vocab 30522 --microbatch 8 \
+    --recipe mixed-fp16 --measure --device cuda -o "$out/trace_bert.json"
+for s in none recompute; do
+    step mpsim validate --model "$out/trace_bf16.json" --server "$out/probe.yaml" --device cuda --steps 10 --stages 1 \
+        --strategy "$s" --json "$out/validate_bf16_$s.json"
+    step mpsim validate --model "$out/trace_bert.json" --server "$out/probe.yaml" --device cuda --steps 10 --stages 1 \
+        --strategy "$s" --json "$out/validate_bert_$s.json"
+done
+# kernel tables fitted to profiler traces of the same layers (mpsim.kernel_time; issue 30)
+step python3 validate/profile_layers.py --preset llama-3-8b --layers 2 --recipe mixed-bf16 --device cuda \
+    -o "$out/profile_bf16.json"
+step mpsim calibrate --profile "$out/profile_bf16.json" --dtype bf16 --server "$server" \
+    --json "$out/calibrate_kernels_bf16.json" -o "$out/kernels_bf16.yaml"
+step python3 validate/profile_layers.py --preset gpt2-xl --layers 2 --recipe fp32 --device cuda \
+    -o "$out/profile_fp32.json"
+step mpsim calibrate --profile "$out/profile_fp32.json" --dtype fp32 --server "$server" \
+    --json "$out/calibrate_kernels_fp32.json" -o "$out/kernels_fp32.yaml"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     step "${validate[@]}" --stages 2 --strategy d2d --json "$out/validate_peer.json"
 else
