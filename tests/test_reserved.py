@@ -31,6 +31,19 @@ def test_fragmentation_keeps_reserved_above_allocated():
     e = estimate(used, 32 * GiB, 7.0)
     assert e.allocated_peak_bytes == 40 * MiB + 2 * CUBLAS_WORKSPACE_DEFAULT_BYTES
     assert e.reserved_peak_bytes == 70 * MiB
+    # expandable_segments:True maps one growing segment per pool in 2 MiB pages: the 10 MiB
+    # request extends the freed 6 MiB at the segment's end instead of taking a segment of its own
+    assert e.expandable_peak_bytes == 60 * MiB
+
+
+def test_a_gpu_at_risk_that_expandable_segments_would_save_says_so():
+    from mpsim.sim.reserved import ReservedEstimate
+
+    outside = {"cuda_context": 400 * MiB, "nccl_buffers": 0}
+    e = ReservedEstimate(56 * MiB, 70 * MiB, outside, 475 * MiB, expandable_peak_bytes=60 * MiB)
+    headroom_gib = 8 / 1024  # 8 MiB: 5 MiB free as reserved, 15 MiB with expandable segments
+    assert e.at_risk(headroom_gib) and e.expandable_helps(headroom_gib)
+    assert not e.expandable_helps(16 / 1024)  # 15 MiB is still short of 16
 
 
 def test_hopper_workspaces_are_32_mib_and_the_context_counts():

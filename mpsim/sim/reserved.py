@@ -76,6 +76,9 @@ class ReservedEstimate:
     """CUDA context and NCCL buffers."""
     device_bytes: int
     """The GPU's memory (``memory_mib``)."""
+    expandable_peak_bytes: int = 0
+    """The reserved peak under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (one
+    growing segment per pool: less fragmentation), for the same requests."""
 
     @property
     def total_bytes(self) -> int:
@@ -87,10 +90,16 @@ class ReservedEstimate:
     def at_risk(self, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> bool:
         return self.free_bytes() < headroom_gib * GiB
 
+    def expandable_helps(self, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> bool:
+        """At risk, but not with ``expandable_segments:True``."""
+        free = self.free_bytes() + self.reserved_peak_bytes - self.expandable_peak_bytes
+        return self.at_risk(headroom_gib) and free >= headroom_gib * GiB
+
     def to_dict(self, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> dict:
         return {"allocated_peak_bytes": self.allocated_peak_bytes, "reserved_peak_bytes": self.reserved_peak_bytes,
                 "outside_allocator_bytes": dict(self.outside_bytes), "device_bytes": self.device_bytes,
-                "free_bytes": self.free_bytes(), "headroom_gib": headroom_gib, "at_risk": self.at_risk(headroom_gib)}
+                "free_bytes": self.free_bytes(), "headroom_gib": headroom_gib, "at_risk": self.at_risk(headroom_gib),
+                "expandable_segments_reserved_peak_bytes": self.expandable_peak_bytes}
 
 
 def estimate(used_bytes: np.ndarray, device_bytes: int, compute_capability: float | None,
@@ -99,7 +108,10 @@ def estimate(used_bytes: np.ndarray, device_bytes: int, compute_capability: floa
     add what lies outside it (module doc)."""
     workspace = cublas_workspace_bytes(compute_capability)
     first = [("alloc", -1 - i, workspace) for i in range(CUBLAS_WORKSPACES_TRAINING)]
-    result = replay(first + allocator_events(used_bytes), device_bytes)
+    events = first + allocator_events(used_bytes)
+    result = replay(events, device_bytes)
+    expandable = replay(events, device_bytes, expandable_segments=True)
     outside = DeviceOverheads.of(compute_capability, nccl_peers=nccl_peers)
     outside_bytes = {"cuda_context": outside.cuda_context_bytes, "nccl_buffers": outside.nccl_buffers_bytes}
-    return ReservedEstimate(result.allocated_peak_bytes, result.reserved_peak_bytes, outside_bytes, device_bytes)
+    return ReservedEstimate(result.allocated_peak_bytes, result.reserved_peak_bytes, outside_bytes, device_bytes,
+                            expandable.reserved_peak_bytes)

@@ -169,8 +169,12 @@ class SimResult:
                 verdict = (f"leave {free:.2f} GiB of {r.device_bytes / GiB:.2f} GiB free, under the {headroom_gib:g} "
                            "GiB headroom" if free >= 0
                            else f"come to {-free:.2f} GiB more than its {r.device_bytes / GiB:.2f} GiB")
+                hint = (f"; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True about "
+                        f"{r.expandable_peak_bytes / GiB:.2f} GiB reserved, out of risk"
+                        if r.expandable_helps(headroom_gib) else "")
                 return (f"GPU {g.gpu}: {r.reserved_peak_bytes / GiB:.2f} GiB reserved for {g.peak_bytes / GiB:.2f} "
-                        f"GiB allocated, plus {outside / GiB:.2f} GiB of CUDA context and NCCL buffers, {verdict}")
+                        f"GiB allocated, plus {outside / GiB:.2f} GiB of CUDA context and NCCL buffers, {verdict}"
+                        f"{hint}")
         return ""
 
     @property

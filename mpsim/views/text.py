@@ -94,14 +94,14 @@ def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> s
     allocated and the allocator's reserved estimate, ``mpsim.sim.reserved``), the
     techniques, iteration time and throughput."""
     cats = ["params", "grads", "optimizer", "activations", "stash", "buffers", "workspace"]
-    header = ["gpu", "stage", "layers", "peak GiB", "reserved GiB", "capacity GiB", "fits"] + cats
+    header = ["gpu", "stage", "layers", "peak GiB", "reserved GiB", "expandable GiB", "capacity GiB", "fits"] + cats
     shown = shown_gpus(r)
     rows = [[str(g.gpu), "-" if g.stage is None else str(g.stage), layer_range(g.layers), gib(g.peak_bytes),
-             gib(g.reserved().reserved_peak_bytes), gib(g.capacity_bytes), _fits_word(g, headroom_gib)]
-            + [gib(g.breakdown[c]) for c in cats] for g in shown]
+             gib(g.reserved().reserved_peak_bytes), gib(g.reserved().expandable_peak_bytes), gib(g.capacity_bytes),
+             _fits_word(g, headroom_gib)] + [gib(g.breakdown[c]) for c in cats] for g in shown]
     legend = (f"(breakdown at each GPU's peak; reserved: the caching allocator's estimate, allocator model; "
-              f"at risk: reserved + CUDA context + NCCL within {headroom_gib:g} GiB of the GPU's memory; "
-              f"{UNITS_LEGEND})")
+              f"expandable: the same with expandable_segments:True; at risk: reserved + CUDA context + NCCL within "
+              f"{headroom_gib:g} GiB of the GPU's memory; {UNITS_LEGEND})")
     if len(shown) < len(r.gpus):
         legend += (f"\n(each stage's own GPU; the other {len(r.gpus) - len(shown)} GPUs of the simulated servers "
                    "replicate them: tensor-parallel ranks and data-parallel replicas; --json lists every one)")
