@@ -138,8 +138,12 @@ def _stop_pool(pool: ProcessPoolExecutor, futures: Iterable[Future]) -> None:
 
 class LocalBackend:
     """Worker processes on this machine (spawned, one per ``workers``); ``workers=1`` runs
-    the points in this process, one after the other. A worker that dies breaks the pool:
-    a fresh pool runs the unfinished batches again. No dependency beyond the standard library."""
+    the points in this process, one after the other. The pool is kept from one
+    ``run_batches`` to the next (a study's rounds reuse its warm workers and their caches)
+    and ends with the backend (``close``, or when the backend is collected). A worker that
+    dies breaks the pool: a fresh pool runs the unfinished batches again; an interruption
+    terminates the pool, and the next call starts a fresh one. No dependency beyond the
+    standard library."""
 
     name = "local"
 
@@ -147,6 +151,19 @@ class LocalBackend:
         if workers < 1:
             raise MpsimError(f"workers must be a positive integer, got {workers}")
         self.workers = workers
+        self._pool: ProcessPoolExecutor | None = None
+
+    def close(self) -> None:
+        """End the kept pool (its idle workers exit)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def _kept_pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=_spawn(), initializer=_worker_init,
+                                             initargs=(os.getpid(),))
+        return self._pool
 
     def slots(self) -> int:
         return self.workers
@@ -173,9 +190,9 @@ class LocalBackend:
 
     def _one_pool(self, batches: list[list[Any]], fn: Callable[[Any], Any],
                   broken: list[list[Any]]) -> Generator[list[Outcome], None, None]:
-        """Run ``batches`` on one pool; those lost when a worker died go to ``broken``."""
-        pool = ProcessPoolExecutor(max_workers=min(self.workers, len(batches)), mp_context=_spawn(),
-                                   initializer=_worker_init, initargs=(os.getpid(),))
+        """Run ``batches`` on the kept pool; those lost when a worker died go to ``broken``
+        (the pool is then dropped: the next round starts a fresh one)."""
+        pool = self._kept_pool()
         pending: dict[Future, list[Any]] = {}
         try:
             pending = self._submit(pool, batches, fn)
@@ -189,8 +206,11 @@ class LocalBackend:
                         broken.append(batch)
                         continue
                     yield _outcomes(batch, results)
-            pool.shutdown()  # inside: a signal while the workers wind down still stops them
+            if broken:
+                self._pool = None
+                pool.shutdown(wait=False, cancel_futures=True)
         except BaseException:
+            self._pool = None
             _stop_pool(pool, pending)
             raise
 

@@ -37,6 +37,28 @@ def die_once(point: tuple[int, str]) -> int:
     return value * 10
 
 
+def worker_pid(point: int) -> int:
+    import os
+    import time
+
+    time.sleep(0.05)  # long enough that both workers take a batch
+    return os.getpid()
+
+
+def test_a_local_backend_keeps_its_workers_from_one_run_to_the_next_until_closed():
+    """A study's rounds (fits: the sizes, then the searches) run on the same warm workers."""
+    import os
+
+    backend = LocalBackend(2)
+    first = {o.value for o in run_points(range(8), worker_pid, backend, batch=1)}
+    second = {o.value for o in run_points(range(8), worker_pid, backend, batch=1)}
+    assert first == second and os.getpid() not in first and len(first) == 2
+    backend.close()
+    third = {o.value for o in run_points(range(8), worker_pid, backend, batch=1)}
+    assert not third & first  # a fresh pool after close
+    backend.close()
+
+
 def _check_once(outcomes: list[Outcome], n: int) -> None:
     values = sorted(o.point[0] if isinstance(o.point, tuple) else o.point for o in outcomes)
     assert values == list(range(n)), "every point exactly once"
