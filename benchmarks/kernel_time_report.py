@@ -67,21 +67,10 @@ def gemm_rows() -> list[str]:
 
 
 def _passes(gpu) -> dict[str, tuple[list[TimedPass], KernelRates]]:
-    from mpsim.tracer import trace_model
-    from mpsim.workloads import ModelConfig
-
+    """Per dtype, every measured shape's passes together, and the rates they were timed at."""
     out: dict[str, tuple[list[TimedPass], KernelRates]] = {}
-    for path in sorted(RECORDS.glob("trace_*.json")):
-        measured = read_trace_file(path)
-        shape = {k: v for k, v in measured.spec.model.items() if k in ModelConfig.__dataclass_fields__}
-        traced = trace_model(ModelConfig(**shape), measured.microbatch, measured.spec.precision.recipe)
-        rates = kernel_rates(traced, gpu)
-        assert rates is not None
-        found = out.setdefault(rates.dtype, ([], rates))[0]
-        for m, t in zip(measured.layers, traced.layers, strict=True):
-            for phase, ms, kernels in (("fwd", m.fwd_ms, t.fwd_kernels), ("bwd", m.bwd_ms, t.bwd_kernels)):
-                if ms is not None:
-                    found.append(TimedPass(f"{path.stem} {m.name} {phase}", ms * 1e-3, kernels))
+    for dtype, shapes in _measured_shapes(gpu).items():
+        out[dtype] = ([p for shape in shapes for p in shape[1]], shapes[0][4])
     return out
 
 
@@ -113,13 +102,13 @@ def layer_rows() -> list[str]:
     return lines
 
 
-def _held_out_shapes() -> dict[str, list[tuple[str, list[TimedPass], object, object]]]:
-    """Per dtype, each measured shape: its stem, its passes (kernel model), its measured
-    trace and its FakeTensor trace (the roofline, which must not see measured times)."""
+def _measured_shapes(gpu) -> dict[str, list[tuple[str, list[TimedPass], object, object, KernelRates]]]:
+    """Per dtype, each measured H100 shape: its stem, its passes (kernel model, labelled
+    "stem layer phase"), its measured trace, its FakeTensor trace (the roofline, which must
+    not see measured times) and the rates its kernels are timed at on ``gpu``."""
     from mpsim.tracer import trace_model
     from mpsim.workloads import ModelConfig
 
-    gpu = load_topology("h100-x1").spec.gpu.model_copy(update={"time_model": "kernels"})
     out: dict[str, list] = {}
     for path in sorted(RECORDS.glob("trace_*.json")):
         measured = read_trace_file(path)
@@ -127,7 +116,7 @@ def _held_out_shapes() -> dict[str, list[tuple[str, list[TimedPass], object, obj
         traced = trace_model(ModelConfig(**shape), measured.microbatch, measured.spec.precision.recipe)
         rates = kernel_rates(traced, gpu)
         assert rates is not None
-        passes = [TimedPass(f"{m.name} {phase}", ms * 1e-3, kernels)
+        passes = [TimedPass(f"{path.stem} {m.name} {phase}", ms * 1e-3, kernels)
                   for m, t in zip(measured.layers, traced.layers, strict=True)
                   for phase, ms, kernels in (("fwd", m.fwd_ms, t.fwd_kernels), ("bwd", m.bwd_ms, t.bwd_kernels))
                   if ms is not None]
@@ -150,7 +139,8 @@ def held_out_rows() -> list[str]:
     lines = ["| precision | held-out shape | roofline, efficiencies fitted to the others | kernel table, fitted to "
              "the others | kernel table, unfitted |", "|---|---|---|---|---|"]
     pooled: dict[str, list[float]] = {"roofline": [], "kernels": []}
-    for dtype, shapes in _held_out_shapes().items():
+    gpu = topo.spec.gpu.model_copy(update={"time_model": "kernels"})
+    for dtype, shapes in _measured_shapes(gpu).items():
         if len(shapes) < 3:
             continue  # two shapes: one left to fit three efficiencies from, which is singular
         for i, (stem, passes, _measured, traced, rates) in enumerate(shapes):
@@ -172,7 +162,7 @@ def held_out_rows() -> list[str]:
                 if "embedding" in p.label:
                     continue
                 if times is not None:
-                    row = next(k for k, r in enumerate(traced.layers) if p.label.startswith(r.name + " "))
+                    row = next(k for k, r in enumerate(traced.layers) if p.label.split()[1] == r.name)
                     predicted = (times.bwd_s if p.label.endswith("bwd") else times.fwd_s)[row]
                     roof.append(100 * (predicted - p.measured_s) / p.measured_s)
                 kern.append(100 * (float(class_seconds(p.kernels, fitted).sum()) - p.measured_s) / p.measured_s)

@@ -53,3 +53,4 @@ mpsim choose --model llama-3-70b --tokens 2e12 --days 30 --clusters dgx-h100-sup
 python benchmarks/kernel_time_report.py > reports/kernel_time.md
 python benchmarks/framework_activations.py --output reports/framework_activations.md
 python benchmarks/bench_cancel.py > reports/bench_cancel.txt
+taskset -c 0,1 python benchmarks/bench_pool.py > reports/bench_pool.txt

@@ -274,11 +274,6 @@ def _check_inputs(servers: Sequence[str | Topology], strategies: Sequence[str], 
             raise MpsimError(f"--price {key}: USD per hour must be above 0 and at most {MAX_USD:g}, got {usd:g}")
 
 
-def _seq_len(trace: Trace) -> int | None:
-    value = trace.spec.model.get("seq_len")
-    return value if isinstance(value, int) and value > 0 else None
-
-
 # -- the search ------------------------------------------------------------------------------
 
 def _shortfall(r: SimResult) -> int:
@@ -377,7 +372,7 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
     if unknown:
         raise MpsimError(f"--price: no server {sorted(unknown)[0]!r} among {', '.join(k for k, _ in topos)}")
     jobs = [(key, topo, _jobs_on(topo, trace, schedule, microbatches, strategies, layouts)) for key, topo in topos]
-    seq_len = _seq_len(trace)
+    seq_len = trace.seq_len
     rows = []
     for key, topo, on_topo in jobs:
         tried = _server_plans(on_topo, scaled, strategies, on_point)
@@ -425,22 +420,16 @@ def _closest(rows: list[ChooseRow]) -> str:
             f"{r.technique} at microbatch {r.microbatch}")
 
 
-def _merit(report: ChooseReport, row: ChooseRow) -> float:
-    """What the ranking compares, higher is better: samples per USD when ranked by cost and
-    priced, else samples/s."""
-    cost = row.usd_per_million_samples
-    return 1 / cost if report.rank_by == "cost" and cost else row.samples_per_s
-
-
 def _within_band(report: ChooseReport, a: ChooseRow, b: ChooseRow) -> bool:
-    """``a`` and ``b`` differ by no more than the wider of their error bands (``ChooseReport.ties``);
-    a priced row and an unpriced one are compared by throughput."""
+    """``a`` and ``b`` differ by no more than the wider of their error bands in what the
+    ranking compares (``ChooseReport.ties``): samples per USD when ranked by cost and both
+    are priced, else samples/s."""
     band = max(a.band_pct, b.band_pct) / 100
-    if report.rank_by == "cost" and (a.usd_per_million_samples is None) != (b.usd_per_million_samples is None):
-        hi, lo = max(a.samples_per_s, b.samples_per_s), min(a.samples_per_s, b.samples_per_s)
-    else:
-        hi, lo = max(_merit(report, a), _merit(report, b)), min(_merit(report, a), _merit(report, b))
-    return band > 0 and lo > 0 and hi / lo - 1 <= band
+    cost_a, cost_b = a.usd_per_million_samples, b.usd_per_million_samples
+    va, vb = a.samples_per_s, b.samples_per_s
+    if report.rank_by == "cost" and cost_a and cost_b:
+        va, vb = 1 / cost_a, 1 / cost_b
+    return band > 0 and min(va, vb) > 0 and max(va, vb) / min(va, vb) - 1 <= band
 
 
 def _ties_clause(report: ChooseReport) -> str:

@@ -45,7 +45,7 @@ from torch.nn import functional as F
 
 from mpsim import kernels
 from mpsim.errors import MpsimError
-from mpsim.hf_fields import config_path, precheck
+from mpsim.hf_fields import check_overrides, config_path, read_checked
 from mpsim.hf_fields import shipped_configs as shipped_configs  # where callers have found it
 from mpsim.trace import RECIPES, Trace
 
@@ -151,8 +151,7 @@ def _transformers() -> Any:
 
 def load_config(source: str) -> Any:
     """The ``PretrainedConfig`` of SOURCE, built locally from its JSON (never the network)."""
-    path = config_path(source)
-    raw = precheck(source)
+    path, raw = read_checked(source)
     if "model_type" not in raw:
         raise MpsimError(f"{path}: no model_type in the config")
     model_type = raw["model_type"]
@@ -387,6 +386,7 @@ def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = No
 
     transformers = _transformers()
     overrides = dict(overrides or {})
+    check_overrides(overrides)
     config = load_config(source)
     layout = LAYOUTS[config.model_type]
     preset_seq, preset_mb, preset_recipe = _defaults(source)

@@ -77,17 +77,26 @@ def config_path(source: str) -> Path:
     return path
 
 
-def precheck(source: str, overrides: dict[str, int] | None = None) -> dict[str, Any]:
-    """SOURCE's config read and its shape checked (``check_shape``), the overrides too
-    (``layers``, ``hidden``, ``heads``): what ``trace --hf`` and the page refuse before
-    torch or transformers is imported."""
+def read_checked(source: str) -> tuple[Path, dict[str, Any]]:
+    """SOURCE's config file and its JSON, its shape checked (``check_shape``)."""
     path = config_path(source)
     raw = read_config(path)
     check_shape(raw, str(path))
+    return path, raw
+
+
+def check_overrides(overrides: dict[str, int] | None) -> None:
+    """``trace --hf``'s shape overrides (``OVERRIDES``) bounded like the fields they set."""
     for key, (field, largest) in OVERRIDES.items():
         if overrides and key in overrides:
             check_count(f"--{key} ({field})", overrides[key], largest)
-    return raw
+
+
+def precheck(source: str, overrides: dict[str, int] | None = None) -> dict[str, Any]:
+    """SOURCE's config read and checked, the overrides too: what ``trace --hf`` and the
+    page refuse before torch or transformers is imported."""
+    check_overrides(overrides)
+    return read_checked(source)[1]
 
 
 #: ``trace --hf``'s shape overrides: the field each sets and its largest value.

@@ -150,8 +150,8 @@ class ScaleReport:
 
 
 def seq_len_of(trace: Trace) -> int:
-    seq = trace.spec.model.get("seq_len")
-    if not isinstance(seq, int) or seq < 1:
+    seq = trace.seq_len
+    if seq is None:
         raise MpsimError(f"{trace.name} has no sequence length (model.seq_len): time to train on tokens needs one")
     return seq
 

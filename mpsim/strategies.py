@@ -44,6 +44,8 @@ class Strategy:
     help: str | None = ""
     """What ``--strategy``'s help says of it, after its name ("": the name alone; None: said
     with another, as MPress's ablations are)."""
+    word: str = ""
+    """A few words on it for a list (the page's strategy menu); "": the name alone."""
 
     def planner_fn(self) -> Callable[[Any], Any]:
         """The planner itself (imported on first use)."""
@@ -60,34 +62,36 @@ _BASELINES = "mpsim.planners.baselines:BASELINES"
 _MPRESS = "mpsim.planners.mpress:MPRESS_STRATEGIES"
 
 STRATEGIES: dict[str, Strategy] = _table(
-    Strategy("none", _BASELINES, in_best=True),
-    Strategy("recompute", _BASELINES, keeps="recompute", in_best=True,
+    Strategy("none", _BASELINES, in_best=True, word="keep everything on the GPU"),
+    Strategy("recompute", _BASELINES, keeps="recompute", in_best=True, word="recompute layers until it fits",
              help="checkpoint transformer layers or module blocks, fewest first, until each GPU fits"),
-    Strategy("recompute-segments", _BASELINES, keeps="recompute",
+    Strategy("recompute-segments", _BASELINES, keeps="recompute", word="recompute runs of layers (GPipe, DAPPLE)",
              help="the same layers, a run of consecutive ones keeping one checkpoint and re-run whole, as Chen "
                   "et al. 2016 and GPipe"),
-    Strategy("recompute-all", _BASELINES, keeps="recompute", help="every one"),
-    Strategy("selective", _BASELINES, keeps="selective", in_best=True,
+    Strategy("recompute-all", _BASELINES, keeps="recompute", word="recompute every layer", help="every one"),
+    Strategy("selective", _BASELINES, keeps="selective", in_best=True, word="recompute the attention core (Megatron)",
              help="recompute only the attention core of every transformer layer, Korthikanti et al. 2022"),
-    Strategy("cpu-swap", _BASELINES, in_best=True,
+    Strategy("cpu-swap", _BASELINES, in_best=True, word="swap to host on demand (MPress baseline)",
              help="MPress's GPU-CPU swap baseline: to host memory until it fits, each copy on demand, the "
                   "compute waiting for it"),
-    Strategy("host-swap", _BASELINES, in_best=True, help="the same, overlapped and prefetched"),
-    Strategy("d2d", _BASELINES, in_best=True, help="swap to spare memory of NVLink peers"),
-    Strategy("mpress", _MPRESS, in_best=True,
+    Strategy("host-swap", _BASELINES, in_best=True, word="swap to host, prefetched",
+             help="the same, overlapped and prefetched"),
+    Strategy("d2d", _BASELINES, in_best=True, word="swap to NVLink peers' spare memory",
+             help="swap to spare memory of NVLink peers"),
+    Strategy("mpress", _MPRESS, in_best=True, word="MPress: host swap, recompute and D2D",
              help="host swap, recompute and D2D with device mapping; ablations mpress-no-mapping, "
                   "mpress-no-striping, mpress-d2d-only"),
     Strategy("mpress-no-mapping", _MPRESS, help=None),
     Strategy("mpress-no-striping", _MPRESS, help=None),
     Strategy("mpress-no-mapping-no-striping", _MPRESS, help=None),
     Strategy("mpress-d2d-only", _MPRESS, help=None),
-    Strategy("tsplit", "mpsim.planners.tsplit:plan_tsplit", in_best=True,
+    Strategy("tsplit", "mpsim.planners.tsplit:plan_tsplit", in_best=True, word="TSPLIT: swap, recompute, split tensors",
              help="swap, recompute and tensor splitting by TSPLIT's cost model"),
-    Strategy("zero-offload", "mpsim.planners.offload:PLANNERS",
+    Strategy("zero-offload", "mpsim.planners.offload:PLANNERS", word="ZeRO-Offload: optimizer on the host CPU",
              help="ZeRO-Offload: ZeRO-2 over the replicas, optimizer states and Adam on the host CPU"),
-    Strategy("zero-infinity", "mpsim.planners.offload:PLANNERS",
+    Strategy("zero-infinity", "mpsim.planners.offload:PLANNERS", word="ZeRO-Infinity: states in host memory",
              help="ZeRO-Infinity: ZeRO-3, parameter shards and optimizer states in host memory (NVMe when short)"),
-    Strategy("best", "mpsim.planners.best:plan_best", combines=True,
+    Strategy("best", "mpsim.planners.best:plan_best", combines=True, word="every planner, the fastest that fits",
              help="every planner under both partitions, the fastest that fits"),
 )
 """Every strategy, in the order ``--help``, the errors and ``best`` list them."""
@@ -112,3 +116,17 @@ def strategy_named(name: str) -> Strategy:
 def combines(name: str) -> bool:
     """Whether the strategy ``name`` combines the single planners (``Strategy.combines``)."""
     return strategy_named(name).combines
+
+
+def planner_runs(name: str) -> int:
+    """The most planner runs one job under ``name`` makes: every ``IN_BEST`` planner under
+    both partitions for a combining one (fewer where the layout has one partition, or
+    keeping everything fits), else one."""
+    from mpsim.job import PARTITIONS
+
+    return len(IN_BEST) * len(PARTITIONS) if combines(name) else 1
+
+
+def base_name(label: str) -> str:
+    """The strategy a result's label names: ``best`` for ``best (mpress, compute partition)``."""
+    return label.split(" (", 1)[0]

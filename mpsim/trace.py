@@ -234,6 +234,12 @@ class Trace:
         return len(self.spec.layers)
 
     @property
+    def seq_len(self) -> int | None:
+        """Tokens per sample (``model.seq_len``); None for a model without one (a CNN)."""
+        value = self.spec.model.get("seq_len")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    @property
     def microbatch(self) -> int:
         return self.spec.microbatch
 

@@ -25,3 +25,13 @@ def test_best_fits_what_any_single_fits_and_is_at_least_as_fast(server, model, s
                 assert best.result.fits
                 assert best.result.samples_per_s >= single.samples_per_s, (s, partition)
     assert best.result.fits and all(g.peak_bytes <= g.capacity_bytes for g in best.result.gpus)
+
+
+def test_planner_runs_counts_the_parts_best_tries():
+    """The page's work bound counts best's planner runs from the registry: every part
+    ``best`` may run under both partitions, one run for a single strategy."""
+    from mpsim.planners.best import parts
+    from mpsim.strategies import planner_runs
+
+    assert planner_runs("best") == len(parts()) == 16
+    assert planner_runs("mpress") == planner_runs("none") == 1

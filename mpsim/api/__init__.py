@@ -67,7 +67,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     from mpsim.scale import ScaleReport, scale
     from mpsim.sim import SimResult
     from mpsim.sim.progress import reporting
-    from mpsim.strategies import STRATEGIES, STRATEGY_HELP
+    from mpsim.strategies import STRATEGIES, STRATEGY_HELP, planner_runs
     from mpsim.sweep import Point, SweepInterrupted, grid, sweep
     from mpsim.topology import Topology, read_topology_file
     from mpsim.trace import RECIPE_HELP, Trace, read_trace_file
@@ -96,7 +96,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.scale": ("ScaleReport", "scale"),
     "mpsim.sim": ("SimResult",),
     "mpsim.sim.progress": ("reporting",),
-    "mpsim.strategies": ("STRATEGIES", "STRATEGY_HELP"),
+    "mpsim.strategies": ("STRATEGIES", "STRATEGY_HELP", "planner_runs"),
     "mpsim.sweep": ("Point", "SweepInterrupted", "grid", "sweep"),
     "mpsim.topology": ("Topology", "read_topology_file"),
     "mpsim.trace": ("RECIPE_HELP", "Trace", "read_trace_file"),

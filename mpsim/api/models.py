@@ -97,10 +97,7 @@ def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = No
              overrides: dict[str, int] | None = None, name: str | None = None) -> Trace:
     """Trace a Hugging Face model with its own modules from its config.json (a folder, the
     file, or a shipped one); ``overrides``: layers, hidden, heads, seq_len."""
-    from mpsim.hf_fields import precheck
-
-    precheck(source, overrides)  # a config asking for too much is refused before torch is imported
-    from mpsim.hf import trace_hf as traced
+    from mpsim.hf import trace_hf as traced  # its config checked as it is read (``check_hf`` does it without torch)
 
     return traced(source, microbatch, recipe, attention, overrides, name)
 

@@ -78,7 +78,7 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
             result = api.simulate(topo, trace, plan_file=plan_file, record_link_rates=chrome_trace is not None)
     data = result.to_dict()
     for g, d in zip(result.gpus, data["gpus"], strict=True):
-        d["reserved"] = g.reserved().to_dict(headroom_gib)  # to_dict's at the default headroom
+        d["reserved"] = g.reserved(expandable=True).to_dict(headroom_gib)  # to_dict's at the default headroom
     emit(json_out, simulate_text(result, headroom_gib), data)
     if chrome_trace:
         write_chrome_trace(result, chrome_trace)

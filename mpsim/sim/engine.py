@@ -203,13 +203,8 @@ def _result(run: RunContext, stages: list[_Stage], iteration_s: float) -> SimRes
         host_memory_times_s=host.times_s, host_memory_used_bytes=host.used_bytes * run.replicas // run.servers,
         link_rates=run.net.rate_log, layout=layout.job.layout_name, replicas=replicas,
         framework=str(trace.spec.model.get("framework", "")), family=str(trace.spec.model.get("family", "")),
-        seq_len=_seq_len(trace.spec.model),
+        seq_len=trace.seq_len,
     )
-
-
-def _seq_len(model: dict) -> int | None:
-    value = model.get("seq_len")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _replicated(gpus: list[GpuResult], layout: Layout) -> list[GpuResult]:

@@ -76,9 +76,10 @@ class ReservedEstimate:
     """CUDA context and NCCL buffers."""
     device_bytes: int
     """The GPU's memory (``memory_mib``)."""
-    expandable_peak_bytes: int = 0
+    expandable_peak_bytes: int | None = None
     """The reserved peak under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (one
-    growing segment per pool: less fragmentation), for the same requests."""
+    growing segment per pool: less fragmentation), for the same requests; None where that
+    replay was not asked for (``estimate``'s ``expandable``)."""
 
     @property
     def total_bytes(self) -> int:
@@ -91,7 +92,9 @@ class ReservedEstimate:
         return self.free_bytes() < headroom_gib * GiB
 
     def expandable_helps(self, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> bool:
-        """At risk, but not with ``expandable_segments:True``."""
+        """At risk, but not with ``expandable_segments:True`` (False where not replayed)."""
+        if self.expandable_peak_bytes is None:
+            return False
         free = self.free_bytes() + self.reserved_peak_bytes - self.expandable_peak_bytes
         return self.at_risk(headroom_gib) and free >= headroom_gib * GiB
 
@@ -103,15 +106,16 @@ class ReservedEstimate:
 
 
 def estimate(used_bytes: np.ndarray, device_bytes: int, compute_capability: float | None,
-             nccl_peers: int = 0) -> ReservedEstimate:
+             nccl_peers: int = 0, expandable: bool = True) -> ReservedEstimate:
     """Replay ``used_bytes`` through the allocator model, the cuBLAS workspaces first, and
-    add what lies outside it (module doc)."""
+    add what lies outside it (module doc); ``expandable``: replay them once more under
+    ``expandable_segments:True``."""
     workspace = cublas_workspace_bytes(compute_capability)
     first = [("alloc", -1 - i, workspace) for i in range(CUBLAS_WORKSPACES_TRAINING)]
     events = first + allocator_events(used_bytes)
     result = replay(events, device_bytes)
-    expandable = replay(events, device_bytes, expandable_segments=True)
+    expandable_peak = replay(events, device_bytes, expandable_segments=True).reserved_peak_bytes if expandable else None
     outside = DeviceOverheads.of(compute_capability, nccl_peers=nccl_peers)
     outside_bytes = {"cuda_context": outside.cuda_context_bytes, "nccl_buffers": outside.nccl_buffers_bytes}
     return ReservedEstimate(result.allocated_peak_bytes, result.reserved_peak_bytes, outside_bytes, device_bytes,
-                            expandable.reserved_peak_bytes)
+                            expandable_peak)

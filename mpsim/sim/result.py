@@ -53,7 +53,9 @@ class GpuResult:
     """The GPU's (its cuBLAS workspace size follows it: ``mpsim.sim.reserved``)."""
     nccl_peers: int = 0
     """Peers this GPU runs NCCL collectives with on each channel (their buffers count)."""
-    _reserved: ReservedEstimate | None = field(default=None, repr=False, compare=False)
+    _reserved: dict[str, ReservedEstimate] = field(default_factory=dict, repr=False, compare=False)
+    """The estimate once made (``reserved``), shared with the replicas copied from this GPU
+    (``dataclasses.replace`` hands them this same dict: one replay serves them all)."""
 
     @property
     def fits(self) -> bool:
@@ -63,13 +65,15 @@ class GpuResult:
     def device_bytes(self) -> int:
         return self.capacity_bytes + self.reserved_bytes
 
-    def reserved(self) -> ReservedEstimate:
+    def reserved(self, expandable: bool = False) -> ReservedEstimate:
         """This GPU's memory through PyTorch's caching allocator (``mpsim.sim.reserved``),
-        computed on first use."""
-        if self._reserved is None:
-            self._reserved = estimate(self.memory_used_bytes, self.device_bytes, self.compute_capability,
-                                      self.nccl_peers)
-        return self._reserved
+        computed on first use; ``expandable``: with the ``expandable_segments:True`` replay
+        too (made only when asked: the verdicts need the first alone)."""
+        made = self._reserved.get("estimate")
+        if made is None or (expandable and made.expandable_peak_bytes is None):
+            made = self._reserved["estimate"] = estimate(self.memory_used_bytes, self.device_bytes,
+                                                         self.compute_capability, self.nccl_peers, expandable)
+        return made
 
     def to_dict(self) -> dict:
         return {
@@ -84,7 +88,7 @@ class GpuResult:
             "breakdown": dict(self.breakdown),
             "saved_at_peak": dict(self.saved_at_peak),
             "costs_s": dict(self.costs_s),
-            "reserved": self.reserved().to_dict(),
+            "reserved": self.reserved(expandable=True).to_dict(),
         }
 
 
@@ -164,13 +168,14 @@ class SimResult:
                 continue
             r = g.reserved()
             if r.at_risk(headroom_gib):
+                r = g.reserved(expandable=True)  # for the hint below
                 outside = sum(r.outside_bytes.values())
                 free = r.free_bytes() / GiB
                 verdict = (f"leave {free:.2f} GiB of {r.device_bytes / GiB:.2f} GiB free, under the {headroom_gib:g} "
                            "GiB headroom" if free >= 0
                            else f"come to {-free:.2f} GiB more than its {r.device_bytes / GiB:.2f} GiB")
                 hint = (f"; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True about "
-                        f"{r.expandable_peak_bytes / GiB:.2f} GiB reserved, out of risk"
+                        f"{(r.expandable_peak_bytes or 0) / GiB:.2f} GiB reserved, out of risk"
                         if r.expandable_helps(headroom_gib) else "")
                 return (f"GPU {g.gpu}: {r.reserved_peak_bytes / GiB:.2f} GiB reserved for {g.peak_bytes / GiB:.2f} "
                         f"GiB allocated, plus {outside / GiB:.2f} GiB of CUDA context and NCCL buffers, {verdict}"

@@ -16,6 +16,7 @@ from mpsim.plan import PlanFile, optimizer_label
 from mpsim.scale import ScaleReport
 from mpsim.sim.memory import TECHNIQUES
 from mpsim.sim.result import COSTS, GpuResult
+from mpsim.strategies import STRATEGIES, base_name, combines
 from mpsim.topology import HOST, Topology
 from mpsim.units import GiB
 
@@ -89,6 +90,12 @@ def _fits_word(g: GpuResult, headroom_gib: float) -> str:
     return "at risk" if g.reserved().at_risk(headroom_gib) else "yes"
 
 
+def _reserved_cells(g: GpuResult) -> list[str]:
+    """Reserved GiB as the allocator model replays this GPU, and with expandable segments."""
+    e = g.reserved(expandable=True)
+    return [gib(e.reserved_peak_bytes), gib(e.expandable_peak_bytes or 0)]
+
+
 def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> str:
     """The verdict first (fits, or where it ran out), then the per-GPU table (peak
     allocated and the allocator's reserved estimate, ``mpsim.sim.reserved``), the
@@ -97,8 +104,8 @@ def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> s
     header = ["gpu", "stage", "layers", "peak GiB", "reserved GiB", "expandable GiB", "capacity GiB", "fits"] + cats
     shown = shown_gpus(r)
     rows = [[str(g.gpu), "-" if g.stage is None else str(g.stage), layer_range(g.layers), gib(g.peak_bytes),
-             gib(g.reserved().reserved_peak_bytes), gib(g.reserved().expandable_peak_bytes), gib(g.capacity_bytes),
-             _fits_word(g, headroom_gib)] + [gib(g.breakdown[c]) for c in cats] for g in shown]
+             *_reserved_cells(g), gib(g.capacity_bytes), _fits_word(g, headroom_gib)]
+            + [gib(g.breakdown[c]) for c in cats] for g in shown]
     legend = (f"(breakdown at each GPU's peak; reserved: the caching allocator's estimate, allocator model; "
               f"expandable: the same with expandable_segments:True; at risk: reserved + CUDA context + NCCL within "
               f"{headroom_gib:g} GiB of the GPU's memory; {UNITS_LEGEND})")
@@ -134,7 +141,8 @@ def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> s
 def _oom_hint(r: SimResult) -> str:
     """What to try when a job does not fit: the strategies that search, a sharded layout,
     other servers."""
-    tried_all = r.strategy.startswith("best")
+    name = base_name(r.strategy)
+    tried_all = name in STRATEGIES and combines(name)
     first = ("nothing mpsim plans fits this layout" if tried_all
              else "--strategy best tries every memory-saving plan (recompute, swaps, MPress, TSPLIT)")
     layout = "" if r.data_parallel else "; --dp N --zero 3 shards the model states (FSDP)"

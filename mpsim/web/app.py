@@ -76,25 +76,13 @@ class HttpError(Exception):
         self.status = status
 
 
-#: A word on each strategy for the page's list (the command line's --help says more).
-STRATEGY_WORDS = {
-    "none": "keep everything on the GPU", "recompute": "recompute layers until it fits",
-    "recompute-segments": "recompute runs of layers (GPipe, DAPPLE)", "recompute-all": "recompute every layer",
-    "selective": "recompute the attention core (Megatron)", "cpu-swap": "swap to host on demand (MPress baseline)",
-    "host-swap": "swap to host, prefetched", "d2d": "swap to NVLink peers' spare memory",
-    "mpress": "MPress: host swap, recompute and D2D", "tsplit": "TSPLIT: swap, recompute, split tensors",
-    "zero-offload": "ZeRO-Offload: optimizer on the host CPU", "zero-infinity": "ZeRO-Infinity: states in host memory",
-    "best": "every planner, the fastest that fits",
-}
-
-
 def _labels() -> dict[str, dict[str, str]]:
-    """A word on each server (its GPUs) and strategy (``STRATEGY_WORDS``) for the page's lists."""
+    """A word on each server (its GPUs) and strategy (``Strategy.word``) for the page's lists."""
     servers = {}
     for name in api.shipped_topologies():
         topo = api.load_topology(name)
         servers[name] = f"{topo.n_gpus} x {topo.spec.gpu.model}"
-    return {"servers": servers, "strategies": dict(STRATEGY_WORDS)}
+    return {"servers": servers, "strategies": {name: s.word for name, s in api.STRATEGIES.items() if s.word}}
 
 
 class App:

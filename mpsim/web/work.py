@@ -49,18 +49,16 @@ def model_of(inputs: JobInputs, uploads: UploadStore) -> Trace:
 
 
 PAGE_MAX_WORK = 2_000_000
-"""The most layer-microbatches (times ``best``'s ten planners) a run from the page may ask
-for: GPT-25.5B (145 layers) under best at 256 microbatches is 371,200; a 10,000-layer upload at
-256 is refused before planning (the command line has no such bound)."""
-BEST_PLANS = 10
-"""Planner runs ``best`` makes per job (five single planners under two partitions)."""
+"""The most layer-microbatches times planner runs (``mpsim.strategies.planner_runs``: 16
+for ``best``) a run from the page may ask for: GPT-25.5B (145 layers) under best at 256
+microbatches is 593,920; a 10,000-layer upload at 256 is refused before planning (the
+command line has no such bound)."""
 
 
 def check_work(trace: Trace, inputs: JobInputs) -> None:
     """Refuse a run whose simulated work (layers x microbatches x planner runs) is past
     ``PAGE_MAX_WORK``, in one line, before anything is planned."""
-    strategy = api.STRATEGIES.get(inputs.strategy)
-    plans = BEST_PLANS if strategy is not None and strategy.combines else 1
+    plans = api.planner_runs(inputs.strategy)
     work = trace.n_layers * inputs.microbatches * plans
     if work > PAGE_MAX_WORK:
         raise MpsimError(f"this run would simulate {trace.n_layers:,} layers x {inputs.microbatches} microbatches x "
