@@ -279,12 +279,71 @@ def test_cancel_stops_a_long_run(server):
         if call_json(server, "GET", f"/api/jobs/{job['id']}")[1]["tasks"] > 0:
             break
         time.sleep(0.05)
+    pid = server.app.jobs.worker.pid
     status, _ = call_json(server, "POST", f"/api/jobs/{job['id']}/cancel")
     finished = wait_finished(server, job["id"])
-    assert finished["state"] == "cancelled"
+    assert finished["state"] == "cancelled" and pid is not None and _gone(pid)  # its memory with it
     assert call_json(server, "GET", f"/api/jobs/{job['id']}")[1]["tasks"] == finished["tasks"]
     status, answer = call_json(server, "GET", f"/api/jobs/{job['id']}/result.json")
     assert status == 404 and "cancelled" in answer["error"]
+
+
+def _wait_running(srv: MpsimServer, job_id: str) -> dict:
+    for _ in range(2400):
+        job = call_json(srv, "GET", f"/api/jobs/{job_id}")[1]
+        if job["state"] != "waiting":
+            return job
+        time.sleep(0.01)
+    raise AssertionError(f"run {job_id} never started")
+
+
+def _worker_pid(srv: MpsimServer) -> int:
+    for _ in range(2400):
+        if (pid := srv.app.jobs.worker.pid) is not None:
+            return pid
+        time.sleep(0.01)
+    raise AssertionError("no worker started")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_cancel_during_planning_ends_the_worker_and_the_next_run_gets_a_fresh_one(server):
+    """Cancel while an uploaded config is still being traced (no task simulated yet): the
+    run is cancelled, its worker process is gone with all of its memory, and the next run
+    starts a new worker and finishes."""
+    pytest.importorskip("transformers", reason="the hf extra")
+    from mpsim.hf import shipped_configs
+
+    server.app.jobs.worker.stop()  # a cold worker: tracing waits for torch's import
+    _, up = call_json(server, "POST", "/api/upload?kind=hf&name=config.json",
+                      shipped_configs()["gpt2-xl"].read_bytes())
+    status, job = call_json(server, "POST", "/api/jobs?" + urlencode(
+        {"server": "dgx1-v100", "model_upload": up["upload"], "microbatch": 2}))
+    assert _wait_running(server, job["id"])["state"] == "running"
+    pid = _worker_pid(server)
+    call_json(server, "POST", f"/api/jobs/{job['id']}/cancel")
+    finished = wait_finished(server, job["id"])
+    assert (finished["state"], finished["tasks"]) == ("cancelled", 0)
+    assert _gone(pid) and server.app.jobs.worker.pid is None
+    after = run_job(server, model="gpt-5.3b", microbatch=2, microbatches=8)
+    assert after["state"] == "done" and server.app.jobs.worker.pid not in (None, pid)
+
+
+def test_a_worker_killed_mid_run_fails_its_run_in_one_line_and_the_server_goes_on(server):
+    status, job = call_json(server, "POST", "/api/jobs?" + urlencode(
+        {"model": "gpt-25.5b", "microbatch": 2, "microbatches": 64, "strategy": "best"}))
+    _wait_running(server, job["id"])
+    os.kill(_worker_pid(server), 9)
+    finished = wait_finished(server, job["id"])
+    assert finished["state"] == "failed" and "\n" not in finished["error"]
+    assert finished["error"].startswith("the run's worker process ended without an answer (exit code -9)")
+    assert run_job(server, model="gpt-5.3b", microbatch=2, microbatches=8)["state"] == "done"
 
 
 def test_choose_view_ranks_the_servers_as_mpsim_choose_does(server):

@@ -2,4 +2,5 @@
 
 from mpsim.cli import run
 
-run()
+if __name__ == "__main__":  # not when a worker process of `mpsim serve` imports the main module
+    run()

@@ -47,7 +47,7 @@ from mpsim.errors import MpsimError
 from mpsim.web import charts
 from mpsim.web.inputs import MAX_UPLOAD_BYTES, UPLOAD_KINDS, JobInputs, UploadStore, check_size, from_query
 from mpsim.web.jobs import Busy, Job, JobRunner
-from mpsim.web.work import JobOutcome, job_payload, run_choose, run_job, run_scale
+from mpsim.web.work import WORKS, JobOutcome, job_payload, request_of
 
 #: The page's files: URL path to (file in ``mpsim/web/static``, content type). Nothing
 #: else is ever read from disk for a request.
@@ -91,6 +91,7 @@ class App:
     def __init__(self) -> None:
         self.uploads = UploadStore()
         self.jobs = JobRunner()
+        self._chart_lock = threading.Lock()
 
     def catalog(self) -> dict:
         return {"servers": list(api.shipped_topologies()), "models": list(api.shipped_traces()),
@@ -101,8 +102,9 @@ class App:
 
 
     def start(self, inputs: JobInputs) -> Job:
-        work = {"choose": run_choose, "scale": run_scale}.get(inputs.view, run_job)
-        return self.jobs.start(inputs, lambda job: work(inputs, self.uploads, job))
+        work = WORKS[inputs.view]
+        return self.jobs.start(inputs, lambda job: self.jobs.worker.run(work, request_of(inputs, self.uploads),
+                                                                        job.set_tasks, job.cancel))
 
     def job(self, job_id: str) -> Job:
         job = self.jobs.get(job_id)
@@ -127,7 +129,7 @@ class App:
             raise HttpError(HTTPStatus.NOT_FOUND, f"no chart {name}.{fmt} for this run")
         key = f"chart:{name}.{fmt}"
         if key not in job.cache:
-            with self.jobs.compute_lock:  # matplotlib's pyplot is not thread-safe
+            with self._chart_lock:  # matplotlib's pyplot is not thread-safe
                 job.cache[key] = charts.render(job.outcome.planned.result, name, fmt)
         return job.cache[key]
 
@@ -389,6 +391,7 @@ class MpsimServer(ThreadingHTTPServer):
 
     def server_close(self) -> None:
         super().server_close()
+        self.app.jobs.close()
         self.app.uploads.close()
 
 

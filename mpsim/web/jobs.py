@@ -1,8 +1,9 @@
-"""Runs in a background thread, one at a time, with progress and cancelling.
+"""Runs queued one at a time, each computed in the worker process (``mpsim.web.worker``),
+with progress and cancelling.
 
-Progress is the count of simulated tasks (``mpsim.api.reporting``, as the CLI's
-bar); cancelling sets a flag that the same callback checks after every task, raising
-``Cancelled`` out of the simulation, so a run stops within one task of the request.
+Progress is the count of simulated tasks the worker reports; cancelling sets a flag the
+job's thread checks every ``worker.CANCEL_POLL_S``, ending the worker (and so the run,
+in any phase, with all of its memory) and marking the job cancelled.
 """
 
 from __future__ import annotations
@@ -15,17 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpsim import api
 from mpsim.errors import MpsimError
+from mpsim.web.worker import Cancelled, RunWorker, WorkerDied
 
 MAX_JOBS = 32
 """Finished runs kept for their downloads; the oldest is dropped beyond this."""
 MAX_WAITING = 4
 """Runs that may wait for the one in progress before new ones are refused."""
-
-
-class Cancelled(Exception):
-    """Raised from the progress callback when the run was asked to stop."""
 
 
 class Busy(Exception):
@@ -54,20 +51,26 @@ class Job:
     def status(self) -> dict:
         return {"id": self.id, "state": self.state, "tasks": self.tasks, "error": self.error}
 
-    def on_task(self) -> None:
-        self.tasks += 1
-        if self.cancel.is_set():
-            raise Cancelled
+    def set_tasks(self, tasks: int) -> None:
+        self.tasks = tasks
 
 
 class JobRunner:
-    """Starts each run in its own thread; a lock lets one compute at a time (the planners'
-    caches and matplotlib are shared by the process)."""
+    """Starts each run in its own thread, which waits for the one worker (``compute_lock``)
+    and hands it the run; ``work(job)`` calls ``self.worker.run``."""
 
     def __init__(self) -> None:
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._lock = threading.Lock()
         self.compute_lock = threading.Lock()
+        self.worker = RunWorker()
+
+    def close(self) -> None:
+        """Cancel every run and end the worker."""
+        with self._lock:
+            for job in self._jobs.values():
+                job.cancel.set()
+        self.worker.stop()
 
     def start(self, inputs: Any, work: Callable[[Job], Any]) -> Job:
         with self._lock:
@@ -96,12 +99,11 @@ class JobRunner:
                 return
             job.state = "running"
             try:
-                with api.reporting(job.on_task):
-                    job.outcome = work(job)
+                job.outcome = work(job)
                 job.state = "done"
             except Cancelled:
                 job.state = "cancelled"
-            except MpsimError as exc:
+            except (MpsimError, WorkerDied) as exc:
                 job.error, job.state = str(exc), "failed"
             except Exception as exc:  # never let a run take the server down
                 traceback.print_exc()

@@ -1,6 +1,10 @@
 """What a run does, through the same API as the CLI: ``mpsim.api.plan`` (whose result is
 what ``mpsim simulate`` prints for the same inputs) and, for the choose view,
-``mpsim.api.choose``; shown by the CLI's views (``mpsim.views``)."""
+``mpsim.api.choose``; shown by the CLI's views (``mpsim.views``).
+
+A run is a ``RunRequest`` (the inputs with their uploads read), computed in the worker
+process by the function ``WORKS`` names for its view; what it returns goes back to the
+server by pickle."""
 
 from __future__ import annotations
 
@@ -15,7 +19,6 @@ from mpsim.errors import MpsimError
 from mpsim.views.html import choose_html, scale_html
 from mpsim.views.text import plan_text, simulate_text
 from mpsim.web.inputs import JobInputs, UploadStore
-from mpsim.web.jobs import Cancelled, Job
 
 
 @dataclass
@@ -25,27 +28,43 @@ class JobOutcome:
     headroom_gib: float
 
 
-def server_of(inputs: JobInputs, uploads: UploadStore) -> Topology:
-    if inputs.server_upload is not None:
-        value = uploads.get(inputs.server_upload, ("server",)).value
-        assert isinstance(value, Topology)
-        return value
-    return api.load_topology(inputs.server)  # a catalog name, checked by inputs.check_shipped
+@dataclass(frozen=True)
+class RunRequest:
+    """One run as the worker gets it: the page's inputs and what their uploads hold."""
+
+    inputs: JobInputs
+    server: Topology | None = None
+    """The uploaded server, if one is named."""
+    model: Trace | Path | None = None
+    """The uploaded trace, or the checked file of an uploaded Hugging Face config."""
 
 
-def model_of(inputs: JobInputs, uploads: UploadStore) -> Trace:
+def request_of(inputs: JobInputs, uploads: UploadStore) -> RunRequest:
+    server = uploads.get(inputs.server_upload, ("server",)).value if inputs.server_upload is not None else None
+    model = uploads.get(inputs.model_upload, ("trace", "hf")).value if inputs.model_upload is not None else None
+    assert server is None or isinstance(server, Topology)
+    assert model is None or isinstance(model, Trace | Path)
+    return RunRequest(inputs, server, model)
+
+
+def server_of(request: RunRequest) -> Topology:
+    if request.server is not None:
+        return request.server
+    return api.load_topology(request.inputs.server)  # a catalog name, checked by inputs.check_shipped
+
+
+def model_of(request: RunRequest) -> Trace:
     """A shipped trace, an uploaded one, or an uploaded Hugging Face config traced as
     ``mpsim trace --hf`` does."""
-    if inputs.model_upload is None:
-        return api.load_trace(inputs.model)
-    upload = uploads.get(inputs.model_upload, ("trace", "hf"))
-    if isinstance(upload.value, Trace):
-        return upload.value
-    assert isinstance(upload.value, Path)
+    model = request.model
+    if model is None:
+        return api.load_trace(request.inputs.model)
+    if isinstance(model, Trace):
+        return model
     try:
-        return api.trace_hf(str(upload.value), microbatch=inputs.microbatch)
+        return api.trace_hf(str(model), microbatch=request.inputs.microbatch)
     except MpsimError as exc:
-        raise MpsimError(str(exc).replace(f"{upload.path.parent}/", "")) from None
+        raise MpsimError(str(exc).replace(f"{model.parent}/", "")) from None
 
 
 PAGE_MAX_WORK = 2_000_000
@@ -66,8 +85,9 @@ def check_work(trace: Trace, inputs: JobInputs) -> None:
                          "one strategy, or the command line)")
 
 
-def run_job(inputs: JobInputs, uploads: UploadStore, job: Job) -> JobOutcome:
-    topo, trace = server_of(inputs, uploads), model_of(inputs, uploads)
+def run_job(request: RunRequest) -> JobOutcome:
+    inputs = request.inputs
+    topo, trace = server_of(request), model_of(request)
     check_work(trace, inputs)
     warning = api.measured_warning(trace, topo)
     layout = api.parse_layout(inputs.layout) if inputs.layout else None
@@ -76,26 +96,30 @@ def run_job(inputs: JobInputs, uploads: UploadStore, job: Job) -> JobOutcome:
     return JobOutcome(planned, warning, inputs.headroom)
 
 
-def run_choose(inputs: JobInputs, uploads: UploadStore, job: Job) -> dict[str, Any]:
+def run_choose(request: RunRequest) -> dict[str, Any]:
     """The choose view: ``mpsim.api.choose`` over the chosen servers (every shipped one
     the schedule can fill when none is chosen), shown as ``mpsim choose --html`` shows it."""
-    uploaded = [server_of(inputs, uploads)] if inputs.server_upload is not None else []
+    inputs = request.inputs
+    uploaded = [request.server] if request.server is not None else []
     servers: list[str | Topology] = [*inputs.servers, *uploaded]
-    report = api.choose(model_of(inputs, uploads), servers or "all", schedule=inputs.schedule,
+    report = api.choose(model_of(request), servers or "all", schedule=inputs.schedule,
                         microbatch_sizes=[inputs.microbatch] if inputs.microbatch else None,
                         microbatches=inputs.microbatches, headroom_gib=inputs.headroom)
     return {"report": report.to_dict(), "html": choose_html(report)}
 
 
-def run_scale(inputs: JobInputs, uploads: UploadStore, job: Job) -> dict[str, Any]:
+def run_scale(request: RunRequest) -> dict[str, Any]:
     """The "how many servers" view: ``mpsim.api.scale`` (``mpsim choose --tokens``) over
     the chosen clusters and server counts, shown as ``scale_html``."""
-    report = api.scale(model_of(inputs, uploads), list(inputs.clusters), inputs.tokens, inputs.days, inputs.budget,
+    inputs = request.inputs
+    report = api.scale(model_of(request), list(inputs.clusters), inputs.tokens, inputs.days, inputs.budget,
                        microbatch_sizes=(inputs.microbatch or 1,), min_servers=inputs.min_servers,
                        max_servers=inputs.max_servers)
-    if job.cancel.is_set():  # each configuration left stopped at its first task: none of them counts
-        raise Cancelled
     return {"report": report.to_dict(), "html": scale_html(report)}
+
+
+WORKS = {"job": run_job, "choose": run_choose, "scale": run_scale}
+"""The worker's function for each view."""
 
 
 def job_payload(outcome: JobOutcome) -> dict:
