@@ -208,9 +208,17 @@ def test_a_200_byte_config_asking_for_20000_layers_is_refused_in_one_line_and_le
     body = json.dumps(config).encode()
     assert len(body) < 200
     before = set(server.app.uploads.root.iterdir())
+    rss_before_mib = _rss_mib()
     status, answer = call_json(server, "POST", "/api/upload?kind=hf&name=config.json", body)
     assert status == 400 and answer["error"] == "config.json: num_hidden_layers: expected 1 to 9,998, got 20000"
     assert set(server.app.uploads.root.iterdir()) == before  # the rejected upload's folder is gone
+    assert _rss_mib() - rss_before_mib < 32  # read and refused, never traced (it once took 9.98 GB)
+
+
+def _rss_mib() -> float:
+    """This process's resident memory (the server runs in a thread of it)."""
+    with open("/proc/self/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) / 1024
 
 
 @pytest.mark.parametrize("query", ["server=../../etc/passwd", "model=/etc/passwd", "model=../traces/gpt-5.3b.json",
