@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from mpsim import bounds
 from mpsim.backends import Backend, run_points
 from mpsim.catalog import load_topology, load_trace, shipped_traces
 from mpsim.errors import MpsimError
@@ -87,6 +88,10 @@ class FitsReport(OfJob):
     fit at this many layers: ``largest`` is None though smaller sizes may fit."""
     searched: bool = True
     """False under ``fits --no-largest``: the shipped sizes only, ``largest`` None."""
+    probes_simulated: int = 0
+    """Sizes the largest-size search simulated."""
+    probes_decided: int = 0
+    """Sizes it found not to fit from the closed-form floors alone (``mpsim.bounds``)."""
 
     @property
     def server(self) -> str:
@@ -104,7 +109,8 @@ class FitsReport(OfJob):
             "partition": self.partition, "layout": self.job.layout_name,
             "rows": [r.to_dict(headroom_gib) for r in self.rows],
             "largest": None if largest is None else dict(largest.to_dict(headroom_gib), template=self.largest_template),
-            "searched": self.searched,
+            "searched": self.searched, "probes_simulated": self.probes_simulated,
+            "probes_decided_by_floors": self.probes_decided,
         }
 
 
@@ -432,7 +438,7 @@ def fits_job(job: JobSpec, family: str, traces: list[Trace], on_point: Callable[
         hint = (known_fitting or {}).get(probes.template.name, 0)
         floor = (beat or {}).get(probes.template.name, 0)
         if floor >= max(hint, probes.n0):
-            if not probes.probe(floor + 1).result.fits:
+            if not probes.fits_at(floor + 1):
                 return replace(probes.report(rows, None), not_above=floor + 1)
             hint = floor + 1
         lo, hi = probes.grow(hint)
@@ -462,6 +468,9 @@ class _Search:
         self.known_failing, self.backend = known_failing, backend
         self.template = job.trace
         self.cache: dict[int, FitRow] = {}
+        self.decided: set[int] = set()
+        """Sizes the floors showed not to fit (never simulated)."""
+        self.simulated = 0
 
     def run(self, trace: Trace, skip: frozenset[tuple[str, str]] = frozenset()) -> SimResult:
         """One size simulated under the job's strategy (``best``'s parts in parallel on a backend)."""
@@ -484,8 +493,21 @@ class _Search:
     def probe(self, n: int) -> FitRow:
         if n not in self.cache:
             t = self.template.with_layers(n)
+            self.simulated += 1
             self.cache[n] = FitRow(t.name, t.spec.params, n, self.run(t, self._skip(n)))
         return self.cache[n]
+
+    def fits_at(self, n: int) -> bool:
+        """Whether ``n`` layers of the template fit: no when the closed-form floors say
+        so (``mpsim.bounds``), else as the simulated plan says."""
+        if n in self.decided:
+            return False
+        if n not in self.cache and bounds.in_use():
+            job = self.job.but(trace=self.template.with_layers(n).rescale(self.job.microbatch))
+            if bounds.floors(job).cannot_fit():
+                self.decided.add(n)
+                return False
+        return self.probe(n).result.fits
 
     def _skip(self, n: int) -> frozenset[tuple[str, str]]:
         """``best``'s parts known not to fit at ``n`` layers of the template."""
@@ -503,7 +525,7 @@ class _Search:
             cand = lo + step
             if cand > MAX_SEARCH_LAYERS:
                 raise MpsimError(f"{self.family} still fits with {lo} layers; stopped searching at {MAX_SEARCH_LAYERS}")
-            if not self.probe(cand).result.fits:
+            if not self.fits_at(cand):
                 return lo, cand
             lo, step = cand, step * 2
 
@@ -514,7 +536,7 @@ class _Search:
         hi, n = self.n0, self.n0
         while True:
             n = max(min_layers, n // 2)
-            if self.probe(n).result.fits:
+            if self.fits_at(n):
                 return n, hi
             if n == min_layers:
                 return None
@@ -524,11 +546,12 @@ class _Search:
         """The most layers that fit, between ``lo`` (fits) and ``hi`` (does not)."""
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if self.probe(mid).result.fits:
+            if self.fits_at(mid):
                 lo = mid
             else:
                 hi = mid
         return lo
 
     def report(self, rows: list[FitRow], largest: FitRow | None) -> FitsReport:
-        return FitsReport(self.job, self.family, rows, largest, self.template.name)
+        return FitsReport(self.job, self.family, rows, largest, self.template.name,
+                          probes_simulated=self.simulated, probes_decided=len(self.decided))

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from mpsim import bounds
 from mpsim.catalog import load_topology, load_trace, shipped_topologies
 from mpsim.errors import MpsimError
 from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_strategy, partitions_of, pipeline
@@ -91,6 +92,9 @@ class ChooseRow:
     headroom_gib: float = DEFAULT_HEADROOM_GIB
     faster_at_risk: SimResult | None = None
     """A faster plan that fits but is at risk, passed over for ``result``."""
+    decided_by_floors: int = 0
+    """Plans left out of ``tried`` because the closed-form floors showed they could not
+    fit or could not beat a safe plan found (``mpsim.bounds``)."""
 
     @property
     def fits(self) -> bool:
@@ -166,7 +170,7 @@ class ChooseRow:
             "peak_bytes": [g.peak_bytes for g in self.result.gpus], "shortfall_bytes": self.shortfall_bytes,
             "price": self.price.to_dict(), "usd_per_million_samples": self.usd_per_million_samples,
             "usd_per_million_tokens": self.usd_per_million_tokens, "pareto": self.pareto,
-            "tried": [t.to_dict() for t in self.tried],
+            "tried": [t.to_dict() for t in self.tried], "decided_by_floors": self.decided_by_floors,
         }
 
 
@@ -281,23 +285,59 @@ def _shortfall(r: SimResult) -> int:
 
 
 def _server_plans(jobs: Sequence[JobSpec], scaled: Sequence[Trace], strategies: Sequence[str],
-                  on_point: Callable[[str], None] | None) -> list[tuple[Tried, SimResult]]:
+                  on_point: Callable[[str], None] | None,
+                  headroom_gib: float = DEFAULT_HEADROOM_GIB) -> tuple[list[tuple[Tried, SimResult]], int]:
     """Every plan ``choose`` tries on one server: each layout (``jobs``: the job in each),
     each size (``scaled``: the trace at each), each strategy, each single planner under
-    both partitions (a combining one, ``best``, varies them itself)."""
-    out = []
-    for job in jobs:
-        for trace in scaled:
-            mb = trace.microbatch
-            for strategy in strategies:
-                for partition in ("compute",) if combines(strategy) else partitions_of(job.parallelism):
-                    r = plan_job(job.but(trace=trace, partition=partition, strategy=strategy)).result
-                    out.append((Tried(mb, r.strategy, partition, r.fits, r.samples_per_s, r.max_peak_bytes,
-                                      _shortfall(r), r.layout), r))
-                    if on_point:
-                        on_point(f"{job.topology.name} {r.layout} mb {mb} {r.strategy}: "
-                                 f"{'fits' if r.fits else 'OOM'}")
-    return out
+    both partitions (a combining one, ``best``, varies them itself); and how many of them
+    the closed-form floors decided (``mpsim.bounds``), which are left out.
+
+    Candidates are simulated fastest floor first. One whose floor on the iteration time
+    makes it slower than a safe plan already found cannot stand for the server nor be
+    the faster plan at risk, and is skipped; one whose memory floors show it cannot fit
+    waits until the end and is simulated only when nothing fitted (its shortfall then
+    counts). The answer is that of simulating all of them (``tests/test_bounds.py``)."""
+    candidates = [(k, job.but(trace=trace, partition=partition, strategy=strategy))
+                  for k, (job, trace, strategy, partition) in enumerate(_candidates(jobs, scaled, strategies))]
+    if not bounds.in_use():
+        return [_tried(job, on_point) for _, job in candidates], 0
+    floors = {k: bounds.floors(job) for k, job in candidates}
+    order = sorted(candidates, key=lambda c: floors[c[0]].iteration_floor_s or 0.0)
+    done: dict[int, tuple[Tried, SimResult]] = {}
+    unfit: list[tuple[int, JobSpec]] = []
+    safe_samples_per_s = 0.0
+    for k, job in order:
+        if floors[k].cannot_fit():
+            unfit.append((k, job))
+            continue
+        if floors[k].max_samples_per_s(_samples_per_iteration(job)) < safe_samples_per_s:
+            continue
+        done[k] = _tried(job, on_point)
+        r = done[k][1]
+        if r.fits and r.samples_per_s > safe_samples_per_s and not r.at_risk(headroom_gib):
+            safe_samples_per_s = r.samples_per_s
+    if not any(t.fits for t, _ in done.values()):
+        done.update((k, _tried(job, on_point)) for k, job in unfit)
+    return [done[k] for k, _ in candidates if k in done], len(candidates) - len(done)
+
+
+def _candidates(jobs: Sequence[JobSpec], scaled: Sequence[Trace],
+                strategies: Sequence[str]) -> list[tuple[JobSpec, Trace, str, str]]:
+    return [(job, trace, strategy, partition) for job in jobs for trace in scaled for strategy in strategies
+            for partition in (("compute",) if combines(strategy) else partitions_of(job.parallelism))]
+
+
+def _samples_per_iteration(job: JobSpec) -> int:
+    return job.parallelism.data * job.microbatches * job.trace.microbatch
+
+
+def _tried(job: JobSpec, on_point: Callable[[str], None] | None) -> tuple[Tried, SimResult]:
+    r = plan_job(job).result
+    if on_point:
+        on_point(f"{job.topology.name} {r.layout} mb {job.trace.microbatch} {r.strategy}: "
+                 f"{'fits' if r.fits else 'OOM'}")
+    return Tried(job.trace.microbatch, r.strategy, job.partition, r.fits, r.samples_per_s, r.max_peak_bytes,
+                 _shortfall(r), r.layout), r
 
 
 def _standing(tried: list[tuple[Tried, SimResult]], headroom_gib: float) -> SimResult:
@@ -375,11 +415,12 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
     seq_len = trace.seq_len
     rows = []
     for key, topo, on_topo in jobs:
-        tried = _server_plans(on_topo, scaled, strategies, on_point)
+        tried, decided = _server_plans(on_topo, scaled, strategies, on_point, headroom_gib)
         standing = _standing(tried, headroom_gib)
         rows.append(ChooseRow(topo.name, topo.source or key, topo.n_gpus, topo.spec.gpu.model, topo.capacity_bytes,
                               standing, [t for t, _ in tried], _price_of(topo, key, overrides), seq_len,
-                              headroom_gib=headroom_gib, faster_at_risk=_faster_at_risk(tried, standing)))
+                              headroom_gib=headroom_gib, faster_at_risk=_faster_at_risk(tried, standing),
+                              decided_by_floors=decided))
     rows.sort(key=_rank_key(rank_by))
     for i, row in enumerate(rows, 1):
         row.rank = i

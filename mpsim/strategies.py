@@ -46,6 +46,9 @@ class Strategy:
     with another, as MPress's ablations are)."""
     word: str = ""
     """A few words on it for a list (the page's strategy menu); "": the name alone."""
+    offloads_model_states: bool = False
+    """Whether its plans may keep weights or gradients off the GPU (ZeRO-Offload and
+    ZeRO-Infinity): the memory floor of ``mpsim.bounds`` does not hold for it."""
 
     def planner_fn(self) -> Callable[[Any], Any]:
         """The planner itself (imported on first use)."""
@@ -88,8 +91,10 @@ STRATEGIES: dict[str, Strategy] = _table(
     Strategy("tsplit", "mpsim.planners.tsplit:plan_tsplit", in_best=True, word="TSPLIT: swap, recompute, split tensors",
              help="swap, recompute and tensor splitting by TSPLIT's cost model"),
     Strategy("zero-offload", "mpsim.planners.offload:PLANNERS", word="ZeRO-Offload: optimizer on the host CPU",
+             offloads_model_states=True,
              help="ZeRO-Offload: ZeRO-2 over the replicas, optimizer states and Adam on the host CPU"),
     Strategy("zero-infinity", "mpsim.planners.offload:PLANNERS", word="ZeRO-Infinity: states in host memory",
+             offloads_model_states=True,
              help="ZeRO-Infinity: ZeRO-3, parameter shards and optimizer states in host memory (NVMe when short)"),
     Strategy("best", "mpsim.planners.best:plan_best", combines=True, word="every planner, the fastest that fits",
              help="every planner under both partitions, the fastest that fits"),
