@@ -465,11 +465,13 @@ class _Search:
     def __init__(self, job: JobSpec, family: str, on_point: Callable[[str], None] | None,
                  known_failing: Failing, backend: Backend | None):
         self.job, self.family, self.on_point = job, family, on_point
-        self.known_failing, self.backend = known_failing, backend
+        self.known_failing, self.backend = dict(known_failing), backend
         self.template = job.trace
         self.cache: dict[int, FitRow] = {}
         self.decided: set[int] = set()
         """Sizes the floors showed not to fit (never simulated)."""
+        self.verdicts: dict[int, bool] = {}
+        """``best``'s sizes answered by existence alone (``_any_part_fits``)."""
         self.simulated = 0
 
     def run(self, trace: Trace, skip: frozenset[tuple[str, str]] = frozenset()) -> SimResult:
@@ -499,15 +501,35 @@ class _Search:
 
     def fits_at(self, n: int) -> bool:
         """Whether ``n`` layers of the template fit: no when the closed-form floors say
-        so (``mpsim.bounds``), else as the simulated plan says."""
+        so (``mpsim.bounds``); under ``best``, yes at the first of its parts that fits
+        (existence first: only the final size needs the fastest plan); else as the
+        simulated plan says. ``bounds.without_floors`` simulates every probe whole."""
         if n in self.decided:
             return False
-        if n not in self.cache and bounds.in_use():
+        if n in self.cache or not bounds.in_use():
+            return self.probe(n).result.fits
+        if n not in self.verdicts:
             job = self.job.but(trace=self.template.with_layers(n).rescale(self.job.microbatch))
             if bounds.floors(job).cannot_fit():
                 self.decided.add(n)
                 return False
-        return self.probe(n).result.fits
+            if not combines(self.job.strategy):
+                return self.probe(n).result.fits
+            self.verdicts[n] = self._any_part_fits(job, n)
+        return self.verdicts[n]
+
+    def _any_part_fits(self, job: JobSpec, n: int) -> bool:
+        """Whether one of ``best``'s parts fits ``job`` (``n`` layers), trying them in
+        ``best``'s order and stopping at the first that does. A part that does not fit is
+        remembered as not fitting at ``n`` and above (the search's own assumption, per
+        planner), so larger probes and the final plan leave it out."""
+        self.simulated += 1
+        for name, partition in parts(self._skip(n), partitions_of(job.parallelism)):
+            if plan_job(job.but(strategy=name, partition=partition)).result.fits:
+                return True
+            key = (self.template.name, name, partition)
+            self.known_failing[key] = min(self.known_failing.get(key, n), n)
+        return False
 
     def _skip(self, n: int) -> frozenset[tuple[str, str]]:
         """``best``'s parts known not to fit at ``n`` layers of the template."""
