@@ -35,7 +35,7 @@ from mpsim.layouts import candidate_layouts, on_layout
 from mpsim.limits import DEFAULT_HEADROOM_GIB
 from mpsim.planners.best import Part, combine, parts
 from mpsim.planners.context import Planned
-from mpsim.planners.registry import plan_job
+from mpsim.planners.registry import plan_fits, plan_job
 from mpsim.sim import SimResult
 from mpsim.strategies import combines
 from mpsim.topology import Topology
@@ -495,7 +495,7 @@ class _Search:
     def probe(self, n: int) -> FitRow:
         if n not in self.cache:
             t = self.template.with_layers(n)
-            self.simulated += 1
+            self.simulated += n not in self.verdicts  # a size answered by existence counts once
             self.cache[n] = FitRow(t.name, t.spec.params, n, self.run(t, self._skip(n)))
         return self.cache[n]
 
@@ -513,10 +513,13 @@ class _Search:
             if bounds.floors(job).cannot_fit():
                 self.decided.add(n)
                 return False
-            if not combines(self.job.strategy):
-                return self.probe(n).result.fits
-            self.verdicts[n] = self._any_part_fits(job, n)
+            self.verdicts[n] = self._any_part_fits(job, n) if combines(job.strategy) else self._fits(job)
         return self.verdicts[n]
+
+    def _fits(self, job: JobSpec) -> bool:
+        """A single strategy's verdict by existence (``plan_fits``), counted as a probe."""
+        self.simulated += 1
+        return plan_fits(job)
 
     def _any_part_fits(self, job: JobSpec, n: int) -> bool:
         """Whether one of ``best``'s parts fits ``job`` (``n`` layers), trying them in
@@ -525,7 +528,7 @@ class _Search:
         planner), so larger probes and the final plan leave it out."""
         self.simulated += 1
         for name, partition in parts(self._skip(n), partitions_of(job.parallelism)):
-            if plan_job(job.but(strategy=name, partition=partition)).result.fits:
+            if plan_fits(job.but(strategy=name, partition=partition)):
                 return True
             key = (self.template.name, name, partition)
             self.known_failing[key] = min(self.known_failing.get(key, n), n)

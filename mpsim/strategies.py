@@ -46,13 +46,24 @@ class Strategy:
     with another, as MPress's ablations are)."""
     word: str = ""
     """A few words on it for a list (the page's strategy menu); "": the name alone."""
+    exists: str = ""
+    """``module:attribute`` of a check ``Ctx -> bool`` that says whether the planner finds a
+    plan that fits, stopping at the first (no tuning), or a table of them by name; "":
+    plan and look (``mpsim.planners.registry.plan_fits``)."""
     offloads_model_states: bool = False
     """Whether its plans may keep weights or gradients off the GPU (ZeRO-Offload and
     ZeRO-Infinity): the memory floor of ``mpsim.bounds`` does not hold for it."""
 
     def planner_fn(self) -> Callable[[Any], Any]:
         """The planner itself (imported on first use)."""
-        module, _, attribute = self.planner.partition(":")
+        return self._imported(self.planner)
+
+    def exists_fn(self) -> Callable[[Any], bool] | None:
+        """Its existence check (``exists``), or None."""
+        return self._imported(self.exists) if self.exists else None
+
+    def _imported(self, where: str) -> Callable[[Any], Any]:
+        module, _, attribute = where.partition(":")
         found = getattr(importlib.import_module(module), attribute)
         return found[self.name] if isinstance(found, Mapping) else found
 
@@ -63,6 +74,7 @@ def _table(*strategies: Strategy) -> dict[str, Strategy]:
 
 _BASELINES = "mpsim.planners.baselines:BASELINES"
 _MPRESS = "mpsim.planners.mpress:MPRESS_STRATEGIES"
+_MPRESS_EXISTS = "mpsim.planners.mpress:MPRESS_EXISTS"
 
 STRATEGIES: dict[str, Strategy] = _table(
     Strategy("none", _BASELINES, in_best=True, word="keep everything on the GPU"),
@@ -81,13 +93,13 @@ STRATEGIES: dict[str, Strategy] = _table(
              help="the same, overlapped and prefetched"),
     Strategy("d2d", _BASELINES, in_best=True, word="swap to NVLink peers' spare memory",
              help="swap to spare memory of NVLink peers"),
-    Strategy("mpress", _MPRESS, in_best=True, word="MPress: host swap, recompute and D2D",
+    Strategy("mpress", _MPRESS, exists=_MPRESS_EXISTS, in_best=True, word="MPress: host swap, recompute and D2D",
              help="host swap, recompute and D2D with device mapping; ablations mpress-no-mapping, "
                   "mpress-no-striping, mpress-d2d-only"),
-    Strategy("mpress-no-mapping", _MPRESS, help=None),
-    Strategy("mpress-no-striping", _MPRESS, help=None),
-    Strategy("mpress-no-mapping-no-striping", _MPRESS, help=None),
-    Strategy("mpress-d2d-only", _MPRESS, help=None),
+    Strategy("mpress-no-mapping", _MPRESS, exists=_MPRESS_EXISTS, help=None),
+    Strategy("mpress-no-striping", _MPRESS, exists=_MPRESS_EXISTS, help=None),
+    Strategy("mpress-no-mapping-no-striping", _MPRESS, exists=_MPRESS_EXISTS, help=None),
+    Strategy("mpress-d2d-only", _MPRESS, exists=_MPRESS_EXISTS, help=None),
     Strategy("tsplit", "mpsim.planners.tsplit:plan_tsplit", in_best=True, word="TSPLIT: swap, recompute, split tensors",
              help="swap, recompute and tensor splitting by TSPLIT's cost model"),
     Strategy("zero-offload", "mpsim.planners.offload:PLANNERS", word="ZeRO-Offload: optimizer on the host CPU",

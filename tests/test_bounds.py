@@ -126,5 +126,17 @@ def test_the_largest_size_search_with_the_floors_finds_what_simulating_every_siz
     assert (tiered.largest.layers, tiered.largest.result.samples_per_s) == \
         (every.largest.layers, every.largest.result.samples_per_s)
     assert every.probes_decided == 0
-    # best's probes answer by existence (its first part that fits); the final size is planned whole once more
-    assert tiered.probes_simulated <= every.probes_simulated + (strategy == "best")
+    assert tiered.probes_simulated <= every.probes_simulated
+
+
+@pytest.mark.parametrize("strategy", ["mpress", "mpress-no-mapping", "mpress-d2d-only"])
+@pytest.mark.parametrize("layers", [290, 305])
+def test_mpress_by_existence_gives_its_plans_verdict(strategy, layers):
+    """Around the largest MPress fits on the DGX-1 (304 layers of GPT-25.5B's shape): the
+    check that stops at the first plan that fits says what the whole planner says."""
+    from mpsim.planners.registry import plan_fits
+
+    traces = family_traces("gpt")
+    job = family_job("dgx1-v100", traces, "1f1b", 2, 16, strategy, "compute")
+    job = job.but(trace=traces[-1].with_layers(layers).rescale(2))
+    assert plan_fits(job) == plan_job(job).result.fits

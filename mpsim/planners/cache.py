@@ -19,6 +19,25 @@ def job_key(strategy: str, ctx: Ctx) -> tuple[object, ...]:
             tuple(ctx.stages), tuple(ctx.gpus), ctx.record_link_rates, ctx.job.parallelism)
 
 
+_VERDICTS: OrderedDict[tuple[object, ...], bool] = OrderedDict()
+
+
+def known_plan(strategy: str, ctx: Ctx) -> Planned | None:
+    """The answer already made for the same content, if any."""
+    return _CACHE.get(job_key(strategy, ctx))
+
+
+def cached_verdict(strategy: str, ctx: Ctx, exists: Callable[[Ctx], bool]) -> bool:
+    """``exists(ctx)`` (whether the planner finds a plan that fits), or the verdict given
+    before for the same content."""
+    key = job_key(strategy, ctx)
+    if key not in _VERDICTS:
+        _VERDICTS[key] = exists(ctx)
+        if len(_VERDICTS) > CACHE_SIZE:
+            _VERDICTS.popitem(last=False)
+    return _VERDICTS[key]
+
+
 def cached_plan(strategy: str, ctx: Ctx, planner: Callable[[Ctx], Planned]) -> Planned:
     """``planner(ctx)``, or the answer it gave before for the same content."""
     key = job_key(strategy, ctx)

@@ -33,7 +33,7 @@ striping (each swap to its one fastest neighbour), and D2D swap only.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from mpsim.costs import cost_model
@@ -479,25 +479,51 @@ def plan_mpress(ctx: Ctx, opts: Options, name: str) -> Planned:
     planned, intervals = keep_first(ctx, name)
     if planned.result.fits:
         return planned
+    best: Planned | None = None
+    sims = 0
+    for map_ctx, keep, map_intervals, map_slack, tried in _variants_to_try(ctx, opts, name, planned, intervals):
+        planned = _plan_on_map(map_ctx, tried, name, keep, map_intervals, map_slack)
+        sims += planned.simulations
+        if best is None or _faster(planned.result, best.result):
+            best = planned
+    assert best is not None
+    return replace(best, simulations=sims)
+
+
+def mpress_fits(ctx: Ctx, opts: Options, name: str) -> bool:
+    """Whether ``plan_mpress`` would find a plan that fits, by existence: the variants in
+    its order, each through step 4 (and the recomputation it may start step 5 from),
+    stopping at the first that fits. Step 5 keeps only rounds that fit, so a variant
+    fits after it exactly when it fits before; the tuning is left to the final plan."""
+    planned, intervals = keep_first(ctx, name)
+    if planned.result.fits:
+        return True
+    return any(_fits_on_map(map_ctx, tried, name, keep, map_intervals, map_slack)
+               for map_ctx, keep, map_intervals, map_slack, tried in
+               _variants_to_try(ctx, opts, name, planned, intervals))
+
+
+_Variant = tuple[Ctx, Planned, dict[int, float], list[float], Options]
+"""A map's context, keep-everything plan, live intervals and end slack, and the options tried on it."""
+
+
+def _variants_to_try(ctx: Ctx, opts: Options, name: str, planned: Planned,
+                     intervals: dict[int, float]) -> Iterator[_Variant]:
+    """Each stage-to-GPU map (DAPPLE's, then the searched one where it differs) with each
+    striping option the variant allows, with the map's keep-everything plan, live
+    intervals and end slack; the searched map is made only when asked for."""
+    tries = [replace(opts, striping=False)] + ([opts] if opts.striping else [])
     slack = end_slack(planned.result, ctx.schedule)
-    maps = [(ctx, planned, intervals, slack)]
+    for tried in tries:
+        yield ctx, planned, intervals, slack, tried
     if opts.mapping and not ctx.replicated:  # replicas are placed by their rings (``placement``)
         mapping = _mapping(_Planner(ctx, opts, name, slack), planned.result)
         if list(mapping.gpus) != ctx.gpus:
             mapped_ctx = replace(ctx, gpus=list(mapping.gpus))
             mapped_keep, mapped_intervals = keep_first(mapped_ctx, name)
-            maps.append((mapped_ctx, mapped_keep, mapped_intervals, end_slack(mapped_keep.result, ctx.schedule)))
-    tries = [replace(opts, striping=False)] + ([opts] if opts.striping else [])
-    best: Planned | None = None
-    sims = 0
-    for map_ctx, keep, map_intervals, map_slack in maps:
-        for tried in tries:
-            planned = _plan_on_map(map_ctx, tried, name, keep, map_intervals, map_slack)
-            sims += planned.simulations
-            if best is None or _faster(planned.result, best.result):
-                best = planned
-    assert best is not None
-    return replace(best, simulations=sims)
+            mapped_slack = end_slack(mapped_keep.result, ctx.schedule)
+            for tried in tries:
+                yield mapped_ctx, mapped_keep, mapped_intervals, mapped_slack, tried
 
 
 def _faster(a: SimResult, b: SimResult) -> bool:
@@ -517,6 +543,18 @@ def _plan_on_map(ctx: Ctx, opts: Options, name: str, keep: Planned, intervals: d
             result, plan = planner.tune(result, plan, intervals)
             result, plan = planner.host_swaps_to_recompute(result, plan)
     return Planned(plan, result, 1 + planner.sims)
+
+
+def _fits_on_map(ctx: Ctx, opts: Options, name: str, keep: Planned, intervals: dict[int, float],
+                 slack: list[float]) -> bool:
+    """Whether ``_plan_on_map`` ends with a plan that fits: its steps 3 and 4, and the
+    recomputation step 5 may start from (step 5 itself keeps only plans that fit)."""
+    planner = _Planner(ctx, opts, name, slack)
+    result, plan = planner.take_free_offloads(keep.result, keep.plan)
+    result, plan = planner.fit(result, plan, intervals)
+    if result.fits or opts.d2d_only:
+        return result.fits
+    return _recompute_first_if_faster(ctx, opts, name, planner, result, plan)[1].fits
 
 
 def _mapping(planner: _Planner, keep: SimResult) -> Mapping:
@@ -547,3 +585,11 @@ def _variant(name: str):
 
 
 MPRESS_STRATEGIES = {name: _variant(name) for name in VARIANTS}
+
+
+def _exists(name: str):
+    return lambda ctx: mpress_fits(ctx, VARIANTS[name], name)
+
+
+MPRESS_EXISTS = {name: _exists(name) for name in VARIANTS}
+"""Per variant, ``mpress_fits`` (``Strategy.exists``)."""

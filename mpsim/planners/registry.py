@@ -6,11 +6,11 @@ from collections.abc import Collection
 
 from mpsim.job import JobSpec
 from mpsim.planners.best import Part, plan_best
-from mpsim.planners.cache import cached_plan
+from mpsim.planners.cache import cached_plan, cached_verdict, known_plan
 from mpsim.planners.context import Ctx, Planned, make_context
 from mpsim.strategies import STRATEGIES, combines, strategy_named
 
-__all__ = ["STRATEGIES", "combines", "plan_job", "run_planner", "strategy_named"]
+__all__ = ["STRATEGIES", "combines", "plan_fits", "plan_job", "run_planner", "strategy_named"]
 
 
 def run_planner(strategy: str, ctx: Ctx) -> Planned:
@@ -28,3 +28,18 @@ def plan_job(job: JobSpec, known_not_fitting: Collection[Part] = ()) -> Planned:
         return cached_plan(f"best without {sorted(known_not_fitting)}", ctx,
                            lambda c: plan_best(c, known_not_fitting))
     return run_planner(strategy.name, ctx)
+
+
+def plan_fits(job: JobSpec) -> bool:
+    """Whether ``job``'s single strategy finds a plan that fits: from its plan when one was
+    made, else by its existence check where it has one (``Strategy.exists``: it stops at
+    the first plan that fits), else by planning. The same verdict as ``plan_job``."""
+    strategy = strategy_named(job.strategy)
+    ctx = make_context(job, strategy.keeps)
+    made = known_plan(strategy.name, ctx)
+    if made is not None:
+        return made.result.fits
+    exists = strategy.exists_fn()
+    if exists is None:
+        return run_planner(strategy.name, ctx).result.fits
+    return cached_verdict(strategy.name, ctx, exists)
