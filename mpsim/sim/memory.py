@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from mpsim.sim.simpy_fast import fire_in_place
+from mpsim.sim.simpy_fast import call_in, fire_in_place
 
 CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "stash", "buffers", "workspace",
                                "peer_swap")
@@ -186,7 +186,8 @@ class DeviceMemory:
         self.climb_bytes = 0
         """How far above its current level the task running on this device will still
         climb (``program.climbs``); a prefetch held for later leaves that much room."""
-        self._changed = env.event()
+        self._waiting: list[tuple[Callable[[], bool], simpy.Event]] = []
+        """Who waits for a change, in order: (must it still wait, its gate)."""
 
     def change(self, entries: Sequence[Entry]) -> None:
         """Allocate and free now, without waiting (an allocation may exceed capacity: the
@@ -216,14 +217,7 @@ class DeviceMemory:
         never enters SimPy's queue: it fires in place (``simpy_fast.fire_in_place``), so the waiter
         goes on in the same instant and turn as it did when it woke itself."""
         gate = self.env.event()
-
-        def check(_event: simpy.Event) -> None:
-            if must_wait():
-                self._changed.callbacks.append(check)
-            else:
-                fire_in_place(gate)
-
-        self._changed.callbacks.append(check)
+        self._waiting.append((must_wait, gate))
         return gate
 
     def _must_wait(self, n_bytes: int, hold_while: Callable[[], bool] | None) -> bool:
@@ -276,10 +270,22 @@ class DeviceMemory:
             self.poke()
 
     def poke(self) -> None:
-        """Wake whoever waits on this device (memory freed, or a stream reached a point)."""
-        if self._changed.callbacks:  # nobody waiting: nothing to schedule
-            fired, self._changed = self._changed, self.env.event()
-            fired.succeed()
+        """Wake whoever waits on this device (memory freed, or a stream reached a point):
+        one event, scheduled now, re-checks them in the order they began to wait; one
+        that must go on waiting waits for the next poke after it (``_recheck``)."""
+        if self._waiting:  # nobody waiting: nothing to schedule
+            batch, self._waiting = self._waiting, []
+            call_in(self.env, 0.0, lambda _e: self._recheck(batch))
+
+    def _recheck(self, batch: list[tuple[Callable[[], bool], simpy.Event]]) -> None:
+        """Let go, in order, each of ``batch`` that need not wait any more (its waiter
+        goes on at once, inside this call, and may change memory and poke again); put
+        the others back in line, behind whoever began to wait meanwhile."""
+        for waiter in batch:
+            if waiter[0]():
+                self._waiting.append(waiter)
+            else:
+                fire_in_place(waiter[1])
 
     def _add(self, n_bytes: int) -> None:
         self.used += n_bytes

@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import simpy
 
+from mpsim.sim.simpy_fast import call_in
 from mpsim.topology import Route
 
 _EPS = 1e-12
@@ -22,17 +23,19 @@ _EPS = 1e-12
 
 class _Path:
     """What the fluid model needs of a route, worked out once per run: its links' names
-    and bandwidths, and the narrowest of those (a flow's rate when it shares no link)."""
+    and bandwidths, the narrowest of those (a flow's rate when it shares no link), and
+    its number in the run (``Network``'s rate memo is keyed by these)."""
 
-    __slots__ = ("route", "links", "names", "narrowest", "latency_s")
+    __slots__ = ("route", "links", "names", "narrowest", "latency_s", "number")
 
-    def __init__(self, route: Route) -> None:
+    def __init__(self, route: Route, number: int) -> None:
         self.route = route
         """Held so that the route outlives the ``id`` that keys this path."""
         self.links = route.links
         self.names = tuple(link.name for link in route.links)
         self.narrowest = min(link.bandwidth for link in route.links)
         self.latency_s = route.latency_s
+        self.number = number
 
 
 class _Group:
@@ -51,12 +54,13 @@ class _Group:
 
 
 class _Flow:
-    __slots__ = ("links", "names", "narrowest", "remaining", "rate", "done", "seq")
+    __slots__ = ("links", "names", "narrowest", "path_number", "remaining", "rate", "done", "seq")
 
     def __init__(self, path: _Path, n_bytes: float, done: simpy.Event | _Group, seq: int) -> None:
         self.links = path.links
         self.names = path.names
         self.narrowest = path.narrowest
+        self.path_number = path.number
         self.remaining = float(n_bytes)
         self.rate = 0.0
         self.done = done
@@ -64,7 +68,11 @@ class _Flow:
 
 
 class Network:
-    """Owns every active flow; ``transfer`` returns an event that fires when bytes land."""
+    """Owns every active flow; ``transfer`` returns an event that fires when bytes land.
+
+    The rates depend on nothing but the paths of the active flows in their order, so
+    each such configuration's rates (and the links it keeps busy) are worked out once per
+    run and remembered (``_configs``): a run repeats a few configurations many times."""
 
     def __init__(self, env: simpy.Environment, record_rates: bool = False) -> None:
         self.env = env
@@ -78,23 +86,33 @@ class Network:
         self.bytes_by_link: dict[str, float] = defaultdict(float)
         self.busy_s_by_link: dict[str, float] = defaultdict(float)
         self._paths: dict[int, _Path] = {}
+        self._configs: dict[tuple[int, ...], tuple[tuple[float, ...], tuple[str, ...]]] = {}
+        """Per configuration (the active flows' path numbers in order): each flow's rate
+        and the links those flows keep busy."""
+        self._busy: tuple[str, ...] = ()
+        """The links the active flows keep busy (``_advance`` charges them)."""
 
-    def transfer(self, route: Route, n_bytes: int) -> simpy.Event:
-        done = self.env.event()
+    def _path(self, route: Route) -> _Path:
         path = self._paths.get(id(route))
         if path is None:
-            path = self._paths[id(route)] = _Path(route)
+            path = self._paths[id(route)] = _Path(route, len(self._paths))
+        return path
+
+    def transfer(self, route: Route, n_bytes: int) -> simpy.Event:
+        env = self.env
+        done = simpy.Event(env)
+        path = self._path(route)
+        bytes_by_link = self.bytes_by_link
         for name in path.names:
-            self.bytes_by_link[name] += n_bytes
+            bytes_by_link[name] += n_bytes
         if n_bytes <= 0:
 
             def land(_e: simpy.Event) -> None:
                 done.succeed()
 
-            self.env.timeout(path.latency_s).callbacks.append(land)
+            call_in(env, path.latency_s, land)
             return done
-        start = self.env.timeout(path.latency_s)
-        start.callbacks.append(lambda _e: self._start(path, n_bytes, done))
+        call_in(env, path.latency_s, lambda _e: self._start(path, n_bytes, done))
         return done
 
     def transfer_all(self, routes: list[Route], n_bytes: list[int], latency_s: float) -> simpy.Event:
@@ -104,9 +122,7 @@ class Network:
         done = self.env.event()
         paths = []
         for route, n in zip(routes, n_bytes, strict=True):
-            path = self._paths.get(id(route))
-            if path is None:
-                path = self._paths[id(route)] = _Path(route)
+            path = self._path(route)
             paths.append(path)
             for name in path.names:
                 self.bytes_by_link[name] += n
@@ -116,7 +132,7 @@ class Network:
             def land(_e: simpy.Event) -> None:
                 done.succeed()
 
-            self.env.timeout(latency_s).callbacks.append(land)
+            call_in(self.env, latency_s, land)
             return done
         group = _Group(done, len(sends))
 
@@ -127,7 +143,7 @@ class Network:
                 self._flows.append(_Flow(path, n, group, self._seq))
             self._reschedule()
 
-        self.env.timeout(latency_s).callbacks.append(start)
+        call_in(self.env, latency_s, start)
         return done
 
     # -- fluid model -----------------------------------------------------------------------
@@ -135,12 +151,10 @@ class Network:
         now = self.env.now
         dt = now - self._last
         if dt > 0:
-            busy: set[str] = set()
             for f in self._flows:
                 f.remaining -= f.rate * dt
-                busy.update(f.names)
             busy_s = self.busy_s_by_link
-            for name in busy:
+            for name in self._busy:
                 busy_s[name] += dt
         self._last = now
 
@@ -151,45 +165,34 @@ class Network:
         self._reschedule()
 
     def _rates(self) -> None:
-        """Max-min fair rates by progressive filling; per link, the capacity left and the
-        number of flows not yet frozen are kept up to date, so each round is one pass."""
-        members: dict[str, list[_Flow]] = {}
-        slots = 0
-        for f in self._flows:
-            slots += len(f.names)
-            for name in f.names:
-                shared = members.get(name)
-                if shared is None:
-                    members[name] = [f]
-                else:
-                    shared.append(f)
-        if slots == len(members):  # no link shared: each flow runs at its narrowest link
-            for f in self._flows:
-                f.rate = f.narrowest
-            return
-        capacity: dict[str, float] = {}
-        for f in self._flows:
-            f.rate = -1.0
-            for link in f.links:
-                capacity[link.name] = link.bandwidth
-        _fill(members, capacity)
+        """Set each active flow's rate: the configuration's, remembered or worked out."""
+        flows = self._flows
+        key = tuple([f.path_number for f in flows])
+        config = self._configs.get(key)
+        if config is None:
+            config = self._configs[key] = _config_rates(flows)
+        rates, self._busy = config
+        for f, rate in zip(flows, rates):
+            f.rate = rate
 
     def _reschedule(self) -> None:
         self._version += 1
-        if not self._flows:
+        flows = self._flows
+        if not flows:
+            self._busy = ()
             if self.record_rates:
                 self.rate_log.append((self.env.now, {}))
             return
         self._rates()
         if self.record_rates:
             per_link: dict[str, float] = defaultdict(float)
-            for f in self._flows:
+            for f in flows:
                 for link in f.links:
                     per_link[link.name] += f.rate
             self.rate_log.append((self.env.now, dict(per_link)))
-        dt = min(f.remaining / f.rate for f in self._flows)
+        dt = min([f.remaining / f.rate for f in flows])
         version = self._version
-        self.env.timeout(max(dt, 0.0)).callbacks.append(lambda _e: self._wake(version))
+        call_in(self.env, max(dt, 0.0), lambda _e: self._wake(version))
 
     def _wake(self, version: int) -> None:
         if version != self._version:
@@ -203,6 +206,32 @@ class Network:
         self._reschedule()
         for f in sorted(finished, key=lambda f: f.seq):
             f.done.succeed()
+
+
+def _config_rates(flows: list[_Flow]) -> tuple[tuple[float, ...], tuple[str, ...]]:
+    """Max-min fair rates of ``flows`` (in their order) by progressive filling, and the
+    links they keep busy; per link, the capacity left and the number of flows not yet
+    frozen are kept up to date, so each round is one pass."""
+    members: dict[str, list[_Flow]] = {}
+    slots = 0
+    for f in flows:
+        slots += len(f.names)
+        for name in f.names:
+            shared = members.get(name)
+            if shared is None:
+                members[name] = [f]
+            else:
+                shared.append(f)
+    busy = tuple(members)
+    if slots == len(members):  # no link shared: each flow runs at its narrowest link
+        return tuple(f.narrowest for f in flows), busy
+    capacity: dict[str, float] = {}
+    for f in flows:
+        f.rate = -1.0
+        for link in f.links:
+            capacity[link.name] = link.bandwidth
+    _fill(members, capacity)
+    return tuple(f.rate for f in flows), busy
 
 
 def _fill(members: dict[str, list[_Flow]], capacity: dict[str, float]) -> None:

@@ -12,6 +12,7 @@ from mpsim.sim.context import RunContext
 from mpsim.sim.data_parallel import DataParallel
 from mpsim.sim.program import Piece, StageProgram, SwapIn
 from mpsim.sim.result import Span
+from mpsim.sim.simpy_fast import sleep
 from mpsim.sim.spawn import spawn
 from mpsim.sim.swapper import STASH, Swapper
 from mpsim.sim.tensor_group import TensorGroup
@@ -160,7 +161,7 @@ class ComputeStream:
                 dp.backward_piece_started(mb, piece, last_backward)
             self.memory.set_climb(climb_running)
             if piece.duration_s:
-                yield env.timeout(piece.duration_s)
+                yield sleep(env, piece.duration_s)
             if piece.collectives and self.tp is not None:
                 yield from self.tp.communicate(piece.collectives, f"{word} of microbatch {mb}")
             self.memory.finish_task(piece.template)
