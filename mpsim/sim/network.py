@@ -11,6 +11,7 @@ link each get half of it.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import defaultdict
 
 import simpy
@@ -54,13 +55,12 @@ class _Group:
 
 
 class _Flow:
-    __slots__ = ("links", "names", "narrowest", "path_number", "remaining", "rate", "done", "seq")
+    __slots__ = ("links", "names", "narrowest", "remaining", "rate", "done", "seq")
 
     def __init__(self, path: _Path, n_bytes: float, done: simpy.Event | _Group, seq: int) -> None:
         self.links = path.links
         self.names = path.names
         self.narrowest = path.narrowest
-        self.path_number = path.number
         self.remaining = float(n_bytes)
         self.rate = 0.0
         self.done = done
@@ -80,6 +80,8 @@ class Network:
         self.rate_log: list[tuple[float, dict[str, float]]] = []
         """(time, bytes/s per busy link) at every change, when ``record_rates``."""
         self._flows: list[_Flow] = []
+        self._numbers: list[int] = []
+        """The active flows' path numbers, in the flows' order (the configuration)."""
         self._last = 0.0
         self._version = 0
         self._seq = 0
@@ -139,8 +141,7 @@ class Network:
         def start(_e: simpy.Event) -> None:
             self._advance()
             for path, n in sends:
-                self._seq += 1
-                self._flows.append(_Flow(path, n, group, self._seq))
+                self._add_flow(path, n, group)
             self._reschedule()
 
         call_in(self.env, latency_s, start)
@@ -158,24 +159,19 @@ class Network:
                 busy_s[name] += dt
         self._last = now
 
-    def _start(self, path: _Path, n_bytes: int, done: simpy.Event) -> None:
-        self._advance()
+    def _add_flow(self, path: _Path, n_bytes: int, done: simpy.Event | _Group) -> None:
         self._seq += 1
         self._flows.append(_Flow(path, n_bytes, done, self._seq))
+        self._numbers.append(path.number)
+
+    def _start(self, path: _Path, n_bytes: int, done: simpy.Event) -> None:
+        self._advance()
+        self._add_flow(path, n_bytes, done)
         self._reschedule()
 
-    def _rates(self) -> None:
-        """Set each active flow's rate: the configuration's, remembered or worked out."""
-        flows = self._flows
-        key = tuple([f.path_number for f in flows])
-        config = self._configs.get(key)
-        if config is None:
-            config = self._configs[key] = _config_rates(flows)
-        rates, self._busy = config
-        for f, rate in zip(flows, rates):
-            f.rate = rate
-
     def _reschedule(self) -> None:
+        """Set every active flow's rate (its configuration's, remembered or worked out)
+        and schedule a wake-up for the first to land at those rates."""
         self._version += 1
         flows = self._flows
         if not flows:
@@ -183,14 +179,23 @@ class Network:
             if self.record_rates:
                 self.rate_log.append((self.env.now, {}))
             return
-        self._rates()
+        key = tuple(self._numbers)
+        config = self._configs.get(key)
+        if config is None:
+            config = self._configs[key] = _config_rates(flows)
+        rates, self._busy = config
+        dt = math.inf
+        for f, rate in zip(flows, rates):
+            f.rate = rate
+            left_s = f.remaining / rate
+            if left_s < dt:
+                dt = left_s
         if self.record_rates:
             per_link: dict[str, float] = defaultdict(float)
             for f in flows:
                 for link in f.links:
                     per_link[link.name] += f.rate
             self.rate_log.append((self.env.now, dict(per_link)))
-        dt = min([f.remaining / f.rate for f in flows])
         version = self._version
         call_in(self.env, max(dt, 0.0), lambda _e: self._wake(version))
 
@@ -198,11 +203,14 @@ class Network:
         if version != self._version:
             return  # superseded by a later start or end
         self._advance()
-        finished = [f for f in self._flows if f.remaining <= _EPS * max(1.0, f.rate)]
+        flows = self._flows
+        finished = [f for f in flows if f.remaining <= _EPS * max(1.0, f.rate)]
         if not finished:  # rounding left a sliver: finish the earliest flow now
-            finished = [min(self._flows, key=lambda f: (f.remaining / f.rate, f.seq))]
+            finished = [min(flows, key=lambda f: (f.remaining / f.rate, f.seq))]
         for f in finished:
-            self._flows.remove(f)
+            i = flows.index(f)
+            del flows[i]
+            del self._numbers[i]
         self._reschedule()
         for f in sorted(finished, key=lambda f: f.seq):
             f.done.succeed()
