@@ -24,19 +24,19 @@ _EPS = 1e-12
 
 class _Path:
     """What the fluid model needs of a route, worked out once per run: its links' names
-    and bandwidths, the narrowest of those (a flow's rate when it shares no link), and
-    its number in the run (``Network``'s rate memo is keyed by these)."""
+    and bandwidths and the narrowest of those (a flow's rate when it shares no link)."""
 
     __slots__ = ("route", "links", "names", "narrowest", "latency_s", "number")
 
-    def __init__(self, route: Route, number: int) -> None:
+    def __init__(self, route: Route) -> None:
         self.route = route
         """Held so that the route outlives the ``id`` that keys this path."""
         self.links = route.links
         self.names = tuple(link.name for link in route.links)
         self.narrowest = min(link.bandwidth for link in route.links)
         self.latency_s = route.latency_s
-        self.number = number
+        self.number = id(route)
+        """The route's ``id``: what keys the rate memo (``_CONFIGS``)."""
 
 
 class _Group:
@@ -55,9 +55,10 @@ class _Group:
 
 
 class _Flow:
-    __slots__ = ("links", "names", "narrowest", "remaining", "rate", "done", "seq")
+    __slots__ = ("route", "links", "names", "narrowest", "remaining", "rate", "done", "seq")
 
     def __init__(self, path: _Path, n_bytes: float, done: simpy.Event | _Group, seq: int) -> None:
+        self.route = path.route
         self.links = path.links
         self.names = path.names
         self.narrowest = path.narrowest
@@ -70,9 +71,10 @@ class _Flow:
 class Network:
     """Owns every active flow; ``transfer`` returns an event that fires when bytes land.
 
-    The rates depend on nothing but the paths of the active flows in their order, so
-    each such configuration's rates (and the links it keeps busy) are worked out once per
-    run and remembered (``_configs``): a run repeats a few configurations many times."""
+    The rates depend on nothing but the routes of the active flows in their order, so
+    each such configuration's rates (and the links it keeps busy) are worked out once and
+    remembered (``_CONFIGS``): a run repeats a few configurations many times, and the
+    runs of a search on one server share most of them."""
 
     def __init__(self, env: simpy.Environment, record_rates: bool = False) -> None:
         self.env = env
@@ -81,23 +83,20 @@ class Network:
         """(time, bytes/s per busy link) at every change, when ``record_rates``."""
         self._flows: list[_Flow] = []
         self._numbers: list[int] = []
-        """The active flows' path numbers, in the flows' order (the configuration)."""
+        """The active flows' route ids, in the flows' order (the configuration)."""
         self._last = 0.0
         self._version = 0
         self._seq = 0
         self.bytes_by_link: dict[str, float] = defaultdict(float)
         self.busy_s_by_link: dict[str, float] = defaultdict(float)
         self._paths: dict[int, _Path] = {}
-        self._configs: dict[tuple[int, ...], tuple[tuple[float, ...], tuple[str, ...]]] = {}
-        """Per configuration (the active flows' path numbers in order): each flow's rate
-        and the links those flows keep busy."""
         self._busy: tuple[str, ...] = ()
         """The links the active flows keep busy (``_advance`` charges them)."""
 
     def _path(self, route: Route) -> _Path:
         path = self._paths.get(id(route))
         if path is None:
-            path = self._paths[id(route)] = _Path(route, len(self._paths))
+            path = self._paths[id(route)] = _Path(route)
         return path
 
     def transfer(self, route: Route, n_bytes: int) -> simpy.Event:
@@ -180,10 +179,10 @@ class Network:
                 self.rate_log.append((self.env.now, {}))
             return
         key = tuple(self._numbers)
-        config = self._configs.get(key)
+        config = _CONFIGS.get(key)
         if config is None:
-            config = self._configs[key] = _config_rates(flows)
-        rates, self._busy = config
+            config = _remember(key, flows)
+        rates, self._busy, _routes = config
         dt = math.inf
         for f, rate in zip(flows, rates):
             f.rate = rate
@@ -214,6 +213,26 @@ class Network:
         self._reschedule()
         for f in sorted(finished, key=lambda f: f.seq):
             f.done.succeed()
+
+
+CONFIGS = 8192
+"""Configurations remembered per process (``_CONFIGS``)."""
+_Config = tuple[tuple[float, ...], tuple[str, ...], tuple[Route, ...]]
+_CONFIGS: dict[tuple[int, ...], _Config] = {}
+"""Per configuration (the active flows' route ids, in order): each flow's rate, the links
+they keep busy, and the routes themselves. Holding the routes keeps their ids from being
+reused by other objects while the entry lives, so equal keys always mean the same routes."""
+
+
+def _remember(key: tuple[int, ...], flows: list[_Flow]) -> _Config:
+    """Work out and remember a configuration's rates (the oldest half of the memo is let
+    go when it is full)."""
+    if len(_CONFIGS) >= CONFIGS:
+        for old in list(_CONFIGS)[: CONFIGS // 2]:
+            del _CONFIGS[old]
+    rates, busy = _config_rates(flows)
+    config = _CONFIGS[key] = (rates, busy, tuple(f.route for f in flows))
+    return config
 
 
 def _config_rates(flows: list[_Flow]) -> tuple[tuple[float, ...], tuple[str, ...]]:

@@ -143,6 +143,7 @@ class ComputeStream:
         pieces: list[Piece] = self.program.forward if forward else self.program.backward
         climb = self.program.forward_climbs if forward else self.program.backward_climbs
         word = "forward" if forward else "backward"
+        label = f"{word} of microbatch {mb} on stage {self.stage}:"
         for piece, (climb_before, climb_running, climb_after) in zip(pieces, climb, strict=True):
             self.memory.set_climb(climb_before)
             if piece.wait_for is not None:
@@ -151,7 +152,6 @@ class ComputeStream:
                 yield from self._wait_for_swap_in(mb, piece.wait_for, cost)
             if dp is not None and piece.layer is not None:
                 yield from dp.wait_for_gather(mb, task.kind, piece.layer)
-            label = f"{word} of microbatch {mb} on stage {self.stage}:"
             if self.memory.task_must_wait(piece.template):
                 waited_s = yield from self.memory.acquire_task(piece.template, label)
                 self.run.costs.add(self.gpu, "memory_wait_s", waited_s)
