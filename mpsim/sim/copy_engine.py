@@ -40,7 +40,12 @@ class EnginePool:
     release frees the engine at once and, through an event of its own processed in turn
     like SimPy's ``Release``, grants the request at the head of the queue. Each grant
     and each release hands over at most one engine, as SimPy's do. It is leaner than a
-    ``simpy.Resource``: no put and get events and queues of them around each grant."""
+    ``simpy.Resource``: no put and get events and queues of them around each grant.
+
+    A release with nobody queued schedules no hand-over: that event could grant nothing
+    (a request made before it is processed finds the engine free and is granted as it
+    is made, so the queue is never left waiting beside a free engine), and leaving out
+    an event that does nothing moves no other event's place in the queue."""
 
     def __init__(self, env: simpy.Environment, capacity: int) -> None:
         self.env = env
@@ -57,6 +62,8 @@ class EnginePool:
     def release(self, req: EngineRequest) -> None:
         if req in self.users:
             self.users.remove(req)
+        if not self.queue:
+            return
         handover = self.env.event()
         handover.callbacks.append(self._grant_head)
         handover.succeed()

@@ -41,6 +41,7 @@ from mpsim.sim.collectives import ring_transfer, two_level_transfer
 from mpsim.sim.context import RunContext
 from mpsim.sim.program import Piece, Sharding
 from mpsim.sim.result import Span
+from mpsim.sim.simpy_fast import call_in, sleep
 from mpsim.sim.spawn import spawn
 from mpsim.units import MiB
 
@@ -108,7 +109,7 @@ class DataParallel:
         if not last_backward:
             self._held_before_last.add(mb)
         for offset_s, j in piece.grads_done:
-            env.timeout(offset_s).callbacks.append(self._on_ready(mb, j))
+            call_in(env, offset_s, self._on_ready(mb, j))
 
     def _on_ready(self, mb: int, j: int) -> Callable[[simpy.Event], None]:
         def ready(_e: simpy.Event) -> None:
@@ -266,7 +267,7 @@ class DataParallel:
         replica) when it lives there, then over PCIe from pinned host memory."""
         run = self.run
         if run.offload is run.nvme:
-            yield run.env.timeout(run.nvme_seconds(n_bytes, write=False))
+            yield sleep(run.env, run.nvme_seconds(n_bytes, write=False))
         yield from run.host_copy(self.gpu, n_bytes, False, "parameter shard from host")
 
     def _run(self, previous: simpy.Event | None, op: str, n_bytes: int, label: str,

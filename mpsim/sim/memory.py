@@ -27,13 +27,14 @@ and this plan does not), so their sum at a GPU's peak is what each technique sav
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import simpy
 
-from mpsim.sim.simpy_fast import fire_in_place
+from mpsim.sim.simpy_fast import call_in, fire_in_place
 
 CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "stash", "buffers", "workspace",
                                "peer_swap")
@@ -107,21 +108,7 @@ class MemoryLog:
         self._templated[gpu].append((start_s, self._order, template, task_label))
 
     def analyse(self, gpu: int, capacity: int) -> GpuMemory:
-        singles = self._single[gpu]
-        parts_t = [np.array([e[0] for e in singles], dtype=float)]
-        parts_o = [np.array([e[1] for e in singles], dtype=float)]
-        parts_d = [np.array([e[2] for e in singles], dtype=np.int64)]
-        parts_c = [np.array([e[3] for e in singles], dtype=np.int64)]
-        for start, order, tpl, _label in self._templated[gpu]:
-            k = len(tpl.deltas)
-            parts_t.append(start + tpl.offsets_s)
-            parts_o.append(order + np.arange(k) / (k + 1))  # keep template order among equal times
-            parts_d.append(tpl.deltas)
-            parts_c.append(tpl.cats)
-        t = np.concatenate(parts_t)
-        o = np.concatenate(parts_o)
-        d = np.concatenate(parts_d)
-        c = np.concatenate(parts_c)
+        t, o, d, c = self._events(gpu)
         idx = np.lexsort((o, t))
         t, d, c = t[idx], d[idx], c[idx]
         used = np.cumsum(np.where(c < N_REAL, d, 0))
@@ -150,6 +137,27 @@ class MemoryLog:
             }
         return GpuMemory(peak, breakdown, saved, t, used, oom)
 
+    def _events(self, gpu: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every event of ``gpu``, unsorted: the single ones, then each task's template
+        laid at its start, as (times, orders, deltas, categories). A template's events
+        take its task's order plus i / (k + 1) for the i-th of k, which keeps them in
+        template order among equal times. Whole-array arithmetic: each task's start and
+        order are repeated over its events and added once (element by element the same
+        sums as adding them task by task)."""
+        singles = self._single[gpu]
+        tasks = self._templated[gpu]
+        tpls = [tpl for _start, _order, tpl, _label in tasks]
+        sizes = np.array([len(tpl.deltas) for tpl in tpls], dtype=np.int64)
+        starts = np.repeat(np.array([task[0] for task in tasks], dtype=float), sizes)
+        orders = np.repeat(np.array([task[1] for task in tasks], dtype=np.int64), sizes)
+        t = np.concatenate([np.array([e[0] for e in singles], dtype=float),
+                            starts + np.concatenate([tpl.offsets_s for tpl in tpls] or [np.zeros(0)])])
+        o = np.concatenate([np.array([e[1] for e in singles], dtype=float),
+                            orders + np.concatenate([_fractions(len(tpl.deltas)) for tpl in tpls] or [np.zeros(0)])])
+        d = np.concatenate([np.array([e[2] for e in singles], dtype=np.int64)] + [tpl.deltas for tpl in tpls])
+        c = np.concatenate([np.array([e[3] for e in singles], dtype=np.int64)] + [tpl.cats for tpl in tpls])
+        return t, o, d, c
+
     def _label_at(self, gpu: int, flat_index: int) -> str:
         """The label of the event at position ``flat_index`` of the unsorted concatenation."""
         singles = self._single[gpu]
@@ -161,6 +169,15 @@ class MemoryLog:
                 return f"{task_label} {tpl.labels[flat_index]}"
             flat_index -= len(tpl.deltas)
         return "?"
+
+
+_Waiter = tuple[int, Callable[[], bool] | None, simpy.Event]
+"""A wait for room (``DeviceMemory._until``): the bytes asked, the hold (or None), the gate."""
+
+@functools.lru_cache(maxsize=256)
+def _fractions(k: int) -> np.ndarray:
+    """i / (k + 1) for i < k: a template's event orders after its task's (``MemoryLog``)."""
+    return np.arange(k) / (k + 1)
 
 
 Entry = tuple[int, str, str]
@@ -186,7 +203,8 @@ class DeviceMemory:
         self.climb_bytes = 0
         """How far above its current level the task running on this device will still
         climb (``program.climbs``); a prefetch held for later leaves that much room."""
-        self._changed = env.event()
+        self._waiting: list[_Waiter] = []
+        """Who waits for a change, in order (``_until``)."""
 
     def change(self, entries: Sequence[Entry]) -> None:
         """Allocate and free now, without waiting (an allocation may exceed capacity: the
@@ -205,25 +223,18 @@ class DeviceMemory:
         climb; then make the change in the same instant. Returns seconds waited."""
         n_bytes, start = real_bytes(entries), self.env.now
         if self._must_wait(n_bytes, hold_while):
-            yield self._until(lambda: self._must_wait(n_bytes, hold_while))
+            yield self._until(n_bytes, hold_while)
         self.change(entries)
         return self.env.now - start
 
-    def _until(self, must_wait: Callable[[], bool]) -> simpy.Event:
-        """An event that fires once ``must_wait()`` turns false, checked at every change
-        (``poke``) in the waiter's turn, as a process re-checking in a loop would be. A
+    def _until(self, n_bytes: int, hold_while: Callable[[], bool] | None) -> simpy.Event:
+        """An event that fires once ``_must_wait(n_bytes, hold_while)`` turns false, checked
+        at every change (``poke``) in the waiter's turn, as a process re-checking in a loop would be. A
         waiter that must go on waiting costs one call, not a process resume; the event
         never enters SimPy's queue: it fires in place (``simpy_fast.fire_in_place``), so the waiter
         goes on in the same instant and turn as it did when it woke itself."""
         gate = self.env.event()
-
-        def check(_event: simpy.Event) -> None:
-            if must_wait():
-                self._changed.callbacks.append(check)
-            else:
-                fire_in_place(gate)
-
-        self._changed.callbacks.append(check)
+        self._waiting.append((n_bytes, hold_while, gate))
         return gate
 
     def _must_wait(self, n_bytes: int, hold_while: Callable[[], bool] | None) -> bool:
@@ -260,13 +271,13 @@ class DeviceMemory:
         """``start_task`` once the piece's highest point fits or no free is under way."""
         start = self.env.now
         if self.task_must_wait(template):
-            yield self._until(lambda: self.task_must_wait(template))
+            yield self._until(template.peak_bytes, None)
         self.start_task(template, label)
         return self.env.now - start
 
     def task_must_wait(self, template: Template) -> bool:
         """Whether a piece must wait for room before it starts (``acquire_task``)."""
-        return self.used + template.peak_bytes > self.capacity and self.frees_under_way > 0
+        return self._must_wait(template.peak_bytes, None)
 
     def finish_task(self, template: Template) -> None:
         """The piece has ended: what it holds drops from its highest point to its net."""
@@ -276,10 +287,28 @@ class DeviceMemory:
             self.poke()
 
     def poke(self) -> None:
-        """Wake whoever waits on this device (memory freed, or a stream reached a point)."""
-        if self._changed.callbacks:  # nobody waiting: nothing to schedule
-            fired, self._changed = self._changed, self.env.event()
-            fired.succeed()
+        """Wake whoever waits on this device (memory freed, or a stream reached a point):
+        one event, scheduled now, re-checks them in the order they began to wait; one
+        that must go on waiting waits for the next poke after it (``_recheck``)."""
+        if self._waiting:  # nobody waiting: nothing to schedule
+            batch, self._waiting = self._waiting, []
+            call_in(self.env, 0.0, lambda _e: self._recheck(batch))
+
+    def _recheck(self, batch: list[_Waiter]) -> None:
+        """Let go, in order, each of ``batch`` that need not wait any more (its waiter
+        goes on at once, inside this call, and may change memory and poke again); put
+        the others back in line, behind whoever began to wait meanwhile. The test is
+        ``_must_wait``'s, written out: this loop runs for every waiter at every poke."""
+        for waiter in batch:
+            n_bytes, hold_while, gate = waiter
+            if hold_while is not None and hold_while():
+                wait = self.used + n_bytes + self.climb_bytes > self.capacity
+            else:
+                wait = self.used + n_bytes > self.capacity and self.frees_under_way > 0
+            if wait:
+                self._waiting.append(waiter)
+            else:
+                fire_in_place(gate)
 
     def _add(self, n_bytes: int) -> None:
         self.used += n_bytes

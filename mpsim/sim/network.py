@@ -11,10 +11,12 @@ link each get half of it.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import defaultdict
 
 import simpy
 
+from mpsim.sim.simpy_fast import call_in
 from mpsim.topology import Route
 
 _EPS = 1e-12
@@ -22,9 +24,9 @@ _EPS = 1e-12
 
 class _Path:
     """What the fluid model needs of a route, worked out once per run: its links' names
-    and bandwidths, and the narrowest of those (a flow's rate when it shares no link)."""
+    and bandwidths and the narrowest of those (a flow's rate when it shares no link)."""
 
-    __slots__ = ("route", "links", "names", "narrowest", "latency_s")
+    __slots__ = ("route", "links", "names", "narrowest", "latency_s", "number")
 
     def __init__(self, route: Route) -> None:
         self.route = route
@@ -33,6 +35,8 @@ class _Path:
         self.names = tuple(link.name for link in route.links)
         self.narrowest = min(link.bandwidth for link in route.links)
         self.latency_s = route.latency_s
+        self.number = id(route)
+        """The route's ``id``: what keys the rate memo (``_CONFIGS``)."""
 
 
 class _Group:
@@ -51,9 +55,10 @@ class _Group:
 
 
 class _Flow:
-    __slots__ = ("links", "names", "narrowest", "remaining", "rate", "done", "seq")
+    __slots__ = ("route", "links", "names", "narrowest", "remaining", "rate", "done", "seq")
 
     def __init__(self, path: _Path, n_bytes: float, done: simpy.Event | _Group, seq: int) -> None:
+        self.route = path.route
         self.links = path.links
         self.names = path.names
         self.narrowest = path.narrowest
@@ -64,7 +69,12 @@ class _Flow:
 
 
 class Network:
-    """Owns every active flow; ``transfer`` returns an event that fires when bytes land."""
+    """Owns every active flow; ``transfer`` returns an event that fires when bytes land.
+
+    The rates depend on nothing but the routes of the active flows in their order, so
+    each such configuration's rates (and the links it keeps busy) are worked out once and
+    remembered (``_CONFIGS``): a run repeats a few configurations many times, and the
+    runs of a search on one server share most of them."""
 
     def __init__(self, env: simpy.Environment, record_rates: bool = False) -> None:
         self.env = env
@@ -72,29 +82,38 @@ class Network:
         self.rate_log: list[tuple[float, dict[str, float]]] = []
         """(time, bytes/s per busy link) at every change, when ``record_rates``."""
         self._flows: list[_Flow] = []
+        self._numbers: list[int] = []
+        """The active flows' route ids, in the flows' order (the configuration)."""
         self._last = 0.0
         self._version = 0
         self._seq = 0
         self.bytes_by_link: dict[str, float] = defaultdict(float)
         self.busy_s_by_link: dict[str, float] = defaultdict(float)
         self._paths: dict[int, _Path] = {}
+        self._busy: tuple[str, ...] = ()
+        """The links the active flows keep busy (``_advance`` charges them)."""
 
-    def transfer(self, route: Route, n_bytes: int) -> simpy.Event:
-        done = self.env.event()
+    def _path(self, route: Route) -> _Path:
         path = self._paths.get(id(route))
         if path is None:
             path = self._paths[id(route)] = _Path(route)
+        return path
+
+    def transfer(self, route: Route, n_bytes: int) -> simpy.Event:
+        env = self.env
+        done = simpy.Event(env)
+        path = self._path(route)
+        bytes_by_link = self.bytes_by_link
         for name in path.names:
-            self.bytes_by_link[name] += n_bytes
+            bytes_by_link[name] += n_bytes
         if n_bytes <= 0:
 
             def land(_e: simpy.Event) -> None:
                 done.succeed()
 
-            self.env.timeout(path.latency_s).callbacks.append(land)
+            call_in(env, path.latency_s, land)
             return done
-        start = self.env.timeout(path.latency_s)
-        start.callbacks.append(lambda _e: self._start(path, n_bytes, done))
+        call_in(env, path.latency_s, lambda _e: self._start(path, n_bytes, done))
         return done
 
     def transfer_all(self, routes: list[Route], n_bytes: list[int], latency_s: float) -> simpy.Event:
@@ -104,9 +123,7 @@ class Network:
         done = self.env.event()
         paths = []
         for route, n in zip(routes, n_bytes, strict=True):
-            path = self._paths.get(id(route))
-            if path is None:
-                path = self._paths[id(route)] = _Path(route)
+            path = self._path(route)
             paths.append(path)
             for name in path.names:
                 self.bytes_by_link[name] += n
@@ -116,18 +133,17 @@ class Network:
             def land(_e: simpy.Event) -> None:
                 done.succeed()
 
-            self.env.timeout(latency_s).callbacks.append(land)
+            call_in(self.env, latency_s, land)
             return done
         group = _Group(done, len(sends))
 
         def start(_e: simpy.Event) -> None:
             self._advance()
             for path, n in sends:
-                self._seq += 1
-                self._flows.append(_Flow(path, n, group, self._seq))
+                self._add_flow(path, n, group)
             self._reschedule()
 
-        self.env.timeout(latency_s).callbacks.append(start)
+        call_in(self.env, latency_s, start)
         return done
 
     # -- fluid model -----------------------------------------------------------------------
@@ -135,74 +151,114 @@ class Network:
         now = self.env.now
         dt = now - self._last
         if dt > 0:
-            busy: set[str] = set()
             for f in self._flows:
                 f.remaining -= f.rate * dt
-                busy.update(f.names)
             busy_s = self.busy_s_by_link
-            for name in busy:
+            for name in self._busy:
                 busy_s[name] += dt
         self._last = now
 
-    def _start(self, path: _Path, n_bytes: int, done: simpy.Event) -> None:
-        self._advance()
+    def _add_flow(self, path: _Path, n_bytes: int, done: simpy.Event | _Group) -> None:
         self._seq += 1
         self._flows.append(_Flow(path, n_bytes, done, self._seq))
+        self._numbers.append(path.number)
+
+    def _start(self, path: _Path, n_bytes: int, done: simpy.Event) -> None:
+        self._advance()
+        self._add_flow(path, n_bytes, done)
         self._reschedule()
 
-    def _rates(self) -> None:
-        """Max-min fair rates by progressive filling; per link, the capacity left and the
-        number of flows not yet frozen are kept up to date, so each round is one pass."""
-        members: dict[str, list[_Flow]] = {}
-        slots = 0
-        for f in self._flows:
-            slots += len(f.names)
-            for name in f.names:
-                shared = members.get(name)
-                if shared is None:
-                    members[name] = [f]
-                else:
-                    shared.append(f)
-        if slots == len(members):  # no link shared: each flow runs at its narrowest link
-            for f in self._flows:
-                f.rate = f.narrowest
-            return
-        capacity: dict[str, float] = {}
-        for f in self._flows:
-            f.rate = -1.0
-            for link in f.links:
-                capacity[link.name] = link.bandwidth
-        _fill(members, capacity)
-
     def _reschedule(self) -> None:
+        """Set every active flow's rate (its configuration's, remembered or worked out)
+        and schedule a wake-up for the first to land at those rates."""
         self._version += 1
-        if not self._flows:
+        flows = self._flows
+        if not flows:
+            self._busy = ()
             if self.record_rates:
                 self.rate_log.append((self.env.now, {}))
             return
-        self._rates()
+        key = tuple(self._numbers)
+        config = _CONFIGS.get(key)
+        if config is None:
+            config = _remember(key, flows)
+        rates, self._busy, _routes = config
+        dt = math.inf
+        for f, rate in zip(flows, rates):
+            f.rate = rate
+            left_s = f.remaining / rate
+            if left_s < dt:
+                dt = left_s
         if self.record_rates:
             per_link: dict[str, float] = defaultdict(float)
-            for f in self._flows:
+            for f in flows:
                 for link in f.links:
                     per_link[link.name] += f.rate
             self.rate_log.append((self.env.now, dict(per_link)))
-        dt = min(f.remaining / f.rate for f in self._flows)
         version = self._version
-        self.env.timeout(max(dt, 0.0)).callbacks.append(lambda _e: self._wake(version))
+        call_in(self.env, max(dt, 0.0), lambda _e: self._wake(version))
 
     def _wake(self, version: int) -> None:
         if version != self._version:
             return  # superseded by a later start or end
         self._advance()
-        finished = [f for f in self._flows if f.remaining <= _EPS * max(1.0, f.rate)]
+        flows = self._flows
+        finished = [f for f in flows if f.remaining <= _EPS * max(1.0, f.rate)]
         if not finished:  # rounding left a sliver: finish the earliest flow now
-            finished = [min(self._flows, key=lambda f: (f.remaining / f.rate, f.seq))]
+            finished = [min(flows, key=lambda f: (f.remaining / f.rate, f.seq))]
         for f in finished:
-            self._flows.remove(f)
+            i = flows.index(f)
+            del flows[i]
+            del self._numbers[i]
         self._reschedule()
         for f in sorted(finished, key=lambda f: f.seq):
             f.done.succeed()
+
+
+CONFIGS = 8192
+"""Configurations remembered per process (``_CONFIGS``)."""
+_Config = tuple[tuple[float, ...], tuple[str, ...], tuple[Route, ...]]
+_CONFIGS: dict[tuple[int, ...], _Config] = {}
+"""Per configuration (the active flows' route ids, in order): each flow's rate, the links
+they keep busy, and the routes themselves. Holding the routes keeps their ids from being
+reused by other objects while the entry lives, so equal keys always mean the same routes."""
+
+
+def _remember(key: tuple[int, ...], flows: list[_Flow]) -> _Config:
+    """Work out and remember a configuration's rates (the oldest half of the memo is let
+    go when it is full)."""
+    if len(_CONFIGS) >= CONFIGS:
+        for old in list(_CONFIGS)[: CONFIGS // 2]:
+            del _CONFIGS[old]
+    rates, busy = _config_rates(flows)
+    config = _CONFIGS[key] = (rates, busy, tuple(f.route for f in flows))
+    return config
+
+
+def _config_rates(flows: list[_Flow]) -> tuple[tuple[float, ...], tuple[str, ...]]:
+    """Max-min fair rates of ``flows`` (in their order) by progressive filling, and the
+    links they keep busy; per link, the capacity left and the number of flows not yet
+    frozen are kept up to date, so each round is one pass."""
+    members: dict[str, list[_Flow]] = {}
+    slots = 0
+    for f in flows:
+        slots += len(f.names)
+        for name in f.names:
+            shared = members.get(name)
+            if shared is None:
+                members[name] = [f]
+            else:
+                shared.append(f)
+    busy = tuple(members)
+    if slots == len(members):  # no link shared: each flow runs at its narrowest link
+        return tuple(f.narrowest for f in flows), busy
+    capacity: dict[str, float] = {}
+    for f in flows:
+        f.rate = -1.0
+        for link in f.links:
+            capacity[link.name] = link.bandwidth
+    _fill(members, capacity)
+    return tuple(f.rate for f in flows), busy
 
 
 def _fill(members: dict[str, list[_Flow]], capacity: dict[str, float]) -> None:

@@ -20,17 +20,20 @@ from __future__ import annotations
 
 import importlib.metadata
 from collections.abc import Generator
-from heapq import heappop
+from heapq import heappop, heappush
+from typing import Any
 
 import simpy
 import simpy.events
 
 from mpsim.errors import MpsimError
 
-__all__ = ["Detached", "SimpyInternalsError", "check_simpy", "events_scheduled", "fire_in_place",
-           "missing_internals", "run_until_empty"]
+__all__ = ["Detached", "Fired", "SimpyInternalsError", "call_in", "check_simpy", "events_scheduled", "fire_in_place",
+           "missing_internals", "run_until_empty", "sleep"]
 
 Steps = Generator[simpy.Event, object, None]
+NORMAL = simpy.events.NORMAL
+URGENT = simpy.events.URGENT
 
 
 class SimpyInternalsError(MpsimError):
@@ -103,6 +106,38 @@ def fire_in_place(event: simpy.Event) -> None:
         callback(event)
 
 
+class Fired(simpy.Event):
+    """An event that is scheduled the moment it is made, already succeeded (value None),
+    and is nothing but its callbacks: what SimPy's loop (``run_until_empty``,
+    ``simpy.Environment.step``) and a process yielding it read of an event
+    (``callbacks``, ``_ok``, ``_value``), without ``simpy.Event.__init__``, ``Timeout``'s
+    checks and ``Environment.schedule``'s call. It takes the queue place a
+    ``simpy.Timeout`` of the same delay made at the same moment would take (same time,
+    priority ``NORMAL``, the next number of the counter), so a run's event order is
+    unchanged. It has no ``env``: combine it with nothing (``&``, ``|``, ``AllOf``)."""
+
+    _ok = True
+    _value = None
+
+    def __init__(self, env: simpy.Environment, delay_s: float) -> None:  # no super().__init__: see the class doc
+        if delay_s < 0:
+            raise ValueError(f"negative delay {delay_s}")
+        self.callbacks: list[Any] = []
+        heappush(env._queue, (env._now + delay_s, NORMAL, next(env._eid), self))
+
+
+def sleep(env: simpy.Environment, delay_s: float) -> simpy.Event:
+    """What ``env.timeout(delay_s)`` is to a process that yields it, in the same place
+    of the queue, made cheaply (``Fired``); ``delay_s`` must not be negative."""
+    return Fired(env, delay_s)
+
+
+def call_in(env: simpy.Environment, delay_s: float, callback: Any) -> None:
+    """``env.timeout(delay_s).callbacks.append(callback)``, in the same place of the
+    queue, made cheaply (``Fired``); ``delay_s`` must not be negative."""
+    Fired(env, delay_s).callbacks.append(callback)
+
+
 def events_scheduled(env: simpy.Environment) -> int:
     """Events ``env`` has scheduled so far: SimPy numbers every scheduled event from one
     counter (this reads it by taking its next number, so call it once, at the end)."""
@@ -119,11 +154,9 @@ class Detached:
 
     def __init__(self, env: simpy.Environment, steps: Steps) -> None:
         self._steps = steps
-        start = simpy.Event(env)
-        start._ok = True
-        start._value = None
-        start.callbacks.append(self._resume)
-        env.schedule(start, simpy.events.URGENT)
+        start = Fired.__new__(Fired)  # an urgent Fired of no delay
+        start.callbacks = [self._resume]
+        heappush(env._queue, (env._now, URGENT, next(env._eid), start))
 
     def _resume(self, event: simpy.Event) -> None:
         """Send the event's value in (throw its failure), and wait on what comes next."""

@@ -12,6 +12,7 @@ from mpsim.sim.context import RunContext
 from mpsim.sim.data_parallel import DataParallel
 from mpsim.sim.program import Piece, StageProgram, SwapIn
 from mpsim.sim.result import Span
+from mpsim.sim.simpy_fast import sleep
 from mpsim.sim.spawn import spawn
 from mpsim.sim.swapper import STASH, Swapper
 from mpsim.sim.tensor_group import TensorGroup
@@ -142,6 +143,7 @@ class ComputeStream:
         pieces: list[Piece] = self.program.forward if forward else self.program.backward
         climb = self.program.forward_climbs if forward else self.program.backward_climbs
         word = "forward" if forward else "backward"
+        label = f"{word} of microbatch {mb} on stage {self.stage}:"
         for piece, (climb_before, climb_running, climb_after) in zip(pieces, climb, strict=True):
             self.memory.set_climb(climb_before)
             if piece.wait_for is not None:
@@ -150,7 +152,6 @@ class ComputeStream:
                 yield from self._wait_for_swap_in(mb, piece.wait_for, cost)
             if dp is not None and piece.layer is not None:
                 yield from dp.wait_for_gather(mb, task.kind, piece.layer)
-            label = f"{word} of microbatch {mb} on stage {self.stage}:"
             if self.memory.task_must_wait(piece.template):
                 waited_s = yield from self.memory.acquire_task(piece.template, label)
                 self.run.costs.add(self.gpu, "memory_wait_s", waited_s)
@@ -160,7 +161,7 @@ class ComputeStream:
                 dp.backward_piece_started(mb, piece, last_backward)
             self.memory.set_climb(climb_running)
             if piece.duration_s:
-                yield env.timeout(piece.duration_s)
+                yield sleep(env, piece.duration_s)
             if piece.collectives and self.tp is not None:
                 yield from self.tp.communicate(piece.collectives, f"{word} of microbatch {mb}")
             self.memory.finish_task(piece.template)

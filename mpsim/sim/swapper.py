@@ -12,6 +12,7 @@ from mpsim.sim.context import RunContext
 from mpsim.sim.memory import Entry
 from mpsim.sim.program import SwapIn, SwapOut, chunk
 from mpsim.sim.result import Span
+from mpsim.sim.simpy_fast import sleep
 from mpsim.sim.spawn import spawn
 from mpsim.topology import HOST
 
@@ -140,13 +141,13 @@ class Swapper:
                 yield reached
             return
         if need_at_s - alone > run.env.now:
-            yield run.env.timeout(need_at_s - alone - run.env.now)
+            yield sleep(run.env, need_at_s - alone - run.env.now)
         if run.torch_pipelining and self.stage < run.layout.n_stages - 1:
             gradient = run.signals("gradient", self.stage, mb)
             if not gradient.triggered:
                 yield gradient
                 if si.need_offset_s > alone:
-                    yield run.env.timeout(si.need_offset_s - alone)
+                    yield sleep(run.env, si.need_offset_s - alone)
 
     @staticmethod
     def _swap_in_entries(mb: int, si: SwapIn) -> list[Entry]:

@@ -8,6 +8,7 @@ import simpy
 
 from mpsim.costs import CostModel
 from mpsim.sim.context import RunContext
+from mpsim.sim.simpy_fast import sleep
 from mpsim.sim.swapper import Swapper
 from mpsim.trace import LayerRow
 
@@ -51,7 +52,7 @@ class Updater:
         run = self.run
         start = run.env.now
         if self.mode == "gpu":
-            yield run.env.timeout(self.gpu_update_s)
+            yield sleep(run.env, self.gpu_update_s)
         elif self.mode == "host-update":
             yield from self._on_host()
         else:
@@ -63,7 +64,7 @@ class Updater:
     def _on_gpu(self) -> Generator[simpy.Event, object, None]:
         """The update of the layers whose states stay on the GPU."""
         if self.gpu_rows_s:
-            yield self.run.env.timeout(self.gpu_rows_s)
+            yield sleep(self.run.env, self.gpu_rows_s)
 
     def _on_host(self) -> Generator[simpy.Event, object, None]:
         run, g = self.run, self.gpu
@@ -71,7 +72,7 @@ class Updater:
         rows = [r for _, r, _ in self.host_rows]
         if not self.grads_on_host:  # ZeRO-Offload sent each gradient shard as its reduction landed
             yield from run.host_copy(g, self._shard(sum(r.grad_bytes for r in rows)), True, "gradients to host")
-        yield run.env.timeout(self._host_adam_s(rows))
+        yield sleep(run.env, self._host_adam_s(rows))
         if not run.layout.offload_params:  # offloaded shards stay off the GPU until gathered
             yield from run.host_copy(g, self._shard(sum(r.param_bytes for r in rows)), False, "weights from host")
 
@@ -101,5 +102,5 @@ class Updater:
             label = f"layer {j} optimizer states streamed in"
             yield from run.memory[g].acquire([(n_opt, "optimizer", label), (-n_opt, "saved:optimizer", label)])
             yield from run.host_copy(g, n_opt, False, f"optimizer states in L{j}")
-            yield run.env.timeout(update_s)
+            yield sleep(run.env, update_s)
             self.swapper.start_optimizer_out(j, n_opt)
