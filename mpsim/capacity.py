@@ -472,6 +472,7 @@ class _Search:
         """Sizes the floors showed not to fit (never simulated)."""
         self.verdicts: dict[int, bool] = {}
         """``best``'s sizes answered by existence alone (``_any_part_fits``)."""
+        self.last_fit: Part | None = None
         self.simulated = 0
 
     def run(self, trace: Trace, skip: frozenset[tuple[str, str]] = frozenset()) -> SimResult:
@@ -522,13 +523,18 @@ class _Search:
         return plan_fits(job)
 
     def _any_part_fits(self, job: JobSpec, n: int) -> bool:
-        """Whether one of ``best``'s parts fits ``job`` (``n`` layers), trying them in
-        ``best``'s order and stopping at the first that does. A part that does not fit is
+        """Whether one of ``best``'s parts fits ``job`` (``n`` layers), stopping at the first
+        that does: the one that fitted the last size that fitted first, then ``best``'s
+        order (whether any fits does not depend on the order). A part that does not fit is
         remembered as not fitting at ``n`` and above (the search's own assumption, per
         planner), so larger probes and the final plan leave it out."""
         self.simulated += 1
-        for name, partition in parts(self._skip(n), partitions_of(job.parallelism)):
+        todo = parts(self._skip(n), partitions_of(job.parallelism))
+        if self.last_fit in todo:  # the part that fitted the last size that fitted, first: most often the answer
+            todo.insert(0, todo.pop(todo.index(self.last_fit)))
+        for name, partition in todo:
             if plan_fits(job.but(strategy=name, partition=partition)):
+                self.last_fit = (name, partition)
                 return True
             key = (self.template.name, name, partition)
             self.known_failing[key] = min(self.known_failing.get(key, n), n)
