@@ -18,6 +18,7 @@ raises one ``SimpyInternalsError`` naming the version and what is missing, inste
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 from collections.abc import Generator
 from heapq import heappop, heappush
@@ -83,7 +84,25 @@ def run_until_empty(env: simpy.Environment) -> None:
     """``env.run()`` without a deadline, inlined: the same events in the same order (by
     time, priority, then scheduling order), each one's callbacks called in turn, and a
     failed event that nobody defused raised, as ``simpy.Environment.step`` does; without
-    a method call and a ``try`` per event."""
+    a method call and a ``try`` per event.
+
+    Python's cyclic garbage collector is paused while the loop runs (and resumed, if it
+    was on, however the loop ends): a run's events are freed by reference counting as
+    they are popped and leave next to no cycles (a few objects per run), so the
+    collections their allocations would trigger find nothing and cost several per cent
+    of the loop."""
+    if not gc.isenabled():
+        _run_events(env)
+        return
+    gc.disable()
+    try:
+        _run_events(env)
+    finally:
+        gc.enable()
+
+
+def _run_events(env: simpy.Environment) -> None:
+    """``run_until_empty``'s loop."""
     queue, pop = env._queue, heappop
     while queue:
         env._now, _, _, event = pop(queue)
