@@ -167,12 +167,14 @@ class Detached:
     """A generator run the way ``simpy.Environment.process`` runs one (started through an
     urgent event scheduled now; resumed on each event it yields, at once when that event
     has already been processed; a failure thrown in and marked defused), but with no
-    end-of-process event (``mpsim.sim.spawn``)."""
+    end-of-process event (``mpsim.sim.spawn``). ``alive`` is true until the generator
+    has returned (``simpy.Process.is_alive``, for whoever checks that a run finished)."""
 
-    __slots__ = ("_steps",)
+    __slots__ = ("_steps", "alive")
 
     def __init__(self, env: simpy.Environment, steps: Steps) -> None:
         self._steps = steps
+        self.alive = True
         start = Fired.__new__(Fired)  # an urgent Fired of no delay
         start.callbacks = [self._resume]
         heappush(env._queue, (env._now, URGENT, next(env._eid), start))
@@ -188,6 +190,7 @@ class Detached:
                     event._defused = True
                     event = steps.throw(event._value)
             except StopIteration:
+                self.alive = False
                 return
             if event.callbacks is not None:  # not processed yet: wait for it
                 event.callbacks.append(self._resume)
