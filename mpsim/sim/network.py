@@ -200,22 +200,26 @@ class Network:
                 for link in f.links:
                     per_link[link.name] += f.rate
             self.rate_log.append((self.env.now, dict(per_link)))
-        wakeup = self._wakeup = Fired(self.env, max(dt, 0.0))
+        wakeup = self._wakeup = Fired(self.env, dt if dt > 0.0 else 0.0)
         wakeup.callbacks.append(self._wake)
 
     def _wake(self, _event: simpy.Event) -> None:
+        """Land the flows that are done (by the rounding tolerance; the earliest one when
+        rounding left only slivers), re-rate the others, then fire the landed flows'
+        events in the order they started (the flows' list is in that order: flows are
+        appended as they start and removed in place)."""
         self._wakeup = None
         self._advance()
-        flows = self._flows
-        finished = [f for f in flows if f.remaining <= _EPS * max(1.0, f.rate)]
-        if not finished:  # rounding left a sliver: finish the earliest flow now
-            finished = [min(flows, key=lambda f: (f.remaining / f.rate, f.seq))]
-        for f in finished:
-            i = flows.index(f)
+        flows, numbers = self._flows, self._numbers
+        landed = [i for i, f in enumerate(flows) if f.remaining <= _EPS * (f.rate if f.rate > 1.0 else 1.0)]
+        if not landed:  # rounding left a sliver: finish the earliest flow now
+            landed = [min(range(len(flows)), key=lambda i: (flows[i].remaining / flows[i].rate, flows[i].seq))]
+        finished = [flows[i] for i in landed]
+        for i in reversed(landed):
             del flows[i]
-            del self._numbers[i]
+            del numbers[i]
         self._reschedule()
-        for f in sorted(finished, key=lambda f: f.seq):
+        for f in finished:
             f.done.succeed()
 
 
