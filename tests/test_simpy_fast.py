@@ -3,6 +3,7 @@ as SimPy's own run loop and processes."""
 
 from __future__ import annotations
 
+import gc
 import re
 from collections.abc import Callable, Generator
 from pathlib import Path
@@ -135,6 +136,24 @@ def test_an_undefused_failure_is_raised_as_simpy_raises_it():
     with pytest.raises(RuntimeError, match="nobody waits") as fast:
         run_until_empty(env2)
     assert type(fast.value.__cause__) is type(plain.value.__cause__) is RuntimeError
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_is_paused_during_the_loop_and_left_as_found(enabled):
+    seen: list[bool] = []
+    env = simpy.Environment()
+    env.timeout(1.0).callbacks.append(lambda _e: seen.append(gc.isenabled()))
+    env.event().fail(RuntimeError("nobody waits"))
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with pytest.raises(RuntimeError):
+            run_until_empty(env)
+        assert gc.isenabled() is enabled
+        run_until_empty(env)  # the timeout, after the failure
+        assert seen == [False] and gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
 
 
 def test_no_other_module_touches_simpy_internals():

@@ -28,7 +28,7 @@ from mpsim.sim.layout import Job, Layout, resolve
 from mpsim.sim.memory import CATEGORIES, GpuMemory
 from mpsim.sim.program import NOT_SHARDED, Sharding, StageProgram, SwapIn, build_program, received_bytes, static_bytes
 from mpsim.sim.result import GpuResult, SimResult
-from mpsim.sim.simpy_fast import run_until_empty
+from mpsim.sim.simpy_fast import Detached, run_until_empty
 from mpsim.sim.stream import ComputeStream
 from mpsim.sim.swapper import STASH, Swapper
 from mpsim.sim.tensor_group import TensorGroup
@@ -64,9 +64,9 @@ def simulate_layout(layout: Layout) -> SimResult:
     turns = (GpuTurns(run.env, interleaved_turn_orders(layout.n_stages // v, v, layout.microbatches))
              if v > 1 else None)
     stages = [_build_stage(run, s, channels, costs, sharding, turns) for s in range(layout.n_stages)]
-    processes = [run.env.process(st.stream.process()) for st in stages]
+    streams = [Detached(run.env, st.stream.process()) for st in stages]  # nobody waits on a stream's end
     run_until_empty(run.env)
-    stuck = [s for s, proc in enumerate(processes) if proc.is_alive]
+    stuck = [s for s, stream in enumerate(streams) if stream.alive]
     if stuck:  # an engine bug, never a result: say so instead of returning a silent stall
         raise RuntimeError(f"simulation stalled at {run.env.now:.6f} s with stages {stuck} unfinished")
     if layout.schedule == "pipedream":

@@ -103,6 +103,11 @@ class MemoryLog:
         self._order += 1
         self._single[gpu].append((time_s, self._order, delta, CAT[category], label))
 
+    def singles(self, gpu: int) -> list[tuple[float, int, int, int, str]]:
+        """``gpu``'s single events, for an owner that appends them itself as ``event``
+        does (``DeviceMemory.change``)."""
+        return self._single[gpu]
+
     def task(self, gpu: int, start_s: float, template: Template, task_label: str) -> None:
         self._order += 1
         self._templated[gpu].append((start_s, self._order, template, task_label))
@@ -209,10 +214,13 @@ class DeviceMemory:
     def change(self, entries: Sequence[Entry]) -> None:
         """Allocate and free now, without waiting (an allocation may exceed capacity: the
         log reports it as the out-of-memory)."""
-        now, n_bytes = self.env.now, 0
-        for delta, cat, label in entries:
-            self.log.event(self.device, now, delta, cat, label)
-            if CAT[cat] < N_REAL:
+        now, n_bytes, log = self.env.now, 0, self.log
+        singles = log.singles(self.device)
+        for delta, cat, label in entries:  # MemoryLog.event, written out
+            log._order += 1
+            c = CAT[cat]
+            singles.append((now, log._order, delta, c, label))
+            if c < N_REAL:
                 n_bytes += delta
         self._add(n_bytes)
 

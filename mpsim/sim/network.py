@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import simpy
 
-from mpsim.sim.simpy_fast import call_in
+from mpsim.sim.simpy_fast import Fired, call_in
 from mpsim.topology import Route
 
 _EPS = 1e-12
@@ -85,7 +85,8 @@ class Network:
         self._numbers: list[int] = []
         """The active flows' route ids, in the flows' order (the configuration)."""
         self._last = 0.0
-        self._version = 0
+        self._wakeup: Fired | None = None
+        """The pending wake-up, emptied (never unscheduled) when a later change supersedes it."""
         self._seq = 0
         self.bytes_by_link: dict[str, float] = defaultdict(float)
         self.busy_s_by_link: dict[str, float] = defaultdict(float)
@@ -170,8 +171,12 @@ class Network:
 
     def _reschedule(self) -> None:
         """Set every active flow's rate (its configuration's, remembered or worked out)
-        and schedule a wake-up for the first to land at those rates."""
-        self._version += 1
+        and schedule a wake-up for the first to land at those rates. The wake-up it
+        supersedes stays in the queue with no callbacks (popped and dropped in its
+        turn), so every event keeps its place and a stale one costs no call."""
+        if self._wakeup is not None:
+            self._wakeup.callbacks.clear()
+            self._wakeup = None
         flows = self._flows
         if not flows:
             self._busy = ()
@@ -195,23 +200,26 @@ class Network:
                 for link in f.links:
                     per_link[link.name] += f.rate
             self.rate_log.append((self.env.now, dict(per_link)))
-        version = self._version
-        call_in(self.env, max(dt, 0.0), lambda _e: self._wake(version))
+        wakeup = self._wakeup = Fired(self.env, dt if dt > 0.0 else 0.0)
+        wakeup.callbacks.append(self._wake)
 
-    def _wake(self, version: int) -> None:
-        if version != self._version:
-            return  # superseded by a later start or end
+    def _wake(self, _event: simpy.Event) -> None:
+        """Land the flows that are done (by the rounding tolerance; the earliest one when
+        rounding left only slivers), re-rate the others, then fire the landed flows'
+        events in the order they started (the flows' list is in that order: flows are
+        appended as they start and removed in place)."""
+        self._wakeup = None
         self._advance()
-        flows = self._flows
-        finished = [f for f in flows if f.remaining <= _EPS * max(1.0, f.rate)]
-        if not finished:  # rounding left a sliver: finish the earliest flow now
-            finished = [min(flows, key=lambda f: (f.remaining / f.rate, f.seq))]
-        for f in finished:
-            i = flows.index(f)
+        flows, numbers = self._flows, self._numbers
+        landed = [i for i, f in enumerate(flows) if f.remaining <= _EPS * (f.rate if f.rate > 1.0 else 1.0)]
+        if not landed:  # rounding left a sliver: finish the earliest flow now
+            landed = [min(range(len(flows)), key=lambda i: (flows[i].remaining / flows[i].rate, flows[i].seq))]
+        finished = [flows[i] for i in landed]
+        for i in reversed(landed):
             del flows[i]
-            del self._numbers[i]
+            del numbers[i]
         self._reschedule()
-        for f in sorted(finished, key=lambda f: f.seq):
+        for f in finished:
             f.done.succeed()
 
 

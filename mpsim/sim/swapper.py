@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from functools import lru_cache
+from typing import NamedTuple
 
 import simpy
 
@@ -44,6 +45,40 @@ def returned_parts(si: SwapIn) -> list[tuple[int, int]]:
     return list(totals.items())
 
 
+class SwapLabels(NamedTuple):
+    """The strings one layer's swap of one microbatch writes (span names, memory log
+    labels and its ledger category), made once per process (``swap_labels``)."""
+
+    out_span: str
+    out_host: str
+    out_own: str
+    out_input: str
+    out_ledger: str
+    in_span: str
+    in_own: str
+    in_input: str
+    in_ledger: str
+    in_host: str
+    ledger: str
+
+
+@lru_cache(maxsize=1 << 16)
+def swap_labels(layer: int, mb: int, gpu: int, target: str) -> SwapLabels:
+    """``SwapLabels`` of layer ``layer`` (``STASH``: the weight version) of microbatch
+    ``mb`` swapped from GPU ``gpu`` to ``target``: a search simulates the same swaps
+    run after run, and a swap-heavy run would otherwise format a dozen strings per swap."""
+    if layer == STASH:
+        label = f"weight version of microbatch {mb}"
+        return SwapLabels(f"stash W mb{mb}", f"{label} from GPU {gpu}", "", "", "", f"swap-in W mb{mb}",
+                          f"{label} swapped in", "", f"{label} swapped in", f"{label} back on GPU {gpu}", "saved:stash")
+    label = f"layer {layer} microbatch {mb}"
+    return SwapLabels(f"swap-out L{layer} mb{mb}", f"swap-out of {label} from GPU {gpu}",
+                      f"{label} saved activations swapped out", f"{label} saved input swapped out",
+                      f"{label} swapped out", f"swap-in L{layer} mb{mb}", f"{label} saved activations swapped in",
+                      f"{label} saved input swapped in", f"{label} swapped in", f"{label} back on GPU {gpu}",
+                      f"saved:{target}")
+
+
 class Swapper:
     """The copies of one stage that move model data off its GPU and back.
 
@@ -73,16 +108,16 @@ class Swapper:
     def _swap_out(self, mb: int, so: SwapOut) -> Generator[simpy.Event, object, None]:
         run, g = self.run, self.gpu
         n = so.own_bytes + so.input_bytes
-        label = f"layer {so.layer} microbatch {mb}"
+        labels = swap_labels(so.layer, mb, g, so.target)
         if so.target == "host":
-            yield from run.host_copy(g, n, True, f"swap-out L{so.layer} mb{mb}")
-            run.host.change([(n, "activations", f"swap-out of {label} from GPU {g}")])
+            yield from run.host_copy(g, n, True, labels.out_span)
+            run.host.change([(n, "activations", labels.out_host)])
         else:
-            yield from self._to_peers(so, mb, n, label)
-        entries: list[Entry] = [(-so.own_bytes, "activations", f"{label} saved activations swapped out")]
+            yield from self._to_peers(so, mb, n, f"layer {so.layer} microbatch {mb}")
+        entries: list[Entry] = [(-so.own_bytes, "activations", labels.out_own)]
         if so.input_bytes:
-            entries.append((-so.input_bytes, so.input_cat, f"{label} saved input swapped out"))
-        entries.append((n, f"saved:{so.target}", f"{label} swapped out"))
+            entries.append((-so.input_bytes, so.input_cat, labels.out_input))
+        entries.append((n, labels.ledger, labels.out_ledger))
         self.memory.end_free(entries)
         key = (mb, so.layer)
         left = self._chunks_left.get(key, self._chunks[so.layer]) - 1
@@ -111,7 +146,7 @@ class Swapper:
             yield out
         yield from self._until_start(mb, si, need_at_s)
         key = (self.stage, mb, si.layer)
-        yield from self.memory.acquire(self._swap_in_entries(mb, si), lambda: key not in run.signals.reached)
+        yield from self.memory.acquire(self._swap_in_entries(mb, si, self.gpu), lambda: key not in run.signals.reached)
         if si.target == "host":
             yield from self._from_host(mb, si)
         else:
@@ -150,24 +185,21 @@ class Swapper:
                     yield sleep(run.env, si.need_offset_s - alone)
 
     @staticmethod
-    def _swap_in_entries(mb: int, si: SwapIn) -> list[Entry]:
+    def _swap_in_entries(mb: int, si: SwapIn, gpu: int) -> list[Entry]:
+        labels = swap_labels(si.layer, mb, gpu, si.target)
         if si.layer == STASH:
-            label = f"weight version of microbatch {mb}"
-            return [(si.n_bytes, "stash", f"{label} swapped in"), (-si.n_bytes, "saved:stash", f"{label} swapped in")]
-        label = f"layer {si.layer} microbatch {mb}"
-        entries: list[Entry] = [(si.own_bytes, "activations", f"{label} saved activations swapped in")]
+            return [(si.n_bytes, "stash", labels.in_own), (-si.n_bytes, "saved:stash", labels.in_ledger)]
+        entries: list[Entry] = [(si.own_bytes, "activations", labels.in_own)]
         if si.input_bytes:
-            entries.append((si.input_bytes, si.input_cat, f"{label} saved input swapped in"))
-        entries.append((-si.n_bytes, f"saved:{si.target}", f"{label} swapped in"))
+            entries.append((si.input_bytes, si.input_cat, labels.in_input))
+        entries.append((-si.n_bytes, labels.ledger, labels.in_ledger))
         return entries
 
     def _from_host(self, mb: int, si: SwapIn) -> Generator[simpy.Event, object, None]:
         run = self.run
-        what = "W" if si.layer == STASH else f"L{si.layer}"
-        yield from run.host_copy(self.gpu, si.n_bytes, False, f"swap-in {what} mb{mb}")
-        category, label = ("stash", f"weight version of microbatch {mb}") if si.layer == STASH else \
-            ("activations", f"layer {si.layer} microbatch {mb}")
-        run.host.change([(-si.n_bytes, category, f"{label} back on GPU {self.gpu}")])
+        labels = swap_labels(si.layer, mb, self.gpu, si.target)
+        yield from run.host_copy(self.gpu, si.n_bytes, False, labels.in_span)
+        run.host.change([(-si.n_bytes, "stash" if si.layer == STASH else "activations", labels.in_host)])
 
     def _from_peers(self, mb: int, si: SwapIn) -> Generator[simpy.Event, object, None]:
         run, g = self.run, self.gpu
@@ -186,8 +218,9 @@ class Swapper:
         """PipeDream weight version to host memory after the forward (nothing to free on
         the GPU: the live weights stay)."""
         run = self.run
-        yield from run.host_copy(self.gpu, n_bytes, True, f"stash W mb{mb}")
-        run.host.change([(n_bytes, "stash", f"weight version of microbatch {mb} from GPU {self.gpu}")])
+        labels = swap_labels(STASH, mb, self.gpu, "host")
+        yield from run.host_copy(self.gpu, n_bytes, True, labels.out_span)
+        run.host.change([(n_bytes, "stash", labels.out_host)])
         run.signals("out", self.stage, mb, STASH).succeed()
 
     def start_optimizer_out(self, layer: int, n_bytes: int) -> None:
