@@ -24,6 +24,11 @@ done
   echo
   mpsim topo transfer --server dgx1-v100 --src gpu0 --dst gpu3 --size 4KB,64KB,1MB,16MB,216MB
 } > reports/transfers_dgx1.txt
+python benchmarks/bench_floors.py > reports/bench_floors.txt
+# against an earlier commit (here the one issue 31's work started from), in the same run:
+#   git worktree add /tmp/base 11bdc20
+#   benchmarks/bench_engine_vs.sh /tmp/base > reports/bench_engine_vs.txt
+#   benchmarks/bench_fits_vs.sh /tmp/base > reports/bench_fits_vs.txt
 for plan in keep swap-recompute swap-heavy; do
   taskset -c 0,1 python benchmarks/bench_simulate.py --plan "$plan" > "reports/bench_simulate_${plan}.txt"
 done

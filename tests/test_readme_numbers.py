@@ -219,3 +219,48 @@ def test_the_resnet50_example_in_the_readme_is_what_the_commands_give(tmp_path):
 
     r = plan("titanrtx-x1", str(trace), "1f1b", None, 16).result
     assert r.fits and (f"{r.max_peak_bytes / 2**30:.2f}", f"{r.samples_per_s:.2f}") == quote.groups()
+
+
+def test_the_search_speed_figures_in_the_readme_are_the_benchmarks():
+    """The Speed section's engine, closed-form tier and fits figures are those the
+    benchmarks wrote (bench_engine_vs.sh, bench_floors.py, bench_fits_vs.sh)."""
+    reports = ROOT / "reports"
+    text = " ".join((ROOT / "README.md").read_text().split())
+    engine = (reports / "bench_engine_vs.txt").read_text()
+
+    def ms(plan: str, side: str) -> str:
+        found = re.search(rf"^{plan} {side} ms per simulated iteration, median of \d+ runs: ([\d.]+)$", engine, re.M)
+        assert found, (plan, side)
+        return found[1]
+
+    def ratio(plan: str, what: str) -> float:
+        found = re.search(rf"^{plan} whole process A/B {what}\s+[\d.]+\s+([\d.]+)", engine, re.M)
+        assert found, (plan, what)
+        return float(found[1])
+
+    heavy_a, heavy_b = ms("swap-heavy", "A"), ms("swap-heavy", "B")
+    assert (f"swap-heavy {heavy_a} ms per simulated iteration against {heavy_b} "
+            f"({float(heavy_a) / float(heavy_b):.2f}x; whole process {ratio('swap-heavy', 'wall'):.2f}x), "
+            f"keep {ms('keep', 'A')} against {ms('keep', 'B')} "
+            f"({float(ms('keep', 'A')) / float(ms('keep', 'B')):.2f}x)") in text
+    floors = {line.split()[0]: line for line in (reports / "bench_floors.txt").read_text().splitlines()[1:]}
+    fits_row = re.search(r"yes\s+[\d.]+s\s+[\d.]+s\s+([\d.]+)\s+probes: (\d+) decided .*every: (\d+) simulated",
+                         floors["fits"])
+    choose_row = re.search(r"yes\s+[\d.]+s\s+[\d.]+s\s+([\d.]+)\s+plans: (\d+) decided .*every: (\d+) simulated",
+                           floors["choose"])
+    assert fits_row and choose_row
+    assert (f"the same answer with {fits_row[2]} of its {fits_row[3]} probes decided by the floors, "
+            f"{fits_row[1]}x the time") in text.replace("gives the same", "the same")
+    assert f"the same answer with {choose_row[2]} of its {choose_row[3]} plans decided, {choose_row[1]}x" in text
+    fits_vs = (reports / "bench_fits_vs.txt").read_text()
+    wall = {side: re.search(rf"^{side} wall s\s+[\d.]+\s+([\d.]+)", fits_vs, re.M) for side in ("A", "B")}
+    wall_ratio = re.search(r"^A/B wall\s+[\d.]+\s+([\d.]+)", fits_vs, re.M)
+    assert wall["A"] and wall["B"] and wall_ratio and "same table: yes" in fits_vs
+    assert (f"{float(wall['A'][1]):.1f} s against {float(wall['B'][1]):.1f} s wall "
+            f"({float(wall_ratio[1]):.2f}x), the same table") in text
+    for plan in ("keep", "swap-recompute", "swap-heavy"):
+        report = (reports / f"bench_simulate_{plan}.txt").read_text()
+        per_iteration = re.search(r"wall per iteration\s+([\d.]+) ms", report)
+        events = re.search(r"simpy events\s+(\d+) per run", report)
+        assert per_iteration and events
+        assert f"(`--plan {plan}`) | {per_iteration[1]} | {int(events[1]):,} |" in text
