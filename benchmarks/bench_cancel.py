@@ -32,11 +32,7 @@ def _rss_mib(pid: int | str = "self") -> int:
 
 
 def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+    return not os.path.exists(f"/proc/{pid}")
 
 
 def main() -> None:
