@@ -258,6 +258,12 @@ def test_the_search_speed_figures_in_the_readme_are_the_benchmarks():
     assert wall["A"] and wall["B"] and wall_ratio and "same table: yes" in fits_vs
     assert (f"{float(wall['A'][1]):.1f} s against {float(wall['B'][1]):.1f} s wall "
             f"({float(wall_ratio[1]):.2f}x), the same table") in text
+    bert = (reports / "bench_best_bert.txt").read_text()
+    bert_wall = re.search(r"^([\d.]+) s wall", bert, re.M)
+    bert_largest = re.search(r"\((\d+) layers at the shape of (\S+)\)", bert)
+    assert bert_wall and bert_largest
+    assert f"takes {float(bert_wall[1]):.1f} s (`benchmarks/bench_best_bert.sh`" in text
+    assert f"its largest {bert_largest[1]} layers at the shape of {bert_largest[2]})" in text
     for plan in ("keep", "swap-recompute", "swap-heavy"):
         report = (reports / f"bench_simulate_{plan}.txt").read_text()
         per_iteration = re.search(r"wall per iteration\s+([\d.]+) ms", report)
