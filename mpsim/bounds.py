@@ -42,7 +42,6 @@ import numpy as np
 
 from mpsim.costs import cost_model
 from mpsim.job import JobSpec
-from mpsim.partition import compute_balanced
 from mpsim.schedule import weight_versions
 from mpsim.sim.engine import sharding_of
 from mpsim.sim.layout import Job, Layout, resolve
@@ -118,11 +117,10 @@ def _iteration_floor_s(layout: Layout) -> float | None:
     times = cost_model(layout.trace, layout.topology.spec.gpu).layer_times
     per_layer = np.asarray(times.fwd_s) + np.asarray(times.bwd_s)
     one_microbatch = float(per_layer.sum())
-    p, v = layout.parallelism.pipeline or 1, layout.parallelism.virtual_stages
-    if v > 1:
-        busiest = one_microbatch / p
-    else:
-        busiest = max(float(per_layer[a:b].sum()) for a, b in compute_balanced(per_layer, p))
+    if layout.parallelism.virtual_stages > 1:
+        busiest = one_microbatch / (layout.parallelism.pipeline or 1)
+    else:  # the keep layout's stages are compute_balanced's on these costs (``resolve``)
+        busiest = max(float(per_layer[a:b].sum()) for a, b in layout.stages)
     return max(layout.microbatches * busiest, one_microbatch)
 
 

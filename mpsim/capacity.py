@@ -212,8 +212,8 @@ def fits_layouts(job: JobSpec, family: str, traces: list[Trace], strategies: Seq
     per_layout = []
     for j in jobs:
         tell = None if on_point is None or len(jobs) == 1 else _prefixed(on_point, j.layout_name)
-        # every layout on the backend: its shipped sizes in parallel; now that the pool is kept
-        # across rounds, 0.89x the wall time of running the later layouts in this process
+        # every layout on the backend: its shipped sizes in parallel (the pool is kept across
+        # rounds, so the later layouts no longer pay for new worker processes)
         reps = fits_all(j, family, traces, strategies, models, tell or on_point, backend, reached, search)
         for rep in reps:
             if rep.largest is not None and rep.largest.result.fits:

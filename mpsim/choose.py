@@ -310,7 +310,7 @@ def _server_plans(jobs: Sequence[JobSpec], scaled: Sequence[Trace], strategies: 
         if floors[k].cannot_fit():
             unfit.append((k, job))
             continue
-        if floors[k].max_samples_per_s(_samples_per_iteration(job)) < safe_samples_per_s:
+        if floors[k].max_samples_per_s(job.samples_per_iteration) < safe_samples_per_s:
             continue
         done[k] = _tried(job, on_point)
         r = done[k][1]
@@ -325,10 +325,6 @@ def _candidates(jobs: Sequence[JobSpec], scaled: Sequence[Trace],
                 strategies: Sequence[str]) -> list[tuple[JobSpec, Trace, str, str]]:
     return [(job, trace, strategy, partition) for job in jobs for trace in scaled for strategy in strategies
             for partition in (("compute",) if combines(strategy) else partitions_of(job.parallelism))]
-
-
-def _samples_per_iteration(job: JobSpec) -> int:
-    return job.parallelism.data * job.microbatches * job.trace.microbatch
 
 
 def _tried(job: JobSpec, on_point: Callable[[str], None] | None) -> tuple[Tried, SimResult]:

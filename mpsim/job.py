@@ -241,6 +241,11 @@ class JobSpec:
         return self.trace.microbatch
 
     @property
+    def samples_per_iteration(self) -> int:
+        """Samples one iteration trains, over every data-parallel replica."""
+        return self.parallelism.data * self.microbatches * self.microbatch
+
+    @property
     def n_gpus(self) -> int:
         """GPUs the job may use: the server's, or every GPU of its servers."""
         return self.topology.n_gpus * self.servers

@@ -221,7 +221,7 @@ def simulate_point(point: Point) -> Tried:
     if extend:
         short = plan_job(job.but(microbatches=m1)).result
         iteration_s += (m - m2) * (r.iteration_s - short.iteration_s) / (m2 - m1)
-    samples_per_s = job.parallelism.data * m * job.microbatch / iteration_s
+    samples_per_s = job.samples_per_iteration / iteration_s
     peak = max(g.peak_bytes for g in r.gpus)
     states = max(sum(g.breakdown.get(k, 0) for k in ("params", "grads", "optimizer")) for g in r.gpus)
     return Tried(point, job.layout_name, r.fits, iteration_s, samples_per_s, peak, r.gpus[0].capacity_bytes, states)

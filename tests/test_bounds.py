@@ -53,8 +53,7 @@ def test_the_floors_are_never_above_the_simulated_answer(job):
     if f.cannot_fit():
         assert not r.fits
     assert f.iteration_floor_s is not None and f.iteration_floor_s <= r.iteration_s * (1 + 1e-12)
-    assert f.max_samples_per_s(job.parallelism.data * job.microbatches * job.trace.microbatch) >= \
-        r.samples_per_s * (1 - 1e-12)
+    assert f.max_samples_per_s(job.samples_per_iteration) >= r.samples_per_s * (1 - 1e-12)
 
 
 def test_the_static_figure_is_adams_model_states_plus_pipedreams_stashed_weights():

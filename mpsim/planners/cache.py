@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 from mpsim.planners.context import Ctx, Planned
 
 CACHE_SIZE = 512
+T = TypeVar("T")
 _CACHE: OrderedDict[tuple[object, ...], Planned] = OrderedDict()
 
 
@@ -30,22 +32,21 @@ def known_plan(strategy: str, ctx: Ctx) -> Planned | None:
 def cached_verdict(strategy: str, ctx: Ctx, exists: Callable[[Ctx], bool]) -> bool:
     """``exists(ctx)`` (whether the planner finds a plan that fits), or the verdict given
     before for the same content."""
-    key = job_key(strategy, ctx)
-    if key not in _VERDICTS:
-        _VERDICTS[key] = exists(ctx)
-        if len(_VERDICTS) > CACHE_SIZE:
-            _VERDICTS.popitem(last=False)
-    return _VERDICTS[key]
+    return _remembered(_VERDICTS, job_key(strategy, ctx), lambda: exists(ctx))
 
 
 def cached_plan(strategy: str, ctx: Ctx, planner: Callable[[Ctx], Planned]) -> Planned:
     """``planner(ctx)``, or the answer it gave before for the same content."""
-    key = job_key(strategy, ctx)
-    if key in _CACHE:
-        _CACHE.move_to_end(key)
-        return _CACHE[key]
-    planned = planner(ctx)
-    _CACHE[key] = planned
-    if len(_CACHE) > CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return planned
+    return _remembered(_CACHE, job_key(strategy, ctx), lambda: planner(ctx))
+
+
+def _remembered(store: OrderedDict[tuple[object, ...], T], key: tuple[object, ...], make: Callable[[], T]) -> T:
+    """``store[key]``, made by ``make()`` on first use; the least recently used entry is
+    forgotten past ``CACHE_SIZE``."""
+    if key in store:
+        store.move_to_end(key)
+        return store[key]
+    value = store[key] = make()
+    if len(store) > CACHE_SIZE:
+        store.popitem(last=False)
+    return value

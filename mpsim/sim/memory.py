@@ -99,14 +99,17 @@ class MemoryLog:
         self._single = [[] for _ in range(self.n_gpus)]
         self._templated = [[] for _ in range(self.n_gpus)]
 
-    def event(self, gpu: int, time_s: float, delta: int, category: str, label: str) -> None:
-        self._order += 1
-        self._single[gpu].append((time_s, self._order, delta, CAT[category], label))
-
-    def singles(self, gpu: int) -> list[tuple[float, int, int, int, str]]:
-        """``gpu``'s single events, for an owner that appends them itself as ``event``
-        does (``DeviceMemory.change``)."""
-        return self._single[gpu]
+    def events(self, gpu: int, time_s: float, entries: Sequence[Entry]) -> int:
+        """Log ``entries`` (bytes, category, label) of ``gpu`` at ``time_s``, in order, and
+        return the bytes they add to what tensors use (the ``saved:`` ledger adds none)."""
+        singles, n_bytes = self._single[gpu], 0
+        for delta, category, label in entries:
+            self._order += 1
+            c = CAT[category]
+            singles.append((time_s, self._order, delta, c, label))
+            if c < N_REAL:
+                n_bytes += delta
+        return n_bytes
 
     def task(self, gpu: int, start_s: float, template: Template, task_label: str) -> None:
         self._order += 1
@@ -214,15 +217,7 @@ class DeviceMemory:
     def change(self, entries: Sequence[Entry]) -> None:
         """Allocate and free now, without waiting (an allocation may exceed capacity: the
         log reports it as the out-of-memory)."""
-        now, n_bytes, log = self.env.now, 0, self.log
-        singles = log.singles(self.device)
-        for delta, cat, label in entries:  # MemoryLog.event, written out
-            log._order += 1
-            c = CAT[cat]
-            singles.append((now, log._order, delta, c, label))
-            if c < N_REAL:
-                n_bytes += delta
-        self._add(n_bytes)
+        self._add(self.log.events(self.device, self.env.now, entries))
 
     def acquire(self, entries: Sequence[Entry],
                 hold_while: Callable[[], bool] | None = None) -> Generator[simpy.Event, object, float]:
