@@ -11,6 +11,9 @@ For a job (``JobSpec``: server, trace, schedule, microbatches, layout) under a s
   the last under every plan of a strategy that does not offload model states (only the
   ZeRO-Offload and ZeRO-Infinity strategies do; ``Strategy.offloads_model_states``); the
   ledger holds them from time 0, so a GPU whose share exceeds its capacity runs out.
+  Under a strategy none of whose plans streams the optimizer states to the host
+  (``Strategy.optimizer_on_gpu``: keep, recompute, D2D swap, TSPLIT) they stay too, and
+  count with them.
   Every partition puts each layer on some GPU, so the mean over the pipeline's GPUs is
   a floor on the largest: when it exceeds the capacity, no partition fits.
 - **Storage floor**: every model state of the simulated rank (weights, gradients,
@@ -57,8 +60,11 @@ class Floors:
     static_bytes: tuple[int, ...]
     """Per stage, what the keep-everything plan allocates before the first task (exact)."""
     resident_floor_bytes: int
-    """Mean over the pipeline's GPUs of the weights and gradients that stay on them (0
-    under a strategy that offloads model states)."""
+    """Mean over the pipeline's GPUs of the model states that stay on them: weights and
+    gradients, with the optimizer states under a strategy that keeps them there (0 under a
+    strategy that offloads model states)."""
+    resident_what: str
+    """What ``resident_floor_bytes`` counts, in words."""
     states_bytes: int
     """The simulated rank's model states: weights, gradients and optimizer states."""
     room_bytes: int
@@ -70,7 +76,7 @@ class Floors:
     def cannot_fit(self) -> str:
         """Why no plan of the strategy fits, or ``""`` when the floors do not decide it."""
         if self.resident_floor_bytes > self.capacity_bytes:
-            return (f"weights and gradients alone need {self.resident_floor_bytes / GiB:.2f} GiB per GPU "
+            return (f"{self.resident_what} alone need {self.resident_floor_bytes / GiB:.2f} GiB per GPU "
                     f"of {self.capacity_bytes / GiB:.2f}")
         if self.states_bytes > self.room_bytes:
             return (f"model states of {self.states_bytes / GiB:.0f} GiB exceed all GPU, host and NVMe memory "
@@ -93,11 +99,14 @@ def floors(job: JobSpec) -> Floors:
                                           sharding).values()) for s, (a, b) in enumerate(layout.stages))
     everything = static_bytes(rows, 1, 0, sharding)
     n_gpus = len(set(layout.gpu_of))
-    offloads = strategy_named(job.strategy).offloads_model_states
-    resident = 0 if offloads else (everything["params"] + everything["grads"]) // n_gpus
+    strategy = strategy_named(job.strategy)
+    offloads = strategy.offloads_model_states
     states = everything["params"] + everything["grads"] + everything["optimizer"]
+    staying = states if strategy.optimizer_on_gpu else everything["params"] + everything["grads"]
+    resident = 0 if offloads else staying // n_gpus
+    what = "weights, gradients and optimizer states" if strategy.optimizer_on_gpu else "weights and gradients"
     topo = layout.topology
-    return Floors(stage_static, resident, states, _room_bytes(layout, offloads), topo.capacity_bytes,
+    return Floors(stage_static, resident, what, states, _room_bytes(layout, offloads), topo.capacity_bytes,
                   _iteration_floor_s(layout))
 
 

@@ -140,16 +140,19 @@ def fits_strategies(server: str | Topology, family: str, schedule: str = DEFAULT
 
 def fits_all(job: JobSpec, family: str, traces: list[Trace], strategies: Sequence[str], models: tuple[str, ...] = (),
              on_point: Callable[[str], None] | None = None, backend: Backend | None = None,
-             hints: Mapping[str, dict[str, int]] | None = None, search: bool = True) -> list[FitsReport]:
+             hints: Mapping[str, dict[str, int]] | None = None, search: bool = True,
+             rows: Mapping[str, tuple[FitRow, ...]] | None = None) -> list[FitsReport]:
     """``fits_strategies`` for a checked ``job`` (``family_job``; its strategy is set per
     report) over ``traces`` (those of ``family``, or of the named ``models``). ``hints``:
     per strategy, per template, a layer count to search above (``fits_layouts``: what
-    another layout reached); a report that cannot beat it has no largest (``not_above``)."""
+    another layout reached); a report that cannot beat it has no largest (``not_above``).
+    ``rows`` (with a backend): per strategy, its shipped sizes already simulated
+    (``shipped_rows``)."""
     strategies, hints = tuple(strategies), hints or {}
     jobs = {s: job.but(strategy=s) for s in strategies}  # each strategy checked before anything runs
     base = _FitsUnit(job, family, tuple(models))
     if backend is not None:
-        return _fits_parallel(base, strategies, backend, on_point, hints, search)
+        return _fits_parallel(base, strategies, backend, on_point, hints, search, rows)
     done: dict[str, FitsReport] = {}
     for strategy in sorted(strategies, key=combines):
         best = combines(strategy)
@@ -208,13 +211,16 @@ def fits_layouts(job: JobSpec, family: str, traces: list[Trace], strategies: Seq
     (``on_layout``; each strategy by ``fits_all`` before its first layout runs).
     ``search=False``: the shipped sizes only (``fits --no-largest``)."""
     jobs = [on_layout(job, p, microbatches) for p in candidate_layouts(job.topology, layouts, job.schedule, job.trace)]
+    for j in jobs:  # each strategy checked before anything runs
+        for st in strategies:
+            j.but(strategy=st)
+    shipped = None if backend is None else shipped_rows(jobs, family, models, strategies, backend, on_point)
     reached: dict[str, dict[str, int]] = {}
     per_layout = []
-    for j in jobs:
+    for k, j in enumerate(jobs):
         tell = None if on_point is None or len(jobs) == 1 else _prefixed(on_point, j.layout_name)
-        # every layout on the backend: its shipped sizes in parallel (the pool is kept across
-        # rounds, so the later layouts no longer pay for new worker processes)
-        reps = fits_all(j, family, traces, strategies, models, tell or on_point, backend, reached, search)
+        reps = fits_all(j, family, traces, strategies, models, tell or on_point, backend, reached, search,
+                        None if shipped is None else shipped[k])
         for rep in reps:
             if rep.largest is not None and rep.largest.result.fits:
                 got = reached.setdefault(rep.strategy, {})
@@ -280,6 +286,52 @@ class _FitsUnit:
         return replace(self, job=self.job.but(strategy=strategy), **fields)  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True)
+class _SizeUnit:
+    """One shipped size of one layout's job under every strategy asked, in one worker."""
+
+    job: JobSpec
+    family: str
+    models: tuple[str, ...]
+    size: int
+    strategies: tuple[str, ...]
+
+
+def _size_rows(unit: _SizeUnit) -> tuple[FitRow, ...]:
+    """In a worker: one shipped size under each strategy, in ``unit.strategies``' order.
+    The combining one (``best``) runs last, so that its parts are the plans this process
+    has just made for the single strategies (``mpsim.planners.cache``), not made again."""
+    traces = model_traces(unit.models) if unit.models else family_traces(unit.family)
+    t = traces[unit.size]
+    job = unit.job.but(trace=t.rescale(unit.job.microbatch))
+    results = {st: plan_job(job.but(strategy=st)).result for st in sorted(unit.strategies, key=combines)}
+    return tuple(FitRow(t.name, t.spec.params, _n_transformer(t), results[st]) for st in unit.strategies)
+
+
+def shipped_rows(jobs: Sequence[JobSpec], family: str, models: tuple[str, ...], strategies: Sequence[str],
+                 backend: Backend, on_point: Callable[[str], None] | None = None
+                 ) -> list[dict[str, tuple[FitRow, ...]]]:
+    """Every shipped size of every layout's job (``jobs``) under every strategy, in one
+    round on ``backend``: per job, per strategy, its rows (smallest size first). A unit is
+    one size of one layout under all the strategies (``_size_rows``), the largest sizes
+    submitted first (they take longest, so the round ends evenly)."""
+    names = tuple(dict.fromkeys(strategies))
+    n_sizes = len(model_traces(models) if models else family_traces(family))
+    placed = [((k, i), _SizeUnit(j, family, models, i, names)) for i in reversed(range(n_sizes))
+              for k, j in enumerate(jobs)]
+    units = [u for _, u in placed]
+    where = {id(u): at for at, u in placed}
+    got: dict[tuple[int, int], tuple[FitRow, ...]] = {}
+    for outcome in run_points(units, _size_rows, backend, batch=1):
+        if outcome.error is not None or outcome.value is None:
+            raise MpsimError(f"fits of {outcome.point.job.layout_name}: {outcome.error}")
+        got[where[id(outcome.point)]] = outcome.value
+        if on_point:
+            on_point(f"{outcome.point.job.layout_name}: size {outcome.point.size + 1}")
+    return [{st: tuple(got[(k, i)][m] for i in range(n_sizes)) for m, st in enumerate(names)}
+            for k in range(len(jobs))]
+
+
 def _fits_unit(unit: _FitsUnit) -> FitRow | FitsReport:
     """In a worker: simulate one shipped size, or run one strategy's search."""
     traces = unit.traces()
@@ -292,7 +344,7 @@ def _fits_unit(unit: _FitsUnit) -> FitRow | FitsReport:
 
 def _fits_parallel(base: _FitsUnit, strategies: tuple[str, ...], backend: Backend,
                    on_point: Callable[[str], None] | None, hints: Mapping[str, dict[str, int]],
-                   search: bool = True) -> list[FitsReport]:
+                   search: bool = True, shipped: Mapping[str, tuple[FitRow, ...]] | None = None) -> list[FitsReport]:
     n_sizes = len(base.traces())
 
     def run(units: list[_FitsUnit]) -> list[FitRow | FitsReport]:
@@ -309,8 +361,10 @@ def _fits_parallel(base: _FitsUnit, strategies: tuple[str, ...], backend: Backen
         return [v for v in out if v is not None]
 
     names = list(dict.fromkeys(strategies))
-    sized = run([base.under(st, size=i) for st in names for i in range(n_sizes)])
-    rows = {st: tuple(_as_row(v) for v in sized[k * n_sizes:(k + 1) * n_sizes]) for k, st in enumerate(names)}
+    if shipped is None:
+        sized = run([base.under(st, size=i) for st in names for i in range(n_sizes)])
+        shipped = {st: tuple(_as_row(v) for v in sized[k * n_sizes:(k + 1) * n_sizes]) for k, st in enumerate(names)}
+    rows = shipped
     if not search:
         return [_unsearched(base.job.but(strategy=st), base.family, list(rows[st]), base.traces()) for st in strategies]
     singles = [st for st in names if not combines(st)]
@@ -524,20 +578,48 @@ class _Search:
     def _any_part_fits(self, job: JobSpec, n: int) -> bool:
         """Whether one of ``best``'s parts fits ``job`` (``n`` layers), stopping at the first
         that does: the one that fitted the last size that fitted first, then ``best``'s
-        order (whether any fits does not depend on the order). A part that does not fit is
-        remembered as not fitting at ``n`` and above (the search's own assumption, per
-        planner), so larger probes and the final plan leave it out."""
+        order (whether any fits does not depend on the order). A part whose own floors
+        decide it (``bounds.floors`` under its strategy) is not planned. On a backend, the
+        parts after the first are planned in parallel (``_verdicts``). A part that does not
+        fit, and comes before the first that does, is remembered as not fitting at ``n``
+        and above (the search's own assumption, per planner), so larger probes and the
+        final plan leave it out."""
         self.simulated += 1
         todo = parts(self._skip(n), partitions_of(job.parallelism))
         if self.last_fit in todo:  # the part that fitted the last size that fitted, first: most often the answer
             todo.insert(0, todo.pop(todo.index(self.last_fit)))
-        for name, partition in todo:
-            if plan_fits(job.but(strategy=name, partition=partition)):
-                self.last_fit = (name, partition)
+        jobs = {p: job.but(strategy=p[0], partition=p[1]) for p in todo}
+        open_ = {p for p, j in jobs.items() if not bounds.floors(j).cannot_fit()}
+        verdicts = self._verdicts(jobs, open_, todo)
+        for p in todo:
+            if verdicts.get(p, False):
+                self.last_fit = p
                 return True
-            key = (self.template.name, name, partition)
+            key = (self.template.name, *p)
             self.known_failing[key] = min(self.known_failing.get(key, n), n)
         return False
+
+    def _verdicts(self, jobs: dict[Part, JobSpec], open_: set[Part], order: list[Part]) -> dict[Part, bool]:
+        """``plan_fits`` of the parts in ``open_`` (the others: the floors said no), in
+        ``order``, up to the first that fits: here one at a time, or on the backend the
+        first here, then the rest at once there."""
+        verdicts: dict[Part, bool] = {}
+        todo = [p for p in order if p in open_]
+        if self.backend is None or self.backend.slots() < 2:
+            for p in todo:
+                verdicts[p] = plan_fits(jobs[p])
+                if verdicts[p]:
+                    break
+            return verdicts
+        if todo:
+            verdicts[todo[0]] = plan_fits(jobs[todo[0]])
+        if todo[1:] and not verdicts[todo[0]]:
+            for outcome in run_points([jobs[p] for p in todo[1:]], plan_fits, self.backend, batch=1):
+                if outcome.error is not None or outcome.value is None:
+                    raise MpsimError(f"fits under best ({outcome.point.strategy}, {outcome.point.partition}): "
+                                     f"{outcome.error}")
+                verdicts[(outcome.point.strategy, outcome.point.partition)] = outcome.value
+        return verdicts
 
     def _skip(self, n: int) -> frozenset[tuple[str, str]]:
         """``best``'s parts known not to fit at ``n`` layers of the template."""

@@ -136,8 +136,9 @@ def pipeline(n_stages: int | None) -> Parallelism:
 
 def partitions_of(parallelism: Parallelism) -> tuple[str, ...]:
     """The partitions a search tries for a layout: both, or compute-balanced only under
-    interleaved 1F1B (the memory-balanced one does not model its held microbatches)."""
-    return ("compute",) if parallelism.virtual_stages > 1 else PARTITIONS
+    interleaved 1F1B (the memory-balanced one does not model its held microbatches) and
+    with one stage (both put every layer on it: the same job twice)."""
+    return ("compute",) if parallelism.virtual_stages > 1 or parallelism.pipeline == 1 else PARTITIONS
 
 
 def check_partition(partition: str) -> None:

@@ -53,6 +53,10 @@ class Strategy:
     offloads_model_states: bool = False
     """Whether its plans may keep weights or gradients off the GPU (ZeRO-Offload and
     ZeRO-Infinity): the memory floor of ``mpsim.bounds`` does not hold for it."""
+    optimizer_on_gpu: bool = False
+    """Whether every plan of it keeps the optimizer states on the GPU (none streams them to
+    the host, as the swap planners and MPress may): the memory floor of ``mpsim.bounds``
+    then counts them with the weights and gradients."""
 
     def planner_fn(self) -> Callable[[Any], Any]:
         """The planner itself (imported on first use)."""
@@ -77,21 +81,25 @@ _MPRESS = "mpsim.planners.mpress:MPRESS_STRATEGIES"
 _MPRESS_EXISTS = "mpsim.planners.mpress:MPRESS_EXISTS"
 
 STRATEGIES: dict[str, Strategy] = _table(
-    Strategy("none", _BASELINES, in_best=True, word="keep everything on the GPU"),
-    Strategy("recompute", _BASELINES, keeps="recompute", in_best=True, word="recompute layers until it fits",
+    Strategy("none", _BASELINES, in_best=True, optimizer_on_gpu=True, word="keep everything on the GPU"),
+    Strategy("recompute", _BASELINES, keeps="recompute", in_best=True, optimizer_on_gpu=True,
+             word="recompute layers until it fits",
              help="checkpoint transformer layers or module blocks, fewest first, until each GPU fits"),
-    Strategy("recompute-segments", _BASELINES, keeps="recompute", word="recompute runs of layers (GPipe, DAPPLE)",
+    Strategy("recompute-segments", _BASELINES, keeps="recompute", optimizer_on_gpu=True,
+             word="recompute runs of layers (GPipe, DAPPLE)",
              help="the same layers, a run of consecutive ones keeping one checkpoint and re-run whole, as Chen "
                   "et al. 2016 and GPipe"),
-    Strategy("recompute-all", _BASELINES, keeps="recompute", word="recompute every layer", help="every one"),
-    Strategy("selective", _BASELINES, keeps="selective", in_best=True, word="recompute the attention core (Megatron)",
+    Strategy("recompute-all", _BASELINES, keeps="recompute", optimizer_on_gpu=True,
+             word="recompute every layer", help="every one"),
+    Strategy("selective", _BASELINES, keeps="selective", in_best=True, optimizer_on_gpu=True,
+             word="recompute the attention core (Megatron)",
              help="recompute only the attention core of every transformer layer, Korthikanti et al. 2022"),
     Strategy("cpu-swap", _BASELINES, in_best=True, word="swap to host on demand (MPress baseline)",
              help="MPress's GPU-CPU swap baseline: to host memory until it fits, each copy on demand, the "
                   "compute waiting for it"),
     Strategy("host-swap", _BASELINES, in_best=True, word="swap to host, prefetched",
              help="the same, overlapped and prefetched"),
-    Strategy("d2d", _BASELINES, in_best=True, word="swap to NVLink peers' spare memory",
+    Strategy("d2d", _BASELINES, in_best=True, optimizer_on_gpu=True, word="swap to NVLink peers' spare memory",
              help="swap to spare memory of NVLink peers"),
     Strategy("mpress", _MPRESS, exists=_MPRESS_EXISTS, in_best=True, word="MPress: host swap, recompute and D2D",
              help="host swap, recompute and D2D with device mapping; ablations mpress-no-mapping, "
@@ -100,7 +108,8 @@ STRATEGIES: dict[str, Strategy] = _table(
     Strategy("mpress-no-striping", _MPRESS, exists=_MPRESS_EXISTS, help=None),
     Strategy("mpress-no-mapping-no-striping", _MPRESS, exists=_MPRESS_EXISTS, help=None),
     Strategy("mpress-d2d-only", _MPRESS, exists=_MPRESS_EXISTS, help=None),
-    Strategy("tsplit", "mpsim.planners.tsplit:plan_tsplit", in_best=True, word="TSPLIT: swap, recompute, split tensors",
+    Strategy("tsplit", "mpsim.planners.tsplit:plan_tsplit", in_best=True, optimizer_on_gpu=True,
+             word="TSPLIT: swap, recompute, split tensors",
              help="swap, recompute and tensor splitting by TSPLIT's cost model"),
     Strategy("zero-offload", "mpsim.planners.offload:PLANNERS", word="ZeRO-Offload: optimizer on the host CPU",
              offloads_model_states=True,

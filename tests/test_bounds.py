@@ -15,8 +15,9 @@ from mpsim.capacity import family_job, family_traces, fits_job
 from mpsim.choose import choose
 from mpsim.errors import MpsimError
 from mpsim.job import JobSpec
-from mpsim.layouts import candidate_layouts, on_layout
+from mpsim.layouts import candidate_layouts, on_layout, parse_layout
 from mpsim.planners.registry import plan_job
+from mpsim.strategies import STRATEGIES as STRATEGIES_BY_NAME
 
 STRATEGIES = ("none", "recompute", "selective", "cpu-swap", "d2d", "mpress", "tsplit", "zero-offload", "best")
 SETTINGS = (("dgx1-v100", "gpt", "1f1b"), ("a100-40gb-nvswitch", "bert", "gpipe"), ("dgx-h100", "gpt", "1f1b"),
@@ -139,3 +140,17 @@ def test_mpress_by_existence_gives_its_plans_verdict(strategy, layers):
     job = family_job("dgx1-v100", traces, "1f1b", 2, 16, strategy, "compute")
     job = job.but(trace=traces[-1].with_layers(layers).rescale(2))
     assert plan_fits(job) == plan_job(job).result.fits
+
+
+@pytest.mark.parametrize("name", [n for n, s in STRATEGIES_BY_NAME.items() if s.optimizer_on_gpu])
+def test_a_strategy_said_to_keep_the_optimizer_states_on_the_gpu_never_moves_them(name):
+    """``Strategy.optimizer_on_gpu`` lets the memory floor count the optimizer states: its
+    plans must keep them on the GPU even where the job must save memory to fit (GPT-10.3B,
+    15.4B and 25.5B on the DGX-1's pipeline and GPT-25.5B sharded by FSDP)."""
+    traces = family_traces("gpt")
+    base = family_job("dgx1-v100", traces, "1f1b", 2, 16, name, "compute")
+    jobs = [base.but(trace=t.rescale(2)) for t in traces[1:]]
+    jobs.append(on_layout(base, parse_layout("fsdp8"), 16).but(trace=traces[-1].rescale(2)))
+    for job in jobs:
+        plan = plan_job(job).plan
+        assert all(st.optimizer == "gpu" for st in plan.stages), (job.layout_name, job.trace.name)
