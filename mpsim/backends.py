@@ -84,12 +84,19 @@ class Backend(Protocol):
     """Runs batches of points; yields each batch's outcomes as the batch finishes."""
 
     name: str
+    threads: bool
+    """Whether calls from several threads at once may share it (``fits`` overlaps its rounds)."""
 
     def slots(self) -> int:
         """How many batches can run at once (to size the batches)."""
         ...
 
     def run_batches(self, batches: list[list[Any]], fn: Callable[[Any], Any]) -> Generator[list[Outcome], None, None]:
+        ...
+
+    def abort(self) -> None:
+        """Stop all work now, from any thread: the calls under way end, and later ones fail
+        with an ``MpsimError`` (an interrupted study stops at once)."""
         ...
 
 
@@ -151,7 +158,16 @@ class LocalBackend:
         if workers < 1:
             raise MpsimError(f"workers must be a positive integer, got {workers}")
         self.workers = workers
+        self.threads = workers > 1
+        """Worker processes take calls from several threads; one worker runs them in the caller."""
         self._pool: ProcessPoolExecutor | None = None
+        self._aborted = False
+
+    def abort(self) -> None:
+        self._aborted = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            _stop_pool(pool, [])
 
     def close(self) -> None:
         """End the kept pool (its idle workers exit)."""
@@ -160,6 +176,8 @@ class LocalBackend:
             self._pool = None
 
     def _kept_pool(self) -> ProcessPoolExecutor:
+        if self._aborted:
+            raise MpsimError("the work was stopped")
         if self._pool is None:
             self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=_spawn(), initializer=_worker_init,
                                              initargs=(os.getpid(),))
@@ -247,9 +265,14 @@ class RayBackend:
     taken once, from the one run that completed."""
 
     name = "ray"
+    threads = False
+    """Each call starts and ends its own instance when none is running."""
 
     def __init__(self, address: str | None = None, num_cpus: int | None = None):
         self.address, self.num_cpus = address, num_cpus
+
+    def abort(self) -> None:
+        """Nothing to do from another thread: the interrupted call cancels its own tasks."""
 
     def _start(self, ray: Any) -> bool:
         """Connect (or start a local instance); whether this backend started it."""

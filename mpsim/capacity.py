@@ -15,7 +15,9 @@ earlier layout reached, so a layout that cannot beat it costs one probe).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from mpsim import bounds
@@ -140,19 +142,17 @@ def fits_strategies(server: str | Topology, family: str, schedule: str = DEFAULT
 
 def fits_all(job: JobSpec, family: str, traces: list[Trace], strategies: Sequence[str], models: tuple[str, ...] = (),
              on_point: Callable[[str], None] | None = None, backend: Backend | None = None,
-             hints: Mapping[str, dict[str, int]] | None = None, search: bool = True,
-             rows: Mapping[str, tuple[FitRow, ...]] | None = None) -> list[FitsReport]:
+             hints: Mapping[str, dict[str, int]] | None = None, search: bool = True) -> list[FitsReport]:
     """``fits_strategies`` for a checked ``job`` (``family_job``; its strategy is set per
     report) over ``traces`` (those of ``family``, or of the named ``models``). ``hints``:
     per strategy, per template, a layer count to search above (``fits_layouts``: what
     another layout reached); a report that cannot beat it has no largest (``not_above``).
-    ``rows`` (with a backend): per strategy, its shipped sizes already simulated
-    (``shipped_rows``)."""
+    With a backend, as ``_fits_on_backend`` runs it."""
     strategies, hints = tuple(strategies), hints or {}
     jobs = {s: job.but(strategy=s) for s in strategies}  # each strategy checked before anything runs
-    base = _FitsUnit(job, family, tuple(models))
     if backend is not None:
-        return _fits_parallel(base, strategies, backend, on_point, hints, search, rows)
+        return _fits_on_backend([job], family, traces, strategies, tuple(models), backend, on_point, hints,
+                                search)[0]
     done: dict[str, FitsReport] = {}
     for strategy in sorted(strategies, key=combines):
         best = combines(strategy)
@@ -214,19 +214,24 @@ def fits_layouts(job: JobSpec, family: str, traces: list[Trace], strategies: Seq
     for j in jobs:  # each strategy checked before anything runs
         for st in strategies:
             j.but(strategy=st)
-    shipped = None if backend is None else shipped_rows(jobs, family, models, strategies, backend, on_point)
+    if backend is not None:
+        per_layout = _fits_on_backend(jobs, family, traces, strategies, models, backend, on_point, {}, search)
+        return [LayoutFits(s, [reps[k] for reps in per_layout], microbatches) for k, s in enumerate(strategies)]
     reached: dict[str, dict[str, int]] = {}
     per_layout = []
-    for k, j in enumerate(jobs):
+    for j in jobs:
         tell = None if on_point is None or len(jobs) == 1 else _prefixed(on_point, j.layout_name)
-        reps = fits_all(j, family, traces, strategies, models, tell or on_point, backend, reached, search,
-                        None if shipped is None else shipped[k])
+        reps = fits_all(j, family, traces, strategies, models, tell or on_point, None, reached, search)
         for rep in reps:
-            if rep.largest is not None and rep.largest.result.fits:
-                got = reached.setdefault(rep.strategy, {})
-                got[rep.largest_template] = max(got.get(rep.largest_template, 0), rep.largest.layers)
+            _note_reached(reached.setdefault(rep.strategy, {}), rep)
         per_layout.append(reps)
     return [LayoutFits(s, [reps[k] for reps in per_layout], microbatches) for k, s in enumerate(strategies)]
+
+
+def _note_reached(reached: dict[str, int], rep: FitsReport) -> None:
+    """Per template, the most layers a layout reached under the report's strategy, with its."""
+    if rep.largest is not None and rep.largest.result.fits:
+        reached[rep.largest_template] = max(reached.get(rep.largest_template, 0), rep.largest.layers)
 
 
 def _known(reports: Iterable[FitsReport], partition: str) -> dict[str, int]:
@@ -268,22 +273,18 @@ def _known_failing(reports: Iterable[FitsReport]) -> Failing:
 
 @dataclass(frozen=True)
 class _FitsUnit:
-    """One point of a parallel ``fits``: a shipped size (``size``: its index) under the
-    job's strategy, or, with ``rows``, the strategy's search for the largest size."""
+    """One strategy's search for the largest size of one layout's job, in a worker."""
 
     job: JobSpec
     family: str
     models: tuple[str, ...]
-    size: int | None = None
-    rows: tuple[FitRow, ...] | None = None
+    rows: tuple[FitRow, ...]
+    """Its shipped sizes, simulated (``shipped_rows``)."""
     known: tuple[tuple[str, int], ...] = ()
-    """Per template, a layer count to search above (``fits_all``'s hints)."""
+    """Per template, a layer count to search above (what earlier layouts reached)."""
 
     def traces(self) -> list[Trace]:
         return model_traces(self.models) if self.models else family_traces(self.family)
-
-    def under(self, strategy: str, **fields: object) -> _FitsUnit:
-        return replace(self, job=self.job.but(strategy=strategy), **fields)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -305,6 +306,8 @@ def _size_rows(unit: _SizeUnit) -> tuple[FitRow, ...]:
     t = traces[unit.size]
     job = unit.job.but(trace=t.rescale(unit.job.microbatch))
     results = {st: plan_job(job.but(strategy=st)).result for st in sorted(unit.strategies, key=combines)}
+    for r in results.values():
+        r.at_risk()  # the caching-allocator replay here, in parallel: the estimate travels with the result
     return tuple(FitRow(t.name, t.spec.params, _n_transformer(t), results[st]) for st in unit.strategies)
 
 
@@ -314,7 +317,8 @@ def shipped_rows(jobs: Sequence[JobSpec], family: str, models: tuple[str, ...], 
     """Every shipped size of every layout's job (``jobs``) under every strategy, in one
     round on ``backend``: per job, per strategy, its rows (smallest size first). A unit is
     one size of one layout under all the strategies (``_size_rows``), the largest sizes
-    submitted first (they take longest, so the round ends evenly)."""
+    submitted first (they take longest, so the round ends evenly). ``on_point`` hears of
+    each size under each strategy."""
     names = tuple(dict.fromkeys(strategies))
     n_sizes = len(model_traces(models) if models else family_traces(family))
     placed = [((k, i), _SizeUnit(j, family, models, i, names)) for i in reversed(range(n_sizes))
@@ -326,58 +330,129 @@ def shipped_rows(jobs: Sequence[JobSpec], family: str, models: tuple[str, ...], 
         if outcome.error is not None or outcome.value is None:
             raise MpsimError(f"fits of {outcome.point.job.layout_name}: {outcome.error}")
         got[where[id(outcome.point)]] = outcome.value
-        if on_point:
-            on_point(f"{outcome.point.job.layout_name}: size {outcome.point.size + 1}")
+        if on_point is not None:  # a point per size and strategy, as the progress counts them
+            for st in names:
+                on_point(f"{_layout_prefix(jobs, outcome.point.job)}{st}: size {outcome.point.size + 1}")
     return [{st: tuple(got[(k, i)][m] for i in range(n_sizes)) for m, st in enumerate(names)}
             for k in range(len(jobs))]
 
 
-def _fits_unit(unit: _FitsUnit) -> FitRow | FitsReport:
-    """In a worker: simulate one shipped size, or run one strategy's search."""
-    traces = unit.traces()
-    if unit.size is not None:
-        t = traces[unit.size]
-        result = plan_job(unit.job.but(trace=t.rescale(unit.job.microbatch))).result
-        return FitRow(t.name, t.spec.params, _n_transformer(t), result)
-    return fits_job(unit.job, unit.family, traces, rows=list(unit.rows or ()), beat=dict(unit.known))
+def _fits_unit(unit: _FitsUnit) -> FitsReport:
+    """In a worker: one strategy's search."""
+    report = fits_job(unit.job, unit.family, unit.traces(), rows=list(unit.rows), beat=dict(unit.known))
+    if report.largest is not None:
+        report.largest.result.at_risk()  # replayed here, in parallel (as ``_size_rows`` does)
+    return report
 
 
-def _fits_parallel(base: _FitsUnit, strategies: tuple[str, ...], backend: Backend,
-                   on_point: Callable[[str], None] | None, hints: Mapping[str, dict[str, int]],
-                   search: bool = True, shipped: Mapping[str, tuple[FitRow, ...]] | None = None) -> list[FitsReport]:
-    n_sizes = len(base.traces())
-
-    def run(units: list[_FitsUnit]) -> list[FitRow | FitsReport]:
-        """The units' values, in the units' order (they finish in any)."""
-        where = {id(u): k for k, u in enumerate(units)}
-        out: list[FitRow | FitsReport | None] = [None] * len(units)
-        for outcome in run_points(units, _fits_unit, backend, batch=1):
-            unit = outcome.point
-            if outcome.error is not None:
-                raise MpsimError(f"fits under {unit.job.strategy}: {outcome.error}")
-            out[where[id(unit)]] = outcome.value
-            if on_point:
-                on_point(f"{unit.job.strategy}: {'search' if unit.size is None else f'size {unit.size + 1}'}")
-        return [v for v in out if v is not None]
-
+def _fits_on_backend(jobs: Sequence[JobSpec], family: str, traces: list[Trace], strategies: Sequence[str],
+                     models: tuple[str, ...], backend: Backend, on_point: Callable[[str], None] | None,
+                     hints: Mapping[str, dict[str, int]], search: bool = True) -> list[list[FitsReport]]:
+    """``fits`` of each job (one per layout) under each strategy on ``backend``: per job,
+    the reports in ``strategies``' order. Every shipped size of every layout runs in one
+    round (``shipped_rows``); then the single strategies' searches, a round per layout,
+    each searching above what the earlier layouts reached (``hints`` first) on a thread
+    of their own (``_SingleSearches``), while this thread runs ``best``'s search of each
+    layout whose single searches are done, its parts on the backend too. The reports are
+    those of running the layouts one after the other: each search sees the same hints."""
+    tell = _serialised(on_point)
     names = list(dict.fromkeys(strategies))
-    if shipped is None:
-        sized = run([base.under(st, size=i) for st in names for i in range(n_sizes)])
-        shipped = {st: tuple(_as_row(v) for v in sized[k * n_sizes:(k + 1) * n_sizes]) for k, st in enumerate(names)}
-    rows = shipped
+    shipped = shipped_rows(jobs, family, models, names, backend, tell)
     if not search:
-        return [_unsearched(base.job.but(strategy=st), base.family, list(rows[st]), base.traces()) for st in strategies]
-    singles = [st for st in names if not combines(st)]
-    done = {st: _as_report(v) for st, v in zip(singles, run([
-        base.under(st, rows=rows[st], known=tuple(sorted(hints.get(st, {}).items()))) for st in singles]))}
-    for st in names:
-        if combines(st):
-            done[st] = fits_job(base.job.but(strategy=st), base.family, base.traces(),
-                                known_fitting=_known(done.values(), base.job.partition), beat=hints.get(st),
-                                known_failing=_known_failing(done.values()), rows=list(rows[st]), backend=backend)
-            if on_point:
-                on_point(f"{st}: search")
-    return [done[s] for s in strategies]
+        return [[_unsearched(j.but(strategy=st), family, list(shipped[k][st]), traces) for st in strategies]
+                for k, j in enumerate(jobs)]
+    reached = {st: dict(hints.get(st, {})) for st in names}
+    singles = _SingleSearches(jobs, family, models, [st for st in names if not combines(st)], shipped, reached,
+                              backend, tell)
+    out: list[list[FitsReport]] = []
+    try:
+        singles.start()
+        for k, job in enumerate(jobs):
+            done = singles.reports(k)
+            for st in (st for st in names if combines(st)):
+                done[st] = fits_job(job.but(strategy=st), family, traces,
+                                    known_fitting=_known(done.values(), job.partition), beat=reached[st],
+                                    known_failing=_known_failing(done.values()), rows=list(shipped[k][st]),
+                                    backend=backend)
+                _note_reached(reached[st], done[st])
+                if tell:
+                    tell(f"{_layout_prefix(jobs, job)}{st}: search")
+            out.append([done[s] for s in strategies])
+    except BaseException:
+        singles.stop()
+        raise
+    return out
+
+
+def _layout_prefix(jobs: Sequence[JobSpec], job: JobSpec) -> str:
+    return f"{job.layout_name}: " if len(jobs) > 1 else ""
+
+
+def _serialised(on_point: Callable[[str], None] | None) -> Callable[[str], None] | None:
+    """``on_point`` called by one thread at a time (the searches' thread and this one)."""
+    if on_point is None:
+        return None
+    lock = threading.Lock()
+
+    def tell(name: str) -> None:
+        with lock:
+            on_point(name)
+
+    return tell
+
+
+class _SingleSearches:
+    """The single strategies' searches of each layout in turn, on ``backend``: a round per
+    layout, its units one strategy's search each, above what that strategy reached in the
+    layouts before (``reached``, updated as each round ends). On a backend that takes
+    calls from several threads (``Backend.threads``) the rounds run on a thread of their
+    own, so ``best``'s search of a layout overlaps the next layouts' rounds; else all of
+    them run in ``start``."""
+
+    def __init__(self, jobs: Sequence[JobSpec], family: str, models: tuple[str, ...], strategies: list[str],
+                 shipped: list[dict[str, tuple[FitRow, ...]]], reached: dict[str, dict[str, int]],
+                 backend: Backend, tell: Callable[[str], None] | None):
+        self.jobs, self.family, self.models, self.strategies = jobs, family, models, strategies
+        self.shipped, self.reached, self.backend, self.tell = shipped, reached, backend, tell
+        self.done: list[Future[dict[str, FitsReport]]] = [Future() for _ in jobs]
+
+    def start(self) -> None:
+        if getattr(self.backend, "threads", False):
+            threading.Thread(target=self._run, name="fits-searches", daemon=True).start()
+        else:
+            self._run()
+
+    def reports(self, k: int) -> dict[str, FitsReport]:
+        """The single strategies' reports of layout ``k`` (waits for its round)."""
+        return dict(self.done[k].result())
+
+    def stop(self) -> None:
+        """Stop the backend's work now (``Backend.abort``): the rounds still to run fail."""
+        self.backend.abort()
+
+    def _run(self) -> None:
+        for k, job in enumerate(self.jobs):
+            try:
+                self.done[k].set_result(self._round(k, job))
+            except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits for it
+                for later in self.done[k:]:
+                    later.set_exception(exc)
+                return
+
+    def _round(self, k: int, job: JobSpec) -> dict[str, FitsReport]:
+        units = [_FitsUnit(job.but(strategy=st), self.family, self.models, self.shipped[k][st],
+                           tuple(sorted(self.reached[st].items()))) for st in self.strategies]
+        reports: dict[str, FitsReport] = {}
+        for outcome in run_points(units, _fits_unit, self.backend, batch=1):
+            st = outcome.point.job.strategy
+            if outcome.error is not None or outcome.value is None:
+                raise MpsimError(f"fits under {st}: {outcome.error}")
+            reports[st] = outcome.value
+            if self.tell:
+                self.tell(f"{_layout_prefix(self.jobs, job)}{st}: search")
+        for st, rep in reports.items():
+            _note_reached(self.reached[st], rep)
+        return reports
 
 
 def _plan_best_part(job: JobSpec) -> Planned:
@@ -400,16 +475,6 @@ def _best_in_parallel(job: JobSpec, skip: frozenset[Part], backend: Backend) -> 
                              f"{outcome.error}")
         plans[(outcome.point.strategy, outcome.point.partition)] = outcome.value
     return combine(lambda name, partition: plans[(name, partition)], skip, partitions).result
-
-
-def _as_row(value: FitRow | FitsReport) -> FitRow:
-    assert isinstance(value, FitRow)
-    return value
-
-
-def _as_report(value: FitRow | FitsReport) -> FitsReport:
-    assert isinstance(value, FitsReport)
-    return value
 
 
 def family_traces(family: str) -> list[Trace]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from mpsim.backends import LocalBackend, Outcome, RayBackend, auto_batch, run_points
+from mpsim.errors import MpsimError
 from mpsim.sweep import FIELDS, KEY, grid, sweep
 
 TESTS = Path(__file__).parent
@@ -288,3 +289,46 @@ def test_ctrl_c_on_a_ray_sweep_keeps_the_rows_and_a_rerun_completes(tmp_path):
     done = subprocess.run(args + ["-j", "2"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr
     assert len(_check_rows_unique(csv_path)) == 32 >= kept >= 1
+
+
+def test_an_aborted_local_backend_stops_its_workers_and_refuses_more_work():
+    """``fits`` stops its other thread's rounds this way when interrupted: the workers are
+    gone at once, and a round still to come fails in one line instead of starting more."""
+    backend = LocalBackend(2)
+    pids = {o.value for o in run_points(range(4), worker_pid, backend, batch=1)}
+    backend.abort()
+    for pid in pids:
+        assert not _alive(pid)
+    with pytest.raises(MpsimError, match="the work was stopped"):
+        list(run_points(range(4), worker_pid, backend, batch=1))
+
+
+def _alive(pid: int) -> bool:
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_an_interrupted_fits_over_layouts_stops_both_its_threads_and_the_workers():
+    """Ctrl-C (here raised by the progress callback at the first search that ends) while the
+    single strategies' searches run on their own thread: the interruption reaches the
+    caller, the workers are stopped and nothing runs on."""
+    from mpsim.capacity import family_job, family_traces, fits_layouts
+
+    traces = family_traces("gpt")[:2]
+    job = family_job("dgx1-v100", traces, "1f1b", 2, 16, "none", "compute")
+    backend = LocalBackend(2)
+
+    def interrupt(name: str) -> None:
+        if name.endswith("search"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fits_layouts(job, "gpt", traces, ("none", "recompute", "best"), "pp8,ddp8", 16, on_point=interrupt,
+                     backend=backend)
+    assert backend._pool is None
+    with pytest.raises(MpsimError, match="the work was stopped"):
+        list(run_points(range(2), worker_pid, backend, batch=1))

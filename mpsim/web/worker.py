@@ -27,6 +27,8 @@ PROGRESS_EVERY_S = 0.1
 """The longest the worker keeps a task count to itself."""
 CANCEL_POLL_S = 0.05
 """How often the server looks at a running job's cancel flag."""
+REAP_S = 2.0
+"""How long a worker whose pipe closed is waited for, to read its exit code."""
 _SPAWN = multiprocessing.get_context("spawn")  # never fork a threaded server
 
 
@@ -117,6 +119,7 @@ class RunWorker:
             try:
                 kind, value = conn.recv()
             except (EOFError, OSError):
+                process.join(timeout=REAP_S)  # its pipe may close before it is reaped: the exit code then
                 code = process.exitcode
                 self.stop()
                 raise WorkerDied(f"the run's worker process ended without an answer (exit code {code}); "
