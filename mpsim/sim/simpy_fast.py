@@ -30,7 +30,7 @@ import simpy.events
 from mpsim.errors import MpsimError
 
 __all__ = ["Detached", "Fired", "SimpyInternalsError", "call_in", "check_simpy", "events_scheduled", "fire_in_place",
-           "missing_internals", "run_until_empty", "sleep"]
+           "fire_in_place_inner", "go_on_now", "mark_processed", "missing_internals", "run_until_empty", "sleep"]
 
 Steps = Generator[simpy.Event, object, None]
 NORMAL = simpy.events.NORMAL
@@ -123,6 +123,47 @@ def fire_in_place(event: simpy.Event) -> None:
     callbacks, event.callbacks = event.callbacks, None  # type: ignore[assignment]
     for callback in callbacks or ():
         callback(event)
+
+
+def mark_processed(event: simpy.Event) -> None:
+    """Make ``event`` succeeded (value None) and processed without scheduling it: a
+    process that yields it goes on at once. It must have no callbacks yet."""
+    event._ok = True
+    event._value = None
+    event.callbacks = None  # type: ignore[assignment]
+
+
+class _Inner:
+    """How many ``fire_in_place_inner`` calls are under way (see ``go_on_now``)."""
+
+    depth = 0
+
+
+def fire_in_place_inner(event: simpy.Event) -> None:
+    """``fire_in_place`` for a caller that has more to do once the event's callbacks
+    return (``DeviceMemory._recheck`` letting a waiter go before it looks at the next):
+    while it runs, ``go_on_now`` says no, as the waiter is not at its callback's end."""
+    _Inner.depth += 1
+    try:
+        fire_in_place(event)
+    finally:
+        _Inner.depth -= 1
+
+
+def go_on_now(env: simpy.Environment) -> bool:
+    """Whether the running callback may do at once what it would otherwise do through an
+    event scheduled now, as its very last act, without changing the run's order.
+
+    Such an event (time now, priority ``NORMAL``, the next number of the counter) is
+    processed right after the running callback returns when nothing else is queued for
+    this instant (the queue's head lies later): nothing can run between the two. So it
+    may go on now when (1) the queue holds nothing for this instant, (2) it is the
+    callback's last act (a process that yields the event right after asking for it
+    and was resumed by the loop, or by a callback fired in place as that callback's
+    last act: never under ``fire_in_place_inner``). Events it schedules then come in
+    the same order as they would have; only the counter's numbers are fewer."""
+    queue = env._queue
+    return _Inner.depth == 0 and (not queue or queue[0][0] > env._now)
 
 
 class Fired(simpy.Event):
