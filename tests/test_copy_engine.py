@@ -1,5 +1,5 @@
 """Copy engines (mpsim.sim.copy_engine): a pool keeps ``simpy.Resource``'s event order,
-requests granted in place included."""
+requests granted in place included; host copies run as callbacks keep the process's."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from collections.abc import Callable, Generator
 import pytest
 import simpy
 
-from mpsim.sim.copy_engine import EnginePool
+from mpsim import load_topology
+from mpsim.sim.context import RunContext
+from mpsim.sim.copy_engine import CopyEngines, EnginePool
 from mpsim.sim.network import Network
-from mpsim.sim.simpy_fast import Detached, events_scheduled, run_until_empty, sleep
+from mpsim.sim.simpy_fast import Detached, call_soon, events_scheduled, run_until_empty, sleep
 from mpsim.topology import Link, Route
 
 Log = list[tuple[float, str]]
@@ -69,3 +71,38 @@ def test_a_landing_that_is_the_next_event_fires_in_place_and_keeps_the_times():
     assert [name for _, name in landed] == ["small", "large"]
     assert landed[0][0] == pytest.approx(1e-6 + 2000 / 1e9)
     assert landed[1][0] == pytest.approx(1e-6 + 4000 / 1e9)
+
+
+def _host_copies(callbacks: bool) -> Log:
+    """Three host copies (two on one GPU's d2h engine, one h2d), started at once, as
+    callbacks or as processes: when each lands, and its span."""
+    ctx = RunContext.__new__(RunContext)  # only what a host copy uses
+    env = ctx.env = simpy.Environment()
+    ctx.topo = load_topology("dgx1-v100")
+    ctx.net = Network(env)
+    ctx.engines = [CopyEngines(env, g, 2) for g in range(ctx.topo.n_gpus)]
+    ctx.spans = []
+    log: Log = []
+
+    def copy(k: int, gpu: int, n_bytes: int, to_host: bool) -> None:
+        def landed() -> None:
+            log.append((env.now, f"copy {k}"))
+
+        def steps() -> Generator[simpy.Event, object, None]:
+            yield from ctx.host_copy(gpu, n_bytes, to_host, f"c{k}")
+            landed()
+
+        if callbacks:
+            call_soon(env, lambda _e: ctx.start_host_copy(gpu, n_bytes, to_host, f"c{k}", landed))
+        else:
+            Detached(env, steps())
+
+    for k, (gpu, n_bytes, to_host) in enumerate(((0, 1 << 20, True), (0, 1 << 22, True), (1, 1 << 21, False))):
+        copy(k, gpu, n_bytes, to_host)
+    run_until_empty(env)
+    return log + [(s.start_s, s.name) for s in ctx.spans]
+
+
+def test_a_host_copy_as_callbacks_keeps_the_process_version_s_order_and_times():
+    by_callbacks = _host_copies(True)
+    assert by_callbacks == _host_copies(False) and len(by_callbacks) == 6

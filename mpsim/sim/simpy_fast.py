@@ -29,8 +29,9 @@ import simpy.events
 
 from mpsim.errors import MpsimError
 
-__all__ = ["Detached", "Fired", "SimpyInternalsError", "call_in", "check_simpy", "events_scheduled", "fire_in_place",
-           "fire_in_place_inner", "go_on_now", "mark_processed", "missing_internals", "run_until_empty", "sleep"]
+__all__ = ["Detached", "Fired", "SimpyInternalsError", "call_in", "call_soon", "check_simpy", "events_scheduled",
+           "fire_in_place", "fire_in_place_inner", "go_on_now", "mark_processed", "missing_internals",
+           "run_until_empty", "sleep"]
 
 Steps = Generator[simpy.Event, object, None]
 NORMAL = simpy.events.NORMAL
@@ -196,6 +197,15 @@ def call_in(env: simpy.Environment, delay_s: float, callback: Any) -> None:
     """``env.timeout(delay_s).callbacks.append(callback)``, in the same place of the
     queue, made cheaply (``Fired``); ``delay_s`` must not be negative."""
     Fired(env, delay_s).callbacks.append(callback)
+
+
+def call_soon(env: simpy.Environment, callback: Any) -> None:
+    """Call ``callback`` through an urgent event scheduled now: the place in the queue
+    where ``Detached`` (and ``simpy.Environment.process``) start a process, for work
+    that runs as a chain of callbacks instead of a generator (``spawn``)."""
+    start = Fired.__new__(Fired)  # an urgent Fired of no delay
+    start.callbacks = [callback]
+    heappush(env._queue, (env._now, URGENT, next(env._eid), start))
 
 
 def events_scheduled(env: simpy.Environment) -> int:
