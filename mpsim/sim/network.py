@@ -206,8 +206,7 @@ class Network:
                 for link in f.links:
                     per_link[link.name] += f.rate
             self.rate_log.append((self.env.now, dict(per_link)))
-        wakeup = self._wakeup = Fired(self.env, dt if dt > 0.0 else 0.0)
-        wakeup.callbacks.append(self._wake)
+        self._wakeup = call_in(self.env, dt if dt > 0.0 else 0.0, self._wake)
 
     def _wake(self, _event: simpy.Event) -> None:
         """Land the flows that are done (by the rounding tolerance; the earliest one when

@@ -187,23 +187,39 @@ class Fired(simpy.Event):
         heappush(env._queue, (env._now + delay_s, NORMAL, next(env._eid), self))
 
 
+_new_fired = Fired.__new__
+"""Makes a ``Fired`` without ``__init__`` (``sleep``, ``call_in``, ``call_soon``)."""
+
+
 def sleep(env: simpy.Environment, delay_s: float) -> simpy.Event:
     """What ``env.timeout(delay_s)`` is to a process that yields it, in the same place
-    of the queue, made cheaply (``Fired``); ``delay_s`` must not be negative."""
-    return Fired(env, delay_s)
+    of the queue, made cheaply (``Fired``, without a call of its ``__init__``: this runs
+    for most events of a run); ``delay_s`` must not be negative."""
+    if delay_s < 0:
+        raise ValueError(f"negative delay {delay_s}")
+    event = _new_fired(Fired)
+    event.callbacks = []
+    heappush(env._queue, (env._now + delay_s, NORMAL, next(env._eid), event))
+    return event
 
 
-def call_in(env: simpy.Environment, delay_s: float, callback: Any) -> None:
+def call_in(env: simpy.Environment, delay_s: float, callback: Any) -> Fired:
     """``env.timeout(delay_s).callbacks.append(callback)``, in the same place of the
-    queue, made cheaply (``Fired``); ``delay_s`` must not be negative."""
-    Fired(env, delay_s).callbacks.append(callback)
+    queue, made cheaply (as ``sleep``); ``delay_s`` must not be negative. Returns the
+    event (its callbacks may be cleared to call nothing)."""
+    if delay_s < 0:
+        raise ValueError(f"negative delay {delay_s}")
+    event = _new_fired(Fired)
+    event.callbacks = [callback]
+    heappush(env._queue, (env._now + delay_s, NORMAL, next(env._eid), event))
+    return event
 
 
 def call_soon(env: simpy.Environment, callback: Any) -> None:
     """Call ``callback`` through an urgent event scheduled now: the place in the queue
     where ``Detached`` (and ``simpy.Environment.process``) start a process, for work
     that runs as a chain of callbacks instead of a generator (``spawn``)."""
-    start = Fired.__new__(Fired)  # an urgent Fired of no delay
+    start = _new_fired(Fired)  # an urgent Fired of no delay
     start.callbacks = [callback]
     heappush(env._queue, (env._now, URGENT, next(env._eid), start))
 
