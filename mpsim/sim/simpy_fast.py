@@ -10,7 +10,12 @@ do what those methods do, reading and writing SimPy's internals directly:
   (present once a failure has been handled).
 
 They were written against simpy 4.1 (``simpy.Environment.step`` and
-``simpy.events.Process._resume``), and each keeps SimPy's event order exactly. On import
+``simpy.events.Process._resume``), and each keeps SimPy's event order exactly. An
+event that would be processed right after the running callback, with nothing queued
+for the instant and nothing left for the callback to do, may be skipped and its work
+done at once (``go_on_now``: a copy engine granted as it is asked for, a lone landing
+of the network): the order of everything else is the same, only the counter's numbers
+are fewer. On import
 ``check_simpy`` makes sure the installed simpy still has those internals and, if not,
 raises one ``SimpyInternalsError`` naming the version and what is missing, instead of an
 ``AttributeError`` deep inside a run.
