@@ -19,6 +19,9 @@ from mpsim.sim.simpy_fast import (
     check_simpy,
     events_scheduled,
     fire_in_place,
+    fire_in_place_inner,
+    go_on_now,
+    mark_processed,
     missing_internals,
     run_until_empty,
 )
@@ -161,3 +164,37 @@ def test_no_other_module_touches_simpy_internals():
     internal = re.compile(r"\._queue|\._now|\._ok|\._value|_defused|_eid")
     hits = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py") if internal.search(p.read_text()))
     assert hits == ["sim/simpy_fast.py"]
+
+
+def test_go_on_now_only_when_nothing_else_is_queued_for_the_instant():
+    env = simpy.Environment()
+    seen: list[bool] = []
+    env.timeout(1.0).callbacks.append(lambda _e: seen.append(go_on_now(env)))  # alone at t=1
+    env.timeout(2.0).callbacks.append(lambda _e: seen.append(go_on_now(env)))  # t=2 has another
+    env.timeout(2.0)
+    run_until_empty(env)
+    assert seen == [True, False]
+
+
+def test_go_on_now_says_no_under_an_inner_firing():
+    env = simpy.Environment()
+    seen: list[bool] = []
+    gate = env.event()
+    gate.callbacks.append(lambda _e: seen.append(go_on_now(env)))
+    fire_in_place_inner(gate)
+    assert seen == [False] and go_on_now(env)
+
+
+def test_a_marked_event_lets_its_process_go_on_at_once():
+    env = simpy.Environment()
+    log: list[str] = []
+
+    def proc() -> Generator[simpy.Event, object, None]:
+        ev = env.event()
+        mark_processed(ev)
+        value = yield ev
+        log.append(f"on at {env.now} with {value}")
+
+    Detached(env, proc())
+    run_until_empty(env)
+    assert log == ["on at 0 with None"] and events_scheduled(env) == 1  # the start only

@@ -13,6 +13,8 @@ from types import TracebackType
 
 import simpy
 
+from mpsim.sim.simpy_fast import go_on_now, mark_processed
+
 
 class EngineRequest(simpy.Event):
     """A request for one engine of a pool; it fires when the engine is granted and, used
@@ -42,6 +44,11 @@ class EnginePool:
     and each release hands over at most one engine, as SimPy's do. It is leaner than a
     ``simpy.Resource``: no put and get events and queues of them around each grant.
 
+    A request granted as it is made is returned already processed, with no event, when
+    that event would be the next one processed (``simpy_fast.go_on_now``): every user
+    yields its request right after making it, so the copy goes on in the same instant
+    and order as it would have through the event.
+
     A release with nobody queued schedules no hand-over: that event could grant nothing
     (a request made before it is processed finds the engine free and is granted as it
     is made, so the queue is never left waiting beside a free engine), and leaving out
@@ -55,6 +62,10 @@ class EnginePool:
 
     def request(self) -> EngineRequest:
         req = EngineRequest(self)
+        if not self.queue and len(self.users) < self.capacity and go_on_now(self.env):
+            self.users.append(req)
+            mark_processed(req)
+            return req
         self.queue.append(req)
         self._grant_head()
         return req

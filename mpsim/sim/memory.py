@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from mpsim.sim.simpy_fast import call_in, fire_in_place
+from mpsim.sim.simpy_fast import call_in, fire_in_place, fire_in_place_inner
 
 CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "stash", "buffers", "workspace",
                                "peer_swap")
@@ -301,7 +301,11 @@ class DeviceMemory:
         """Let go, in order, each of ``batch`` that need not wait any more (its waiter
         goes on at once, inside this call, and may change memory and poke again); put
         the others back in line, behind whoever began to wait meanwhile. The test is
-        ``_must_wait``'s, written out: this loop runs for every waiter at every poke."""
+        ``_must_wait``'s, written out: this loop runs for every waiter at every poke.
+        A waiter let go before the batch's last is fired as an inner call
+        (``simpy_fast.fire_in_place_inner``): this loop still has work after it, so it
+        must not skip an event of its own (``go_on_now``)."""
+        last = batch[-1]
         for waiter in batch:
             n_bytes, hold_while, gate = waiter
             if hold_while is not None and hold_while():
@@ -310,8 +314,10 @@ class DeviceMemory:
                 wait = self.used + n_bytes > self.capacity and self.frees_under_way > 0
             if wait:
                 self._waiting.append(waiter)
-            else:
+            elif waiter is last:  # this call's last act
                 fire_in_place(gate)
+            else:
+                fire_in_place_inner(gate)
 
     def _add(self, n_bytes: int) -> None:
         self.used += n_bytes

@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import simpy
 
-from mpsim.sim.simpy_fast import Fired, call_in
+from mpsim.sim.simpy_fast import Fired, call_in, fire_in_place, go_on_now
 from mpsim.topology import Route
 
 _EPS = 1e-12
@@ -52,6 +52,12 @@ class _Group:
         self.left -= 1
         if not self.left:
             self.event.succeed()
+
+    def fire(self) -> None:
+        """``succeed``, the event fired in place (``simpy_fast.fire_in_place``)."""
+        self.left -= 1
+        if not self.left:
+            fire_in_place(self.event)
 
 
 class _Flow:
@@ -200,14 +206,16 @@ class Network:
                 for link in f.links:
                     per_link[link.name] += f.rate
             self.rate_log.append((self.env.now, dict(per_link)))
-        wakeup = self._wakeup = Fired(self.env, dt if dt > 0.0 else 0.0)
-        wakeup.callbacks.append(self._wake)
+        self._wakeup = call_in(self.env, dt if dt > 0.0 else 0.0, self._wake)
 
     def _wake(self, _event: simpy.Event) -> None:
         """Land the flows that are done (by the rounding tolerance; the earliest one when
         rounding left only slivers), re-rate the others, then fire the landed flows'
         events in the order they started (the flows' list is in that order: flows are
-        appended as they start and removed in place)."""
+        appended as they start and removed in place). One landed flow whose event would
+        be the next processed (``simpy_fast.go_on_now``: this is the wake-up's only
+        callback and this its last act) fires in place: its waiter goes on inside this
+        call, in the same order, one event fewer per copy."""
         self._wakeup = None
         self._advance()
         flows, numbers = self._flows, self._numbers
@@ -219,6 +227,13 @@ class Network:
             del flows[i]
             del numbers[i]
         self._reschedule()
+        if len(finished) == 1 and go_on_now(self.env):  # its waiter goes on now: same order
+            done = finished[0].done
+            if isinstance(done, _Group):
+                done.fire()
+            else:
+                fire_in_place(done)
+            return
         for f in finished:
             f.done.succeed()
 

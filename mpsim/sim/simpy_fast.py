@@ -10,7 +10,12 @@ do what those methods do, reading and writing SimPy's internals directly:
   (present once a failure has been handled).
 
 They were written against simpy 4.1 (``simpy.Environment.step`` and
-``simpy.events.Process._resume``), and each keeps SimPy's event order exactly. On import
+``simpy.events.Process._resume``), and each keeps SimPy's event order exactly. An
+event that would be processed right after the running callback, with nothing queued
+for the instant and nothing left for the callback to do, may be skipped and its work
+done at once (``go_on_now``: a copy engine granted as it is asked for, a lone landing
+of the network): the order of everything else is the same, only the counter's numbers
+are fewer. On import
 ``check_simpy`` makes sure the installed simpy still has those internals and, if not,
 raises one ``SimpyInternalsError`` naming the version and what is missing, instead of an
 ``AttributeError`` deep inside a run.
@@ -29,8 +34,9 @@ import simpy.events
 
 from mpsim.errors import MpsimError
 
-__all__ = ["Detached", "Fired", "SimpyInternalsError", "call_in", "check_simpy", "events_scheduled", "fire_in_place",
-           "missing_internals", "run_until_empty", "sleep"]
+__all__ = ["Detached", "Fired", "SimpyInternalsError", "call_in", "call_soon", "check_simpy", "events_scheduled",
+           "fire_in_place", "fire_in_place_inner", "go_on_now", "mark_processed", "missing_internals",
+           "run_until_empty", "sleep"]
 
 Steps = Generator[simpy.Event, object, None]
 NORMAL = simpy.events.NORMAL
@@ -125,6 +131,47 @@ def fire_in_place(event: simpy.Event) -> None:
         callback(event)
 
 
+def mark_processed(event: simpy.Event) -> None:
+    """Make ``event`` succeeded (value None) and processed without scheduling it: a
+    process that yields it goes on at once. It must have no callbacks yet."""
+    event._ok = True
+    event._value = None
+    event.callbacks = None  # type: ignore[assignment]
+
+
+class _Inner:
+    """How many ``fire_in_place_inner`` calls are under way (see ``go_on_now``)."""
+
+    depth = 0
+
+
+def fire_in_place_inner(event: simpy.Event) -> None:
+    """``fire_in_place`` for a caller that has more to do once the event's callbacks
+    return (``DeviceMemory._recheck`` letting a waiter go before it looks at the next):
+    while it runs, ``go_on_now`` says no, as the waiter is not at its callback's end."""
+    _Inner.depth += 1
+    try:
+        fire_in_place(event)
+    finally:
+        _Inner.depth -= 1
+
+
+def go_on_now(env: simpy.Environment) -> bool:
+    """Whether the running callback may do at once what it would otherwise do through an
+    event scheduled now, as its very last act, without changing the run's order.
+
+    Such an event (time now, priority ``NORMAL``, the next number of the counter) is
+    processed right after the running callback returns when nothing else is queued for
+    this instant (the queue's head lies later): nothing can run between the two. So it
+    may go on now when (1) the queue holds nothing for this instant, (2) it is the
+    callback's last act (a process that yields the event right after asking for it
+    and was resumed by the loop, or by a callback fired in place as that callback's
+    last act: never under ``fire_in_place_inner``). Events it schedules then come in
+    the same order as they would have; only the counter's numbers are fewer."""
+    queue = env._queue
+    return _Inner.depth == 0 and (not queue or queue[0][0] > env._now)
+
+
 class Fired(simpy.Event):
     """An event that is scheduled the moment it is made, already succeeded (value None),
     and is nothing but its callbacks: what SimPy's loop (``run_until_empty``,
@@ -145,16 +192,41 @@ class Fired(simpy.Event):
         heappush(env._queue, (env._now + delay_s, NORMAL, next(env._eid), self))
 
 
+_new_fired = Fired.__new__
+"""Makes a ``Fired`` without ``__init__`` (``sleep``, ``call_in``, ``call_soon``)."""
+
+
 def sleep(env: simpy.Environment, delay_s: float) -> simpy.Event:
     """What ``env.timeout(delay_s)`` is to a process that yields it, in the same place
-    of the queue, made cheaply (``Fired``); ``delay_s`` must not be negative."""
-    return Fired(env, delay_s)
+    of the queue, made cheaply (``Fired``, without a call of its ``__init__``: this runs
+    for most events of a run); ``delay_s`` must not be negative."""
+    if delay_s < 0:
+        raise ValueError(f"negative delay {delay_s}")
+    event = _new_fired(Fired)
+    event.callbacks = []
+    heappush(env._queue, (env._now + delay_s, NORMAL, next(env._eid), event))
+    return event
 
 
-def call_in(env: simpy.Environment, delay_s: float, callback: Any) -> None:
+def call_in(env: simpy.Environment, delay_s: float, callback: Any) -> Fired:
     """``env.timeout(delay_s).callbacks.append(callback)``, in the same place of the
-    queue, made cheaply (``Fired``); ``delay_s`` must not be negative."""
-    Fired(env, delay_s).callbacks.append(callback)
+    queue, made cheaply (as ``sleep``); ``delay_s`` must not be negative. Returns the
+    event (its callbacks may be cleared to call nothing)."""
+    if delay_s < 0:
+        raise ValueError(f"negative delay {delay_s}")
+    event = _new_fired(Fired)
+    event.callbacks = [callback]
+    heappush(env._queue, (env._now + delay_s, NORMAL, next(env._eid), event))
+    return event
+
+
+def call_soon(env: simpy.Environment, callback: Any) -> None:
+    """Call ``callback`` through an urgent event scheduled now: the place in the queue
+    where ``Detached`` (and ``simpy.Environment.process``) start a process, for work
+    that runs as a chain of callbacks instead of a generator (``spawn``)."""
+    start = _new_fired(Fired)  # an urgent Fired of no delay
+    start.callbacks = [callback]
+    heappush(env._queue, (env._now, URGENT, next(env._eid), start))
 
 
 def events_scheduled(env: simpy.Environment) -> int:

@@ -13,7 +13,7 @@ from mpsim.sim.context import RunContext
 from mpsim.sim.memory import Entry
 from mpsim.sim.program import SwapIn, SwapOut, chunk
 from mpsim.sim.result import Span
-from mpsim.sim.simpy_fast import sleep
+from mpsim.sim.simpy_fast import call_soon, sleep
 from mpsim.sim.spawn import spawn
 from mpsim.topology import HOST
 
@@ -101,29 +101,45 @@ class Swapper:
 
     # ---- activations --------------------------------------------------------------------
     def start_swap_out(self, mb: int, so: SwapOut) -> None:
-        """Launch a swap-out; it counts as a free under way before the next piece asks."""
+        """Launch a swap-out; it counts as a free under way before the next piece asks.
+        A swap to the host runs as callbacks (``RunContext.start_host_copy``) started
+        where a process would start (``simpy_fast.call_soon``): the same events in the
+        same order as a process, without one."""
         self.memory.begin_free()
-        spawn(self.run.env, self._swap_out(mb, so))
-
-    def _swap_out(self, mb: int, so: SwapOut) -> Generator[simpy.Event, object, None]:
-        run, g = self.run, self.gpu
-        n = so.own_bytes + so.input_bytes
-        labels = swap_labels(so.layer, mb, g, so.target)
         if so.target == "host":
-            yield from run.host_copy(g, n, True, labels.out_span)
-            run.host.change([(n, "activations", labels.out_host)])
+            call_soon(self.run.env, lambda _e: self._swap_out_to_host(mb, so))
         else:
-            yield from self._to_peers(so, mb, n, f"layer {so.layer} microbatch {mb}")
+            spawn(self.run.env, self._swap_out_to_peers(mb, so))
+
+    def _swap_out_to_host(self, mb: int, so: SwapOut) -> None:
+        n = so.own_bytes + so.input_bytes
+        labels = swap_labels(so.layer, mb, self.gpu, so.target)
+
+        def landed() -> None:
+            self.run.host.change([(n, "activations", labels.out_host)])
+            self._swapped_out(mb, so)
+
+        self.run.start_host_copy(self.gpu, n, True, labels.out_span, landed)
+
+    def _swap_out_to_peers(self, mb: int, so: SwapOut) -> Generator[simpy.Event, object, None]:
+        n = so.own_bytes + so.input_bytes
+        yield from self._to_peers(so, mb, n, f"layer {so.layer} microbatch {mb}")
+        self._swapped_out(mb, so)
+
+    def _swapped_out(self, mb: int, so: SwapOut) -> None:
+        """The swap-out has landed: free its bytes on the GPU; the layer's last chunk
+        signals it out."""
+        labels = swap_labels(so.layer, mb, self.gpu, so.target)
         entries: list[Entry] = [(-so.own_bytes, "activations", labels.out_own)]
         if so.input_bytes:
             entries.append((-so.input_bytes, so.input_cat, labels.out_input))
-        entries.append((n, labels.ledger, labels.out_ledger))
+        entries.append((so.own_bytes + so.input_bytes, labels.ledger, labels.out_ledger))
         self.memory.end_free(entries)
         key = (mb, so.layer)
         left = self._chunks_left.get(key, self._chunks[so.layer]) - 1
         self._chunks_left[key] = left
         if left == 0:
-            run.signals("out", self.stage, mb, so.layer).succeed()
+            self.run.signals("out", self.stage, mb, so.layer).succeed()
 
     def _to_peers(self, so: SwapOut, mb: int, n_bytes: int, label: str) -> Generator[simpy.Event, object, None]:
         """D2D swap-out striped over the peers; each peer's area is allocated as it starts."""
@@ -148,9 +164,9 @@ class Swapper:
         key = (self.stage, mb, si.layer)
         yield from self.memory.acquire(self._swap_in_entries(mb, si, self.gpu), lambda: key not in run.signals.reached)
         if si.target == "host":
-            yield from self._from_host(mb, si)
-        else:
-            yield from self._from_peers(mb, si)
+            self._from_host(mb, si)  # callbacks from here on; the process ends
+            return
+        yield from self._from_peers(mb, si)
         run.signals("in", self.stage, mb, si.layer).succeed()
 
     def _time_alone_s(self, si: SwapIn) -> float:
@@ -195,11 +211,17 @@ class Swapper:
         entries.append((-si.n_bytes, labels.ledger, labels.in_ledger))
         return entries
 
-    def _from_host(self, mb: int, si: SwapIn) -> Generator[simpy.Event, object, None]:
+    def _from_host(self, mb: int, si: SwapIn) -> None:
+        """The host copy of a swap-in, as callbacks (``RunContext.start_host_copy``); on
+        landing the host's bytes are freed and the swap-in signalled."""
         run = self.run
         labels = swap_labels(si.layer, mb, self.gpu, si.target)
-        yield from run.host_copy(self.gpu, si.n_bytes, False, labels.in_span)
-        run.host.change([(-si.n_bytes, "stash" if si.layer == STASH else "activations", labels.in_host)])
+
+        def landed() -> None:
+            run.host.change([(-si.n_bytes, "stash" if si.layer == STASH else "activations", labels.in_host)])
+            run.signals("in", self.stage, mb, si.layer).succeed()
+
+        run.start_host_copy(self.gpu, si.n_bytes, False, labels.in_span, landed)
 
     def _from_peers(self, mb: int, si: SwapIn) -> Generator[simpy.Event, object, None]:
         run, g = self.run, self.gpu

@@ -1,0 +1,108 @@
+"""Copy engines (mpsim.sim.copy_engine): a pool keeps ``simpy.Resource``'s event order,
+requests granted in place included; host copies run as callbacks keep the process's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+
+import pytest
+import simpy
+
+from mpsim import load_topology
+from mpsim.sim.context import RunContext
+from mpsim.sim.copy_engine import CopyEngines, EnginePool
+from mpsim.sim.network import Network
+from mpsim.sim.simpy_fast import Detached, call_soon, events_scheduled, run_until_empty, sleep
+from mpsim.topology import Link, Route
+
+Log = list[tuple[float, str]]
+
+
+def _model(env: simpy.Environment, pool: object, log: Log) -> None:
+    """Users that ask at once, at the same later instant, and alone; each holds the
+    engine a while and logs when it gets it and gives it back."""
+
+    def user(name: str, at_s: float, hold_s: float) -> Generator[simpy.Event, object, None]:
+        if at_s:
+            yield sleep(env, at_s)
+        with pool.request() as req:  # type: ignore[attr-defined]
+            yield req
+            log.append((env.now, f"{name} granted"))
+            yield sleep(env, hold_s)
+        log.append((env.now, f"{name} released"))
+
+    for name, at_s, hold_s in (("a", 0.0, 1.0), ("b", 0.0, 0.5), ("c", 1.0, 0.25), ("d", 3.0, 1.0),
+                               ("e", 5.0, 0.0), ("f", 5.0, 1.0)):
+        Detached(env, user(name, at_s, hold_s))
+
+
+@pytest.mark.parametrize("capacity", [1, 2])
+def test_the_pool_grants_in_the_order_of_a_simpy_resource(capacity):
+    def run(make: Callable[[simpy.Environment], object]) -> Log:
+        env = simpy.Environment()
+        log: Log = []
+        _model(env, make(env), log)
+        run_until_empty(env)
+        return log
+
+    assert run(lambda env: EnginePool(env, capacity)) == run(lambda env: simpy.Resource(env, capacity))
+
+
+def test_a_free_engine_at_a_quiet_instant_is_granted_without_an_event():
+    env = simpy.Environment()
+    pool = EnginePool(env, 1)
+    req = pool.request()
+    assert req.processed and pool.users == [req] and events_scheduled(env) == 0
+
+
+def test_a_landing_that_is_the_next_event_fires_in_place_and_keeps_the_times():
+    env = simpy.Environment()
+    net = Network(env)
+    route = Route((Link("l", 1e9, 1e-6),))
+    landed: Log = []
+
+    def copy(name: str, n_bytes: int) -> Generator[simpy.Event, object, None]:
+        yield net.transfer(route, n_bytes)
+        landed.append((env.now, name))
+
+    Detached(env, copy("small", 1000))
+    Detached(env, copy("large", 3000))
+    run_until_empty(env)
+    assert [name for _, name in landed] == ["small", "large"]
+    assert landed[0][0] == pytest.approx(1e-6 + 2000 / 1e9)
+    assert landed[1][0] == pytest.approx(1e-6 + 4000 / 1e9)
+
+
+def _host_copies(callbacks: bool) -> Log:
+    """Three host copies (two on one GPU's d2h engine, one h2d), started at once, as
+    callbacks or as processes: when each lands, and its span."""
+    ctx = RunContext.__new__(RunContext)  # only what a host copy uses
+    env = ctx.env = simpy.Environment()
+    ctx.topo = load_topology("dgx1-v100")
+    ctx.net = Network(env)
+    ctx.engines = [CopyEngines(env, g, 2) for g in range(ctx.topo.n_gpus)]
+    ctx.spans = []
+    log: Log = []
+
+    def copy(k: int, gpu: int, n_bytes: int, to_host: bool) -> None:
+        def landed() -> None:
+            log.append((env.now, f"copy {k}"))
+
+        def steps() -> Generator[simpy.Event, object, None]:
+            yield from ctx.host_copy(gpu, n_bytes, to_host, f"c{k}")
+            landed()
+
+        if callbacks:
+            call_soon(env, lambda _e: ctx.start_host_copy(gpu, n_bytes, to_host, f"c{k}", landed))
+        else:
+            Detached(env, steps())
+
+    for k, (gpu, n_bytes, to_host) in enumerate(((0, 1 << 20, True), (0, 1 << 22, True), (1, 1 << 21, False))):
+        copy(k, gpu, n_bytes, to_host)
+    run_until_empty(env)
+    return log + [(s.start_s, s.name) for s in ctx.spans]
+
+
+def test_a_host_copy_as_callbacks_keeps_the_process_version_s_order_and_times():
+    by_callbacks = _host_copies(True)
+    assert by_callbacks == _host_copies(False) and len(by_callbacks) == 6
