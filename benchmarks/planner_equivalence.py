@@ -6,7 +6,8 @@
 
 One line per (job, strategy): the plan's JSON digest, the iteration time, each GPU's
 peak bytes, whether it fits and how many simulations it took; and, before it is
-planned, ``plan_fits``'s verdict (the existence checks). ``--quick``: fewer sizes.
+planned, ``plan_fits``'s verdict (the existence checks). ``--quick``: fewer sizes;
+``--strategies a,b``: only those.
 Run each side in a fresh process (the planner cache is per process).
 """
 
@@ -53,8 +54,9 @@ def digest(job: JobSpec) -> str:
 
 def main() -> None:
     quick = "--quick" in sys.argv
+    strategies = sys.argv[sys.argv.index("--strategies") + 1].split(",") if "--strategies" in sys.argv else STRATEGIES
     for label, job in jobs(quick):
-        for strategy in STRATEGIES:
+        for strategy in strategies:
             j = job.but(strategy=strategy)
             verdict = plan_fits(j)
             print(f"{label} {strategy}: exists={verdict} {digest(j)}", flush=True)
