@@ -33,6 +33,7 @@ striping (each swap to its one fastest neighbour), and D2D swap only.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -41,7 +42,7 @@ import numpy as np
 from mpsim.costs import cost_model
 from mpsim.plan import LayerAction, PlanFile, Stripe, fit_stripes
 from mpsim.planners.baselines import BASELINES
-from mpsim.planners.cache import cached_plan
+from mpsim.planners.cache import cached_plan, remembered
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
 from mpsim.planners.liveness import end_slack
 from mpsim.planners.mapping import Mapping, search_mapping
@@ -596,6 +597,10 @@ def mpress_fits(ctx: Ctx, opts: Options, name: str) -> bool:
                _variants_to_try(ctx, opts, name, planned, intervals))
 
 
+_MAPPINGS: OrderedDict[tuple[object, ...], Mapping] = OrderedDict()
+"""Step 2's maps by (server contents, demand, spare): ``mpress_fits`` and ``plan_mpress`` ask
+for the same job's (``search_mapping`` is a function of these alone)."""
+
 _Variant = tuple[Ctx, Planned, dict[int, float], list[float], Options]
 """A map's context, keep-everything plan, live intervals and end slack, and the options tried on it."""
 
@@ -655,7 +660,10 @@ def _mapping(planner: _Planner, keep: SimResult) -> Mapping:
     whose optimizer streaming is free (``free_offloads``) counts those bytes as spare."""
     free = planner.free_offloads()
     need = [over(keep, g) - planner.optimizer_bytes(s, free.get(s, [])) for s, g in enumerate(planner.ctx.gpus)]
-    return search_mapping(planner.ctx.topo, [max(0, x) for x in need], [max(0, -x) for x in need])
+    topo = planner.ctx.topo
+    demand, spare = tuple(max(0, x) for x in need), tuple(max(0, -x) for x in need)
+    return remembered(_MAPPINGS, (topo.content_hash, demand, spare),
+                       lambda: search_mapping(topo, list(demand), list(spare)))
 
 
 def _recompute_first_if_faster(ctx: Ctx, opts: Options, name: str, planner: _Planner, result: SimResult,
