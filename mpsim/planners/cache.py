@@ -32,15 +32,15 @@ def known_plan(strategy: str, ctx: Ctx) -> Planned | None:
 def cached_verdict(strategy: str, ctx: Ctx, exists: Callable[[Ctx], bool]) -> bool:
     """``exists(ctx)`` (whether the planner finds a plan that fits), or the verdict given
     before for the same content."""
-    return _remembered(_VERDICTS, job_key(strategy, ctx), lambda: exists(ctx))
+    return remembered(_VERDICTS, job_key(strategy, ctx), lambda: exists(ctx))
 
 
 def cached_plan(strategy: str, ctx: Ctx, planner: Callable[[Ctx], Planned]) -> Planned:
     """``planner(ctx)``, or the answer it gave before for the same content."""
-    return _remembered(_CACHE, job_key(strategy, ctx), lambda: planner(ctx))
+    return remembered(_CACHE, job_key(strategy, ctx), lambda: planner(ctx))
 
 
-def _remembered(store: OrderedDict[tuple[object, ...], T], key: tuple[object, ...], make: Callable[[], T]) -> T:
+def remembered(store: OrderedDict[tuple[object, ...], T], key: tuple[object, ...], make: Callable[[], T]) -> T:
     """``store[key]``, made by ``make()`` on first use; the least recently used entry is
     forgotten past ``CACHE_SIZE``."""
     if key in store:

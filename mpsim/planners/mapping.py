@@ -20,6 +20,7 @@ search is a local one (pairwise swaps from the identity until none helps).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -98,6 +99,17 @@ def _best(maps: np.ndarray, scores: tuple[np.ndarray, ...]) -> int:
     return int(order[0])
 
 
+@functools.lru_cache(maxsize=8)
+def _every_map(n: int, p: int) -> np.ndarray:
+    """Every map of p stages to n GPUs [M, n] (slot -> GPU), one order of the idle GPUs
+    kept (idle slots are interchangeable); made once per (n, p), read-only."""
+    maps = np.array(list(itertools.permutations(range(n))), dtype=np.int64)
+    if p < n and n - p > 1:
+        maps = maps[np.all(np.diff(maps[:, p:], axis=1) > 0, axis=1)]
+    maps.setflags(write=False)
+    return maps
+
+
 def search_mapping(topo: Topology, demand_bytes: Sequence[float], spare_bytes: Sequence[float]) -> Mapping:
     """The best stage-to-GPU map for per-stage D2D demand and spare memory (bytes).
 
@@ -112,9 +124,7 @@ def search_mapping(topo: Topology, demand_bytes: Sequence[float], spare_bytes: S
         boundaries, uncovered, worst = _score(identity, bw, demand, spare)
         return Mapping(tuple(range(p)), int(boundaries[0]), float(uncovered[0]), float(worst[0]), 1)
     if n <= MAX_ENUMERATED_GPUS:
-        maps = np.array(list(itertools.permutations(range(n))), dtype=np.int64)
-        if p < n:  # idle slots are interchangeable: keep one order of the idle GPUs
-            maps = maps[np.all(np.diff(maps[:, p:], axis=1) > 0, axis=1)] if n - p > 1 else maps
+        maps = _every_map(n, p)
         scores = _score(maps, bw, demand, spare)
         i = _best(maps, scores)
         return Mapping(tuple(int(g) for g in maps[i, :p]), int(scores[0][i]), float(scores[1][i]),

@@ -33,18 +33,21 @@ striping (each swap to its one fastest neighbour), and D2D swap only.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from mpsim.costs import cost_model
 from mpsim.plan import LayerAction, PlanFile, Stripe, fit_stripes
 from mpsim.planners.baselines import BASELINES
-from mpsim.planners.cache import cached_plan
+from mpsim.planners.cache import cached_plan, remembered
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
 from mpsim.planners.liveness import end_slack
 from mpsim.planners.mapping import Mapping, search_mapping
 from mpsim.sim import SimResult
-from mpsim.trace import RECOMPUTABLE
+from mpsim.trace import RECOMPUTABLE, LayerRow
 
 MIN_GAIN = 0.001
 """A tuning round must make the iteration this much faster (relative) to be kept."""
@@ -101,8 +104,75 @@ class _Candidate:
     """For ``optimizer``: the layer whose states it moves."""
 
 
+_Routes = dict[tuple[int, int], tuple[list[Stripe] | None, float]]
+"""D2D routes found in one state of the spare memory: per (stage, bytes per microbatch),
+the stripes (None: no room) and the swap-out plus swap-in seconds over them."""
+
 _PoolEntry = tuple[str | int, int, float, float, int]
 """A candidate before pricing: (what, bytes saved, recompute s, GPU-CPU swap s, layer)."""
+
+
+@dataclass
+class _PricedPool:
+    """A stage's pool (``_Planner.candidate_pool``) as arrays, so that each step of
+    ``_Planner.stage_queue`` prices every entry at once with ``choose``'s rule (IV-D on
+    Table III, without D2D swap) instead of one entry at a time."""
+
+    optimizer: np.ndarray
+    """Per entry: the optimizer states of one layer (hidden only by the end slack)."""
+    interval_s: np.ndarray
+    """Live interval (inf: PipeDream's stash; unused for optimizer states)."""
+    recompute_s: np.ndarray
+    """Extra seconds of recomputation per microbatch (inf where it cannot be recomputed)."""
+    host_s: np.ndarray
+    """GPU-CPU swap seconds per microbatch."""
+    saves_bytes: np.ndarray
+    """Bytes a swap saves (float64; exact below 2**53)."""
+    recompute_saves_bytes: np.ndarray
+    """Bytes a recomputation saves (its checkpointed input stays)."""
+    left: np.ndarray
+    """Entries not taken yet."""
+
+    @classmethod
+    def of(cls, pool: list[_PoolEntry], intervals: dict[int, float], rows: Sequence[LayerRow],
+           held: int) -> _PricedPool:
+        def own_bytes(what: str | int) -> int:
+            if isinstance(what, str):
+                return 0
+            r = rows[what]
+            return (r.act_bytes - (r.input_bytes if r.saves_input else 0)) * held
+
+        return cls(
+            optimizer=np.array([e[0] == "optimizer" for e in pool], dtype=bool),
+            interval_s=np.array([intervals[e[0]] if isinstance(e[0], int) else
+                                 (float("inf") if e[0] == "stash" else 0.0) for e in pool], dtype=float),
+            recompute_s=np.array([e[2] for e in pool], dtype=float),
+            host_s=np.array([e[3] for e in pool], dtype=float),
+            saves_bytes=np.array([e[1] for e in pool], dtype=float),
+            recompute_saves_bytes=np.array([own_bytes(e[0]) for e in pool], dtype=float),
+            left=np.ones(len(pool), dtype=bool),
+        )
+
+    def cheapest(self, budget_s: float, slack_per_microbatch_s: float) -> int | None:
+        """Index of the entry left with the least extra time per byte (then the longest
+        interval, then the first), given the PCIe budget and the end slack per microbatch
+        left; None if none left saves anything. The same IEEE operations as ``choose``
+        and ``_Planner.priced`` on each entry."""
+        interval = np.where(self.optimizer, slack_per_microbatch_s, self.interval_s)
+        hidden = np.where(self.optimizer, slack_per_microbatch_s, np.minimum(self.interval_s, budget_s))
+        host_extra = np.maximum(0.0, self.host_s - hidden)
+        recompute = (host_extra != 0.0) & (self.recompute_s <= host_extra)
+        saves = np.where(recompute, self.recompute_saves_bytes, self.saves_bytes)
+        usable = self.left & (saves > 0)
+        if not usable.any():
+            return None
+        idx = np.flatnonzero(usable)
+        ratio = np.where(recompute, self.recompute_s, host_extra)[idx] / saves[idx]
+        idx = idx[ratio == ratio.min()]
+        if len(idx) > 1:
+            longest = interval[idx]
+            idx = idx[longest == longest.max()]
+        return int(idx[0])
 
 
 class _Planner:
@@ -116,10 +186,15 @@ class _Planner:
         """Per stage, the layers whose optimizer states stream from the host."""
         self.stash: dict[int, str] = {}
         self.sims = 0
+        n_stages = len(ctx.stages)
+        self.held = [ctx.held_microbatches(s) for s in range(n_stages)]
+        """Per stage, the microbatches whose activations it holds at once (invariant: looked up once)."""
+        self.host_bytes_per_s = [ctx.topo.route(ctx.gpus[s], "host").bandwidth for s in range(n_stages)]
+        """Per stage, its GPU's route to the host in bytes/s."""
 
     # ---- costs ---------------------------------------------------------------------------
     def host_bw(self, s: int) -> float:
-        return self.ctx.topo.route(self.ctx.gpus[s], "host").bandwidth
+        return self.host_bytes_per_s[s]
 
     def pcie_sharers(self, s: int) -> int:
         """Stages whose GPU-host route shares a link with stage s's (a PCIe switch uplink)."""
@@ -205,7 +280,7 @@ class _Planner:
         """D2D swap only: stage s's layers that save activations, the longest live interval first."""
         rows = self.ctx.trace.layers
         a, b = self.ctx.stages[s]
-        held = self.ctx.held_microbatches(s)
+        held = self.held[s]
         layers = sorted((j for j in range(a, b) if rows[j].act_bytes), key=lambda j: (-intervals[j], j))
         return [_Candidate(s, j, rows[j].act_bytes * held, 0.0, "peer", intervals[j]) for j in layers]
 
@@ -215,7 +290,7 @@ class _Planner:
         ctx, m = self.ctx, self.ctx.microbatches
         rows = ctx.trace.layers
         a, b = ctx.stages[s]
-        held = ctx.held_microbatches(s)
+        held = self.held[s]
         pool: list[_PoolEntry] = []
         # per microbatch: PipeDream updates after every backward, a flushed pipeline once
         updates = m if ctx.schedule == "pipedream" else 1
@@ -239,50 +314,41 @@ class _Planner:
         streamed = self.host_optimizer.get(s, set())
         slack = max(0.0, self.slack_s[s] - self.optimizer_stream_s(s, streamed))
         pool = self.candidate_pool(s, intervals, streamed)
+        priced = _PricedPool.of(pool, intervals, self.ctx.trace.layers, self.held[s])
         updates = m if ctx.schedule == "pipedream" else 1
         q: list[_Candidate] = []
-        while pool:
-            best = self.cheapest(s, pool, intervals, budget, slack)
-            if best is None:
-                break
-            c = best[3]
-            pool.pop(best[2])
+        while (i := priced.cheapest(budget, slack / m)) is not None:
+            c, host_s = self.priced(s, pool[i], intervals, budget, slack)
+            priced.left[i] = False
             if c.action == "host":  # its transfer takes its share of the stage's PCIe budget
-                budget = max(0.0, budget - best[4])
+                budget = max(0.0, budget - host_s)
             elif c.what == "optimizer":  # its streaming takes its share of the end slack
-                slack = max(0.0, slack - best[4] * m / updates)
+                slack = max(0.0, slack - host_s * m / updates)
             q.append(c)
         return q
 
-    def cheapest(self, s: int, pool: list[_PoolEntry], intervals: dict[int, float], budget: float,
-                 slack: float) -> tuple[float, float, int, _Candidate, float] | None:
-        """The candidate of ``pool`` with the least extra time per byte (then the longest
-        interval, then the first), priced with ``choose`` given the PCIe ``budget`` and end
-        ``slack`` left: (extra per byte, -interval, index in ``pool``, candidate, host s); None
-        if none saves anything."""
-        m, rows, held = self.ctx.microbatches, self.ctx.trace.layers, self.ctx.held_microbatches(s)
-        best: tuple[float, float, int, _Candidate, float] | None = None
-        for i, (what, saves, rec_s, host_s, layer) in enumerate(pool):
-            if what == "optimizer":  # streamed around the update: only the end slack hides it
-                interval = hidden = slack / m
-            else:
-                interval = float("inf") if what == "stash" else intervals[int(what)]
-                hidden = min(interval, budget)
-            action = choose(hidden, rec_s, host_s, None)
-            if action == "recompute":
-                r = rows[int(what)]
-                saves = (r.act_bytes - (r.input_bytes if r.saves_input else 0)) * held
-                extra = rec_s
-            else:
-                action = {"optimizer": "host-stream"}.get(str(what), "host")
-                extra = max(0.0, host_s - hidden)
-            if saves <= 0:
-                continue
-            key = (extra / saves, -interval, i,
-                   _Candidate(s, what, saves, extra * m, action, interval, layer=layer), host_s)
-            if best is None or key[:3] < best[:3]:
-                best = key
-        return best
+    def priced(self, s: int, entry: _PoolEntry, intervals: dict[int, float], budget: float,
+               slack: float) -> tuple[_Candidate, float]:
+        """One pool entry of stage s as a candidate, priced with ``choose`` given the PCIe
+        ``budget`` and end ``slack`` left (``_PricedPool.cheapest`` prices them all the same
+        way at once), and its GPU-CPU swap seconds."""
+        what, saves, rec_s, host_s, layer = entry
+        m = self.ctx.microbatches
+        if what == "optimizer":  # streamed around the update: only the end slack hides it
+            interval = hidden = slack / m
+        else:
+            interval = float("inf") if what == "stash" else intervals[int(what)]
+            hidden = min(interval, budget)
+        action = choose(hidden, rec_s, host_s, None)
+        if action == "recompute":
+            r = self.ctx.trace.layers[int(what)]
+            saves = (r.act_bytes - (r.input_bytes if r.saves_input else 0)) * self.held[s]
+            extra = rec_s
+        else:
+            action = {"optimizer": "host-stream"}.get(str(what), "host")
+            extra = max(0.0, host_s - hidden)
+        assert saves > 0, "_PricedPool.cheapest picks only entries that save bytes"
+        return _Candidate(s, what, saves, extra * m, action, interval, layer=layer), host_s
 
     def apply(self, c: _Candidate, spare: dict[int, float]) -> bool:
         if c.what == "optimizer":
@@ -290,7 +356,7 @@ class _Planner:
         elif c.what == "stash":
             self.stash[c.stage] = "host"
         elif c.action == "peer":
-            held = self.ctx.held_microbatches(c.stage)
+            held = self.held[c.stage]
             need = self.ctx.trace.layers[int(c.what)].act_bytes * held
             stripes = self.stripes(c.stage, need, spare)
             if stripes is None:
@@ -302,30 +368,57 @@ class _Planner:
             self.actions[c.stage][int(c.what)] = LayerAction(layer=int(c.what), action=c.action)  # type: ignore[arg-type]
         return True
 
-    def as_taken(self, c: _Candidate, room: dict[int, float]) -> tuple[_Candidate, list[Stripe] | None]:
+    def as_taken(self, c: _Candidate, room: dict[int, float],
+                 routes: _Routes | None = None) -> tuple[_Candidate, list[Stripe] | None]:
         """``c`` as step 4 takes it given the spare memory ``room``: a layer whose
         recomputation or exposed GPU-CPU swap costs more than a D2D swap into its NVLink
         neighbours' spare memory goes there (``choose`` with D2D in the choice), with the
-        stripes it would take."""
-        if self.opts.d2d_only or isinstance(c.what, str) or c.extra_s <= 0:
+        stripes it would take. ``routes``: D2D routes already found in this ``room``."""
+        d2d = self.cheaper_d2d(c, room, {} if routes is None else routes)
+        if d2d is None:
             return c, None
-        m, n_bytes = self.ctx.microbatches, self.ctx.trace.layers[c.what].act_bytes
-        need = n_bytes * self.ctx.held_microbatches(c.stage)
-        stripes = self.stripes(c.stage, need, room)
-        if stripes is None:
-            return c, None
-        extra = max(0.0, self.d2d_seconds(c.stage, n_bytes, stripes) - c.interval_s) * m
-        if extra >= c.extra_s:
-            return c, None
+        extra, need, stripes = d2d
         return _Candidate(c.stage, c.what, need, extra, "peer", c.interval_s, instead_of=c), stripes
 
-    def take_next(self, queue: list[_Candidate], room: dict[int, float]) -> _Candidate:
+    def cheaper_d2d(self, c: _Candidate, room: dict[int, float],
+                    routes: _Routes) -> tuple[float, int, list[Stripe]] | None:
+        """A D2D swap of ``c``'s activations into ``room`` when it costs less than ``c``:
+        (extra seconds per iteration, bytes it moves, stripes); else None. ``routes``
+        remembers per (stage, bytes per microbatch) the stripes and the swap's seconds, which
+        depend only on ``room``: the caller empties it when ``room`` changes."""
+        if self.opts.d2d_only or isinstance(c.what, str) or c.extra_s <= 0:
+            return None
+        n_bytes = self.ctx.trace.layers[c.what].act_bytes
+        need = n_bytes * self.held[c.stage]
+        key = (c.stage, n_bytes)
+        route = routes.get(key)
+        if route is None:
+            stripes = self.stripes(c.stage, need, room)
+            route = routes[key] = (stripes, 0.0 if stripes is None else self.d2d_seconds(c.stage, n_bytes, stripes))
+        stripes, d2d_s = route
+        if stripes is None:
+            return None
+        extra = max(0.0, d2d_s - c.interval_s) * self.ctx.microbatches
+        if extra >= c.extra_s:
+            return None
+        return extra, need, stripes
+
+    def take_next(self, queue: list[_Candidate], room: dict[int, float], routes: _Routes | None = None) -> _Candidate:
         """Pop the candidate with the least extra time per byte as it would be taken now
-        (``as_taken``); a D2D swap reserves its stripes in ``room``."""
-        taken = [self.as_taken(c, room) for c in queue]
-        i = min(range(len(queue)), key=lambda k: (taken[k][0].extra_s / taken[k][0].saves_bytes, k))
-        queue.pop(i)
-        c, stripes = taken[i]
+        (``as_taken``), the first of equals; a D2D swap reserves its stripes in ``room``
+        (and empties ``routes``, the D2D routes found in ``room``)."""
+        routes = {} if routes is None else routes
+        best_i, best_ratio = 0, float("inf")
+        for k, c in enumerate(queue):
+            d2d = self.cheaper_d2d(c, room, routes)
+            ratio = c.extra_s / c.saves_bytes if d2d is None else d2d[0] / d2d[1]
+            if ratio < best_ratio or k == 0:
+                best_i, best_ratio = k, ratio
+                if ratio <= 0.0:  # no extra time: nothing later is cheaper
+                    break
+        c, stripes = self.as_taken(queue.pop(best_i), room, routes)
+        if stripes is not None:
+            routes.clear()
         for x in stripes or ():
             room[x.gpu] -= c.saves_bytes * x.fraction
         return c
@@ -346,8 +439,9 @@ class _Planner:
                 chosen: list[_Candidate] = []
                 covered = 0
                 room = dict(spare)
+                routes: _Routes = {}
                 while covered < short and queues[s]:
-                    chosen.append(self.take_next(queues[s], room))
+                    chosen.append(self.take_next(queues[s], room, routes))
                     covered += chosen[-1].saves_bytes
                 # the last pick may cover alone what cheaper earlier picks did: drop those
                 # no longer needed, the dearest per byte first
@@ -432,12 +526,12 @@ class _Planner:
 
     def tune(self, result: SimResult, plan: PlanFile, intervals: dict[int, float]) -> tuple[SimResult, PlanFile]:
         """Step 5: move the costliest choices to D2D swap while that makes the iteration faster."""
-        ctx, m = self.ctx, self.ctx.microbatches
+        m = self.ctx.microbatches
         for _ in range(MAX_ROUNDS):
             spare = self.spare_of(result)
             cands: list[tuple[float, int, int]] = []
             for s, acts in self.actions.items():
-                held = ctx.held_microbatches(s)
+                held = self.held[s]
                 for j, act in acts.items():
                     if act.action not in ("recompute", "host"):
                         continue
@@ -503,6 +597,10 @@ def mpress_fits(ctx: Ctx, opts: Options, name: str) -> bool:
                _variants_to_try(ctx, opts, name, planned, intervals))
 
 
+_MAPPINGS: OrderedDict[tuple[object, ...], Mapping] = OrderedDict()
+"""Step 2's maps by (server contents, demand, spare): ``mpress_fits`` and ``plan_mpress`` ask
+for the same job's (``search_mapping`` is a function of these alone)."""
+
 _Variant = tuple[Ctx, Planned, dict[int, float], list[float], Options]
 """A map's context, keep-everything plan, live intervals and end slack, and the options tried on it."""
 
@@ -562,7 +660,10 @@ def _mapping(planner: _Planner, keep: SimResult) -> Mapping:
     whose optimizer streaming is free (``free_offloads``) counts those bytes as spare."""
     free = planner.free_offloads()
     need = [over(keep, g) - planner.optimizer_bytes(s, free.get(s, [])) for s, g in enumerate(planner.ctx.gpus)]
-    return search_mapping(planner.ctx.topo, [max(0, x) for x in need], [max(0, -x) for x in need])
+    topo = planner.ctx.topo
+    demand, spare = tuple(max(0, x) for x in need), tuple(max(0, -x) for x in need)
+    return remembered(_MAPPINGS, (topo.content_hash, demand, spare),
+                       lambda: search_mapping(topo, list(demand), list(spare)))
 
 
 def _recompute_first_if_faster(ctx: Ctx, opts: Options, name: str, planner: _Planner, result: SimResult,
