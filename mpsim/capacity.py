@@ -129,12 +129,12 @@ def fits_strategies(server: str | Topology, family: str, schedule: str = DEFAULT
 
     ``best`` runs last: it fits whatever a single planner fits (under the same partition),
     so its search starts from the largest size they reached. With a ``backend``
-    (:mod:`mpsim.backends`) the work runs in parallel in three rounds: every shipped
-    size under every strategy, then the searches of the single strategies, then
-    ``best``'s search, whose probes each run their single planners in parallel; the
+    (:mod:`mpsim.backends`) the work runs in parallel (``_fits_on_backend``): every
+    shipped size under every strategy, then the searches of the single strategies, and
+    ``best``'s search, whose probes run their single planners in parallel; the
     simulations, and so the reports, are the same as in one process. ``on_point(name)`` is
-    called per simulated size in one process, per finished shipped size or search with a
-    backend."""
+    called per simulated size in one process, per shipped size and strategy or search with
+    a backend."""
     traces = model_traces(models) if models else family_traces(family)
     job = family_job(server, traces, schedule, microbatch, microbatches, "none", partition)
     return fits_all(job, family, traces, strategies, models, on_point, backend)
@@ -645,7 +645,7 @@ class _Search:
         that does: the one that fitted the last size that fitted first, then ``best``'s
         order (whether any fits does not depend on the order). A part whose own floors
         decide it (``bounds.floors`` under its strategy) is not planned. On a backend, the
-        parts after the first are planned in parallel (``_verdicts``). A part that does not
+        parts after the first are planned in parallel waves (``_verdicts``). A part that does not
         fit, and comes before the first that does, is remembered as not fitting at ``n``
         and above (the search's own assumption, per planner), so larger probes and the
         final plan leave it out."""
@@ -667,24 +667,34 @@ class _Search:
     def _verdicts(self, jobs: dict[Part, JobSpec], open_: set[Part], order: list[Part]) -> dict[Part, bool]:
         """``plan_fits`` of the parts in ``open_`` (the others: the floors said no), in
         ``order``, up to the first that fits: here one at a time, or on the backend the
-        first here, then the rest at once there."""
+        first here, then the rest in waves of as many as it runs at once (a wave that
+        finds one that fits is the last)."""
         verdicts: dict[Part, bool] = {}
         todo = [p for p in order if p in open_]
         if self.backend is None or self.backend.slots() < 2:
-            for p in todo:
-                verdicts[p] = plan_fits(jobs[p])
-                if verdicts[p]:
-                    break
-            return verdicts
-        if todo:
-            verdicts[todo[0]] = plan_fits(jobs[todo[0]])
-        if todo[1:] and not verdicts[todo[0]]:
-            for outcome in run_points([jobs[p] for p in todo[1:]], plan_fits, self.backend, batch=1):
-                if outcome.error is not None or outcome.value is None:
-                    raise MpsimError(f"fits under best ({outcome.point.strategy}, {outcome.point.partition}): "
-                                     f"{outcome.error}")
-                verdicts[(outcome.point.strategy, outcome.point.partition)] = outcome.value
+            waves = [[p] for p in todo]
+        else:
+            width = self.backend.slots()
+            waves = [todo[:1]] + [todo[i:i + width] for i in range(1, len(todo), width)]
+        for wave in waves:
+            if len(wave) == 1:
+                verdicts[wave[0]] = plan_fits(jobs[wave[0]])
+            else:
+                verdicts.update(self._wave(wave, jobs))
+            if any(verdicts[p] for p in wave):
+                break
         return verdicts
+
+    def _wave(self, wave: list[Part], jobs: dict[Part, JobSpec]) -> dict[Part, bool]:
+        """The verdicts of ``wave``'s parts, planned at once on the backend."""
+        assert self.backend is not None
+        got: dict[Part, bool] = {}
+        for outcome in run_points([jobs[p] for p in wave], plan_fits, self.backend, batch=1):
+            if outcome.error is not None or outcome.value is None:
+                raise MpsimError(f"fits under best ({outcome.point.strategy}, {outcome.point.partition}): "
+                                 f"{outcome.error}")
+            got[(outcome.point.strategy, outcome.point.partition)] = outcome.value
+        return got
 
     def _skip(self, n: int) -> frozenset[tuple[str, str]]:
         """``best``'s parts known not to fit at ``n`` layers of the template."""

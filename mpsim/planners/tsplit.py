@@ -19,7 +19,10 @@ byte saved (Delta T / Delta M):
 Delta M of a saved activation counts every microbatch the stage holds at once; Delta T
 counts every microbatch of the iteration. After the predicted shortfall is covered the
 iteration is simulated again, and planning goes on from the new shortfall until every
-GPU fits or no choice is left (TSPLIT's "fail because of no more available tensors").
+GPU fits or no choice is left (TSPLIT's "fail because of no more available tensors"):
+a GPU that does not fit with no choice left fails the plan, so the round that finds one
+is the last (the other stages' choices of that round are still simulated), as in the
+swap planners' rounds (``baselines._rounds``).
 """
 
 from __future__ import annotations
@@ -225,16 +228,18 @@ def plan_tsplit(ctx: Ctx) -> Planned:
     result, plan, sims = planned.result, planned.plan, 1
     stages = [_Stage(ctx, s) for s in range(len(ctx.stages))]
     for _ in range(MAX_ROUNDS):
-        moved = False
+        moved = stuck = False
         for st, g in zip(stages, ctx.gpus):
             short = over(result, g)
             if short > 0:
-                moved |= st.reduce(short)
+                took = st.reduce(short)
+                moved |= took
+                stuck |= not took
         if not moved:
             break
         plan = ctx.plan("tsplit", {st.s: sorted(st.actions.values(), key=lambda x: x.layer) for st in stages})
         result = ctx.simulate(plan)
         sims += 1
-        if result.fits:
+        if result.fits or stuck:
             break
     return Planned(plan, result, sims)
