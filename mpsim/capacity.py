@@ -35,7 +35,7 @@ from mpsim.job import (
 )
 from mpsim.layouts import candidate_layouts, on_layout
 from mpsim.limits import DEFAULT_HEADROOM_GIB
-from mpsim.planners.best import Part, combine, parts
+from mpsim.planners.best import Part, combine, part_of, parts
 from mpsim.planners.context import Planned
 from mpsim.planners.registry import plan_fits, plan_job
 from mpsim.sim import SimResult
@@ -320,7 +320,10 @@ def shipped_rows(jobs: Sequence[JobSpec], family: str, models: tuple[str, ...], 
     submitted first (they take longest, so the round ends evenly). ``on_point`` hears of
     each size under each strategy."""
     names = tuple(dict.fromkeys(strategies))
-    n_sizes = len(model_traces(models) if models else family_traces(family))
+    traces = model_traces(models) if models else family_traces(family)
+    n_sizes = len(traces)
+    if all(combines(st) for st in names):  # no single planner's plans to reuse: best's parts in parallel
+        return _combined_rows(jobs, traces, names, backend, on_point)
     placed = [((k, i), _SizeUnit(j, family, models, i, names)) for i in reversed(range(n_sizes))
               for k, j in enumerate(jobs)]
     units = [u for _, u in placed]
@@ -335,6 +338,25 @@ def shipped_rows(jobs: Sequence[JobSpec], family: str, models: tuple[str, ...], 
                 on_point(f"{_layout_prefix(jobs, outcome.point.job)}{st}: size {outcome.point.size + 1}")
     return [{st: tuple(got[(k, i)][m] for i in range(n_sizes)) for m, st in enumerate(names)}
             for k in range(len(jobs))]
+
+
+def _combined_rows(jobs: Sequence[JobSpec], traces: list[Trace], names: tuple[str, ...], backend: Backend,
+                   on_point: Callable[[str], None] | None) -> list[dict[str, tuple[FitRow, ...]]]:
+    """``shipped_rows`` when every strategy asked combines the others (``best``): each
+    size's parts run in parallel (``_best_in_parallel``), one size after another."""
+    out: list[dict[str, tuple[FitRow, ...]]] = []
+    for j in jobs:
+        rows: dict[str, tuple[FitRow, ...]] = {}
+        for st in names:
+            got = []
+            for i, t in enumerate(traces):
+                result = _best_in_parallel(j.but(strategy=st, trace=t.rescale(j.microbatch)), frozenset(), backend)
+                got.append(FitRow(t.name, t.spec.params, _n_transformer(t), result))
+                if on_point is not None:
+                    on_point(f"{_layout_prefix(jobs, j)}{st}: size {i + 1}")
+            rows[st] = tuple(got)
+        out.append(rows)
+    return out
 
 
 def _fits_unit(unit: _FitsUnit) -> FitsReport:
@@ -464,17 +486,28 @@ def _plan_best_part(job: JobSpec) -> Planned:
 def _best_in_parallel(job: JobSpec, skip: frozenset[Part], backend: Backend) -> SimResult:
     """``best``'s result for one job with its single planners run in parallel on
     ``backend``, then combined as ``plan_best`` combines them (``combine``): the same
-    answer. Each part runs, even under a partition where keeping everything fits and
-    ``combine`` does not ask the rest (it returns at once there)."""
+    answer. First the plans that keep everything, one per partition; then, at once, the
+    other parts of each partition where keeping everything does not fit (``combine`` does
+    not ask them where it does)."""
     partitions = partitions_of(job.parallelism)
-    units = [job.but(strategy=name, partition=partition) for name, partition in parts(skip, partitions)]
+    todo = parts(skip, partitions)
+    keep = [p for p in todo if p[0] == "none"]
+    plans = _parts_planned(job, keep, backend)
+    kept_all = {partition for (name, partition), planned in plans.items() if planned.result.fits}
+    plans.update(_parts_planned(job, [p for p in todo if p not in plans and p[1] not in kept_all], backend))
+    return combine(lambda name, partition: plans[(name, partition)], skip, partitions).result
+
+
+def _parts_planned(job: JobSpec, todo: list[Part], backend: Backend) -> dict[Part, Planned]:
+    """Each part of ``best`` in ``todo`` planned for ``job``, at once on ``backend``."""
+    units = [job.but(strategy=name, partition=partition) for name, partition in todo]
     plans: dict[Part, Planned] = {}
     for outcome in run_points(units, _plan_best_part, backend, batch=1):
         if outcome.error is not None or outcome.value is None:
             raise MpsimError(f"fits under best ({outcome.point.strategy}, {outcome.point.partition}): "
                              f"{outcome.error}")
         plans[(outcome.point.strategy, outcome.point.partition)] = outcome.value
-    return combine(lambda name, partition: plans[(name, partition)], skip, partitions).result
+    return plans
 
 
 def family_traces(family: str) -> list[Trace]:
@@ -610,6 +643,7 @@ class _Search:
         self.n0 = _n_transformer(template)
         if fitting is not None:
             self.cache[self.n0] = fitting
+            self.last_fit = part_of(fitting.result.strategy)  # best's first guess: what made that size fit
 
     def probe(self, n: int) -> FitRow:
         if n not in self.cache:
@@ -645,7 +679,7 @@ class _Search:
         that does: the one that fitted the last size that fitted first, then ``best``'s
         order (whether any fits does not depend on the order). A part whose own floors
         decide it (``bounds.floors`` under its strategy) is not planned. On a backend, the
-        parts after the first are planned in parallel waves (``_verdicts``). A part that does not
+        parts after the first are planned in parallel (``_verdicts``). A part that does not
         fit, and comes before the first that does, is remembered as not fitting at ``n``
         and above (the search's own assumption, per planner), so larger probes and the
         final plan leave it out."""
@@ -667,19 +701,18 @@ class _Search:
     def _verdicts(self, jobs: dict[Part, JobSpec], open_: set[Part], order: list[Part]) -> dict[Part, bool]:
         """``plan_fits`` of the parts in ``open_`` (the others: the floors said no), in
         ``order``, up to the first that fits: here one at a time, or on the backend the
-        first here, then the rest in waves of as many as it runs at once (a wave that
-        finds one that fits is the last)."""
+        first here (most often the answer: ``last_fit``), then, when it does not fit, all
+        the rest at once there (where the first does not fit, most often none does)."""
         verdicts: dict[Part, bool] = {}
         todo = [p for p in order if p in open_]
         if self.backend is None or self.backend.slots() < 2:
             waves = [[p] for p in todo]
         else:
-            width = self.backend.slots()
-            waves = [todo[:1]] + [todo[i:i + width] for i in range(1, len(todo), width)]
+            waves = [todo[:1], todo[1:]]
         for wave in waves:
             if len(wave) == 1:
                 verdicts[wave[0]] = plan_fits(jobs[wave[0]])
-            else:
+            elif wave:
                 verdicts.update(self._wave(wave, jobs))
             if any(verdicts[p] for p in wave):
                 break

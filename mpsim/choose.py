@@ -23,6 +23,7 @@ from mpsim.errors import MpsimError
 from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_strategy, partitions_of, pipeline
 from mpsim.layouts import CHOOSE_LAYOUTS, candidate_layouts, on_layout
 from mpsim.limits import DEFAULT_HEADROOM_GIB
+from mpsim.planners.best import part_of
 from mpsim.planners.registry import plan_job
 from mpsim.sim import SimResult
 from mpsim.strategies import combines
@@ -126,8 +127,8 @@ class ChooseRow:
     @property
     def technique(self) -> str:
         """The planner behind the plan: ``mpress`` for ``best (mpress, compute partition)``."""
-        label = self.result.strategy
-        return label[len("best ("):].split(",")[0] if label.startswith("best (") else label
+        part = part_of(self.result.strategy)
+        return self.result.strategy if part is None else part[0]
 
     @property
     def samples_per_s(self) -> float:

@@ -246,6 +246,19 @@ def test_best_search_with_its_planners_in_parallel_gives_the_same_report():
     assert seen[-1] == "best: search" and seen.count("best: search") == 1
 
 
+def test_best_alone_in_parallel_plans_each_sizes_parts_at_once_and_gives_the_same_report():
+    """With no single strategy asked there is nothing to reuse: each shipped size runs
+    ``best``'s parts in parallel (keeping everything first, the rest where that does not
+    fit), and the rows, the largest and its plan are those of one process."""
+    from mpsim.capacity import fits_strategies
+
+    args = ("gtx1080ti-x1", "gpt", "1f1b", 2, 4, ("best",))
+    one = fits_strategies(*args)
+    two = fits_strategies(*args, backend=LocalBackend(2))
+    assert [r.to_dict() for r in one] == [r.to_dict() for r in two]
+    assert any(not row.result.fits for row in one[0].rows) and one[0].largest is not None
+
+
 def test_cli_refuses_an_address_without_ray(capsys, tmp_path):
     from test_cli import run
 

@@ -11,6 +11,7 @@ the planner and partition that produced it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection
 from dataclasses import replace
 
@@ -70,7 +71,22 @@ def combine(plan_of: Callable[[str, str], Planned], known_not_fitting: Collectio
         return (0, -r.samples_per_s) if r.fits else (1, r.max_peak_bytes)
 
     name, partition, best = min(tried, key=key)
-    label = f"best ({name}, {partition} partition)"
+    label = label_of((name, partition))
     plan = best.plan.model_copy(update={"strategy": label})
     result = replace(best.result, strategy=label)
     return Planned(plan, result, sum(t[2].simulations for t in tried))
+
+
+def label_of(part: Part) -> str:
+    """The combined plan's strategy label when ``part`` made it: ``best (mpress, compute partition)``."""
+    return f"best ({part[0]}, {part[1]} partition)"
+
+
+_LABEL = re.compile(r"best \((?P<name>[\w-]+), (?P<partition>\w+) partition\)")
+
+
+def part_of(label: str) -> Part | None:
+    """The part that made a combined plan, from its label (``label_of``); None for another label."""
+    m = _LABEL.fullmatch(label)
+    return (m["name"], m["partition"]) if m else None
+
