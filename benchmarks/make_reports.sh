@@ -8,8 +8,8 @@ for server in dgx1-v100 a100-40gb-nvswitch; do
   short=${server%%-*}
   mpsim fits --server "$server" --family gpt --schedule 1f1b --microbatch 2 --layouts pipeline \
     > "reports/fits_${short}_gpt_1f1b.txt"
-  # with best on the DGX-1: 7 minutes on 2 cores. Not on the A100 server: there best's search
-  # over the BERT-6.2B shape (159 layers and up) ran past 27 minutes, in probes of 3 to 5 minutes
+  # with best on the DGX-1 only; on the A100 server best's search over the BERT-6.2B shape
+  # (159 layers and up) is benchmarks/bench_best_bert.sh's (reports/bench_best_bert.txt)
   strategies=none,recompute,cpu-swap,d2d,mpress,tsplit
   [ "$server" = dgx1-v100 ] && strategies=$strategies,best
   mpsim fits --server "$server" --family bert --schedule pipedream --microbatch 12 --strategy "$strategies" --layouts pipeline \
