@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from mpsim import bounds
 from mpsim.backends import Backend, run_points
@@ -135,7 +136,7 @@ def fits_strategies(server: str | Topology, family: str, schedule: str = DEFAULT
     simulations, and so the reports, are the same as in one process. ``on_point(name)`` is
     called per simulated size in one process, per shipped size and strategy or search with
     a backend."""
-    traces = model_traces(models) if models else family_traces(family)
+    traces = shipped_or_named(family, models)
     job = family_job(server, traces, schedule, microbatch, microbatches, "none", partition)
     return fits_all(job, family, traces, strategies, models, on_point, backend)
 
@@ -284,7 +285,7 @@ class _FitsUnit:
     """Per template, a layer count to search above (what earlier layouts reached)."""
 
     def traces(self) -> list[Trace]:
-        return model_traces(self.models) if self.models else family_traces(self.family)
+        return shipped_or_named(self.family, self.models)
 
 
 @dataclass(frozen=True)
@@ -302,7 +303,7 @@ def _size_rows(unit: _SizeUnit) -> tuple[FitRow, ...]:
     """In a worker: one shipped size under each strategy, in ``unit.strategies``' order.
     The combining one (``best``) runs last, so that its parts are the plans this process
     has just made for the single strategies (``mpsim.planners.cache``), not made again."""
-    traces = model_traces(unit.models) if unit.models else family_traces(unit.family)
+    traces = shipped_or_named(unit.family, unit.models)
     t = traces[unit.size]
     job = unit.job.but(trace=t.rescale(unit.job.microbatch))
     results = {st: plan_job(job.but(strategy=st)).result for st in sorted(unit.strategies, key=combines)}
@@ -320,7 +321,7 @@ def shipped_rows(jobs: Sequence[JobSpec], family: str, models: tuple[str, ...], 
     submitted first (they take longest, so the round ends evenly). ``on_point`` hears of
     each size under each strategy."""
     names = tuple(dict.fromkeys(strategies))
-    traces = model_traces(models) if models else family_traces(family)
+    traces = shipped_or_named(family, models)
     n_sizes = len(traces)
     if all(combines(st) for st in names):  # no single planner's plans to reuse: best's parts in parallel
         return _combined_rows(jobs, traces, names, backend, on_point)
@@ -500,14 +501,23 @@ def _best_in_parallel(job: JobSpec, skip: frozenset[Part], backend: Backend) -> 
 
 def _parts_planned(job: JobSpec, todo: list[Part], backend: Backend) -> dict[Part, Planned]:
     """Each part of ``best`` in ``todo`` planned for ``job``, at once on ``backend``."""
-    units = [job.but(strategy=name, partition=partition) for name, partition in todo]
-    plans: dict[Part, Planned] = {}
-    for outcome in run_points(units, _plan_best_part, backend, batch=1):
+    return _by_part([job.but(strategy=name, partition=partition) for name, partition in todo], _plan_best_part,
+                    backend)
+
+
+R = TypeVar("R")
+
+
+def _by_part(units: list[JobSpec], fn: Callable[[JobSpec], R], backend: Backend) -> dict[Part, R]:
+    """``fn`` of each of ``best``'s parts (a job under one planner and partition), at once
+    on ``backend``, by part; the first that fails stops the study in one line."""
+    got: dict[Part, R] = {}
+    for outcome in run_points(units, fn, backend, batch=1):
         if outcome.error is not None or outcome.value is None:
             raise MpsimError(f"fits under best ({outcome.point.strategy}, {outcome.point.partition}): "
                              f"{outcome.error}")
-        plans[(outcome.point.strategy, outcome.point.partition)] = outcome.value
-    return plans
+        got[(outcome.point.strategy, outcome.point.partition)] = outcome.value
+    return got
 
 
 def family_traces(family: str) -> list[Trace]:
@@ -520,6 +530,11 @@ def family_traces(family: str) -> list[Trace]:
         families = sorted({t.spec.model.get("family", "?") for t in map(load_trace, shipped_traces())} & series)
         raise MpsimError(f"unknown model family {family!r}: expected one of {', '.join(families)}")
     return chosen
+
+
+def shipped_or_named(family: str, models: tuple[str, ...]) -> list[Trace]:
+    """The traces ``fits`` runs: the named ``models``, else the shipped ``family``."""
+    return model_traces(models) if models else family_traces(family)
 
 
 def model_traces(models: tuple[str, ...]) -> list[Trace]:
@@ -565,7 +580,7 @@ def fits(server: str | Topology, family: str, schedule: str = DEFAULT_SCHEDULE, 
     whether a probe fits, and the plan of the largest that does, are reported, and
     neither changes: a planner left out does not fit there. ``backend`` (``best`` only):
     each probe runs its single planners in parallel there (``_best_in_parallel``)."""
-    traces = model_traces(models) if models else family_traces(family)
+    traces = shipped_or_named(family, models)
     job = family_job(server, traces, schedule, microbatch, microbatches, strategy, partition)
     return fits_job(job, family, traces, on_point, known_fitting, rows, known_failing, backend)
 
@@ -713,21 +728,11 @@ class _Search:
             if len(wave) == 1:
                 verdicts[wave[0]] = plan_fits(jobs[wave[0]])
             elif wave:
-                verdicts.update(self._wave(wave, jobs))
+                assert self.backend is not None
+                verdicts.update(_by_part([jobs[p] for p in wave], plan_fits, self.backend))
             if any(verdicts[p] for p in wave):
                 break
         return verdicts
-
-    def _wave(self, wave: list[Part], jobs: dict[Part, JobSpec]) -> dict[Part, bool]:
-        """The verdicts of ``wave``'s parts, planned at once on the backend."""
-        assert self.backend is not None
-        got: dict[Part, bool] = {}
-        for outcome in run_points([jobs[p] for p in wave], plan_fits, self.backend, batch=1):
-            if outcome.error is not None or outcome.value is None:
-                raise MpsimError(f"fits under best ({outcome.point.strategy}, {outcome.point.partition}): "
-                                 f"{outcome.error}")
-            got[(outcome.point.strategy, outcome.point.partition)] = outcome.value
-        return got
 
     def _skip(self, n: int) -> frozenset[tuple[str, str]]:
         """``best``'s parts known not to fit at ``n`` layers of the template."""
