@@ -99,6 +99,11 @@ class Backend(Protocol):
         with an ``MpsimError`` (an interrupted study stops at once)."""
         ...
 
+    def close(self) -> None:
+        """End what it keeps between calls, waiting for it (a study's last step: a pool left
+        to the interpreter's exit may be torn down while the exit wakes it)."""
+        ...
+
 
 def _worker_init(parent: int) -> None:
     """In each local worker: Ctrl-C is the parent's to handle (it terminates the workers),
@@ -273,6 +278,9 @@ class RayBackend:
 
     def abort(self) -> None:
         """Nothing to do from another thread: the interrupted call cancels its own tasks."""
+
+    def close(self) -> None:
+        """Nothing kept: each call ends the instance it started."""
 
     def _start(self, ray: Any) -> bool:
         """Connect (or start a local instance); whether this backend started it."""

@@ -46,8 +46,12 @@ class FitsRequest:
     def run(self, on_point: Callable[[str], None] | None = None) -> list[LayoutFits]:
         """One answer per strategy over the layouts, in the order asked
         (:func:`mpsim.capacity.fits_layouts`)."""
-        return fits_layouts(self.job, self.family, list(self.traces), self.strategies, self.layouts,
-                            self.microbatches, self.models, on_point, self.backend, self.search)
+        try:
+            return fits_layouts(self.job, self.family, list(self.traces), self.strategies, self.layouts,
+                                self.microbatches, self.models, on_point, self.backend, self.search)
+        finally:
+            if self.backend is not None:
+                self.backend.close()
 
 
 def fits_request(server: str, family: str, models: Sequence[str] = (), schedule: str = DEFAULT_SCHEDULE,

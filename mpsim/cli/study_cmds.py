@@ -157,6 +157,8 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
                                                                           f"{p.strategy}: failed"))
         except api.SweepInterrupted as exc:
             stopped = exc
+        finally:
+            runner.close()
     if stopped:  # after the progress bar is gone: one line, and the shell's code for the signal
         click.echo(f"mpsim: {stopped}", err=True)
         sys.exit(stopped.exit_code)
@@ -295,11 +297,15 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
         if servers != "all":
             raise click.UsageError("--tokens searches clusters (--clusters); --servers is for one server")
         runner = api.backend_for(backend, workers, address)
-        with steps_progress("choose") as step:
-            scaled = api.scale(model, comma_list(clusters, "--clusters"), tokens, days, budget, batch_tokens,
-                               tuple(int_list(sizes, "--microbatch")) if sizes else (1,), discount, runner,
-                               on_point=lambda t: step(f"{t.point.servers} x {t.point.cluster}: {t.layout}"),
-                               min_servers=min_servers, max_servers=max_servers)
+        try:
+            with steps_progress("choose") as step:
+                scaled = api.scale(model, comma_list(clusters, "--clusters"), tokens, days, budget, batch_tokens,
+                                   tuple(int_list(sizes, "--microbatch")) if sizes else (1,), discount, runner,
+                                   on_point=lambda t: step(f"{t.point.servers} x {t.point.cluster}: {t.layout}"),
+                                   min_servers=min_servers, max_servers=max_servers)
+        finally:
+            if runner is not None:
+                runner.close()
         _show(json_out, scale_text(scaled), scaled.to_dict(), (lambda: plot_scale(scaled, plot)) if plot else None,
               html_out, lambda: scale_page(scaled))
         if not any(a.rows for a in scaled.answers):
