@@ -63,8 +63,8 @@ class Floors:
     """Mean over the pipeline's GPUs of the model states that stay on them: weights and
     gradients, with the optimizer states under a strategy that keeps them there (0 under a
     strategy that offloads model states)."""
-    resident_what: str
-    """What ``resident_floor_bytes`` counts, in words."""
+    counts_optimizer: bool
+    """Whether ``resident_floor_bytes`` counts the optimizer states (``Strategy.optimizer_on_gpu``)."""
     states_bytes: int
     """The simulated rank's model states: weights, gradients and optimizer states."""
     room_bytes: int
@@ -76,7 +76,8 @@ class Floors:
     def cannot_fit(self) -> str:
         """Why no plan of the strategy fits, or ``""`` when the floors do not decide it."""
         if self.resident_floor_bytes > self.capacity_bytes:
-            return (f"{self.resident_what} alone need {self.resident_floor_bytes / GiB:.2f} GiB per GPU "
+            what = "weights, gradients and optimizer states" if self.counts_optimizer else "weights and gradients"
+            return (f"{what} alone need {self.resident_floor_bytes / GiB:.2f} GiB per GPU "
                     f"of {self.capacity_bytes / GiB:.2f}")
         if self.states_bytes > self.room_bytes:
             return (f"model states of {self.states_bytes / GiB:.0f} GiB exceed all GPU, host and NVMe memory "
@@ -104,10 +105,9 @@ def floors(job: JobSpec) -> Floors:
     states = everything["params"] + everything["grads"] + everything["optimizer"]
     staying = states if strategy.optimizer_on_gpu else everything["params"] + everything["grads"]
     resident = 0 if offloads else staying // n_gpus
-    what = "weights, gradients and optimizer states" if strategy.optimizer_on_gpu else "weights and gradients"
     topo = layout.topology
-    return Floors(stage_static, resident, what, states, _room_bytes(layout, offloads), topo.capacity_bytes,
-                  _iteration_floor_s(layout))
+    return Floors(stage_static, resident, strategy.optimizer_on_gpu, states, _room_bytes(layout, offloads),
+                  topo.capacity_bytes, _iteration_floor_s(layout))
 
 
 def _room_bytes(layout: Layout, with_nvme: bool) -> int:

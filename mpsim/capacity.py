@@ -36,7 +36,7 @@ from mpsim.job import (
 )
 from mpsim.layouts import candidate_layouts, on_layout
 from mpsim.limits import DEFAULT_HEADROOM_GIB
-from mpsim.planners.best import Part, combine, part_of, parts
+from mpsim.planners.best import KEEP_ALL, Part, combine, part_of, parts
 from mpsim.planners.context import Planned
 from mpsim.planners.registry import plan_fits, plan_job
 from mpsim.sim import SimResult
@@ -312,16 +312,16 @@ def _size_rows(unit: _SizeUnit) -> tuple[FitRow, ...]:
     return tuple(FitRow(t.name, t.spec.params, _n_transformer(t), results[st]) for st in unit.strategies)
 
 
-def shipped_rows(jobs: Sequence[JobSpec], family: str, models: tuple[str, ...], strategies: Sequence[str],
-                 backend: Backend, on_point: Callable[[str], None] | None = None
+def shipped_rows(jobs: Sequence[JobSpec], family: str, models: tuple[str, ...], traces: list[Trace],
+                 strategies: Sequence[str], backend: Backend, on_point: Callable[[str], None] | None = None
                  ) -> list[dict[str, tuple[FitRow, ...]]]:
     """Every shipped size of every layout's job (``jobs``) under every strategy, in one
-    round on ``backend``: per job, per strategy, its rows (smallest size first). A unit is
+    round on ``backend``: per job, per strategy, its rows (smallest size first; ``traces``,
+    ``shipped_or_named(family, models)``, which each worker loads again). A unit is
     one size of one layout under all the strategies (``_size_rows``), the largest sizes
     submitted first (they take longest, so the round ends evenly). ``on_point`` hears of
     each size under each strategy."""
     names = tuple(dict.fromkeys(strategies))
-    traces = shipped_or_named(family, models)
     n_sizes = len(traces)
     if all(combines(st) for st in names):  # no single planner's plans to reuse: best's parts in parallel
         return _combined_rows(jobs, traces, names, backend, on_point)
@@ -380,7 +380,7 @@ def _fits_on_backend(jobs: Sequence[JobSpec], family: str, traces: list[Trace], 
     those of running the layouts one after the other: each search sees the same hints."""
     tell = _serialised(on_point)
     names = list(dict.fromkeys(strategies))
-    shipped = shipped_rows(jobs, family, models, names, backend, tell)
+    shipped = shipped_rows(jobs, family, models, traces, names, backend, tell)
     if not search:
         return [[_unsearched(j.but(strategy=st), family, list(shipped[k][st]), traces) for st in strategies]
                 for k, j in enumerate(jobs)]
@@ -440,7 +440,7 @@ class _SingleSearches:
         self.done: list[Future[dict[str, FitsReport]]] = [Future() for _ in jobs]
 
     def start(self) -> None:
-        if getattr(self.backend, "threads", False):
+        if self.backend.threads:
             threading.Thread(target=self._run, name="fits-searches", daemon=True).start()
         else:
             self._run()
@@ -492,7 +492,7 @@ def _best_in_parallel(job: JobSpec, skip: frozenset[Part], backend: Backend) -> 
     not ask them where it does)."""
     partitions = partitions_of(job.parallelism)
     todo = parts(skip, partitions)
-    keep = [p for p in todo if p[0] == "none"]
+    keep = [p for p in todo if p[0] == KEEP_ALL]
     plans = _parts_planned(job, keep, backend)
     kept_all = {partition for (name, partition), planned in plans.items() if planned.result.fits}
     plans.update(_parts_planned(job, [p for p in todo if p not in plans and p[1] not in kept_all], backend))

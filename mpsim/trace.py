@@ -171,6 +171,12 @@ class LayerRow(_Strict):
             raise ValueError("fixed traffic is part of fwd_mem_bytes and bwd_mem_bytes and cannot exceed them")
         return self
 
+    @property
+    def own_bytes(self) -> int:
+        """What recomputing the layer frees per microbatch: its saved activations less the
+        input, which the checkpoint keeps (when the input is among them)."""
+        return self.act_bytes - (self.input_bytes if self.saves_input else 0)
+
 
 class TraceFile(_Strict):
     schema_: int = Field(alias="schema")

@@ -27,6 +27,9 @@ SINGLE = IN_BEST
 Part = tuple[str, str]
 """A single planner and the partition it runs under."""
 
+KEEP_ALL = "none"
+"""The planner that keeps everything: under a partition where it fits, ``combine`` asks no other."""
+
 
 def plan_best(ctx: Ctx, known_not_fitting: Collection[Part] = ()) -> Planned:
     """The combined plan. ``known_not_fitting``: (planner, partition) pairs already known
@@ -63,7 +66,7 @@ def combine(plan_of: Callable[[str, str], Planned], known_not_fitting: Collectio
         if partition in kept_all:
             continue
         tried.append((name, partition, plan_of(name, partition)))
-        if name == "none" and tried[-1][2].result.fits:
+        if name == KEEP_ALL and tried[-1][2].result.fits:
             kept_all.add(partition)
 
     def key(t: tuple[str, str, Planned]) -> tuple:

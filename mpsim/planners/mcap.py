@@ -48,7 +48,7 @@ def peak_costs(trace: Trace, schedule: str, n_stages: int, microbatches: int,
     ws = np.array([r.workspace_bytes for r in rows], dtype=float)
     act = np.array([r.act_bytes for r in rows], dtype=float)
     checkpointed = np.array([recompute and r.kind in RECOMPUTABLE for r in rows])
-    own = act - np.array([r.input_bytes if r.saves_input else 0 for r in rows], dtype=float)
+    own = np.array([r.own_bytes for r in rows], dtype=float)
     core = np.array([min(r.attention_core_bytes, o) if selective and r.kind == "transformer" else 0.0
                      for r, o in zip(rows, own)])
     saved = np.where(checkpointed, inp, act - core)

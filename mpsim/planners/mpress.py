@@ -137,10 +137,7 @@ class _PricedPool:
     def of(cls, pool: list[_PoolEntry], intervals: dict[int, float], rows: Sequence[LayerRow],
            held: int) -> _PricedPool:
         def own_bytes(what: str | int) -> int:
-            if isinstance(what, str):
-                return 0
-            r = rows[what]
-            return (r.act_bytes - (r.input_bytes if r.saves_input else 0)) * held
+            return 0 if isinstance(what, str) else rows[what].own_bytes * held
 
         return cls(
             optimizer=np.array([e[0] == "optimizer" for e in pool], dtype=bool),
@@ -341,8 +338,7 @@ class _Planner:
             hidden = min(interval, budget)
         action = choose(hidden, rec_s, host_s, None)
         if action == "recompute":
-            r = self.ctx.trace.layers[int(what)]
-            saves = (r.act_bytes - (r.input_bytes if r.saves_input else 0)) * self.held[s]
+            saves = self.ctx.trace.layers[int(what)].own_bytes * self.held[s]
             extra = rec_s
         else:
             action = {"optimizer": "host-stream"}.get(str(what), "host")

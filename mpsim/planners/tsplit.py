@@ -132,9 +132,7 @@ class _Stage:
     def recompute_choice(self, k: int) -> _Choice:
         """Step 1's recomputation of the stage's k-th layer, eq. 4."""
         j = self.layers[k]
-        r = self.ctx.trace.layers[j]
-        own = r.act_bytes - (r.input_bytes if r.saves_input else 0)
-        return _Choice(j, "recompute", own * self.held, float(self.fwd[j]) * self.m)
+        return _Choice(j, "recompute", self.ctx.trace.layers[j].own_bytes * self.held, float(self.fwd[j]) * self.m)
 
     def split_choices(self) -> list[_Choice]:
         """Step 2: split the operator at the bottleneck, the largest transient not yet split."""
@@ -196,8 +194,7 @@ class _StepOneTable:
         b = layers.stop
         return cls(
             act_bytes=np.array([rows[j].act_bytes for j in layers], dtype=float),
-            own_bytes=np.array([rows[j].act_bytes - (rows[j].input_bytes if rows[j].saves_input else 0)
-                                for j in layers], dtype=float),
+            own_bytes=np.array([rows[j].own_bytes for j in layers], dtype=float),
             recomputable=np.array([rows[j].kind in RECOMPUTABLE for j in layers], dtype=bool),
             forward_window_s=np.array([float(fwd[j + 1:b].sum()) for j in layers], dtype=float),
             backward_window_s=np.array([float(bwd[j + 1:b].sum()) for j in layers], dtype=float),

@@ -8,13 +8,13 @@ from collections.abc import Callable, Generator
 import simpy
 
 from mpsim.sim import progress
-from mpsim.sim.copy_engine import CopyEngines, EngineRequest
+from mpsim.sim.copy_engine import CopyEngines, EnginePool, EngineRequest
 from mpsim.sim.layout import Layout
 from mpsim.sim.memory import DeviceMemory, MemoryLog
 from mpsim.sim.network import Network
 from mpsim.sim.result import COSTS, Span
 from mpsim.sim.simpy_fast import events_scheduled
-from mpsim.topology import HOST
+from mpsim.topology import HOST, Route
 from mpsim.units import GiB
 
 
@@ -134,13 +134,22 @@ class RunContext:
         """A copy between ``gpu`` and pinned host memory. Timing: waits in FIFO order for
         the GPU's d2h or h2d engine, then flows over the PCIe route; memory is the
         caller's business."""
-        engine = self.engines[gpu].d2h if to_host else self.engines[gpu].h2d
-        with engine.request() as req:
+        with self.host_engines(gpu, to_host).request() as req:
             yield req
             start = self.env.now
-            route = self.topo.route(gpu, HOST) if to_host else self.topo.route(HOST, gpu)
-            yield self.net.transfer(route, n_bytes)
-        self.spans.append(Span(gpu, "d2h" if to_host else "h2d", label, start, self.env.now))
+            yield self.net.transfer(self.host_route(gpu, to_host), n_bytes)
+        self.host_span(gpu, to_host, label, start)
+
+    def host_engines(self, gpu: int, to_host: bool) -> EnginePool:
+        """The GPU's copy engines toward the host (d2h) or from it (h2d)."""
+        return self.engines[gpu].d2h if to_host else self.engines[gpu].h2d
+
+    def host_route(self, gpu: int, to_host: bool) -> Route:
+        return self.topo.route(gpu, HOST) if to_host else self.topo.route(HOST, gpu)
+
+    def host_span(self, gpu: int, to_host: bool, label: str, start_s: float) -> None:
+        """A host copy's busy interval, from ``start_s`` to now, on the GPU's d2h or h2d lane."""
+        self.spans.append(Span(gpu, "d2h" if to_host else "h2d", label, start_s, self.env.now))
 
     def start_host_copy(self, gpu: int, n_bytes: int, to_host: bool, label: str, then: Callable[[], None]) -> None:
         """``host_copy`` for a caller that waits for nothing else: the same steps on the
@@ -169,8 +178,7 @@ class HostCopy:
         self.label = label
         self.then = then
         self.start_s = 0.0
-        engines = run.engines[gpu]
-        req = self.req = (engines.d2h if to_host else engines.h2d).request()
+        req = self.req = run.host_engines(gpu, to_host).request()
         if req.callbacks is None:  # granted in place
             self._granted(req)
         else:
@@ -179,12 +187,10 @@ class HostCopy:
     def _granted(self, _event: simpy.Event) -> None:
         run = self.run
         self.start_s = run.env.now
-        route = run.topo.route(self.gpu, HOST) if self.to_host else run.topo.route(HOST, self.gpu)
-        run.net.transfer(route, self.n_bytes).callbacks.append(self._landed)
+        run.net.transfer(run.host_route(self.gpu, self.to_host), self.n_bytes).callbacks.append(self._landed)
 
     def _landed(self, _event: simpy.Event) -> None:
         req: EngineRequest = self.req
         req.pool.release(req)
-        run = self.run
-        run.spans.append(Span(self.gpu, "d2h" if self.to_host else "h2d", self.label, self.start_s, run.env.now))
+        self.run.host_span(self.gpu, self.to_host, self.label, self.start_s)
         self.then()

@@ -242,7 +242,7 @@ class _Layer:
 def _layer(rows: list[LayerRow], k: int, first: int, actions: dict[int, LayerAction]) -> _Layer:
     r = rows[k]
     act = actions.get(first + k, _KEEP)
-    own = r.act_bytes - (r.input_bytes if r.saves_input else 0)
+    own = r.own_bytes
     dropped = {"recompute": own, "selective": min(own, r.attention_core_bytes)}.get(act.action, 0)
     return _Layer(r, k, first + k, act, act.split, act.slowdown(), f"layer {first + k} ({r.name})",
                   "buffers" if k == 0 else "activations", own, dropped)
