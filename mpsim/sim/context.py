@@ -79,7 +79,9 @@ class RunContext:
         self.env = simpy.Environment()
         self.net = Network(self.env, layout.record_link_rates)
         self.log = MemoryLog(topo.n_gpus + 2)
-        self.memory = [DeviceMemory(self.env, g, topo.capacity_bytes, self.log) for g in range(topo.n_gpus)]
+        self.signals = Signals(self.env)
+        self.memory = [DeviceMemory(self.env, g, topo.capacity_bytes, self.log, self.signals.reached)
+                       for g in range(topo.n_gpus)]
         """The owner of each GPU's memory."""
         self.replicas = layout.host_ways
         """Copies of the simulated GPU's work: every tensor-parallel rank of every
@@ -95,7 +97,6 @@ class RunContext:
         self.offload = self.nvme if layout.offload_device == "nvme" else self.host
         """Where the plan's offloaded parameters and optimizer states live."""
         self.engines = [CopyEngines(self.env, g, topo.spec.gpu.peer_copy_engines) for g in range(topo.n_gpus)]
-        self.signals = Signals(self.env)
         self.on_demand = layout.swap_timing == "on-demand"
         """Swaps as the GPU-CPU swap baseline runs them (``PlanFile.swap_timing``)."""
         self.spans: list[Span] = []

@@ -28,7 +28,8 @@ and this plan does not), so their sum at a GPU's peak is what each technique sav
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Hashable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,13 +103,14 @@ class MemoryLog:
     def events(self, gpu: int, time_s: float, entries: Sequence[Entry]) -> int:
         """Log ``entries`` (bytes, category, label) of ``gpu`` at ``time_s``, in order, and
         return the bytes they add to what tensors use (the ``saved:`` ledger adds none)."""
-        singles, n_bytes = self._single[gpu], 0
+        singles, n_bytes, order = self._single[gpu], 0, self._order
         for delta, category, label in entries:
-            self._order += 1
+            order += 1
             c = CAT[category]
-            singles.append((time_s, self._order, delta, c, label))
+            singles.append((time_s, order, delta, c, label))
             if c < N_REAL:
                 n_bytes += delta
+        self._order = order
         return n_bytes
 
     def task(self, gpu: int, start_s: float, template: Template, task_label: str) -> None:
@@ -179,8 +181,9 @@ class MemoryLog:
         return "?"
 
 
-_Waiter = tuple[int, Callable[[], bool] | None, simpy.Event]
-"""A wait for room (``DeviceMemory._until``): the bytes asked, the hold (or None), the gate."""
+_Waiter = tuple[int, Hashable | None, simpy.Event]
+"""A wait for room (``DeviceMemory._until``): the bytes asked, the point it is held
+until (or None), the gate."""
 
 @functools.lru_cache(maxsize=256)
 def _fractions(k: int) -> np.ndarray:
@@ -198,13 +201,19 @@ def real_bytes(entries: Sequence[Entry]) -> int:
 
 
 class DeviceMemory:
-    """The one owner of a device's memory: live bytes in use, frees under way, waiters."""
+    """The one owner of a device's memory: live bytes in use, frees under way, waiters.
 
-    def __init__(self, env: simpy.Environment, device: int, capacity_bytes: int, log: MemoryLog) -> None:
+    ``reached`` is the run's set of points the compute streams have reached
+    (``Signals.reached``): an allocation held until a point (``acquire``'s ``held_until``)
+    waits for room beside the running task's climb while its point is not in it."""
+
+    def __init__(self, env: simpy.Environment, device: int, capacity_bytes: int, log: MemoryLog,
+                 reached: AbstractSet[Hashable] = frozenset()) -> None:
         self.env = env
         self.device = device
         self.capacity = capacity_bytes
         self.log = log
+        self.reached = reached
         self.used = 0
         """Bytes in use now, the highest point of running pieces included."""
         self.frees_under_way = 0
@@ -217,31 +226,48 @@ class DeviceMemory:
     def change(self, entries: Sequence[Entry]) -> None:
         """Allocate and free now, without waiting (an allocation may exceed capacity: the
         log reports it as the out-of-memory)."""
-        self._add(self.log.events(self.device, self.env.now, entries))
+        n_bytes = self.log.events(self.device, self.env.now, entries)
+        self.used += n_bytes
+        if n_bytes < 0 and self._waiting:
+            self._poke_waiting()
 
     def acquire(self, entries: Sequence[Entry],
-                hold_while: Callable[[], bool] | None = None) -> Generator[simpy.Event, object, float]:
-        """Wait while ``entries`` do not fit and a free is under way, or, while
-        ``hold_while()`` is true, until they fit beside what the running task will still
-        climb; then make the change in the same instant. Returns seconds waited."""
+                held_until: Hashable | None = None) -> Generator[simpy.Event, object, float]:
+        """Wait while ``entries`` do not fit and a free is under way, or, while the point
+        ``held_until`` has not been reached, until they fit beside what the running task
+        will still climb; then make the change in the same instant. Returns seconds waited."""
         n_bytes, start = real_bytes(entries), self.env.now
-        if self._must_wait(n_bytes, hold_while):
-            yield self._until(n_bytes, hold_while)
+        if self._must_wait(n_bytes, held_until):
+            yield self._until(n_bytes, held_until)
         self.change(entries)
         return self.env.now - start
 
-    def _until(self, n_bytes: int, hold_while: Callable[[], bool] | None) -> simpy.Event:
-        """An event that fires once ``_must_wait(n_bytes, hold_while)`` turns false, checked
+    def acquire_then(self, entries: Sequence[Entry], held_until: Hashable | None, then: Callable[[], None]) -> None:
+        """``acquire`` for a caller that runs as callbacks: the change is made and
+        ``then()`` called when ``acquire`` would go on (at once, or when the wait ends)."""
+        n_bytes = real_bytes(entries)
+        if self._must_wait(n_bytes, held_until):
+            def granted(_event: simpy.Event) -> None:
+                self.change(entries)
+                then()
+
+            self._until(n_bytes, held_until).callbacks.append(granted)
+            return
+        self.change(entries)
+        then()
+
+    def _until(self, n_bytes: int, held_until: Hashable | None) -> simpy.Event:
+        """An event that fires once ``_must_wait(n_bytes, held_until)`` turns false, checked
         at every change (``poke``) in the waiter's turn, as a process re-checking in a loop would be. A
         waiter that must go on waiting costs one call, not a process resume; the event
         never enters SimPy's queue: it fires in place (``simpy_fast.fire_in_place``), so the waiter
         goes on in the same instant and turn as it did when it woke itself."""
         gate = self.env.event()
-        self._waiting.append((n_bytes, hold_while, gate))
+        self._waiting.append((n_bytes, held_until, gate))
         return gate
 
-    def _must_wait(self, n_bytes: int, hold_while: Callable[[], bool] | None) -> bool:
-        if hold_while is not None and hold_while():
+    def _must_wait(self, n_bytes: int, held_until: Hashable | None) -> bool:
+        if held_until is not None and held_until not in self.reached:
             return self.used + n_bytes + self.climb_bytes > self.capacity
         return self.used + n_bytes > self.capacity and self.frees_under_way > 0
 
@@ -249,7 +275,8 @@ class DeviceMemory:
         """The running task's climb ahead changed; a smaller one may let a prefetch go."""
         if n_bytes < self.climb_bytes:
             self.climb_bytes = n_bytes
-            self.poke()
+            if self._waiting:
+                self._poke_waiting()
         else:
             self.climb_bytes = n_bytes
 
@@ -261,14 +288,28 @@ class DeviceMemory:
         """The free announced by ``begin_free`` happens now."""
         self.frees_under_way -= 1
         self.change(entries)
-        self.poke()
+        if self._waiting:
+            self._poke_waiting()
 
     def start_task(self, template: Template, label: str) -> None:
         """Log a piece's events and hold its highest point until ``finish_task``."""
         self.log.task(self.device, self.env.now, template, label)
-        self._add(template.peak_bytes)
+        self.used += template.peak_bytes  # never negative: no poke
         if template.net_bytes < 0:
-            self.begin_free()
+            self.frees_under_way += 1
+
+    def start_piece(self, template: Template, label: str, climb_bytes: int) -> None:
+        """``start_task``, then ``set_climb(climb_bytes)``: a piece of a compute task starts."""
+        self.log.task(self.device, self.env.now, template, label)
+        self.used += template.peak_bytes
+        if template.net_bytes < 0:
+            self.frees_under_way += 1
+        if climb_bytes < self.climb_bytes:
+            self.climb_bytes = climb_bytes
+            if self._waiting:
+                self._poke_waiting()
+        else:
+            self.climb_bytes = climb_bytes
 
     def acquire_task(self, template: Template, label: str) -> Generator[simpy.Event, object, float]:
         """``start_task`` once the piece's highest point fits or no free is under way."""
@@ -280,22 +321,41 @@ class DeviceMemory:
 
     def task_must_wait(self, template: Template) -> bool:
         """Whether a piece must wait for room before it starts (``acquire_task``)."""
-        return self._must_wait(template.peak_bytes, None)
+        return self.used + template.peak_bytes > self.capacity and self.frees_under_way > 0
 
     def finish_task(self, template: Template) -> None:
         """The piece has ended: what it holds drops from its highest point to its net."""
-        self._add(template.net_bytes - template.peak_bytes)
-        if template.net_bytes < 0:
+        self.end_piece(template, self.climb_bytes)
+
+    def end_piece(self, template: Template, climb_bytes: int) -> None:
+        """``finish_task``, then ``set_climb(climb_bytes)``: a piece of a compute task ends."""
+        net = template.net_bytes
+        n_bytes = net - template.peak_bytes
+        self.used += n_bytes
+        if n_bytes < 0 and self._waiting:
+            self._poke_waiting()
+        if net < 0:
             self.frees_under_way -= 1
-            self.poke()
+            if self._waiting:
+                self._poke_waiting()
+        if climb_bytes < self.climb_bytes:
+            self.climb_bytes = climb_bytes
+            if self._waiting:
+                self._poke_waiting()
+        else:
+            self.climb_bytes = climb_bytes
 
     def poke(self) -> None:
         """Wake whoever waits on this device (memory freed, or a stream reached a point):
         one event, scheduled now, re-checks them in the order they began to wait; one
         that must go on waiting waits for the next poke after it (``_recheck``)."""
         if self._waiting:  # nobody waiting: nothing to schedule
-            batch, self._waiting = self._waiting, []
-            call_in(self.env, 0.0, lambda _e: self._recheck(batch))
+            self._poke_waiting()
+
+    def _poke_waiting(self) -> None:
+        """``poke`` with someone waiting."""
+        batch, self._waiting = self._waiting, []
+        call_in(self.env, 0.0, lambda _e: self._recheck(batch))
 
     def _recheck(self, batch: list[_Waiter]) -> None:
         """Let go, in order, each of ``batch`` that need not wait any more (its waiter
@@ -306,20 +366,16 @@ class DeviceMemory:
         (``simpy_fast.fire_in_place_inner``): this loop still has work after it, so it
         must not skip an event of its own (``go_on_now``)."""
         last = batch[-1]
+        reached, capacity = self.reached, self.capacity
         for waiter in batch:
-            n_bytes, hold_while, gate = waiter
-            if hold_while is not None and hold_while():
-                wait = self.used + n_bytes + self.climb_bytes > self.capacity
+            n_bytes, held_until, gate = waiter
+            if held_until is not None and held_until not in reached:
+                wait = self.used + n_bytes + self.climb_bytes > capacity
             else:
-                wait = self.used + n_bytes > self.capacity and self.frees_under_way > 0
+                wait = self.used + n_bytes > capacity and self.frees_under_way > 0
             if wait:
                 self._waiting.append(waiter)
             elif waiter is last:  # this call's last act
                 fire_in_place(gate)
             else:
                 fire_in_place_inner(gate)
-
-    def _add(self, n_bytes: int) -> None:
-        self.used += n_bytes
-        if n_bytes < 0:
-            self.poke()

@@ -109,7 +109,9 @@ class Network:
     def transfer(self, route: Route, n_bytes: int) -> simpy.Event:
         env = self.env
         done = simpy.Event(env)
-        path = self._path(route)
+        path = self._paths.get(id(route))
+        if path is None:
+            path = self._path(route)
         bytes_by_link = self.bytes_by_link
         for name in path.names:
             bytes_by_link[name] += n_bytes
@@ -155,6 +157,8 @@ class Network:
 
     # -- fluid model -----------------------------------------------------------------------
     def _advance(self) -> None:
+        """Take the bytes moved since the last change off every flow and charge the busy
+        links (``_start`` and ``_wake`` do the same inline)."""
         now = self.env.now
         dt = now - self._last
         if dt > 0:
@@ -171,8 +175,21 @@ class Network:
         self._numbers.append(path.number)
 
     def _start(self, path: _Path, n_bytes: int, done: simpy.Event) -> None:
-        self._advance()
-        self._add_flow(path, n_bytes, done)
+        """A flow starts after its latency: ``_advance``, ``_add_flow`` and ``_reschedule``
+        with the first two written out (this runs once per copy)."""
+        now = self.env.now
+        dt = now - self._last
+        flows = self._flows
+        if dt > 0:
+            for f in flows:
+                f.remaining -= f.rate * dt
+            busy_s = self.busy_s_by_link
+            for name in self._busy:
+                busy_s[name] += dt
+        self._last = now
+        self._seq += 1
+        flows.append(_Flow(path, n_bytes, done, self._seq))
+        self._numbers.append(path.number)
         self._reschedule()
 
     def _reschedule(self) -> None:
@@ -180,8 +197,9 @@ class Network:
         and schedule a wake-up for the first to land at those rates. The wake-up it
         supersedes stays in the queue with no callbacks (popped and dropped in its
         turn), so every event keeps its place and a stale one costs no call."""
-        if self._wakeup is not None:
-            self._wakeup.callbacks.clear()
+        wakeup = self._wakeup
+        if wakeup is not None:
+            wakeup.callbacks.clear()
             self._wakeup = None
         flows = self._flows
         if not flows:
@@ -201,12 +219,15 @@ class Network:
             if left_s < dt:
                 dt = left_s
         if self.record_rates:
-            per_link: dict[str, float] = defaultdict(float)
-            for f in flows:
-                for link in f.links:
-                    per_link[link.name] += f.rate
-            self.rate_log.append((self.env.now, dict(per_link)))
+            self._record_rates()
         self._wakeup = call_in(self.env, dt if dt > 0.0 else 0.0, self._wake)
+
+    def _record_rates(self) -> None:
+        per_link: dict[str, float] = defaultdict(float)
+        for f in self._flows:
+            for link in f.links:
+                per_link[link.name] += f.rate
+        self.rate_log.append((self.env.now, dict(per_link)))
 
     def _wake(self, _event: simpy.Event) -> None:
         """Land the flows that are done (by the rounding tolerance; the earliest one when
@@ -215,17 +236,30 @@ class Network:
         appended as they start and removed in place). One landed flow whose event would
         be the next processed (``simpy_fast.go_on_now``: this is the wake-up's only
         callback and this its last act) fires in place: its waiter goes on inside this
-        call, in the same order, one event fewer per copy."""
+        call, in the same order, one event fewer per copy. ``_advance`` is written out."""
         self._wakeup = None
-        self._advance()
+        now = self.env.now
+        dt = now - self._last
         flows, numbers = self._flows, self._numbers
+        if dt > 0:
+            for f in flows:
+                f.remaining -= f.rate * dt
+            busy_s = self.busy_s_by_link
+            for name in self._busy:
+                busy_s[name] += dt
+        self._last = now
         landed = [i for i, f in enumerate(flows) if f.remaining <= _EPS * (f.rate if f.rate > 1.0 else 1.0)]
         if not landed:  # rounding left a sliver: finish the earliest flow now
             landed = [min(range(len(flows)), key=lambda i: (flows[i].remaining / flows[i].rate, flows[i].seq))]
-        finished = [flows[i] for i in landed]
-        for i in reversed(landed):
-            del flows[i]
+        if len(landed) == 1:
+            i = landed[0]
+            finished = [flows.pop(i)]
             del numbers[i]
+        else:
+            finished = [flows[i] for i in landed]
+            for i in reversed(landed):
+                del flows[i]
+                del numbers[i]
         self._reschedule()
         if len(finished) == 1 and go_on_now(self.env):  # its waiter goes on now: same order
             done = finished[0].done

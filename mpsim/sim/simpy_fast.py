@@ -35,7 +35,7 @@ import simpy.events
 from mpsim.errors import MpsimError
 
 __all__ = ["Detached", "Fired", "SimpyInternalsError", "call_in", "call_soon", "check_simpy", "events_scheduled",
-           "fire_in_place", "fire_in_place_inner", "go_on_now", "mark_processed", "missing_internals",
+           "fire_in_place", "fire_in_place_inner", "go_on", "go_on_now", "mark_processed", "missing_internals",
            "run_until_empty", "sleep"]
 
 Steps = Generator[simpy.Event, object, None]
@@ -235,6 +235,12 @@ def events_scheduled(env: simpy.Environment) -> int:
     return next(env._eid)
 
 
+def go_on(steps: Steps) -> None:
+    """Run a generator from here, in the running callback, as ``Detached`` would from its
+    first resume on (for callbacks that hand the rest of their work to a process)."""
+    Detached.__new__(Detached).go_on(steps)
+
+
 class Detached:
     """A generator run the way ``simpy.Environment.process`` runs one (started through an
     urgent event scheduled now; resumed on each event it yields, at once when that event
@@ -250,6 +256,12 @@ class Detached:
         start = Fired.__new__(Fired)  # an urgent Fired of no delay
         start.callbacks = [self._resume]
         heappush(env._queue, (env._now, URGENT, next(env._eid), start))
+
+    def go_on(self, steps: Steps) -> None:
+        """Start ``steps`` now, without the urgent start event (``simpy_fast.go_on``)."""
+        self._steps = steps
+        self.alive = True
+        self._resume(_STARTED)
 
     def _resume(self, event: simpy.Event) -> None:
         """Send the event's value in (throw its failure), and wait on what comes next."""
@@ -270,3 +282,7 @@ class Detached:
 
 
 check_simpy()
+
+
+_STARTED = Fired.__new__(Fired)
+"""A processed event of value None: what starts a generator in ``Detached.go_on``."""

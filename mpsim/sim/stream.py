@@ -19,6 +19,10 @@ from mpsim.sim.tensor_group import TensorGroup
 from mpsim.sim.turns import GpuTurns
 from mpsim.sim.update import Updater
 
+_Step = tuple[Piece, int, int, int, str]
+"""A piece of a task and its climbs before, while and after it runs (``program.climbs``),
+and the cost its wait for a swap-in is charged to (``""`` when it waits for none)."""
+
 
 class ComputeStream:
     """The compute stream of one stage; the process is the stream, so tasks of a GPU
@@ -72,6 +76,8 @@ class ComputeStream:
         """The stage's tensor-parallel group: a piece's collectives run on it after its compute."""
         self.last_backward = max(i for i, t in enumerate(self.tasks) if t.kind == "B")
         self._estimate_s = {"F": program.forward_s, "B": program.backward_s, "U": updater.gpu_update_s}
+        self._forward_steps = self._steps(program.forward, program.forward_climbs)
+        self._backward_steps = self._steps(program.backward, program.backward_climbs)
 
     def process(self) -> Generator[simpy.Event, object, None]:
         for idx, task in enumerate(self.tasks):
@@ -108,9 +114,9 @@ class ComputeStream:
         env = self.run.env
         need_base_s = env.now + self._estimate_s[self.tasks[idx].kind]
         for si in self.program.swap_ins:
-            spawn(env, self.swapper.swap_in(nxt.microbatch, si, need_base_s + si.need_offset_s))
+            self.swapper.start_swap_in(nxt.microbatch, si, need_base_s + si.need_offset_s)
         if self.stash_in is not None:
-            spawn(env, self.swapper.swap_in(nxt.microbatch, self.stash_in, need_base_s))
+            self.swapper.start_swap_in(nxt.microbatch, self.stash_in, need_base_s)
 
     def _wait_for_inputs(self, task: Task) -> Generator[simpy.Event, object, None]:
         signals = self.run.signals
@@ -138,41 +144,64 @@ class ComputeStream:
             self.run.costs.add(self.gpu, cost, self.run.env.now - start)
 
     def _run_pieces(self, task: Task, last_backward: bool) -> Generator[simpy.Event, object, None]:
-        env, mb, dp = self.run.env, task.microbatch, self.dp
+        run, mb, dp, memory = self.run, task.microbatch, self.dp, self.memory
+        env, signals, stage = run.env, run.signals, self.stage
         forward = task.kind == "F"
-        pieces: list[Piece] = self.program.forward if forward else self.program.backward
-        climb = self.program.forward_climbs if forward else self.program.backward_climbs
+        steps = self._forward_steps if forward else self._backward_steps
         word = "forward" if forward else "backward"
-        label = f"{word} of microbatch {mb} on stage {self.stage}:"
-        for piece, (climb_before, climb_running, climb_after) in zip(pieces, climb, strict=True):
-            self.memory.set_climb(climb_before)
-            if piece.wait_for is not None:
-                target = self.program.actions[piece.wait_for].action
-                cost = "swap_wait_s" if target == "host" else "peer_wait_s"
-                yield from self._wait_for_swap_in(mb, piece.wait_for, cost)
+        label = f"{word} of microbatch {mb} on stage {stage}:"
+        for piece, climb_before, climb_running, climb_after, wait_cost in steps:
+            memory.set_climb(climb_before)
+            if piece.wait_for is not None:  # _wait_for_swap_in, written out for the hot loop
+                signals.reach((stage, mb, piece.wait_for))
+                memory.poke()
+                landed = signals("in", stage, mb, piece.wait_for)
+                if landed.callbacks is not None:  # not processed yet
+                    start_s = env.now
+                    yield landed
+                    run.costs.add(self.gpu, wait_cost, env.now - start_s)
             if dp is not None and piece.layer is not None:
                 yield from dp.wait_for_gather(mb, task.kind, piece.layer)
-            if self.memory.task_must_wait(piece.template):
-                waited_s = yield from self.memory.acquire_task(piece.template, label)
-                self.run.costs.add(self.gpu, "memory_wait_s", waited_s)
-            else:  # the common case, without a generator per piece
-                self.memory.start_task(piece.template, label)
-            if dp is not None and not forward:
-                dp.backward_piece_started(mb, piece, last_backward)
-            self.memory.set_climb(climb_running)
+            template = piece.template
+            if dp is None and not memory.task_must_wait(template):  # the common case: no generator, one call
+                memory.start_piece(template, label, climb_running)
+            else:
+                yield from self._start_piece(piece, label, climb_running, task, last_backward)
             if piece.duration_s:
                 yield sleep(env, piece.duration_s)
             if piece.collectives and self.tp is not None:
                 yield from self.tp.communicate(piece.collectives, f"{word} of microbatch {mb}")
-            self.memory.finish_task(piece.template)
-            self.memory.set_climb(climb_after)
+            memory.end_piece(template, climb_after)
             if piece.swap_out is not None:
                 self.swapper.start_swap_out(mb, piece.swap_out)
-                if self.run.on_demand:  # the compute goes on once the swap-out has landed
-                    yield from self._wait(self.run.signals("out", self.stage, mb, piece.swap_out.layer),
-                                          "swap_wait_s")
+                if run.on_demand:  # the compute goes on once the swap-out has landed
+                    yield from self._wait(signals("out", stage, mb, piece.swap_out.layer), "swap_wait_s")
         if dp is not None and last_backward:
             dp.after_last_backward()
+
+    def _start_piece(self, piece: Piece, label: str, climb_running: int, task: Task,
+                     last_backward: bool) -> Generator[simpy.Event, object, None]:
+        """A piece starts once its highest point fits (or no free is under way); under
+        data parallelism a backward piece hands its layers' gradients on as it starts."""
+        memory = self.memory
+        if memory.task_must_wait(piece.template):
+            waited_s = yield from memory.acquire_task(piece.template, label)
+            self.run.costs.add(self.gpu, "memory_wait_s", waited_s)
+        else:
+            memory.start_task(piece.template, label)
+        if self.dp is not None and task.kind == "B":
+            self.dp.backward_piece_started(task.microbatch, piece, last_backward)
+        memory.set_climb(climb_running)
+
+    def _steps(self, pieces: list[Piece], climbs: list[tuple[int, int, int]]) -> list[_Step]:
+        """Each piece with its climbs and the cost its swap-in wait is charged to."""
+        steps = []
+        for piece, (before, running, after) in zip(pieces, climbs, strict=True):
+            cost = ""
+            if piece.wait_for is not None:
+                cost = "swap_wait_s" if self.program.actions[piece.wait_for].action == "host" else "peer_wait_s"
+            steps.append((piece, before, running, after, cost))
+        return steps
 
     def _after(self, task: Task) -> None:
         """Costs, sends and stashes that follow a forward or a backward."""

@@ -13,7 +13,7 @@ from mpsim.sim.context import RunContext
 from mpsim.sim.memory import Entry
 from mpsim.sim.program import SwapIn, SwapOut, chunk
 from mpsim.sim.result import Span
-from mpsim.sim.simpy_fast import call_soon, sleep
+from mpsim.sim.simpy_fast import call_in, call_soon, go_on
 from mpsim.sim.spawn import spawn
 from mpsim.topology import HOST
 
@@ -154,20 +154,10 @@ class Swapper:
             yield simpy.AllOf(run.env, flows)
         run.spans.append(Span(g, "copy", f"D2D swap-out L{so.layer} mb{mb}", start, run.env.now))
 
-    def swap_in(self, mb: int, si: SwapIn, need_at_s: float) -> Generator[simpy.Event, object, None]:
-        """Bring ``si`` back for microbatch ``mb``'s backward, needed at ``need_at_s``."""
-        run = self.run
-        out = run.signals("out", self.stage, mb, si.layer)
-        if not out.processed:
-            yield out
-        yield from self._until_start(mb, si, need_at_s)
-        key = (self.stage, mb, si.layer)
-        yield from self.memory.acquire(self._swap_in_entries(mb, si, self.gpu), lambda: key not in run.signals.reached)
-        if si.target == "host":
-            self._from_host(mb, si)  # callbacks from here on; the process ends
-            return
-        yield from self._from_peers(mb, si)
-        run.signals("in", self.stage, mb, si.layer).succeed()
+    def start_swap_in(self, mb: int, si: SwapIn, need_at_s: float) -> None:
+        """Bring ``si`` back for microbatch ``mb``'s backward, needed at ``need_at_s``: as
+        callbacks started where a process would start (``SwapInSteps``)."""
+        SwapInSteps(self, mb, si, need_at_s)
 
     def _time_alone_s(self, si: SwapIn) -> float:
         """How long the swap-in takes alone on idle routes (worked out once per layer)."""
@@ -180,25 +170,6 @@ class Swapper:
                 alone = max(topo.route(peer, self.gpu).time_alone_s(part) for peer, part in returned_parts(si))
             self._alone_s[si.layer] = alone
         return alone
-
-    def _until_start(self, mb: int, si: SwapIn, need_at_s: float) -> Generator[simpy.Event, object, None]:
-        """Wait until the copy, alone on its route, would land when it is needed; under
-        ``torch-pipelining``, re-timed from the gradient's arrival when that comes late;
-        with on-demand swaps, until the backward reaches the layer."""
-        run, alone = self.run, self._time_alone_s(si)
-        if run.on_demand:
-            reached = run.signals.when_reached((self.stage, mb, si.layer))
-            if reached is not None:
-                yield reached
-            return
-        if need_at_s - alone > run.env.now:
-            yield sleep(run.env, need_at_s - alone - run.env.now)
-        if run.torch_pipelining and self.stage < run.layout.n_stages - 1:
-            gradient = run.signals("gradient", self.stage, mb)
-            if not gradient.triggered:
-                yield gradient
-                if si.need_offset_s > alone:
-                    yield sleep(run.env, si.need_offset_s - alone)
 
     @staticmethod
     def _swap_in_entries(mb: int, si: SwapIn, gpu: int) -> list[Entry]:
@@ -224,6 +195,7 @@ class Swapper:
         run.start_host_copy(self.gpu, si.n_bytes, False, labels.in_span, landed)
 
     def _from_peers(self, mb: int, si: SwapIn) -> Generator[simpy.Event, object, None]:
+        """The D2D copies of a swap-in; the swap-in is signalled once all have landed."""
         run, g = self.run, self.gpu
         parts = returned_parts(si)
         with run.engines[g].peer.request() as req:
@@ -234,6 +206,7 @@ class Swapper:
             run.memory[peer].change([(-part, "peer_swap",
                                       f"D2D swap area of GPU {g} layer {si.layer} microbatch {mb} released")])
         run.spans.append(Span(g, "copy", f"D2D swap-in L{si.layer} mb{mb}", start, run.env.now))
+        run.signals("in", self.stage, mb, si.layer).succeed()
 
     # ---- weight versions and optimizer states -------------------------------------------
     def stash_out(self, mb: int, n_bytes: int) -> Generator[simpy.Event, object, None]:
@@ -254,3 +227,77 @@ class Swapper:
         yield from self.run.host_copy(self.gpu, n_bytes, True, f"optimizer states out L{layer}")
         label = f"layer {layer} optimizer states streamed out"
         self.memory.end_free([(-n_bytes, "optimizer", label), (n_bytes, "saved:optimizer", label)])
+
+
+class SwapInSteps:
+    """One swap-in run as callbacks, each step where the process it replaces went on:
+    started through an urgent event scheduled now (``simpy_fast.call_soon``, as a
+    process starts); waits for the swap-out to have landed; waits until the copy, alone
+    on its route, would land when the backward needs it (under ``torch-pipelining``
+    re-timed from the gradient's arrival when that comes late; with on-demand swaps,
+    until the backward reaches the layer); takes its memory (``DeviceMemory.acquire_then``:
+    held while the backward has not reached the layer and it does not fit beside the
+    running task's climb); then copies from the host (``Swapper._from_host``) or from the
+    peers (``Swapper._from_peers``, a generator run from there on). The same events in
+    the same order as the process; no generator frames per step."""
+
+    __slots__ = ("swapper", "mb", "si", "need_at_s")
+
+    def __init__(self, swapper: Swapper, mb: int, si: SwapIn, need_at_s: float) -> None:
+        self.swapper = swapper
+        self.mb = mb
+        self.si = si
+        self.need_at_s = need_at_s
+        call_soon(swapper.run.env, self._start)
+
+    def _start(self, _event: simpy.Event) -> None:
+        sw = self.swapper
+        out = sw.run.signals("out", sw.stage, self.mb, self.si.layer)
+        if out.callbacks is not None:  # not processed yet: wait for it
+            out.callbacks.append(self._until_start)
+        else:
+            self._until_start(out)
+
+    def _until_start(self, _event: simpy.Event) -> None:
+        sw = self.swapper
+        run, alone = sw.run, sw._time_alone_s(self.si)
+        env = run.env
+        if run.on_demand:
+            reached = run.signals.when_reached((sw.stage, self.mb, self.si.layer))
+            if reached is not None and reached.callbacks is not None:
+                reached.callbacks.append(self._acquire)
+            else:
+                self._acquire(None)
+            return
+        if self.need_at_s - alone > env.now:
+            call_in(env, self.need_at_s - alone - env.now, self._after_sleep)
+        else:
+            self._after_sleep(None)
+
+    def _after_sleep(self, _event: simpy.Event | None) -> None:
+        sw = self.swapper
+        run = sw.run
+        if run.torch_pipelining and sw.stage < run.layout.n_stages - 1:
+            gradient = run.signals("gradient", sw.stage, self.mb)
+            if not gradient.triggered:
+                gradient.callbacks.append(self._after_gradient)
+                return
+        self._acquire(None)
+
+    def _after_gradient(self, _event: simpy.Event) -> None:
+        alone = self.swapper._time_alone_s(self.si)
+        if self.si.need_offset_s > alone:
+            call_in(self.swapper.run.env, self.si.need_offset_s - alone, self._acquire)
+        else:
+            self._acquire(None)
+
+    def _acquire(self, _event: simpy.Event | None) -> None:
+        sw, si = self.swapper, self.si
+        sw.memory.acquire_then(sw._swap_in_entries(self.mb, si, sw.gpu), (sw.stage, self.mb, si.layer), self._copy)
+
+    def _copy(self) -> None:
+        sw = self.swapper
+        if self.si.target == "host":
+            sw._from_host(self.mb, self.si)
+        else:
+            go_on(sw._from_peers(self.mb, self.si))
