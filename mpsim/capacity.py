@@ -37,8 +37,9 @@ from mpsim.job import (
 from mpsim.layouts import candidate_layouts, on_layout
 from mpsim.limits import DEFAULT_HEADROOM_GIB
 from mpsim.planners.best import KEEP_ALL, Part, combine, part_of, parts
+from mpsim.planners.cache import adopt_plan
 from mpsim.planners.context import Planned
-from mpsim.planners.registry import plan_fits, plan_job
+from mpsim.planners.registry import made_plan, plan_fits, plan_job
 from mpsim.sim import SimResult
 from mpsim.strategies import combines
 from mpsim.topology import Topology
@@ -360,12 +361,25 @@ def _combined_rows(jobs: Sequence[JobSpec], traces: list[Trace], names: tuple[st
     return out
 
 
-def _fits_unit(unit: _FitsUnit) -> FitsReport:
+@dataclass(frozen=True)
+class _Searched:
+    """A single strategy's search made in a worker, and the plan of its largest size by
+    its cache key (None where that size is a shipped one, planned elsewhere)."""
+
+    report: FitsReport
+    largest_plan: tuple[tuple[object, ...], Planned] | None
+
+
+def _fits_unit(unit: _FitsUnit) -> _Searched:
     """In a worker: one strategy's search."""
-    report = fits_job(unit.job, unit.family, unit.traces(), rows=list(unit.rows), beat=dict(unit.known))
-    if report.largest is not None:
-        report.largest.result.at_risk()  # replayed here, in parallel (as ``_size_rows`` does)
-    return report
+    traces = unit.traces()
+    report = fits_job(unit.job, unit.family, traces, rows=list(unit.rows), beat=dict(unit.known))
+    if report.largest is None:
+        return _Searched(report, None)
+    report.largest.result.at_risk()  # replayed here, in parallel (as ``_size_rows`` does)
+    template = next(t for t in traces if t.name == report.largest_template)
+    largest = template.with_layers(report.largest.layers).rescale(unit.job.microbatch)
+    return _Searched(report, made_plan(unit.job.but(trace=largest)))
 
 
 def _fits_on_backend(jobs: Sequence[JobSpec], family: str, traces: list[Trace], strategies: Sequence[str],
@@ -437,7 +451,7 @@ class _SingleSearches:
                  backend: Backend, tell: Callable[[str], None] | None):
         self.jobs, self.family, self.models, self.strategies = jobs, family, models, strategies
         self.shipped, self.reached, self.backend, self.tell = shipped, reached, backend, tell
-        self.done: list[Future[dict[str, FitsReport]]] = [Future() for _ in jobs]
+        self.done: list[Future[dict[str, _Searched]]] = [Future() for _ in jobs]
 
     def start(self) -> None:
         if self.backend.threads:
@@ -446,8 +460,14 @@ class _SingleSearches:
             self._run()
 
     def reports(self, k: int) -> dict[str, FitsReport]:
-        """The single strategies' reports of layout ``k`` (waits for its round)."""
-        return dict(self.done[k].result())
+        """The single strategies' reports of layout ``k`` (waits for its round); the plans of
+        their largest sizes join this process's plan cache, where ``best``'s search of the
+        layout finds them (``_parts_planned``) instead of planning them again."""
+        searched = self.done[k].result()
+        for s in searched.values():
+            if s.largest_plan is not None:
+                adopt_plan(*s.largest_plan)
+        return {st: s.report for st, s in searched.items()}
 
     def stop(self) -> None:
         """Stop the backend's work now (``Backend.abort``): the rounds still to run fail."""
@@ -462,10 +482,10 @@ class _SingleSearches:
                     later.set_exception(exc)
                 return
 
-    def _round(self, k: int, job: JobSpec) -> dict[str, FitsReport]:
+    def _round(self, k: int, job: JobSpec) -> dict[str, _Searched]:
         units = [_FitsUnit(job.but(strategy=st), self.family, self.models, self.shipped[k][st],
                            tuple(sorted(self.reached[st].items()))) for st in self.strategies]
-        reports: dict[str, FitsReport] = {}
+        reports: dict[str, _Searched] = {}
         for outcome in run_points(units, _fits_unit, self.backend, batch=1):
             st = outcome.point.job.strategy
             if outcome.error is not None or outcome.value is None:
@@ -473,8 +493,8 @@ class _SingleSearches:
             reports[st] = outcome.value
             if self.tell:
                 self.tell(f"{_layout_prefix(self.jobs, job)}{st}: search")
-        for st, rep in reports.items():
-            _note_reached(self.reached[st], rep)
+        for st, searched in reports.items():
+            _note_reached(self.reached[st], searched.report)
         return reports
 
 
@@ -500,9 +520,12 @@ def _best_in_parallel(job: JobSpec, skip: frozenset[Part], backend: Backend) -> 
 
 
 def _parts_planned(job: JobSpec, todo: list[Part], backend: Backend) -> dict[Part, Planned]:
-    """Each part of ``best`` in ``todo`` planned for ``job``, at once on ``backend``."""
-    return _by_part([job.but(strategy=name, partition=partition) for name, partition in todo], _plan_best_part,
-                    backend)
+    """Each part of ``best`` in ``todo`` planned for ``job``: those this process knows
+    already (a single strategy's search made it: ``_SingleSearches.reports``), the rest at
+    once on ``backend``."""
+    jobs = {p: job.but(strategy=p[0], partition=p[1]) for p in todo}
+    known = {p: made[1] for p, j in jobs.items() if (made := made_plan(j)) is not None}
+    return known | _by_part([j for p, j in jobs.items() if p not in known], _plan_best_part, backend)
 
 
 R = TypeVar("R")

@@ -345,3 +345,33 @@ def test_an_interrupted_fits_over_layouts_stops_both_its_threads_and_the_workers
     assert backend._pool is None
     with pytest.raises(MpsimError, match="the work was stopped"):
         list(run_points(range(2), worker_pid, backend, batch=1))
+
+
+class _NoWork(LocalBackend):
+    """A backend that refuses every batch: what reaches it was not known already."""
+
+    def run_batches(self, batches, fn):
+        raise AssertionError(f"planned again: {[p.strategy for b in batches for p in b]}")
+
+
+def test_a_single_search_hands_its_largest_plan_to_best_which_does_not_plan_it_again():
+    """A single strategy's search in a worker returns the plan of its largest size by its
+    cache key; the process running ``best``'s search adopts it, and ``best``'s part for
+    that job (the same planner and partition) is taken from it, not sent to a worker."""
+    from mpsim.capacity import _fits_unit, _FitsUnit, _parts_planned, family_job, shipped_or_named
+    from mpsim.planners import cache
+
+    traces = shipped_or_named("gpt", ())
+    job = family_job("gtx1080ti-x1", traces, "1f1b", 2, 4, "recompute", "compute")
+    rows = tuple(_fits_unit(_FitsUnit(job, "gpt", (), (), ())).report.rows)  # the shipped sizes
+    searched = _fits_unit(_FitsUnit(job, "gpt", (), rows, ()))
+    assert searched.report.largest is not None and searched.largest_plan is not None
+    key, planned = searched.largest_plan
+    assert planned.result.iteration_s == searched.report.largest.result.iteration_s
+    template = next(t for t in traces if t.name == searched.report.largest_template)
+    largest = job.but(trace=template.with_layers(searched.report.largest.layers).rescale(2))
+    cache._CACHE.clear()
+    with pytest.raises(AssertionError, match="planned again"):
+        _parts_planned(largest, [("recompute", "compute")], _NoWork(1))
+    cache.adopt_plan(key, planned)
+    assert _parts_planned(largest, [("recompute", "compute")], _NoWork(1)) == {("recompute", "compute"): planned}

@@ -29,6 +29,12 @@ def known_plan(strategy: str, ctx: Ctx) -> Planned | None:
     return _CACHE.get(job_key(strategy, ctx))
 
 
+def adopt_plan(key: tuple[object, ...], planned: Planned) -> None:
+    """Remember ``planned`` as the answer for ``key`` (``job_key``), made in another process
+    (``mpsim.capacity`` hands ``best`` the single searches' largest plans)."""
+    remembered(_CACHE, key, lambda: planned)
+
+
 def cached_verdict(strategy: str, ctx: Ctx, exists: Callable[[Ctx], bool]) -> bool:
     """``exists(ctx)`` (whether the planner finds a plan that fits), or the verdict given
     before for the same content."""

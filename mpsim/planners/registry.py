@@ -6,11 +6,11 @@ from collections.abc import Collection
 
 from mpsim.job import JobSpec
 from mpsim.planners.best import Part, plan_best
-from mpsim.planners.cache import cached_plan, cached_verdict, known_plan
+from mpsim.planners.cache import cached_plan, cached_verdict, job_key, known_plan
 from mpsim.planners.context import Ctx, Planned, make_context
 from mpsim.strategies import STRATEGIES, combines, strategy_named
 
-__all__ = ["STRATEGIES", "combines", "plan_fits", "plan_job", "run_planner", "strategy_named"]
+__all__ = ["STRATEGIES", "combines", "made_plan", "plan_fits", "plan_job", "run_planner", "strategy_named"]
 
 
 def run_planner(strategy: str, ctx: Ctx) -> Planned:
@@ -43,3 +43,12 @@ def plan_fits(job: JobSpec) -> bool:
     if exists is None:
         return run_planner(strategy.name, ctx).result.fits
     return cached_verdict(strategy.name, ctx, exists)
+
+
+def made_plan(job: JobSpec) -> tuple[tuple[object, ...], Planned] | None:
+    """The plan this process has made for ``job`` under its single strategy, with its cache
+    key (``cache.job_key``, for ``cache.adopt_plan`` in another process); None when none was."""
+    strategy = strategy_named(job.strategy)
+    ctx = make_context(job, strategy.keeps)
+    made = known_plan(strategy.name, ctx)
+    return None if made is None else (job_key(strategy.name, ctx), made)
