@@ -317,8 +317,7 @@ class RayBackend:
                     yield self._collect(ray, ref, batch)
         except BaseException:
             if not owned:  # an instance of our own goes down whole below, its tasks with it
-                for ref in pending:
-                    ray.cancel(ref, force=True)
+                _cancel_all(ray, list(pending))
             raise
         finally:
             if owned:
@@ -330,6 +329,23 @@ class RayBackend:
             return _outcomes(batch, ray.get(ref))
         except ray.exceptions.RayError as exc:  # the retries spent: worker deaths, a lost node
             return _failed(batch, f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+
+
+CANCEL_WAIT_S = 10.0
+"""How long a closed Ray run keeps cancelling the tasks that have not ended."""
+
+
+def _cancel_all(ray: Any, refs: list[Any]) -> None:
+    """Force-cancel ``refs``, again every half second for those not yet ended, for at most
+    ``CANCEL_WAIT_S``: a cancel that reaches a task while its worker is still being leased
+    or started can be lost, and the task would then run to its end on the cluster's CPUs."""
+    deadline = time.monotonic() + CANCEL_WAIT_S
+    while refs:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+        if time.monotonic() >= deadline:
+            return
+        _, refs = ray.wait(refs, num_returns=len(refs), timeout=0.5)
 
 
 def make_backend(name: str = "local", workers: int = 1, address: str | None = None) -> Backend:
