@@ -208,3 +208,22 @@ def test_host_swaps_the_simulation_shows_waiting_are_recomputed_instead(monkeypa
     assert kept.result.iteration_s < 0.95 * swapping.result.iteration_s
     count = [sum(a.action == "host" for st in p.plan.stages for a in st.actions) for p in (kept, swapping)]
     assert count[0] < count[1]
+
+
+def test_striping_is_not_tried_where_no_gpu_can_take_a_swap():
+    """FSDP over all eight GPUs: every GPU runs a replica, so no plan has spare memory for a
+    D2D swap (``Ctx.spare``) and striping cannot change the plan. MPress tries it only where
+    some GPU may lend (``Ctx.may_lend``): the same plan as without striping, in as many
+    simulations; on the pipeline over the same GPUs both options are tried."""
+    from mpsim.layouts import on_layout, parse_layout
+    from mpsim.planners.context import make_context
+    from mpsim.strategies import strategy_named
+
+    base = JobSpec(load_topology("dgx1-v100"), load_trace("gpt-15.4b").rescale(2), "1f1b", 16, strategy="mpress")
+    fsdp = on_layout(base, parse_layout("fsdp8"), 16)
+    assert not make_context(fsdp, strategy_named("mpress").keeps).may_lend
+    assert make_context(base, strategy_named("mpress").keeps).may_lend
+    assert make_context(on_layout(base, parse_layout("fsdp4"), 16), strategy_named("mpress").keeps).may_lend
+    striped, single = plan_job(fsdp), plan_job(fsdp.but(strategy="mpress-no-striping"))
+    assert not striped.result.fits or striped.result.iteration_s == single.result.iteration_s
+    assert striped.plan.stages == single.plan.stages and striped.simulations == single.simulations

@@ -72,9 +72,21 @@ class Ctx(OfJob):
         """Bytes each GPU could take from other GPUs' swaps (capacity over the peak, times
         ``margin``); a replicated pipeline's replicas (and tensor-parallel ranks) need their
         own room, so only GPUs it does not run on have any."""
-        busy = {g for r in self.replicas for g in r} | {g for r in self.tp_groups for grp in r for g in grp}
+        busy = self._busy_gpus()
         return {g.gpu: 0.0 if g.gpu in busy else max(0.0, (g.capacity_bytes - g.peak_bytes) * margin)
                 for g in result.gpus}
+
+    def _busy_gpus(self) -> set[int]:
+        """The GPUs of the replicas and tensor-parallel groups (none for one replica without them)."""
+        return {g for r in self.replicas for g in r} | {g for r in self.tp_groups for grp in r for g in grp}
+
+    @property
+    def may_lend(self) -> bool:
+        """Whether any GPU may take other GPUs' swaps: one that ``spare`` can give room on,
+        outside the replicas and tensor groups. False when they cover the whole server: every
+        plan's spare memory is then zero, so no D2D swap is possible."""
+        busy = self._busy_gpus()
+        return not busy or any(g not in busy for g in range(self.topo.n_gpus))
 
     def plan(self, strategy: str, actions: dict[int, list[LayerAction]] | None = None,
              optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None,

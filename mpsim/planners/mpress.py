@@ -606,7 +606,9 @@ def _variants_to_try(ctx: Ctx, opts: Options, name: str, planned: Planned,
     """Each stage-to-GPU map (DAPPLE's, then the searched one where it differs) with each
     striping option the variant allows, with the map's keep-everything plan, live
     intervals and end slack; the searched map is made only when asked for."""
-    tries = [replace(opts, striping=False)] + ([opts] if opts.striping else [])
+    # striping only changes where a D2D swap goes: where no GPU can take one (``Ctx.may_lend``)
+    # it would repeat the plan without it, and the first of equals is kept anyway
+    tries = [replace(opts, striping=False)] + ([opts] if opts.striping and ctx.may_lend else [])
     slack = end_slack(planned.result, ctx.schedule)
     for tried in tries:
         yield ctx, planned, intervals, slack, tried
