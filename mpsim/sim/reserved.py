@@ -29,13 +29,13 @@ def allocator_events(used_bytes: np.ndarray) -> list[tuple[str, int, int]]:
     """Alloc and free events from a GPU's allocated-bytes series (module doc)."""
     deltas = np.diff(used_bytes, prepend=0).astype(np.int64).tolist()
     events: list[tuple[str, int, int]] = []
-    live: list[tuple[int, int]] = []  # (id, size) in allocation order
+    live: dict[int, int] = {}  # id -> size, in allocation order (a dict: a free by size takes its block out in O(1))
     by_size: dict[int, list[int]] = {}
     next_id = 0
     for delta in deltas:
         if delta > 0:
             events.append(("alloc", next_id, delta))
-            live.append((next_id, delta))
+            live[next_id] = delta
             by_size.setdefault(delta, []).append(next_id)
             next_id += 1
         elif delta < 0:
@@ -43,22 +43,26 @@ def allocator_events(used_bytes: np.ndarray) -> list[tuple[str, int, int]]:
     return events
 
 
-def _free(n_bytes: int, live: list[tuple[int, int]], by_size: dict[int, list[int]],
+def _free(n_bytes: int, live: dict[int, int], by_size: dict[int, list[int]],
           events: list[tuple[str, int, int]], next_id: int) -> int:
     same = by_size.get(n_bytes)
     if same:
         block = same.pop()
-        live.remove((block, n_bytes))
+        del live[block]
         events.append(("free", block, n_bytes))
         return next_id
     while n_bytes > 0 and live:
-        block, size = live.pop()
-        by_size[size].remove(block)
+        block, size = live.popitem()  # the latest allocation
+        of_size = by_size[size]
+        if of_size[-1] == block:  # most often: the latest of its size too
+            of_size.pop()
+        else:
+            of_size.remove(block)
         events.append(("free", block, size))
         if size > n_bytes:  # partly freed: the rest stays as a new request
             rest = size - n_bytes
             events.append(("alloc", next_id, rest))
-            live.append((next_id, rest))
+            live[next_id] = rest
             by_size.setdefault(rest, []).append(next_id)
             next_id += 1
         n_bytes -= size
