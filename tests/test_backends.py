@@ -377,3 +377,21 @@ def test_a_single_search_hands_its_largest_plan_to_best_which_does_not_plan_it_a
         _parts_planned(largest, [("recompute", "compute")], _NoWork(1))
     cache.adopt_plan(key, planned)
     assert _parts_planned(largest, [("recompute", "compute")], _NoWork(1)) == {("recompute", "compute"): planned}
+
+
+def test_fits_over_layouts_in_parallel_gives_the_reports_of_one_process():
+    """On workers each single strategy searches the layouts in turn on a thread of its own,
+    the first layout's searches beside the later layouts' shipped sizes: every report (the
+    rows, the largest, what a later layout could not beat) is that of the layouts run one
+    after the other in one process."""
+    from mpsim.capacity import family_job, family_traces, fits_layouts
+
+    traces = family_traces("gpt")[:2]
+    job = family_job("titanrtx-x4-pcie", traces, "1f1b", 2, 8, "none", "compute")
+    args = (job, "gpt", traces, ("none", "recompute", "cpu-swap", "best"), "pp4,ddp4,fsdp4", 8)
+    one = fits_layouts(*args)
+    seen: list[str] = []
+    two = fits_layouts(*args, on_point=seen.append, backend=LocalBackend(2))
+    assert [[r.to_dict() for r in a.reports] for a in one] == [[r.to_dict() for r in a.reports] for a in two]
+    assert any(r.not_above for a in one for r in a.reports)  # FSDP's searches could not beat the pipeline's
+    assert len(seen) == 3 * 2 * 4 + 3 * 4 and seen.count("pipeline x4: best: search") == 1
