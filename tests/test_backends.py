@@ -380,10 +380,10 @@ def test_a_single_search_hands_its_largest_plan_to_best_which_does_not_plan_it_a
 
 
 def test_fits_over_layouts_in_parallel_gives_the_reports_of_one_process():
-    """On workers each single strategy searches the layouts in turn on a thread of its own,
-    the first layout's searches beside the later layouts' shipped sizes: every report (the
-    rows, the largest, what a later layout could not beat) is that of the layouts run one
-    after the other in one process."""
+    """On workers (the shipped sizes in one round, the single searches a round per layout on
+    a thread of their own, ``best``'s beside them): every report (the rows, the largest,
+    what a later layout could not beat) is that of the layouts run one after the other in
+    one process."""
     from mpsim.capacity import family_job, family_traces, fits_layouts
 
     traces = family_traces("gpt")[:2]
