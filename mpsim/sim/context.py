@@ -4,6 +4,7 @@ memory owners, copy engines, the signals between components, and what the run re
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
+from typing import Any
 
 import simpy
 
@@ -54,16 +55,19 @@ class CostLedger:
 
     def __init__(self, env: simpy.Environment, n_gpus: int) -> None:
         self._env = env
-        self._paid: list[list[tuple[float, str, float]]] = [[] for _ in range(n_gpus)]
+        self._paid: list[list[Any]] = [[] for _ in range(n_gpus)]
+        """Per GPU, laid flat: time paid, cost, seconds, ... (no tuple per entry: nothing
+        for the cyclic garbage collector to scan after a run)."""
 
     def add(self, gpu: int, what: str, seconds: float) -> None:
         if seconds:
-            self._paid[gpu].append((self._env.now, what, seconds))
+            self._paid[gpu].extend((self._env.now, what, seconds))
 
     def total(self, gpu: int, window_s: tuple[float, float] | None = None) -> dict[str, float]:
         """Seconds per cost paid in ``(start, end]`` (the whole run when None)."""
         out = dict.fromkeys(COSTS, 0.0)
-        for at_s, what, seconds in self._paid[gpu]:
+        paid = self._paid[gpu]
+        for at_s, what, seconds in zip(paid[0::3], paid[1::3], paid[2::3], strict=True):
             if window_s is None or window_s[0] < at_s <= window_s[1]:
                 out[what] += seconds
         return out

@@ -31,6 +31,7 @@ import functools
 from collections.abc import Callable, Generator, Hashable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import simpy
@@ -92,8 +93,12 @@ class GpuMemory:
 @dataclass
 class MemoryLog:
     n_gpus: int
-    _single: list[list[tuple[float, int, int, int, str]]] = field(default_factory=list)
-    _templated: list[list[tuple[float, int, Template, str]]] = field(default_factory=list)
+    _single: list[list[Any]] = field(default_factory=list)
+    """Per device, its single events laid flat: time, order, bytes, category, label, ...
+    (five items each: no tuple per event, so the cyclic garbage collector has nothing of
+    the log's to scan after a run)."""
+    _templated: list[list[Any]] = field(default_factory=list)
+    """Per device, its tasks laid flat: start, order, template, label, ... (four items each)."""
     _order: int = 0
 
     def __post_init__(self) -> None:
@@ -104,10 +109,11 @@ class MemoryLog:
         """Log ``entries`` (bytes, category, label) of ``gpu`` at ``time_s``, in order, and
         return the bytes they add to what tensors use (the ``saved:`` ledger adds none)."""
         singles, n_bytes, order = self._single[gpu], 0, self._order
+        put = singles.extend
         for delta, category, label in entries:
             order += 1
             c = CAT[category]
-            singles.append((time_s, order, delta, c, label))
+            put((time_s, order, delta, c, label))
             if c < N_REAL:
                 n_bytes += delta
         self._order = order
@@ -115,7 +121,7 @@ class MemoryLog:
 
     def task(self, gpu: int, start_s: float, template: Template, task_label: str) -> None:
         self._order += 1
-        self._templated[gpu].append((start_s, self._order, template, task_label))
+        self._templated[gpu].extend((start_s, self._order, template, task_label))
 
     def analyse(self, gpu: int, capacity: int) -> GpuMemory:
         t, o, d, c = self._events(gpu)
@@ -156,25 +162,26 @@ class MemoryLog:
         sums as adding them task by task)."""
         singles = self._single[gpu]
         tasks = self._templated[gpu]
-        tpls = [tpl for _start, _order, tpl, _label in tasks]
+        tpls: list[Template] = tasks[2::4]
         sizes = np.array([len(tpl.deltas) for tpl in tpls], dtype=np.int64)
-        starts = np.repeat(np.array([task[0] for task in tasks], dtype=float), sizes)
-        orders = np.repeat(np.array([task[1] for task in tasks], dtype=np.int64), sizes)
-        t = np.concatenate([np.array([e[0] for e in singles], dtype=float),
+        starts = np.repeat(np.array(tasks[0::4], dtype=float), sizes)
+        orders = np.repeat(np.array(tasks[1::4], dtype=np.int64), sizes)
+        t = np.concatenate([np.array(singles[0::5], dtype=float),
                             starts + np.concatenate([tpl.offsets_s for tpl in tpls] or [np.zeros(0)])])
-        o = np.concatenate([np.array([e[1] for e in singles], dtype=float),
+        o = np.concatenate([np.array(singles[1::5], dtype=float),
                             orders + np.concatenate([_fractions(len(tpl.deltas)) for tpl in tpls] or [np.zeros(0)])])
-        d = np.concatenate([np.array([e[2] for e in singles], dtype=np.int64)] + [tpl.deltas for tpl in tpls])
-        c = np.concatenate([np.array([e[3] for e in singles], dtype=np.int64)] + [tpl.cats for tpl in tpls])
+        d = np.concatenate([np.array(singles[2::5], dtype=np.int64)] + [tpl.deltas for tpl in tpls])
+        c = np.concatenate([np.array(singles[3::5], dtype=np.int64)] + [tpl.cats for tpl in tpls])
         return t, o, d, c
 
     def _label_at(self, gpu: int, flat_index: int) -> str:
         """The label of the event at position ``flat_index`` of the unsorted concatenation."""
         singles = self._single[gpu]
-        if flat_index < len(singles):
-            return singles[flat_index][4]
-        flat_index -= len(singles)
-        for _start, _order, tpl, task_label in self._templated[gpu]:
+        if flat_index < len(singles) // 5:
+            return str(singles[5 * flat_index + 4])
+        flat_index -= len(singles) // 5
+        tasks = self._templated[gpu]
+        for tpl, task_label in zip(tasks[2::4], tasks[3::4], strict=True):
             if flat_index < len(tpl.deltas):
                 return f"{task_label} {tpl.labels[flat_index]}"
             flat_index -= len(tpl.deltas)
