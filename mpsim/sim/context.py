@@ -9,7 +9,7 @@ from typing import Any
 import simpy
 
 from mpsim.sim import progress
-from mpsim.sim.copy_engine import CopyEngines, EnginePool, EngineRequest
+from mpsim.sim.copy_engine import CopyEngines, EnginePool
 from mpsim.sim.layout import Layout
 from mpsim.sim.memory import DeviceMemory, MemoryLog
 from mpsim.sim.network import Network
@@ -166,13 +166,14 @@ class RunContext:
 
 class HostCopy:
     """One copy between a GPU and pinned host memory run as callbacks (``RunContext.
-    start_host_copy``): it asks for the engine (going on at once when granted in place,
-    else when the grant event is processed), starts the flow, and on the flow's landing
-    gives the engine back, records the span and calls ``then``. Every event it waits
-    on and schedules is ``host_copy``'s, in the same order, so a run is unchanged; it
-    saves a process and its generator frames per swap."""
+    start_host_copy``): it takes the engine (``EnginePool.take``: going on at once when
+    granted in place, else where the grant event would be processed), starts the flow
+    (``Network.transfer_then``), and on the flow's landing gives the engine back,
+    records the span and calls ``then``. Every event it waits on and schedules is in
+    ``host_copy``'s place, in the same order, so a run is unchanged; it saves a process
+    and its generator frames per swap, and the request's and the transfer's events."""
 
-    __slots__ = ("run", "gpu", "n_bytes", "to_host", "label", "then", "req", "start_s")
+    __slots__ = ("run", "gpu", "n_bytes", "to_host", "label", "then", "pool", "start_s")
 
     def __init__(self, run: RunContext, gpu: int, n_bytes: int, to_host: bool, label: str,
                  then: Callable[[], None]) -> None:
@@ -183,19 +184,17 @@ class HostCopy:
         self.label = label
         self.then = then
         self.start_s = 0.0
-        req = self.req = run.host_engines(gpu, to_host).request()
-        if req.callbacks is None:  # granted in place
-            self._granted(req)
-        else:
-            req.callbacks.append(self._granted)
+        pool = self.pool = run.host_engines(gpu, to_host)
+        if pool.take(self):  # granted in place
+            self.granted(None)
 
-    def _granted(self, _event: simpy.Event) -> None:
+    def granted(self, _event: simpy.Event | None) -> None:
+        """The engine is ours: the flow starts (after its route's latency)."""
         run = self.run
         self.start_s = run.env.now
-        run.net.transfer(run.host_route(self.gpu, self.to_host), self.n_bytes).callbacks.append(self._landed)
+        run.net.transfer_then(run.host_route(self.gpu, self.to_host), self.n_bytes, self._landed)
 
-    def _landed(self, _event: simpy.Event) -> None:
-        req: EngineRequest = self.req
-        req.pool.release(req)
+    def _landed(self, _event: simpy.Event | None) -> None:
+        self.pool.release(self)
         self.run.host_span(self.gpu, self.to_host, self.label, self.start_s)
         self.then()

@@ -10,10 +10,18 @@ from __future__ import annotations
 
 from collections import deque
 from types import TracebackType
+from typing import Protocol
 
 import simpy
 
-from mpsim.sim.simpy_fast import go_on_now, mark_processed
+from mpsim.sim.simpy_fast import call_in, go_on_now, mark_processed
+
+
+class Holder(Protocol):
+    """Who asks for an engine as a callback chain (``EnginePool.take``): ``granted`` is
+    called where a request's grant event would have been processed."""
+
+    def granted(self, _event: simpy.Event | None) -> None: ...
 
 
 class EngineRequest(simpy.Event):
@@ -57,8 +65,8 @@ class EnginePool:
     def __init__(self, env: simpy.Environment, capacity: int) -> None:
         self.env = env
         self.capacity = capacity
-        self.users: list[EngineRequest] = []
-        self.queue: deque[EngineRequest] = deque()
+        self.users: list[EngineRequest | Holder] = []
+        self.queue: deque[EngineRequest | Holder] = deque()
 
     def request(self) -> EngineRequest:
         req = EngineRequest(self)
@@ -70,20 +78,34 @@ class EnginePool:
         self._grant_head()
         return req
 
-    def release(self, req: EngineRequest) -> None:
+    def take(self, holder: Holder) -> bool:
+        """``request`` for a caller that runs as callbacks, with no event made: True when
+        the engine is granted now (where ``request`` returns a processed request), else
+        ``holder.granted`` is called where the request's grant event would have been
+        processed (an event of no delay scheduled in that place, ``simpy_fast.call_in``).
+        ``release(holder)`` gives the engine back."""
+        if not self.queue and len(self.users) < self.capacity and go_on_now(self.env):
+            self.users.append(holder)
+            return True
+        self.queue.append(holder)
+        self._grant_head()
+        return False
+
+    def release(self, req: EngineRequest | Holder) -> None:
         if req in self.users:
             self.users.remove(req)
         if not self.queue:
             return
-        handover = self.env.event()
-        handover.callbacks.append(self._grant_head)
-        handover.succeed()
+        call_in(self.env, 0.0, self._grant_head)  # where a succeeded hand-over event would go
 
     def _grant_head(self, _event: simpy.Event | None = None) -> None:
         if self.queue and len(self.users) < self.capacity:
             req = self.queue.popleft()
             self.users.append(req)
-            req.succeed()
+            if isinstance(req, EngineRequest):
+                req.succeed()
+            else:  # where req.succeed() would schedule its grant: now, NORMAL, the next number
+                call_in(self.env, 0.0, req.granted)
 
 
 class CopyEngines:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
+from collections.abc import Callable
 
 import simpy
 
@@ -60,10 +61,14 @@ class _Group:
             fire_in_place(self.event)
 
 
+Landing = Callable[[simpy.Event | None], None]
+"""Called when a flow of ``Network.transfer_then`` lands (with None when in place)."""
+
+
 class _Flow:
     __slots__ = ("route", "links", "names", "narrowest", "remaining", "rate", "done", "seq")
 
-    def __init__(self, path: _Path, n_bytes: float, done: simpy.Event | _Group, seq: int) -> None:
+    def __init__(self, path: _Path, n_bytes: float, done: simpy.Event | _Group | Landing, seq: int) -> None:
         self.route = path.route
         self.links = path.links
         self.names = path.names
@@ -125,6 +130,23 @@ class Network:
         call_in(env, path.latency_s, lambda _e: self._start(path, n_bytes, done))
         return done
 
+    def transfer_then(self, route: Route, n_bytes: int, then: Landing) -> None:
+        """``transfer`` for a caller that runs as callbacks: ``then`` is called where the
+        transfer's event would be processed (through an event of no delay scheduled in
+        that event's place, or in place where ``transfer``'s event would fire in place),
+        with no event made for it."""
+        env = self.env
+        path = self._paths.get(id(route))
+        if path is None:
+            path = self._path(route)
+        bytes_by_link = self.bytes_by_link
+        for name in path.names:
+            bytes_by_link[name] += n_bytes
+        if n_bytes <= 0:
+            call_in(env, path.latency_s, lambda _e: call_in(env, 0.0, then))  # as transfer's land + succeed
+            return
+        call_in(env, path.latency_s, lambda _e: self._start(path, n_bytes, then))
+
     def transfer_all(self, routes: list[Route], n_bytes: list[int], latency_s: float) -> simpy.Event:
         """Flows that start together after ``latency_s`` (one rate update for all of
         them, not one each) and an event that fires when the last has landed: a ring
@@ -169,12 +191,12 @@ class Network:
                 busy_s[name] += dt
         self._last = now
 
-    def _add_flow(self, path: _Path, n_bytes: int, done: simpy.Event | _Group) -> None:
+    def _add_flow(self, path: _Path, n_bytes: int, done: simpy.Event | _Group | Landing) -> None:
         self._seq += 1
         self._flows.append(_Flow(path, n_bytes, done, self._seq))
         self._numbers.append(path.number)
 
-    def _start(self, path: _Path, n_bytes: int, done: simpy.Event) -> None:
+    def _start(self, path: _Path, n_bytes: int, done: simpy.Event | Landing) -> None:
         """A flow starts after its latency: ``_advance``, ``_add_flow`` and ``_reschedule``
         with the first two written out (this runs once per copy)."""
         now = self.env.now
@@ -265,11 +287,17 @@ class Network:
             done = finished[0].done
             if isinstance(done, _Group):
                 done.fire()
-            else:
+            elif isinstance(done, simpy.Event):
                 fire_in_place(done)
+            else:
+                done(None)
             return
         for f in finished:
-            f.done.succeed()
+            done = f.done
+            if isinstance(done, (simpy.Event, _Group)):
+                done.succeed()
+            else:  # where a succeeded event would go: now, NORMAL, the next number
+                call_in(self.env, 0.0, done)
 
 
 CONFIGS = 8192
