@@ -239,7 +239,17 @@ class SwapInSteps:
     held while the backward has not reached the layer and it does not fit beside the
     running task's climb); then copies from the host (``Swapper._from_host``) or from the
     peers (``Swapper._from_peers``, a generator run from there on). The same events in
-    the same order as the process; no generator frames per step."""
+    the same order as the process; no generator frames per step.
+
+    One step is taken earlier: a prefetch whose swap-out has landed and whose first act
+    is its sleep schedules that sleep as it is made, not from its urgent start event
+    (``_sleeps_at_once``): the start would only read the same state (nothing lands
+    between the two: they lie in one instant, before any event of normal priority) and
+    schedule the same wake-up, so one event fewer per such swap-in. The wake-up's place
+    in the queue moves ahead of the events scheduled in that instant between the two
+    (by the stream after its prefetch, and by the urgent events before the start);
+    it matters only if one of them falls on the very same later instant (a tie of two
+    sums of floats)."""
 
     __slots__ = ("swapper", "mb", "si", "need_at_s")
 
@@ -248,7 +258,21 @@ class SwapInSteps:
         self.mb = mb
         self.si = si
         self.need_at_s = need_at_s
-        call_soon(swapper.run.env, self._start)
+        if not self._sleeps_at_once():
+            call_soon(swapper.run.env, self._start)
+
+    def _sleeps_at_once(self) -> bool:
+        """Schedule the sleep before the copy now, when ``_start`` would only do that
+        (the swap-out has landed, swaps are prefetched and the copy is not due yet)."""
+        sw = self.swapper
+        run = sw.run
+        if run.on_demand or run.signals("out", sw.stage, self.mb, self.si.layer).callbacks is not None:
+            return False
+        wake_s, env = self.need_at_s - sw._time_alone_s(self.si), run.env
+        if wake_s > env.now:
+            call_in(env, wake_s - env.now, self._after_sleep)
+            return True
+        return False
 
     def _start(self, _event: simpy.Event) -> None:
         sw = self.swapper
