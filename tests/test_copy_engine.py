@@ -139,3 +139,25 @@ def test_a_transfer_with_a_callback_lands_in_the_place_of_a_transfers_event():
         return landed
 
     assert run(True) == run(False)
+
+
+def test_a_holder_is_granted_without_events_as_it_asks_and_by_the_release():
+    """``EnginePool.take``: a free engine is granted at once, even with other events
+    queued for the instant; a queued holder gets the engine from the release itself."""
+    env = simpy.Environment()
+    pool = EnginePool(env, 1)
+    granted: list[str] = []
+
+    class Holder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def granted(self, _event: simpy.Event | None) -> None:
+            granted.append(self.name)
+
+    sleep(env, 0.0)  # an event queued for this instant
+    first, second = Holder("first"), Holder("second")
+    assert pool.take(first) and not pool.take(second)
+    assert pool.users == [first] and granted == []
+    pool.release(first)
+    assert pool.users == [second] and granted == ["second"] and events_scheduled(env) == 1

@@ -159,19 +159,18 @@ class RunContext:
     def start_host_copy(self, gpu: int, n_bytes: int, to_host: bool, label: str, then: Callable[[], None]) -> None:
         """``host_copy`` for a caller that waits for nothing else: the same steps on the
         same events, each a callback instead of a process resumed, and ``then()`` called
-        when the copy has landed and its engine is given back (``HostCopy``). Call it
-        as a callback's last act, where ``host_copy``'s caller would yield."""
+        when the copy has landed and its engine is given back (``HostCopy``)."""
         HostCopy(self, gpu, n_bytes, to_host, label, then)
 
 
 class HostCopy:
     """One copy between a GPU and pinned host memory run as callbacks (``RunContext.
     start_host_copy``): it takes the engine (``EnginePool.take``: going on at once when
-    granted in place, else where the grant event would be processed), starts the flow
+    one is free, else when a release hands it one), starts the flow
     (``Network.transfer_then``), and on the flow's landing gives the engine back,
-    records the span and calls ``then``. Every event it waits on and schedules is in
-    ``host_copy``'s place, in the same order, so a run is unchanged; it saves a process
-    and its generator frames per swap, and the request's and the transfer's events."""
+    records the span and calls ``then``. Against ``host_copy`` it saves a process and
+    its generator frames per copy, the request's and the transfer's events, and the
+    grant and hand-over events (``EnginePool``'s doc says what that moves)."""
 
     __slots__ = ("run", "gpu", "n_bytes", "to_host", "label", "then", "pool", "start_s")
 

@@ -103,11 +103,13 @@ class Swapper:
     def start_swap_out(self, mb: int, so: SwapOut) -> None:
         """Launch a swap-out; it counts as a free under way before the next piece asks.
         A swap to the host runs as callbacks (``RunContext.start_host_copy``) started
-        where a process would start (``simpy_fast.call_soon``): the same events in the
-        same order as a process, without one."""
+        here, in the stream's step: its engine is taken (or queued for) now, not from an
+        urgent start event right after the step, so its copy's events are scheduled
+        ahead of what the rest of the step schedules (the engine's queue order is the
+        same: the stream's own later copies come after it either way)."""
         self.memory.begin_free()
         if so.target == "host":
-            call_soon(self.run.env, lambda _e: self._swap_out_to_host(mb, so))
+            self._swap_out_to_host(mb, so)
         else:
             spawn(self.run.env, self._swap_out_to_peers(mb, so))
 
