@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 from heapq import heappop, heappush
 from typing import Any
 
@@ -35,8 +36,8 @@ import simpy.events
 from mpsim.errors import MpsimError
 
 __all__ = ["Detached", "Fired", "SimpyInternalsError", "call_in", "call_soon", "check_simpy", "events_scheduled",
-           "fire_in_place", "fire_in_place_inner", "go_on", "go_on_now", "mark_processed", "missing_internals",
-           "run_until_empty", "sleep"]
+           "fire_in_place", "fire_in_place_inner", "gc_paused", "go_on", "go_on_now", "mark_processed",
+           "missing_internals", "run_until_empty", "sleep"]
 
 Steps = Generator[simpy.Event, object, None]
 NORMAL = simpy.events.NORMAL
@@ -86,6 +87,26 @@ def _simpy_version() -> str:
         return str(getattr(simpy, "__version__", "(unknown version)"))
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for the block (and resume it, if it was
+    on, however the block ends; a block inside another one leaves it to the outer).
+
+    A run allocates tens of thousands of objects that live until its result is made
+    (events, the memory log, spans) and frees nearly all of them by reference counting
+    when it ends: a collection while they live scans every one and finds nothing, one
+    after they are freed scans only what the result keeps. ``engine.simulate_layout``
+    runs a whole simulation, result included, inside one pause."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def run_until_empty(env: simpy.Environment) -> None:
     """``env.run()`` without a deadline, inlined: the same events in the same order (by
     time, priority, then scheduling order), each one's callbacks called in turn, and a
@@ -96,15 +117,9 @@ def run_until_empty(env: simpy.Environment) -> None:
     was on, however the loop ends): a run's events are freed by reference counting as
     they are popped and leave next to no cycles (a few objects per run), so the
     collections their allocations would trigger find nothing and cost several per cent
-    of the loop."""
-    if not gc.isenabled():
+    of the loop (``gc_paused``)."""
+    with gc_paused():
         _run_events(env)
-        return
-    gc.disable()
-    try:
-        _run_events(env)
-    finally:
-        gc.enable()
 
 
 def _run_events(env: simpy.Environment) -> None:
