@@ -6,6 +6,14 @@ the link whose remaining capacity divided by its unfrozen flows is smallest, fre
 flows at that share). Rates are recomputed whenever a flow starts or ends, so a transfer
 alone on a link takes latency + bytes / bandwidth, and two that start together on one
 link each get half of it.
+
+One wake-up is pending at a time, for the next flow to land. A flow that starts alone
+(every other flow keeps its rate) and lands no earlier than that wake-up leaves it as it
+is (``Network._joins_alone``): no new wake-up, no stale one left in the queue. The
+instant of a wake-up kept so is the one worked out when it was scheduled, not worked out
+again from the bytes left at the start: equal in exact arithmetic, different in the last
+bit at times (``engine_equivalence``, full: 2 of 118 jobs moved, span times by at most
+4.2e-16 relative, link busy times by 1e-15; iteration times and peaks unchanged).
 """
 
 from __future__ import annotations
@@ -98,6 +106,10 @@ class Network:
         self._last = 0.0
         self._wakeup: Fired | None = None
         """The pending wake-up, emptied (never unscheduled) when a later change supersedes it."""
+        self._wake_at_s = 0.0
+        """When the pending wake-up fires."""
+        self._rates: tuple[float, ...] = ()
+        """The active flows' rates, in their order (their configuration's)."""
         self._seq = 0
         self.bytes_by_link: dict[str, float] = defaultdict(float)
         self.busy_s_by_link: dict[str, float] = defaultdict(float)
@@ -210,9 +222,34 @@ class Network:
                 busy_s[name] += dt
         self._last = now
         self._seq += 1
-        flows.append(_Flow(path, n_bytes, done, self._seq))
+        flow = _Flow(path, n_bytes, done, self._seq)
+        flows.append(flow)
         self._numbers.append(path.number)
-        self._reschedule()
+        if self._wakeup is None or not self._joins_alone(flow):
+            self._reschedule()
+
+    def _joins_alone(self, flow: _Flow) -> bool:
+        """Whether ``flow``, just started, leaves every other flow its rate and lands no
+        earlier than the pending wake-up: then that wake-up stands (the others' landing
+        times have not moved) and ``flow`` takes its rate without a new one. The wake-up
+        keeps the instant worked out when it was scheduled, where rescheduling would
+        work it out again from the bytes left now (the same instant in exact arithmetic,
+        the float rounded once less)."""
+        key = tuple(self._numbers)
+        config = _CONFIGS.get(key)
+        if config is None:
+            config = _remember(key, self._flows)
+        rates = config[0]
+        if rates[:-1] != self._rates:
+            return False
+        rate = rates[-1]
+        if self.env.now + flow.remaining / rate < self._wake_at_s:
+            return False
+        flow.rate = rate
+        self._rates, self._busy = rates, config[1]
+        if self.record_rates:
+            self._record_rates()
+        return True
 
     def _reschedule(self) -> None:
         """Set every active flow's rate (its configuration's, remembered or worked out)
@@ -225,7 +262,7 @@ class Network:
             self._wakeup = None
         flows = self._flows
         if not flows:
-            self._busy = ()
+            self._busy = self._rates = ()
             if self.record_rates:
                 self.rate_log.append((self.env.now, {}))
             return
@@ -234,6 +271,7 @@ class Network:
         if config is None:
             config = _remember(key, flows)
         rates, self._busy, _routes = config
+        self._rates = rates
         dt = math.inf
         for f, rate in zip(flows, rates):
             f.rate = rate
@@ -242,7 +280,10 @@ class Network:
                 dt = left_s
         if self.record_rates:
             self._record_rates()
-        self._wakeup = call_in(self.env, dt if dt > 0.0 else 0.0, self._wake)
+        if dt < 0.0:
+            dt = 0.0
+        self._wake_at_s = self.env.now + dt
+        self._wakeup = call_in(self.env, dt, self._wake)
 
     def _record_rates(self) -> None:
         per_link: dict[str, float] = defaultdict(float)
