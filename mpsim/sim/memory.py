@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import simpy
 
-from mpsim.sim.simpy_fast import call_in, fire_in_place, fire_in_place_inner
+from mpsim.sim.simpy_fast import call_in, fire_in_place, fire_in_place_inner, go_on_now
 
 CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "stash", "buffers", "workspace",
                                "peer_swap")
@@ -229,6 +229,10 @@ class DeviceMemory:
         climb (``program.climbs``); a prefetch held for later leaves that much room."""
         self._waiting: list[_Waiter] = []
         """Who waits for a change, in order (``_until``)."""
+        self._deferring = False
+        """Whether a stream's step defers its poke's recheck to its end (``defer_pokes``)."""
+        self._deferred: list[_Waiter] | None = None
+        """The waiters a deferred recheck will look at (``settle``)."""
 
     def change(self, entries: Sequence[Entry]) -> None:
         """Allocate and free now, without waiting (an allocation may exceed capacity: the
@@ -271,6 +275,8 @@ class DeviceMemory:
         goes on in the same instant and turn as it did when it woke itself."""
         gate = self.env.event()
         self._waiting.append((n_bytes, held_until, gate))
+        if self._deferring:  # a stream's step ends waiting for room: its waiter is in line first
+            self.settle()
         return gate
 
     def _must_wait(self, n_bytes: int, held_until: Hashable | None) -> bool:
@@ -362,7 +368,44 @@ class DeviceMemory:
     def _poke_waiting(self) -> None:
         """``poke`` with someone waiting."""
         batch, self._waiting = self._waiting, []
+        if self._deferring:
+            if self._deferred is None:  # the recheck is scheduled, or done, by ``settle``
+                self._deferred = batch
+                return
+            self._schedule_recheck(self._deferred)  # a second batch in one step: keep their order
+            self._deferred = None
+        self._schedule_recheck(batch)
+
+    def _schedule_recheck(self, batch: list[_Waiter]) -> None:
         call_in(self.env, 0.0, lambda _e: self._recheck(batch))
+
+    def defer_pokes(self) -> None:
+        """A compute stream's step begins: the recheck a poke schedules waits for the
+        step's end (``settle``)."""
+        self._deferring = True
+
+    def settle(self, last_act: bool = True) -> None:
+        """The step that ``defer_pokes`` began ends: the recheck of its first poke runs
+        now when its event would be the next processed (``last_act``: the stream only
+        waits from here on, and ``simpy_fast.go_on_now``: nothing queued for this
+        instant), else its event is scheduled now. A wait for room settles the step
+        itself once the waiter is in line (``_until``).
+
+        Timing: the waiters are let go against the state the step leaves, as when the
+        event was scheduled at the poke and processed after the step. The event now
+        takes its place at the step's end, behind what the step scheduled since the
+        poke: in a stream's step of prefetched swaps without data or tensor parallelism
+        that is a copy's start after its route's latency, or a process's urgent start,
+        neither for the same instant on a route with a latency (on-demand swaps, whose
+        reach events would be, are not deferred: ``ComputeStream._run_pieces``)."""
+        self._deferring = False
+        batch = self._deferred
+        if batch is not None:
+            self._deferred = None
+            if last_act and go_on_now(self.env):
+                self._recheck(batch)
+            else:
+                self._schedule_recheck(batch)
 
     def _recheck(self, batch: list[_Waiter]) -> None:
         """Let go, in order, each of ``batch`` that need not wait any more (its waiter

@@ -17,14 +17,17 @@ done at once (``go_on_now``: a copy engine granted as it is asked for, a lone la
 of the network): the order of everything else is the same, only the counter's numbers
 are fewer.
 
-Three places leave that rule and move events in the order of one instant (each says so
+Four places leave that rule and move events in the order of one instant (each says so
 in its doc): a prefetched swap-in schedules its sleep as it is made, not from its urgent
 start (``swapper.SwapInSteps``); a host copy is granted its engine without events, as it
 asks or by the release, and a host swap-out takes its engine in the stream's step
 (``copy_engine.EnginePool.take``); a flow that starts alone keeps the network's pending
-wake-up (``network``). Each moves events scheduled for a later instant ahead of others
-scheduled in the same instant, which shows only where two fall on the very same later
-instant. Measured with ``benchmarks/engine_equivalence.py`` (full, against 44a91a1): of
+wake-up (``network``); a compute stream's step schedules its memory recheck at its end,
+or runs it there when it would be next (``memory.DeviceMemory.settle``). The first two
+move events scheduled for a later instant ahead of others scheduled in the same instant,
+which shows only where two fall on the very same later instant; the last moves a
+recheck behind what the step scheduled after its poke, none of it for the same instant
+in the runs measured. Measured with ``benchmarks/engine_equivalence.py`` (full, against 44a91a1): of
 118 jobs, 3 differ, with the same iteration times and per-GPU peaks. In one (PipeDream,
 cpu-swap, gpt-15.4b on dgx1-v100) a weight version's stash-out and swap-in, equal in
 size and started in one instant, land in one instant in the other order: the same spans
