@@ -82,6 +82,7 @@ def _host_copies(callbacks: bool) -> Log:
     ctx.net = Network(env)
     ctx.engines = [CopyEngines(env, g, 2) for g in range(ctx.topo.n_gpus)]
     ctx.spans = []
+    ctx._host_ways = {}
     log: Log = []
 
     def copy(k: int, gpu: int, n_bytes: int, to_host: bool) -> None:

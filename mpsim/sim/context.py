@@ -106,6 +106,8 @@ class RunContext:
         self.spans: list[Span] = []
         self.costs = CostLedger(self.env, topo.n_gpus)
         self.on_task = progress.current()
+        self._host_ways: dict[tuple[int, bool], HostWay] = {}
+        """Per (GPU, toward the host): what its host copies share (``start_host_copy``)."""
         """Called after every task when a caller shows progress (``sim.progress``)."""
 
     @property
@@ -160,7 +162,25 @@ class RunContext:
         """``host_copy`` for a caller that waits for nothing else: the same steps on the
         same events, each a callback instead of a process resumed, and ``then()`` called
         when the copy has landed and its engine is given back (``HostCopy``)."""
-        HostCopy(self, gpu, n_bytes, to_host, label, then)
+        way = self._host_ways.get((gpu, to_host))
+        if way is None:
+            way = self._host_ways[(gpu, to_host)] = HostWay(self, gpu, to_host)
+        HostCopy(way, n_bytes, label, then)
+
+
+class HostWay:
+    """What every host copy of one GPU in one direction shares: its engines, its route
+    and its lane (``RunContext.host_engines``, ``host_route``, ``host_span``), looked up
+    once per run."""
+
+    __slots__ = ("run", "gpu", "pool", "route", "lane")
+
+    def __init__(self, run: RunContext, gpu: int, to_host: bool) -> None:
+        self.run = run
+        self.gpu = gpu
+        self.pool = run.host_engines(gpu, to_host)
+        self.route = run.host_route(gpu, to_host)
+        self.lane = "d2h" if to_host else "h2d"
 
 
 class HostCopy:
@@ -172,28 +192,27 @@ class HostCopy:
     its generator frames per copy, the request's and the transfer's events, and the
     grant and hand-over events (``EnginePool``'s doc says what that moves)."""
 
-    __slots__ = ("run", "gpu", "n_bytes", "to_host", "label", "then", "pool", "start_s")
+    __slots__ = ("way", "n_bytes", "label", "then", "start_s")
 
-    def __init__(self, run: RunContext, gpu: int, n_bytes: int, to_host: bool, label: str,
-                 then: Callable[[], None]) -> None:
-        self.run = run
-        self.gpu = gpu
+    def __init__(self, way: HostWay, n_bytes: int, label: str, then: Callable[[], None]) -> None:
+        self.way = way
         self.n_bytes = n_bytes
-        self.to_host = to_host
         self.label = label
         self.then = then
         self.start_s = 0.0
-        pool = self.pool = run.host_engines(gpu, to_host)
-        if pool.take(self):  # granted in place
+        if way.pool.take(self):  # granted in place
             self.granted(None)
 
     def granted(self, _event: simpy.Event | None) -> None:
         """The engine is ours: the flow starts (after its route's latency)."""
-        run = self.run
-        self.start_s = run.env.now
-        run.net.transfer_then(run.host_route(self.gpu, self.to_host), self.n_bytes, self._landed)
+        way = self.way
+        net = way.run.net
+        self.start_s = net.env.now
+        net.transfer_then(way.route, self.n_bytes, self._landed)
 
     def _landed(self, _event: simpy.Event | None) -> None:
-        self.pool.release(self)
-        self.run.host_span(self.gpu, self.to_host, self.label, self.start_s)
+        way = self.way
+        way.pool.release(self)
+        run = way.run
+        run.spans.append(Span(way.gpu, way.lane, self.label, self.start_s, run.env.now))
         self.then()

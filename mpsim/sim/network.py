@@ -74,13 +74,13 @@ Landing = Callable[[simpy.Event | None], None]
 
 
 class _Flow:
-    __slots__ = ("route", "links", "names", "narrowest", "remaining", "rate", "done", "seq")
+    """An active flow: its path, bytes left (as of the network's last change), rate,
+    what its landing fires and its start number."""
+
+    __slots__ = ("path", "remaining", "rate", "done", "seq")
 
     def __init__(self, path: _Path, n_bytes: float, done: simpy.Event | _Group | Landing, seq: int) -> None:
-        self.route = path.route
-        self.links = path.links
-        self.names = path.names
-        self.narrowest = path.narrowest
+        self.path = path
         self.remaining = float(n_bytes)
         self.rate = 0.0
         self.done = done
@@ -288,7 +288,7 @@ class Network:
     def _record_rates(self) -> None:
         per_link: dict[str, float] = defaultdict(float)
         for f in self._flows:
-            for link in f.links:
+            for link in f.path.links:
                 per_link[link.name] += f.rate
         self.rate_log.append((self.env.now, dict(per_link)))
 
@@ -357,7 +357,7 @@ def _remember(key: tuple[int, ...], flows: list[_Flow]) -> _Config:
         for old in list(_CONFIGS)[: CONFIGS // 2]:
             del _CONFIGS[old]
     rates, busy = _config_rates(flows)
-    config = _CONFIGS[key] = (rates, busy, tuple(f.route for f in flows))
+    config = _CONFIGS[key] = (rates, busy, tuple(f.path.route for f in flows))
     return config
 
 
@@ -368,8 +368,9 @@ def _config_rates(flows: list[_Flow]) -> tuple[tuple[float, ...], tuple[str, ...
     members: dict[str, list[_Flow]] = {}
     slots = 0
     for f in flows:
-        slots += len(f.names)
-        for name in f.names:
+        names = f.path.names
+        slots += len(names)
+        for name in names:
             shared = members.get(name)
             if shared is None:
                 members[name] = [f]
@@ -377,11 +378,11 @@ def _config_rates(flows: list[_Flow]) -> tuple[tuple[float, ...], tuple[str, ...
                 shared.append(f)
     busy = tuple(members)
     if slots == len(members):  # no link shared: each flow runs at its narrowest link
-        return tuple(f.narrowest for f in flows), busy
+        return tuple(f.path.narrowest for f in flows), busy
     capacity: dict[str, float] = {}
     for f in flows:
         f.rate = -1.0
-        for link in f.links:
+        for link in f.path.links:
             capacity[link.name] = link.bandwidth
     _fill(members, capacity)
     return tuple(f.rate for f in flows), busy
@@ -405,7 +406,7 @@ def _fill(members: dict[str, list[_Flow]], capacity: dict[str, float]) -> None:
         for f in members[best_name]:
             if f.rate < 0:
                 f.rate = share
-                for name in f.names:
+                for name in f.path.names:
                     capacity[name] -= share
                     left = unfrozen[name] - 1
                     if left:
