@@ -169,14 +169,17 @@ class RunContext:
 
 
 class HostWay:
-    """What every host copy of one GPU in one direction shares: its engines, its route
-    and its lane (``RunContext.host_engines``, ``host_route``, ``host_span``), looked up
-    once per run."""
+    """What every host copy of one GPU in one direction shares: the network, the spans,
+    its engines, its route and its lane (``RunContext.host_engines``, ``host_route``,
+    ``host_span``), looked up once per run. It holds no reference to the run (the run
+    holds it): a finished run is freed by reference counting, not left to the cyclic
+    garbage collector (``simpy_fast.gc_paused``)."""
 
-    __slots__ = ("run", "gpu", "pool", "route", "lane")
+    __slots__ = ("net", "spans", "gpu", "pool", "route", "lane")
 
     def __init__(self, run: RunContext, gpu: int, to_host: bool) -> None:
-        self.run = run
+        self.net = run.net
+        self.spans = run.spans
         self.gpu = gpu
         self.pool = run.host_engines(gpu, to_host)
         self.route = run.host_route(gpu, to_host)
@@ -206,13 +209,12 @@ class HostCopy:
     def granted(self, _event: simpy.Event | None) -> None:
         """The engine is ours: the flow starts (after its route's latency)."""
         way = self.way
-        net = way.run.net
+        net = way.net
         self.start_s = net.env.now
         net.transfer_then(way.route, self.n_bytes, self._landed)
 
     def _landed(self, _event: simpy.Event | None) -> None:
         way = self.way
         way.pool.release(self)
-        run = way.run
-        run.spans.append(Span(way.gpu, way.lane, self.label, self.start_s, run.env.now))
+        way.spans.append(Span(way.gpu, way.lane, self.label, self.start_s, way.net.env.now))
         self.then()
