@@ -14,7 +14,7 @@ from mpsim.sim.layout import Layout
 from mpsim.sim.memory import DeviceMemory, MemoryLog
 from mpsim.sim.network import Network
 from mpsim.sim.result import COSTS, Span
-from mpsim.sim.simpy_fast import events_scheduled
+from mpsim.sim.simpy_fast import events_scheduled, fire_in_place, go_on_now
 from mpsim.topology import HOST, Route
 from mpsim.units import GiB
 
@@ -36,6 +36,16 @@ class Signals:
         if ev is None:
             ev = self._events[key] = self._env.event()
         return ev
+
+    def fire(self, *key: object) -> None:
+        """Succeed the signal ``key`` as a callback's last act: in place, its waiters
+        going on now, where its event would be the next processed
+        (``simpy_fast.go_on_now``), else through its event."""
+        event = self(*key)
+        if go_on_now(self._env):
+            fire_in_place(event)
+        else:
+            event.succeed()
 
     def reach(self, key: tuple[int, int, int]) -> None:
         """The backward of (stage, mb, layer) has reached the layer and waits for it."""

@@ -141,7 +141,7 @@ class Swapper:
         left = self._chunks_left.get(key, self._chunks[so.layer]) - 1
         self._chunks_left[key] = left
         if left == 0:
-            self.run.signals("out", self.stage, mb, so.layer).succeed()
+            self.run.signals.fire("out", self.stage, mb, so.layer)
 
     def _to_peers(self, so: SwapOut, mb: int, n_bytes: int, label: str) -> Generator[simpy.Event, object, None]:
         """D2D swap-out striped over the peers; each peer's area is allocated as it starts."""
@@ -192,7 +192,7 @@ class Swapper:
 
         def landed() -> None:
             run.host.change([(-si.n_bytes, "stash" if si.layer == STASH else "activations", labels.in_host)])
-            run.signals("in", self.stage, mb, si.layer).succeed()
+            run.signals.fire("in", self.stage, mb, si.layer)
 
         run.start_host_copy(self.gpu, si.n_bytes, False, labels.in_span, landed)
 
@@ -208,7 +208,7 @@ class Swapper:
             run.memory[peer].change([(-part, "peer_swap",
                                       f"D2D swap area of GPU {g} layer {si.layer} microbatch {mb} released")])
         run.spans.append(Span(g, "copy", f"D2D swap-in L{si.layer} mb{mb}", start, run.env.now))
-        run.signals("in", self.stage, mb, si.layer).succeed()
+        run.signals.fire("in", self.stage, mb, si.layer)
 
     # ---- weight versions and optimizer states -------------------------------------------
     def stash_out(self, mb: int, n_bytes: int) -> Generator[simpy.Event, object, None]:
@@ -218,7 +218,7 @@ class Swapper:
         labels = swap_labels(STASH, mb, self.gpu, "host")
         yield from run.host_copy(self.gpu, n_bytes, True, labels.out_span)
         run.host.change([(n_bytes, "stash", labels.out_host)])
-        run.signals("out", self.stage, mb, STASH).succeed()
+        run.signals.fire("out", self.stage, mb, STASH)
 
     def start_optimizer_out(self, layer: int, n_bytes: int) -> None:
         """Stream a layer's optimizer states back to the host after its update."""
