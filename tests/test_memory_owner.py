@@ -127,3 +127,45 @@ def test_a_step_that_defers_its_poke_lets_waiters_go_as_the_poke_s_event_would()
     for busy in (False, True):
         assert run(True, busy) == run(False, busy)
     assert run(True, False) == [("x", 1.0, 80), ("y", 1.0, 120)]
+
+
+def test_a_landed_free_with_a_signal_lets_waiters_go_then_fires_as_the_two_events_would():
+    """``end_free_last``: in place where the recheck would be next, else through events;
+    either way the waiter goes first, then whoever waits on the signal, at the same
+    instant, with the same bytes in use."""
+
+    def run(last: bool, busy: bool) -> list[tuple[str, float, int]]:
+        env = simpy.Environment()
+        mem = DeviceMemory(env, 0, 100, MemoryLog(1))
+        mem.change([(90, "activations", "held")])
+        log: list[tuple[str, float, int]] = []
+        signal = env.event()
+
+        def asker():
+            yield from mem.acquire([(30, "activations", "x")])
+            log.append(("granted", env.now, mem.used))
+
+        def signalled():
+            yield signal
+            log.append(("signalled", env.now, mem.used))
+
+        def landing(_event: simpy.Event) -> None:
+            if busy:
+                env.timeout(0.0).callbacks.append(lambda _e: log.append(("other", env.now, mem.used)))
+            entries = [(-60, "activations", "swapped out")]
+            if last:
+                mem.end_free_last(entries, signal)
+            else:
+                mem.end_free(entries)
+                signal.succeed()
+
+        mem.begin_free()
+        env.process(asker())
+        env.process(signalled())
+        env.timeout(1.0).callbacks.append(landing)
+        env.run()
+        return log
+
+    for busy in (False, True):
+        assert run(True, busy) == run(False, busy)
+    assert run(True, False) == [("granted", 1.0, 60), ("signalled", 1.0, 60)]

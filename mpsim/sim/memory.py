@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import simpy
 
-from mpsim.sim.simpy_fast import call_in, fire_in_place, fire_in_place_inner, go_on_now
+from mpsim.sim.simpy_fast import call_in, call_inner, fire_in_place, fire_in_place_inner, go_on_now
 
 CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "stash", "buffers", "workspace",
                                "peer_swap")
@@ -303,6 +303,34 @@ class DeviceMemory:
         self.change(entries)
         if self._waiting:
             self._poke_waiting()
+
+    def end_free_last(self, entries: Sequence[Entry], signal: simpy.Event | None) -> None:
+        """``end_free`` as its callback's last act, then only ``signal`` fired (when
+        given; ``Signals.fire``): a landed swap-out. Where the recheck's event would be
+        the next processed (``simpy_fast.go_on_now``), the waiters are rechecked now and
+        the signal fired in place right after them, as the two events, scheduled one
+        after the other, would be processed; with a signal to follow, the recheck runs
+        as an inner call (``simpy_fast.call_inner``), so that nothing it lets go takes
+        the place the signal's event held. Otherwise as ``end_free``, then
+        ``Signals.fire``."""
+        self.frees_under_way -= 1
+        self.used += self.log.events(self.device, self.env.now, entries)
+        waiting = self._waiting
+        if waiting and go_on_now(self.env):
+            self._waiting = []
+            if signal is None:
+                self._recheck(waiting)
+            else:
+                call_inner(lambda: self._recheck(waiting))
+                fire_in_place(signal)
+            return
+        if waiting:
+            self._poke_waiting()
+        if signal is not None:
+            if go_on_now(self.env):
+                fire_in_place(signal)
+            else:
+                signal.succeed()
 
     def start_task(self, template: Template, label: str) -> None:
         """Log a piece's events and hold its highest point until ``finish_task``."""

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from heapq import heappop, heappush
 from typing import Any
@@ -54,9 +54,9 @@ import simpy.events
 
 from mpsim.errors import MpsimError
 
-__all__ = ["Detached", "Fired", "SimpyInternalsError", "call_in", "call_soon", "check_simpy", "events_scheduled",
-           "fire_in_place", "fire_in_place_inner", "gc_paused", "go_on", "go_on_now", "mark_processed",
-           "missing_internals", "run_until_empty", "sleep"]
+__all__ = ["Detached", "Fired", "SimpyInternalsError", "call_in", "call_inner", "call_soon", "check_simpy",
+           "events_scheduled", "fire_in_place", "fire_in_place_inner", "gc_paused", "go_on", "go_on_now",
+           "mark_processed", "missing_internals", "run_until_empty", "sleep"]
 
 Steps = Generator[simpy.Event, object, None]
 NORMAL = simpy.events.NORMAL
@@ -186,6 +186,17 @@ def fire_in_place_inner(event: simpy.Event) -> None:
     _Inner.depth += 1
     try:
         fire_in_place(event)
+    finally:
+        _Inner.depth -= 1
+
+
+def call_inner(callback: Callable[[], None]) -> None:
+    """Call ``callback`` as ``fire_in_place_inner`` fires an event: while it runs,
+    ``go_on_now`` says no (``DeviceMemory.end_free_last``: a recheck with a signal to
+    fire after it)."""
+    _Inner.depth += 1
+    try:
+        callback()
     finally:
         _Inner.depth -= 1
 

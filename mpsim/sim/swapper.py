@@ -130,18 +130,16 @@ class Swapper:
 
     def _swapped_out(self, mb: int, so: SwapOut) -> None:
         """The swap-out has landed: free its bytes on the GPU; the layer's last chunk
-        signals it out."""
+        signals it out. The last act of the landing's callback (``end_free_last``)."""
         labels = swap_labels(so.layer, mb, self.gpu, so.target)
         entries: list[Entry] = [(-so.own_bytes, "activations", labels.out_own)]
         if so.input_bytes:
             entries.append((-so.input_bytes, so.input_cat, labels.out_input))
         entries.append((so.own_bytes + so.input_bytes, labels.ledger, labels.out_ledger))
-        self.memory.end_free(entries)
         key = (mb, so.layer)
         left = self._chunks_left.get(key, self._chunks[so.layer]) - 1
         self._chunks_left[key] = left
-        if left == 0:
-            self.run.signals.fire("out", self.stage, mb, so.layer)
+        self.memory.end_free_last(entries, self.run.signals("out", self.stage, mb, so.layer) if left == 0 else None)
 
     def _to_peers(self, so: SwapOut, mb: int, n_bytes: int, label: str) -> Generator[simpy.Event, object, None]:
         """D2D swap-out striped over the peers; each peer's area is allocated as it starts."""
