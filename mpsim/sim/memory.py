@@ -304,33 +304,34 @@ class DeviceMemory:
         if self._waiting:
             self._poke_waiting()
 
-    def end_free_last(self, entries: Sequence[Entry], signal: simpy.Event | None) -> None:
-        """``end_free`` as its callback's last act, then only ``signal`` fired (when
-        given; ``Signals.fire``): a landed swap-out. Where the recheck's event would be
-        the next processed (``simpy_fast.go_on_now``), the waiters are rechecked now and
-        the signal fired in place right after them, as the two events, scheduled one
-        after the other, would be processed; with a signal to follow, the recheck runs
-        as an inner call (``simpy_fast.call_inner``), so that nothing it lets go takes
-        the place the signal's event held. Otherwise as ``end_free``, then
-        ``Signals.fire``."""
+    def end_free_last(self, entries: Sequence[Entry], *signals: simpy.Event) -> None:
+        """``end_free`` as its callback's last act, then only ``signals`` fired in turn
+        (a landed swap-out's, a send's). Where the recheck's event would be the next
+        processed (``simpy_fast.go_on_now``), the waiters are rechecked now and the
+        signals fired in place right after them, as the events, scheduled one after the
+        other, would be processed; all but the last run as inner calls
+        (``simpy_fast.call_inner``, ``fire_in_place_inner``), so that nothing they let go
+        takes the place an event after them held. Otherwise as ``end_free``, then the
+        signals succeeded in turn (the first in place where it would be next)."""
         self.frees_under_way -= 1
         self.used += self.log.events(self.device, self.env.now, entries)
         waiting = self._waiting
-        if waiting and go_on_now(self.env):
-            self._waiting = []
-            if signal is None:
-                self._recheck(waiting)
-            else:
+        if go_on_now(self.env):
+            if waiting:
+                self._waiting = []
+                if not signals:
+                    self._recheck(waiting)
+                    return
                 call_inner(lambda: self._recheck(waiting))
-                fire_in_place(signal)
+            for signal in signals[:-1]:
+                fire_in_place_inner(signal)
+            if signals:
+                fire_in_place(signals[-1])
             return
         if waiting:
             self._poke_waiting()
-        if signal is not None:
-            if go_on_now(self.env):
-                fire_in_place(signal)
-            else:
-                signal.succeed()
+        for signal in signals:
+            signal.succeed()
 
     def start_task(self, template: Template, label: str) -> None:
         """Log a piece's events and hold its highest point until ``finish_task``."""

@@ -139,7 +139,10 @@ class Swapper:
         key = (mb, so.layer)
         left = self._chunks_left.get(key, self._chunks[so.layer]) - 1
         self._chunks_left[key] = left
-        self.memory.end_free_last(entries, self.run.signals("out", self.stage, mb, so.layer) if left == 0 else None)
+        if left == 0:
+            self.memory.end_free_last(entries, self.run.signals("out", self.stage, mb, so.layer))
+        else:
+            self.memory.end_free_last(entries)
 
     def _to_peers(self, so: SwapOut, mb: int, n_bytes: int, label: str) -> Generator[simpy.Event, object, None]:
         """D2D swap-out striped over the peers; each peer's area is allocated as it starts."""
