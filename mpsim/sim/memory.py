@@ -443,18 +443,24 @@ class DeviceMemory:
         ``_must_wait``'s, written out: this loop runs for every waiter at every poke.
         A waiter let go before the batch's last is fired as an inner call
         (``simpy_fast.fire_in_place_inner``): this loop still has work after it, so it
-        must not skip an event of its own (``go_on_now``)."""
+        must not skip an event of its own (``go_on_now``). What the test reads of this
+        owner (bytes in use, the climb, frees under way, the line) changes only while a
+        waiter goes on, so it is read again after each."""
         last = batch[-1]
         reached, capacity = self.reached, self.capacity
+        room = capacity - self.used
+        held_room, freeing, put_back = room - self.climb_bytes, self.frees_under_way > 0, self._waiting.append
         for waiter in batch:
             n_bytes, held_until, gate = waiter
             if held_until is not None and held_until not in reached:
-                wait = self.used + n_bytes + self.climb_bytes > capacity
+                wait = n_bytes > held_room
             else:
-                wait = self.used + n_bytes > capacity and self.frees_under_way > 0
+                wait = n_bytes > room and freeing
             if wait:
-                self._waiting.append(waiter)
+                put_back(waiter)
             elif waiter is last:  # this call's last act
                 fire_in_place(gate)
             else:
                 fire_in_place_inner(gate)
+                room = capacity - self.used
+                held_room, freeing, put_back = room - self.climb_bytes, self.frees_under_way > 0, self._waiting.append
