@@ -198,7 +198,8 @@ def _result(run: RunContext, stages: list[_Stage], iteration_s: float) -> SimRes
     if nvme.oom:
         ooms.append(dict(nvme.oom, gpu="nvme"))
     oom = min(ooms, key=lambda o: (o["time_s"], str(o["gpu"]))) if ooms else None
-    links = {name: {"bytes": int(n), "busy_s": run.net.busy_s_by_link.get(name, 0.0)}
+    busy_s = run.net.busy_s_by_link
+    links = {name: {"bytes": int(n), "busy_s": busy_s.get(name, 0.0)}
              for name, n in sorted(run.net.bytes_by_link.items())}
     return SimResult(
         server=layout.job.where, model=trace.name, schedule=layout.schedule, strategy=layout.label,

@@ -35,13 +35,17 @@ class _Path:
     """What the fluid model needs of a route, worked out once per run: its links' names
     and bandwidths and the narrowest of those (a flow's rate when it shares no link)."""
 
-    __slots__ = ("route", "links", "names", "narrowest", "latency_s", "number")
+    __slots__ = ("route", "links", "names", "ids", "narrowest", "latency_s", "number")
 
     def __init__(self, route: Route) -> None:
         self.route = route
         """Held so that the route outlives the ``id`` that keys this path."""
         self.links = route.links
         self.names = tuple(link.name for link in route.links)
+        for name in self.names:
+            _LINKS.setdefault(name, len(_LINKS))
+        self.ids = tuple(_LINKS[name] for name in self.names)
+        """The links' numbers (``_LINKS``)."""
         self.narrowest = min(link.bandwidth for link in route.links)
         self.latency_s = route.latency_s
         self.number = id(route)
@@ -111,16 +115,40 @@ class Network:
         self._rates: tuple[float, ...] = ()
         """The active flows' rates, in their order (their configuration's)."""
         self._seq = 0
-        self.bytes_by_link: dict[str, float] = defaultdict(float)
-        self.busy_s_by_link: dict[str, float] = defaultdict(float)
+        self._bytes: list[float] = [0.0] * len(_LINKS)
+        """Bytes sent over each link (by its number in ``_LINKS``)."""
+        self._busy_s: list[float] = [0.0] * len(_LINKS)
+        """Seconds each link (by its number in ``_LINKS``) has been busy."""
         self._paths: dict[int, _Path] = {}
-        self._busy: tuple[str, ...] = ()
-        """The links the active flows keep busy (``_advance`` charges them)."""
+        self._busy: tuple[int, ...] = ()
+        """The links the active flows keep busy, by number (``_advance`` charges them)."""
+
+    @property
+    def bytes_by_link(self) -> dict[str, float]:
+        """Bytes sent over each link a transfer has used, in the order first used."""
+        out: dict[str, float] = {}
+        for path in self._paths.values():
+            for name, i in zip(path.names, path.ids, strict=True):
+                out[name] = self._bytes[i]
+        return out
+
+    @property
+    def busy_s_by_link(self) -> dict[str, float]:
+        """Seconds each link has been busy, for the links busy at some time."""
+        out: dict[str, float] = {}
+        for path in self._paths.values():
+            for name, i in zip(path.names, path.ids, strict=True):
+                if self._busy_s[i] > 0:
+                    out[name] = self._busy_s[i]
+        return out
 
     def _path(self, route: Route) -> _Path:
         path = self._paths.get(id(route))
         if path is None:
             path = self._paths[id(route)] = _Path(route)
+            if len(self._busy_s) < len(_LINKS):  # links numbered since this network began
+                self._busy_s.extend([0.0] * (len(_LINKS) - len(self._busy_s)))
+                self._bytes.extend([0.0] * (len(_LINKS) - len(self._bytes)))
         return path
 
     def transfer(self, route: Route, n_bytes: int) -> simpy.Event:
@@ -129,9 +157,9 @@ class Network:
         path = self._paths.get(id(route))
         if path is None:
             path = self._path(route)
-        bytes_by_link = self.bytes_by_link
-        for name in path.names:
-            bytes_by_link[name] += n_bytes
+        moved = self._bytes
+        for i in path.ids:
+            moved[i] += n_bytes
         if n_bytes <= 0:
 
             def land(_e: simpy.Event) -> None:
@@ -151,9 +179,9 @@ class Network:
         path = self._paths.get(id(route))
         if path is None:
             path = self._path(route)
-        bytes_by_link = self.bytes_by_link
-        for name in path.names:
-            bytes_by_link[name] += n_bytes
+        moved = self._bytes
+        for i in path.ids:
+            moved[i] += n_bytes
         if n_bytes <= 0:
             call_in(env, path.latency_s, lambda _e: call_in(env, 0.0, then))  # as transfer's land + succeed
             return
@@ -168,8 +196,8 @@ class Network:
         for route, n in zip(routes, n_bytes, strict=True):
             path = self._path(route)
             paths.append(path)
-            for name in path.names:
-                self.bytes_by_link[name] += n
+            for i in path.ids:
+                self._bytes[i] += n
         sends = [(path, n) for path, n in zip(paths, n_bytes) if n > 0]
         if not sends:
 
@@ -198,9 +226,9 @@ class Network:
         if dt > 0:
             for f in self._flows:
                 f.remaining -= f.rate * dt
-            busy_s = self.busy_s_by_link
-            for name in self._busy:
-                busy_s[name] += dt
+            busy_s = self._busy_s
+            for i in self._busy:
+                busy_s[i] += dt
         self._last = now
 
     def _add_flow(self, path: _Path, n_bytes: int, done: simpy.Event | _Group | Landing) -> None:
@@ -217,9 +245,9 @@ class Network:
         if dt > 0:
             for f in flows:
                 f.remaining -= f.rate * dt
-            busy_s = self.busy_s_by_link
-            for name in self._busy:
-                busy_s[name] += dt
+            busy_s = self._busy_s
+            for i in self._busy:
+                busy_s[i] += dt
         self._last = now
         self._seq += 1
         flow = _Flow(path, n_bytes, done, self._seq)
@@ -246,7 +274,7 @@ class Network:
         if self.env.now + flow.remaining / rate < self._wake_at_s:
             return False
         flow.rate = rate
-        self._rates, self._busy = rates, config[1]
+        self._rates, self._busy = rates, config[3]
         if self.record_rates:
             self._record_rates()
         return True
@@ -270,7 +298,7 @@ class Network:
         config = _CONFIGS.get(key)
         if config is None:
             config = _remember(key, flows)
-        rates, self._busy, _routes = config
+        rates, _names, _routes, self._busy = config
         self._rates = rates
         dt = math.inf
         for f, rate in zip(flows, rates):
@@ -307,9 +335,9 @@ class Network:
         if dt > 0:
             for f in flows:
                 f.remaining -= f.rate * dt
-            busy_s = self.busy_s_by_link
-            for name in self._busy:
-                busy_s[name] += dt
+            busy_s = self._busy_s
+            for i in self._busy:
+                busy_s[i] += dt
         self._last = now
         landed = [i for i, f in enumerate(flows) if f.remaining <= _EPS * (f.rate if f.rate > 1.0 else 1.0)]
         if not landed:  # rounding left a sliver: finish the earliest flow now
@@ -341,13 +369,18 @@ class Network:
                 call_in(self.env, 0.0, done)
 
 
+_LINKS: dict[str, int] = {}
+"""Every link name met in this process, numbered in the order met: a network charges
+busy time to a list by these numbers (a list index, where a dict of names would hash)."""
+
 CONFIGS = 8192
 """Configurations remembered per process (``_CONFIGS``)."""
-_Config = tuple[tuple[float, ...], tuple[str, ...], tuple[Route, ...]]
+_Config = tuple[tuple[float, ...], tuple[str, ...], tuple[Route, ...], tuple[int, ...]]
 _CONFIGS: dict[tuple[int, ...], _Config] = {}
 """Per configuration (the active flows' route ids, in order): each flow's rate, the links
-they keep busy, and the routes themselves. Holding the routes keeps their ids from being
-reused by other objects while the entry lives, so equal keys always mean the same routes."""
+they keep busy, the routes themselves, and the busy links' numbers (``_LINKS``). Holding
+the routes keeps their ids from being reused by other objects while the entry lives, so
+equal keys always mean the same routes."""
 
 
 def _remember(key: tuple[int, ...], flows: list[_Flow]) -> _Config:
@@ -357,7 +390,7 @@ def _remember(key: tuple[int, ...], flows: list[_Flow]) -> _Config:
         for old in list(_CONFIGS)[: CONFIGS // 2]:
             del _CONFIGS[old]
     rates, busy = _config_rates(flows)
-    config = _CONFIGS[key] = (rates, busy, tuple(f.path.route for f in flows))
+    config = _CONFIGS[key] = (rates, busy, tuple(f.path.route for f in flows), tuple(_LINKS[name] for name in busy))
     return config
 
 
