@@ -408,10 +408,10 @@ class DeviceMemory:
     def _schedule_recheck(self, batch: list[_Waiter]) -> None:
         call_in(self.env, 0.0, lambda _e: self._recheck(batch))
 
-    def defer_pokes(self) -> None:
+    def defer_pokes(self, on: bool = True) -> None:
         """A compute stream's step begins: the recheck a poke schedules waits for the
-        step's end (``settle``)."""
-        self._deferring = True
+        step's end (``settle``); with ``on`` false, nothing changes."""
+        self._deferring = on
 
     def settle(self, last_act: bool = True) -> None:
         """The step that ``defer_pokes`` began ends: the recheck of its first poke runs

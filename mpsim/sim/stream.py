@@ -43,11 +43,12 @@ class ComputeStream:
     each task waits for its turn in the GPU's order (``turns``) before it waits for its
     input, as Megatron-LM's blocking receive holds the GPU.
 
-    From a piece's end to its next wait (the next piece's end, a swap-in, room), a step
-    of prefetched swaps without data or tensor parallelism defers its memory poke's
-    recheck to the step's end (``DeviceMemory.defer_pokes``, ``settle``): the waiters
-    see the state the step leaves, as they would through the poke's event; a step that
-    leaves ``_run_pieces`` for the next task schedules the recheck there."""
+    From a task's start, a swap-in's landing or a piece's end to the next wait (a piece's
+    end, a swap-in, room), a step of prefetched swaps without data or tensor parallelism
+    defers its memory poke's recheck to the step's end (``DeviceMemory.defer_pokes``,
+    ``settle``): the waiters see the state the step leaves, as they would through the
+    poke's event; a step that leaves ``_run_pieces`` for the next task schedules the
+    recheck there."""
 
     def __init__(self, run: RunContext, stage: int, program: StageProgram, swapper: Swapper, updater: Updater,
                  channels: PeerChannels, stash_in: SwapIn | None, dp: DataParallel | None = None,
@@ -157,6 +158,7 @@ class ComputeStream:
         word = "forward" if forward else "backward"
         label = f"{word} of microbatch {mb} on stage {stage}:"
         defer = not run.on_demand and dp is None and self.tp is None  # see DeviceMemory.settle
+        memory.defer_pokes(defer)  # from the task's start to its first wait: one recheck at the wait
         for piece, climb_before, climb_running, climb_after, wait_cost in steps:
             memory.set_climb(climb_before)
             if piece.wait_for is not None:  # _wait_for_swap_in, written out for the hot loop
@@ -168,6 +170,7 @@ class ComputeStream:
                     memory.settle()
                     yield landed
                     run.costs.add(self.gpu, wait_cost, env.now - start_s)
+                    memory.defer_pokes(defer)  # from the swap-in's landing to the next wait
             if dp is not None and piece.layer is not None:
                 yield from dp.wait_for_gather(mb, task.kind, piece.layer)
             template = piece.template
@@ -179,8 +182,7 @@ class ComputeStream:
                 ends = sleep(env, piece.duration_s)
                 memory.settle()
                 yield ends
-                if defer:  # the step from this piece's end to the next wait: one recheck at its end
-                    memory.defer_pokes()
+                memory.defer_pokes(defer)  # from this piece's end to the next wait
             if piece.collectives and self.tp is not None:
                 yield from self.tp.communicate(piece.collectives, f"{word} of microbatch {mb}")
             memory.end_piece(template, climb_after)
