@@ -14,8 +14,9 @@ They were written against simpy 4.1 (``simpy.Environment.step`` and
 event that would be processed right after the running callback, with nothing queued
 for the instant and nothing left for the callback to do, may be skipped and its work
 done at once (``go_on_now``: a copy engine granted as it is asked for, a lone landing
-of the network, a swap's signal, a compute step's memory recheck): the order of
-everything else is the same, only the counter's numbers are fewer.
+of the network, a swap's signal, a compute step's memory recheck, a landed copy's
+recheck and signals fired in the order of their events, ``DeviceMemory.end_free_last``):
+the order of everything else is the same, only the counter's numbers are fewer.
 
 Four places leave that rule and move events in the order of one instant (each says so
 in its doc): a prefetched swap-in schedules its sleep as it is made, not from its urgent
