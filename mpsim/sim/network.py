@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import threading
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -42,9 +43,11 @@ class _Path:
         """Held so that the route outlives the ``id`` that keys this path."""
         self.links = route.links
         self.names = tuple(link.name for link in route.links)
-        for name in self.names:
-            _LINKS.setdefault(name, len(_LINKS))
-        self.ids = tuple(_LINKS[name] for name in self.names)
+        with _NUMBERING:  # runs on several threads share the numbers
+            for name in self.names:
+                if name not in _LINKS:
+                    _LINKS[name] = len(_LINKS)
+            self.ids = tuple(_LINKS[name] for name in self.names)
         """The links' numbers (``_LINKS``)."""
         self.narrowest = min(link.bandwidth for link in route.links)
         self.latency_s = route.latency_s
@@ -371,7 +374,9 @@ class Network:
 
 _LINKS: dict[str, int] = {}
 """Every link name met in this process, numbered in the order met: a network charges
-busy time to a list by these numbers (a list index, where a dict of names would hash)."""
+busy time to a list by these numbers (a list index, where a dict of names would hash).
+Numbered under ``_NUMBERING``, as runs on several threads may meet new links at once."""
+_NUMBERING = threading.Lock()
 
 CONFIGS = 8192
 """Configurations remembered per process (``_CONFIGS``)."""
