@@ -13,7 +13,9 @@ The jobs cover every strategy (none, recompute, selective, cpu-swap, host-swap, 
 mpress, tsplit, zero-offload, best), the layouts (pipeline, interleaved, DDP, ZeRO,
 FSDP, hybrid, tensor and sequence parallel) and the schedules (1f1b, gpipe, pipedream),
 plus ``bench_simulate``'s swap-heavy and swap-recompute plans with link rates recorded.
-Differences are printed per job and field; the exit status is 1 when there are any.
+Differences are printed per job and field, then how many jobs differ and the largest
+relative difference among them of the iteration time and of any GPU's peak memory; the
+exit status is 1 when there are any.
 ``SimResult.sim_events`` (the work the engine did) is reported, not compared.
 """
 
@@ -173,6 +175,22 @@ def compare(base: dict[str, dict[str, Any]], mine: dict[str, dict[str, Any]]) ->
     return lines
 
 
+def moved(base: dict[str, dict[str, Any]], mine: dict[str, dict[str, Any]]) -> str:
+    """How far the jobs that differ moved: how many differ, and the largest relative
+    difference of the iteration time and of any GPU's peak memory among them."""
+    jobs = [j for j in mine if "digest" in mine[j] and "digest" in base.get(j, {})
+            and base[j]["digest"] != mine[j]["digest"]]
+    worst_time = worst_peak = 0.0
+    for j in jobs:
+        a, b = base[j]["digest"], mine[j]["digest"]
+        t_a, t_b = float(a["iteration_s"]), float(b["iteration_s"])
+        worst_time = max(worst_time, abs(t_b - t_a) / abs(t_a) if t_a else float(t_a != t_b))
+        for p_a, p_b in zip(a["peaks"], b["peaks"], strict=True):
+            worst_peak = max(worst_peak, abs(p_b - p_a) / p_a if p_a else float(p_a != p_b))
+    return (f"{len(jobs)} jobs differ; largest relative difference: iteration time {worst_time:.3g}, "
+            f"per-GPU peak memory {worst_peak:.3g}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", type=Path, help="the baseline checkout (a worktree of the starting commit)")
@@ -191,6 +209,7 @@ def main() -> None:
     compared = [j for j in mine if "digest" in mine[j]]
     for line in diffs:
         print(line)
+    print(moved(base, mine))
     ev_base = sum(base[j]["events"] for j in compared if j in base and "events" in base[j])
     ev_mine = sum(mine[j]["events"] for j in compared if "events" in mine[j])
     print(f"{len(compared)} jobs compared ({len(mine) - len(compared)} refused alike), {len(diffs)} differences; "

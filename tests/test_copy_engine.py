@@ -82,6 +82,7 @@ def _host_copies(callbacks: bool) -> Log:
     ctx.net = Network(env)
     ctx.engines = [CopyEngines(env, g, 2) for g in range(ctx.topo.n_gpus)]
     ctx.spans = []
+    ctx._host_ways = {}
     log: Log = []
 
     def copy(k: int, gpu: int, n_bytes: int, to_host: bool) -> None:
@@ -106,3 +107,58 @@ def _host_copies(callbacks: bool) -> Log:
 def test_a_host_copy_as_callbacks_keeps_the_process_version_s_order_and_times():
     by_callbacks = _host_copies(True)
     assert by_callbacks == _host_copies(False) and len(by_callbacks) == 6
+
+
+def test_a_transfer_with_a_callback_lands_in_the_place_of_a_transfers_event():
+    """``Network.transfer_then`` calls back where ``transfer``'s event would be processed:
+    copies of both kinds, some landing together, log the same times and order as copies
+    that all wait on events."""
+
+    def run(callbacks: bool) -> Log:
+        env = simpy.Environment()
+        net = Network(env)
+        route = Route((Link("l", 1e9, 1e-6),))
+        landed: Log = []
+
+        def copy(name: str, n_bytes: int) -> Generator[simpy.Event, object, None]:
+            yield net.transfer(route, n_bytes)
+            landed.append((env.now, name))
+
+        def copy_then(name: str, n_bytes: int) -> Callable[[simpy.Event], None]:
+            def land(_event: simpy.Event | None) -> None:
+                landed.append((env.now, name))
+
+            return lambda _e: net.transfer_then(route, n_bytes, land)
+
+        for i, n_bytes in enumerate((1000, 1000, 3000, 0, 2000)):
+            name = f"copy {i}"
+            if callbacks and i % 2:
+                call_soon(env, copy_then(name, n_bytes))
+            else:
+                Detached(env, copy(name, n_bytes))
+        run_until_empty(env)
+        return landed
+
+    assert run(True) == run(False)
+
+
+def test_a_holder_is_granted_without_events_as_it_asks_and_by_the_release():
+    """``EnginePool.take``: a free engine is granted at once, even with other events
+    queued for the instant; a queued holder gets the engine from the release itself."""
+    env = simpy.Environment()
+    pool = EnginePool(env, 1)
+    granted: list[str] = []
+
+    class Holder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def granted(self, _event: simpy.Event | None) -> None:
+            granted.append(self.name)
+
+    sleep(env, 0.0)  # an event queued for this instant
+    first, second = Holder("first"), Holder("second")
+    assert pool.take(first) and not pool.take(second)
+    assert pool.users == [first] and granted == []
+    pool.release(first)
+    assert pool.users == [second] and granted == ["second"] and events_scheduled(env) == 1

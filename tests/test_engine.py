@@ -179,3 +179,37 @@ def test_progress_reporting_counts_every_task_of_every_run():
     assert len(seen) == 2 * (3 + 3 + 1) + 2 * (2 + 2 + 1)  # per stage m forwards, m backwards, one update
     simulate_job(Job(JobSpec(topo, trace, "gpipe", 2)))
     assert len(seen) == 24  # outside the block nothing is reported
+
+
+def test_a_finished_swap_heavy_run_is_freed_by_reference_counting():
+    """What a run builds holds no reference cycles (beyond a handful): the engine runs
+    with the cyclic collector paused until the run's objects are freed
+    (``simpy_fast.gc_paused``), which only pays if they are freed without it."""
+    import gc
+
+    from mpsim import load_topology, load_trace
+    from mpsim.costs import cost_model
+    from mpsim.partition import compute_balanced
+    from mpsim.plan import LayerAction, make_plan
+    from mpsim.sim.layout import job_of_plan
+
+    topo = load_topology("dgx1-v100")
+    trace = load_trace("gpt-25.5b").rescale(2)
+    times = cost_model(trace, topo.spec.gpu).layer_times
+    stages = compute_balanced(times.fwd_s + times.bwd_s, topo.n_gpus)
+    actions = {s: [LayerAction(layer=j, action="host" if k % 2 == 0 else "recompute")
+                   for k, j in enumerate(j for j in range(a, b) if trace.layers[j].kind == "transformer")]
+               for s, (a, b) in enumerate(stages)}
+    plan = make_plan(trace, topo, "1f1b", 8, list(stages), list(range(topo.n_gpus)), "swaps", actions)
+    job = job_of_plan(topo, trace, plan)
+    simulate_job(job)  # caches filled
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        result = simulate_job(job)
+        assert gc.collect() < 50
+    finally:
+        if was:
+            gc.enable()
+    assert result.sim_events > 0

@@ -87,3 +87,85 @@ def test_cpu_swap_fits_bert_064b_under_pipedream_on_the_dgx1():
     trace = load_trace("bert-0.64b").rescale(12)
     r = plan_job(JobSpec(load_topology("dgx1-v100"), trace, "pipedream", 16, strategy="cpu-swap")).result
     assert r.fits and r.max_peak_bytes <= r.gpus[0].capacity_bytes
+
+
+def test_a_step_that_defers_its_poke_lets_waiters_go_as_the_poke_s_event_would():
+    """``defer_pokes``/``settle``: the recheck runs at the step's end (in place when its
+    event would be next, else through an event then), with the same grants and times as
+    a poke whose event is scheduled at once."""
+
+    def run(defer: bool, busy: bool) -> list[tuple[str, float, int]]:
+        env = simpy.Environment()
+        mem = DeviceMemory(env, 0, 100, MemoryLog(1))
+        mem.change([(90, "activations", "held")])
+        log: list[tuple[str, float, int]] = []
+
+        def asker(name: str, n_bytes: int):
+            yield from mem.acquire([(n_bytes, "activations", name)])
+            log.append((name, env.now, mem.used))
+
+        def step():
+            mem.begin_free()
+            yield env.timeout(1.0)
+            if busy:  # something else queued for this instant: the recheck goes through an event
+                env.timeout(0.0).callbacks.append(lambda _e: log.append(("other", env.now, mem.used)))
+            if defer:
+                mem.defer_pokes()
+            mem.end_free([(-60, "activations", "freed")])  # pokes
+            mem.change([(20, "activations", "after the poke, in the same step")])
+            ends = env.timeout(1.0)
+            if defer:
+                mem.settle()
+            yield ends
+
+        env.process(step())
+        env.process(asker("x", 30))
+        env.process(asker("y", 40))
+        env.run()
+        return log
+
+    for busy in (False, True):
+        assert run(True, busy) == run(False, busy)
+    assert run(True, False) == [("x", 1.0, 80), ("y", 1.0, 120)]
+
+
+def test_a_landed_free_with_a_signal_lets_waiters_go_then_fires_as_the_two_events_would():
+    """``end_free_last``: in place where the recheck would be next, else through events;
+    either way the waiter goes first, then whoever waits on the signal, at the same
+    instant, with the same bytes in use."""
+
+    def run(last: bool, busy: bool) -> list[tuple[str, float, int]]:
+        env = simpy.Environment()
+        mem = DeviceMemory(env, 0, 100, MemoryLog(1))
+        mem.change([(90, "activations", "held")])
+        log: list[tuple[str, float, int]] = []
+        signal = env.event()
+
+        def asker():
+            yield from mem.acquire([(30, "activations", "x")])
+            log.append(("granted", env.now, mem.used))
+
+        def signalled():
+            yield signal
+            log.append(("signalled", env.now, mem.used))
+
+        def landing(_event: simpy.Event) -> None:
+            if busy:
+                env.timeout(0.0).callbacks.append(lambda _e: log.append(("other", env.now, mem.used)))
+            entries = [(-60, "activations", "swapped out")]
+            if last:
+                mem.end_free_last(entries, signal)
+            else:
+                mem.end_free(entries)
+                signal.succeed()
+
+        mem.begin_free()
+        env.process(asker())
+        env.process(signalled())
+        env.timeout(1.0).callbacks.append(landing)
+        env.run()
+        return log
+
+    for busy in (False, True):
+        assert run(True, busy) == run(False, busy)
+    assert run(True, False) == [("granted", 1.0, 60), ("signalled", 1.0, 60)]

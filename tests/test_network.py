@@ -61,3 +61,15 @@ def test_link_bytes_are_accounted():
     link = Link("a", 10 * GB, 0.0)
     _, net = run_transfers([(0.0, Route((link,)), 123), (0.0, Route((link,)), 77)])
     assert net.bytes_by_link["a"] == 200
+
+
+@pytest.mark.parametrize("b_bytes", [10**9, 10**8])
+def test_a_flow_that_joins_alone_lands_on_time_whether_it_lands_before_or_after_the_others(b_bytes):
+    # B starts on a link of its own while A flows: A keeps its rate and landing (0.1 s);
+    # B lands after A (kept wake-up) or before it (a new one), at 0.01 s + its bytes' time.
+    a, b = Link("a", 10 * GB, 0.0), Link("b", 10 * GB, 0.0)
+    (ta, tb), net = run_transfers([(0.0, Route((a,)), 10**9), (0.01, Route((b,)), b_bytes)])
+    assert ta == pytest.approx(0.1, rel=1e-12)
+    assert tb == pytest.approx(0.01 + b_bytes / (10 * GB), rel=1e-12)
+    assert net.busy_s_by_link["a"] == pytest.approx(0.1, rel=1e-12)
+    assert net.busy_s_by_link["b"] == pytest.approx(b_bytes / (10 * GB), rel=1e-12)

@@ -20,6 +20,7 @@ from mpsim.sim.simpy_fast import (
     events_scheduled,
     fire_in_place,
     fire_in_place_inner,
+    gc_paused,
     go_on_now,
     mark_processed,
     missing_internals,
@@ -198,3 +199,17 @@ def test_a_marked_event_lets_its_process_go_on_at_once():
     Detached(env, proc())
     run_until_empty(env)
     assert log == ["on at 0 with None"] and events_scheduled(env) == 1  # the start only
+
+
+def test_a_pause_of_the_collector_is_left_as_found_and_an_inner_one_leaves_it_to_the_outer():
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        with pytest.raises(ValueError), gc_paused():
+            with gc_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()  # the inner pause found it off and left it off
+            raise ValueError("the block fails")
+        assert gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()

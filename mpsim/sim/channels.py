@@ -46,7 +46,6 @@ class PeerChannels:
                 label = f"{kind} of microbatch {mb} from stage {src_stage} (receive buffer)"
                 run.memory[dst].change([(n_bytes, "buffers", label)])
             yield run.net.transfer(run.topo.route(src, dst), n_bytes)
-        run.memory[src].end_free([(-n_bytes, "buffers", f"{kind} of microbatch {mb} sent to stage {dst_stage}")])
         run.spans.append(Span(src, "copy", f"{kind} mb{mb} -> gpu{dst}", start, run.env.now))
-        mine.succeed()
-        run.signals(kind, dst_stage, mb).succeed()
+        run.memory[src].end_free_last([(-n_bytes, "buffers", f"{kind} of microbatch {mb} sent to stage {dst_stage}")],
+                                      mine, run.signals(kind, dst_stage, mb))  # the send's last act

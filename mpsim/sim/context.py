@@ -4,16 +4,17 @@ memory owners, copy engines, the signals between components, and what the run re
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
+from typing import Any
 
 import simpy
 
 from mpsim.sim import progress
-from mpsim.sim.copy_engine import CopyEngines, EnginePool, EngineRequest
+from mpsim.sim.copy_engine import CopyEngines, EnginePool
 from mpsim.sim.layout import Layout
 from mpsim.sim.memory import DeviceMemory, MemoryLog
 from mpsim.sim.network import Network
 from mpsim.sim.result import COSTS, Span
-from mpsim.sim.simpy_fast import events_scheduled
+from mpsim.sim.simpy_fast import events_scheduled, fire_in_place, go_on_now
 from mpsim.topology import HOST, Route
 from mpsim.units import GiB
 
@@ -36,6 +37,16 @@ class Signals:
             ev = self._events[key] = self._env.event()
         return ev
 
+    def fire(self, *key: object) -> None:
+        """Succeed the signal ``key`` as a callback's last act: in place, its waiters
+        going on now, where its event would be the next processed
+        (``simpy_fast.go_on_now``), else through its event."""
+        event = self(*key)
+        if go_on_now(self._env):
+            fire_in_place(event)
+        else:
+            event.succeed()
+
     def reach(self, key: tuple[int, int, int]) -> None:
         """The backward of (stage, mb, layer) has reached the layer and waits for it."""
         self.reached.add(key)
@@ -54,16 +65,19 @@ class CostLedger:
 
     def __init__(self, env: simpy.Environment, n_gpus: int) -> None:
         self._env = env
-        self._paid: list[list[tuple[float, str, float]]] = [[] for _ in range(n_gpus)]
+        self._paid: list[list[Any]] = [[] for _ in range(n_gpus)]
+        """Per GPU, laid flat: time paid, cost, seconds, ... (no tuple per entry: nothing
+        for the cyclic garbage collector to scan after a run)."""
 
     def add(self, gpu: int, what: str, seconds: float) -> None:
         if seconds:
-            self._paid[gpu].append((self._env.now, what, seconds))
+            self._paid[gpu].extend((self._env.now, what, seconds))
 
     def total(self, gpu: int, window_s: tuple[float, float] | None = None) -> dict[str, float]:
         """Seconds per cost paid in ``(start, end]`` (the whole run when None)."""
         out = dict.fromkeys(COSTS, 0.0)
-        for at_s, what, seconds in self._paid[gpu]:
+        paid = self._paid[gpu]
+        for at_s, what, seconds in zip(paid[0::3], paid[1::3], paid[2::3], strict=True):
             if window_s is None or window_s[0] < at_s <= window_s[1]:
                 out[what] += seconds
         return out
@@ -102,6 +116,8 @@ class RunContext:
         self.spans: list[Span] = []
         self.costs = CostLedger(self.env, topo.n_gpus)
         self.on_task = progress.current()
+        self._host_ways: dict[tuple[int, bool], HostWay] = {}
+        """Per (GPU, toward the host): what its host copies share (``start_host_copy``)."""
         """Called after every task when a caller shows progress (``sim.progress``)."""
 
     @property
@@ -155,43 +171,60 @@ class RunContext:
     def start_host_copy(self, gpu: int, n_bytes: int, to_host: bool, label: str, then: Callable[[], None]) -> None:
         """``host_copy`` for a caller that waits for nothing else: the same steps on the
         same events, each a callback instead of a process resumed, and ``then()`` called
-        when the copy has landed and its engine is given back (``HostCopy``). Call it
-        as a callback's last act, where ``host_copy``'s caller would yield."""
-        HostCopy(self, gpu, n_bytes, to_host, label, then)
+        when the copy has landed and its engine is given back (``HostCopy``)."""
+        way = self._host_ways.get((gpu, to_host))
+        if way is None:
+            way = self._host_ways[(gpu, to_host)] = HostWay(self, gpu, to_host)
+        HostCopy(way, n_bytes, label, then)
+
+
+class HostWay:
+    """What every host copy of one GPU in one direction shares: the network, the spans,
+    its engines, its route and its lane (``RunContext.host_engines``, ``host_route``,
+    ``host_span``), looked up once per run. It holds no reference to the run (the run
+    holds it): a finished run is freed by reference counting, not left to the cyclic
+    garbage collector (``simpy_fast.gc_paused``)."""
+
+    __slots__ = ("net", "spans", "gpu", "pool", "route", "lane")
+
+    def __init__(self, run: RunContext, gpu: int, to_host: bool) -> None:
+        self.net = run.net
+        self.spans = run.spans
+        self.gpu = gpu
+        self.pool = run.host_engines(gpu, to_host)
+        self.route = run.host_route(gpu, to_host)
+        self.lane = "d2h" if to_host else "h2d"
 
 
 class HostCopy:
     """One copy between a GPU and pinned host memory run as callbacks (``RunContext.
-    start_host_copy``): it asks for the engine (going on at once when granted in place,
-    else when the grant event is processed), starts the flow, and on the flow's landing
-    gives the engine back, records the span and calls ``then``. Every event it waits
-    on and schedules is ``host_copy``'s, in the same order, so a run is unchanged; it
-    saves a process and its generator frames per swap."""
+    start_host_copy``): it takes the engine (``EnginePool.take``: going on at once when
+    one is free, else when a release hands it one), starts the flow
+    (``Network.transfer_then``), and on the flow's landing gives the engine back,
+    records the span and calls ``then``. Against ``host_copy`` it saves a process and
+    its generator frames per copy, the request's and the transfer's events, and the
+    grant and hand-over events (``EnginePool``'s doc says what that moves)."""
 
-    __slots__ = ("run", "gpu", "n_bytes", "to_host", "label", "then", "req", "start_s")
+    __slots__ = ("way", "n_bytes", "label", "then", "start_s")
 
-    def __init__(self, run: RunContext, gpu: int, n_bytes: int, to_host: bool, label: str,
-                 then: Callable[[], None]) -> None:
-        self.run = run
-        self.gpu = gpu
+    def __init__(self, way: HostWay, n_bytes: int, label: str, then: Callable[[], None]) -> None:
+        self.way = way
         self.n_bytes = n_bytes
-        self.to_host = to_host
         self.label = label
         self.then = then
         self.start_s = 0.0
-        req = self.req = run.host_engines(gpu, to_host).request()
-        if req.callbacks is None:  # granted in place
-            self._granted(req)
-        else:
-            req.callbacks.append(self._granted)
+        if way.pool.take(self):  # granted in place
+            self.granted(None)
 
-    def _granted(self, _event: simpy.Event) -> None:
-        run = self.run
-        self.start_s = run.env.now
-        run.net.transfer(run.host_route(self.gpu, self.to_host), self.n_bytes).callbacks.append(self._landed)
+    def granted(self, _event: simpy.Event | None) -> None:
+        """The engine is ours: the flow starts (after its route's latency)."""
+        way = self.way
+        net = way.net
+        self.start_s = net.env.now
+        net.transfer_then(way.route, self.n_bytes, self._landed)
 
-    def _landed(self, _event: simpy.Event) -> None:
-        req: EngineRequest = self.req
-        req.pool.release(req)
-        self.run.host_span(self.gpu, self.to_host, self.label, self.start_s)
+    def _landed(self, _event: simpy.Event | None) -> None:
+        way = self.way
+        way.pool.release(self)
+        way.spans.append(Span(way.gpu, way.lane, self.label, self.start_s, way.net.env.now))
         self.then()

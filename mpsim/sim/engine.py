@@ -28,7 +28,7 @@ from mpsim.sim.layout import Job, Layout, resolve
 from mpsim.sim.memory import CATEGORIES, GpuMemory
 from mpsim.sim.program import NOT_SHARDED, Sharding, StageProgram, SwapIn, build_program, received_bytes, static_bytes
 from mpsim.sim.result import GpuResult, SimResult
-from mpsim.sim.simpy_fast import Detached, run_until_empty
+from mpsim.sim.simpy_fast import Detached, gc_paused, run_until_empty
 from mpsim.sim.stream import ComputeStream
 from mpsim.sim.swapper import STASH, Swapper
 from mpsim.sim.tensor_group import TensorGroup
@@ -55,7 +55,14 @@ def simulate_job(job: Job) -> SimResult:
 
 
 def simulate_layout(layout: Layout) -> SimResult:
-    """Simulate one checked layout and return its result."""
+    """Simulate one checked layout and return its result: with the cyclic garbage
+    collector paused until the run's own objects are freed (``simpy_fast.gc_paused``)."""
+    with gc_paused():
+        return _simulate(layout)
+
+
+def _simulate(layout: Layout) -> SimResult:
+    """``simulate_layout``'s work."""
     run = RunContext(layout)
     channels = PeerChannels(run)
     costs = cost_model(layout.trace, run.topo.spec.gpu)
@@ -191,7 +198,8 @@ def _result(run: RunContext, stages: list[_Stage], iteration_s: float) -> SimRes
     if nvme.oom:
         ooms.append(dict(nvme.oom, gpu="nvme"))
     oom = min(ooms, key=lambda o: (o["time_s"], str(o["gpu"]))) if ooms else None
-    links = {name: {"bytes": int(n), "busy_s": run.net.busy_s_by_link.get(name, 0.0)}
+    busy_s = run.net.busy_s_by_link
+    links = {name: {"bytes": int(n), "busy_s": busy_s.get(name, 0.0)}
              for name, n in sorted(run.net.bytes_by_link.items())}
     return SimResult(
         server=layout.job.where, model=trace.name, schedule=layout.schedule, strategy=layout.label,

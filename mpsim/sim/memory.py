@@ -31,11 +31,12 @@ import functools
 from collections.abc import Callable, Generator, Hashable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import simpy
 
-from mpsim.sim.simpy_fast import call_in, fire_in_place, fire_in_place_inner
+from mpsim.sim.simpy_fast import call_in, call_inner, fire_in_place, fire_in_place_inner, go_on_now
 
 CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "stash", "buffers", "workspace",
                                "peer_swap")
@@ -92,8 +93,12 @@ class GpuMemory:
 @dataclass
 class MemoryLog:
     n_gpus: int
-    _single: list[list[tuple[float, int, int, int, str]]] = field(default_factory=list)
-    _templated: list[list[tuple[float, int, Template, str]]] = field(default_factory=list)
+    _single: list[list[Any]] = field(default_factory=list)
+    """Per device, its single events laid flat: time, order, bytes, category, label, ...
+    (five items each: no tuple per event, so the cyclic garbage collector has nothing of
+    the log's to scan after a run)."""
+    _templated: list[list[Any]] = field(default_factory=list)
+    """Per device, its tasks laid flat: start, order, template, label, ... (four items each)."""
     _order: int = 0
 
     def __post_init__(self) -> None:
@@ -104,10 +109,11 @@ class MemoryLog:
         """Log ``entries`` (bytes, category, label) of ``gpu`` at ``time_s``, in order, and
         return the bytes they add to what tensors use (the ``saved:`` ledger adds none)."""
         singles, n_bytes, order = self._single[gpu], 0, self._order
+        put = singles.extend
         for delta, category, label in entries:
             order += 1
             c = CAT[category]
-            singles.append((time_s, order, delta, c, label))
+            put((time_s, order, delta, c, label))
             if c < N_REAL:
                 n_bytes += delta
         self._order = order
@@ -115,7 +121,7 @@ class MemoryLog:
 
     def task(self, gpu: int, start_s: float, template: Template, task_label: str) -> None:
         self._order += 1
-        self._templated[gpu].append((start_s, self._order, template, task_label))
+        self._templated[gpu].extend((start_s, self._order, template, task_label))
 
     def analyse(self, gpu: int, capacity: int) -> GpuMemory:
         t, o, d, c = self._events(gpu)
@@ -156,25 +162,26 @@ class MemoryLog:
         sums as adding them task by task)."""
         singles = self._single[gpu]
         tasks = self._templated[gpu]
-        tpls = [tpl for _start, _order, tpl, _label in tasks]
+        tpls: list[Template] = tasks[2::4]
         sizes = np.array([len(tpl.deltas) for tpl in tpls], dtype=np.int64)
-        starts = np.repeat(np.array([task[0] for task in tasks], dtype=float), sizes)
-        orders = np.repeat(np.array([task[1] for task in tasks], dtype=np.int64), sizes)
-        t = np.concatenate([np.array([e[0] for e in singles], dtype=float),
+        starts = np.repeat(np.array(tasks[0::4], dtype=float), sizes)
+        orders = np.repeat(np.array(tasks[1::4], dtype=np.int64), sizes)
+        t = np.concatenate([np.array(singles[0::5], dtype=float),
                             starts + np.concatenate([tpl.offsets_s for tpl in tpls] or [np.zeros(0)])])
-        o = np.concatenate([np.array([e[1] for e in singles], dtype=float),
+        o = np.concatenate([np.array(singles[1::5], dtype=float),
                             orders + np.concatenate([_fractions(len(tpl.deltas)) for tpl in tpls] or [np.zeros(0)])])
-        d = np.concatenate([np.array([e[2] for e in singles], dtype=np.int64)] + [tpl.deltas for tpl in tpls])
-        c = np.concatenate([np.array([e[3] for e in singles], dtype=np.int64)] + [tpl.cats for tpl in tpls])
+        d = np.concatenate([np.array(singles[2::5], dtype=np.int64)] + [tpl.deltas for tpl in tpls])
+        c = np.concatenate([np.array(singles[3::5], dtype=np.int64)] + [tpl.cats for tpl in tpls])
         return t, o, d, c
 
     def _label_at(self, gpu: int, flat_index: int) -> str:
         """The label of the event at position ``flat_index`` of the unsorted concatenation."""
         singles = self._single[gpu]
-        if flat_index < len(singles):
-            return singles[flat_index][4]
-        flat_index -= len(singles)
-        for _start, _order, tpl, task_label in self._templated[gpu]:
+        if flat_index < len(singles) // 5:
+            return str(singles[5 * flat_index + 4])
+        flat_index -= len(singles) // 5
+        tasks = self._templated[gpu]
+        for tpl, task_label in zip(tasks[2::4], tasks[3::4], strict=True):
             if flat_index < len(tpl.deltas):
                 return f"{task_label} {tpl.labels[flat_index]}"
             flat_index -= len(tpl.deltas)
@@ -222,6 +229,10 @@ class DeviceMemory:
         climb (``program.climbs``); a prefetch held for later leaves that much room."""
         self._waiting: list[_Waiter] = []
         """Who waits for a change, in order (``_until``)."""
+        self._deferring = False
+        """Whether a stream's step defers its poke's recheck to its end (``defer_pokes``)."""
+        self._deferred: list[_Waiter] | None = None
+        """The waiters a deferred recheck will look at (``settle``)."""
 
     def change(self, entries: Sequence[Entry]) -> None:
         """Allocate and free now, without waiting (an allocation may exceed capacity: the
@@ -264,6 +275,8 @@ class DeviceMemory:
         goes on in the same instant and turn as it did when it woke itself."""
         gate = self.env.event()
         self._waiting.append((n_bytes, held_until, gate))
+        if self._deferring:  # a stream's step ends waiting for room: its waiter is in line first
+            self.settle()
         return gate
 
     def _must_wait(self, n_bytes: int, held_until: Hashable | None) -> bool:
@@ -290,6 +303,35 @@ class DeviceMemory:
         self.change(entries)
         if self._waiting:
             self._poke_waiting()
+
+    def end_free_last(self, entries: Sequence[Entry], *signals: simpy.Event) -> None:
+        """``end_free`` as its callback's last act, then only ``signals`` fired in turn
+        (a landed swap-out's, a send's). Where the recheck's event would be the next
+        processed (``simpy_fast.go_on_now``), the waiters are rechecked now and the
+        signals fired in place right after them, as the events, scheduled one after the
+        other, would be processed; all but the last run as inner calls
+        (``simpy_fast.call_inner``, ``fire_in_place_inner``), so that nothing they let go
+        takes the place an event after them held. Otherwise as ``end_free``, then the
+        signals succeeded in turn (the first in place where it would be next)."""
+        self.frees_under_way -= 1
+        self.used += self.log.events(self.device, self.env.now, entries)
+        waiting = self._waiting
+        if go_on_now(self.env):
+            if waiting:
+                self._waiting = []
+                if not signals:
+                    self._recheck(waiting)
+                    return
+                call_inner(lambda: self._recheck(waiting))
+            for signal in signals[:-1]:
+                fire_in_place_inner(signal)
+            if signals:
+                fire_in_place(signals[-1])
+            return
+        if waiting:
+            self._poke_waiting()
+        for signal in signals:
+            signal.succeed()
 
     def start_task(self, template: Template, label: str) -> None:
         """Log a piece's events and hold its highest point until ``finish_task``."""
@@ -355,7 +397,44 @@ class DeviceMemory:
     def _poke_waiting(self) -> None:
         """``poke`` with someone waiting."""
         batch, self._waiting = self._waiting, []
+        if self._deferring:
+            if self._deferred is None:  # the recheck is scheduled, or done, by ``settle``
+                self._deferred = batch
+                return
+            self._schedule_recheck(self._deferred)  # a second batch in one step: keep their order
+            self._deferred = None
+        self._schedule_recheck(batch)
+
+    def _schedule_recheck(self, batch: list[_Waiter]) -> None:
         call_in(self.env, 0.0, lambda _e: self._recheck(batch))
+
+    def defer_pokes(self, on: bool = True) -> None:
+        """A compute stream's step begins: the recheck a poke schedules waits for the
+        step's end (``settle``); with ``on`` false, nothing changes."""
+        self._deferring = on
+
+    def settle(self, last_act: bool = True) -> None:
+        """The step that ``defer_pokes`` began ends: the recheck of its first poke runs
+        now when its event would be the next processed (``last_act``: the stream only
+        waits from here on, and ``simpy_fast.go_on_now``: nothing queued for this
+        instant), else its event is scheduled now. A wait for room settles the step
+        itself once the waiter is in line (``_until``).
+
+        Timing: the waiters are let go against the state the step leaves, as when the
+        event was scheduled at the poke and processed after the step. The event now
+        takes its place at the step's end, behind what the step scheduled since the
+        poke: in a stream's step of prefetched swaps without data or tensor parallelism
+        that is a copy's start after its route's latency, or a process's urgent start,
+        neither for the same instant on a route with a latency (on-demand swaps, whose
+        reach events would be, are not deferred: ``ComputeStream._run_pieces``)."""
+        self._deferring = False
+        batch = self._deferred
+        if batch is not None:
+            self._deferred = None
+            if last_act and go_on_now(self.env):
+                self._recheck(batch)
+            else:
+                self._schedule_recheck(batch)
 
     def _recheck(self, batch: list[_Waiter]) -> None:
         """Let go, in order, each of ``batch`` that need not wait any more (its waiter
@@ -364,18 +443,24 @@ class DeviceMemory:
         ``_must_wait``'s, written out: this loop runs for every waiter at every poke.
         A waiter let go before the batch's last is fired as an inner call
         (``simpy_fast.fire_in_place_inner``): this loop still has work after it, so it
-        must not skip an event of its own (``go_on_now``)."""
+        must not skip an event of its own (``go_on_now``). What the test reads of this
+        owner (bytes in use, the climb, frees under way, the line) changes only while a
+        waiter goes on, so it is read again after each."""
         last = batch[-1]
         reached, capacity = self.reached, self.capacity
+        room = capacity - self.used
+        held_room, freeing, put_back = room - self.climb_bytes, self.frees_under_way > 0, self._waiting.append
         for waiter in batch:
             n_bytes, held_until, gate = waiter
             if held_until is not None and held_until not in reached:
-                wait = self.used + n_bytes + self.climb_bytes > capacity
+                wait = n_bytes > held_room
             else:
-                wait = self.used + n_bytes > capacity and self.frees_under_way > 0
+                wait = n_bytes > room and freeing
             if wait:
-                self._waiting.append(waiter)
+                put_back(waiter)
             elif waiter is last:  # this call's last act
                 fire_in_place(gate)
             else:
                 fire_in_place_inner(gate)
+                room = capacity - self.used
+                held_room, freeing, put_back = room - self.climb_bytes, self.frees_under_way > 0, self._waiting.append

@@ -14,8 +14,28 @@ They were written against simpy 4.1 (``simpy.Environment.step`` and
 event that would be processed right after the running callback, with nothing queued
 for the instant and nothing left for the callback to do, may be skipped and its work
 done at once (``go_on_now``: a copy engine granted as it is asked for, a lone landing
-of the network): the order of everything else is the same, only the counter's numbers
-are fewer. On import
+of the network, a swap's signal, a compute step's memory recheck, a landed copy's
+recheck and signals fired in the order of their events, ``DeviceMemory.end_free_last``):
+the order of everything else is the same, only the counter's numbers are fewer.
+
+Four places leave that rule and move events in the order of one instant (each says so
+in its doc): a prefetched swap-in schedules its sleep as it is made, not from its urgent
+start (``swapper.SwapInSteps``); a host copy is granted its engine without events, as it
+asks or by the release, and a host swap-out takes its engine in the stream's step
+(``copy_engine.EnginePool.take``); a flow that starts alone keeps the network's pending
+wake-up (``network``); a compute stream's step schedules its memory recheck at its end,
+or runs it there when it would be next (``memory.DeviceMemory.settle``). The first two
+move events scheduled for a later instant ahead of others scheduled in the same instant,
+which shows only where two fall on the very same later instant; the last moves a
+recheck behind what the step scheduled after its poke, none of it for the same instant
+in the runs measured. Measured with ``benchmarks/engine_equivalence.py`` (full, against 44a91a1): of
+118 jobs, 3 differ, with the same iteration times and per-GPU peaks. In one (PipeDream,
+cpu-swap, gpt-15.4b on dgx1-v100) a weight version's stash-out and swap-in, equal in
+size and started in one instant, land in one instant in the other order: the same spans
+and times, and the host's series passes through the other intermediate value at 98
+instants. In two the network's kept wake-ups move span times by at most 4.2e-16 relative.
+
+On import
 ``check_simpy`` makes sure the installed simpy still has those internals and, if not,
 raises one ``SimpyInternalsError`` naming the version and what is missing, instead of an
 ``AttributeError`` deep inside a run.
@@ -25,7 +45,8 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
 from heapq import heappop, heappush
 from typing import Any
 
@@ -34,9 +55,9 @@ import simpy.events
 
 from mpsim.errors import MpsimError
 
-__all__ = ["Detached", "Fired", "SimpyInternalsError", "call_in", "call_soon", "check_simpy", "events_scheduled",
-           "fire_in_place", "fire_in_place_inner", "go_on", "go_on_now", "mark_processed", "missing_internals",
-           "run_until_empty", "sleep"]
+__all__ = ["Detached", "Fired", "SimpyInternalsError", "call_in", "call_inner", "call_soon", "check_simpy",
+           "events_scheduled", "fire_in_place", "fire_in_place_inner", "gc_paused", "go_on", "go_on_now",
+           "mark_processed", "missing_internals", "run_until_empty", "sleep"]
 
 Steps = Generator[simpy.Event, object, None]
 NORMAL = simpy.events.NORMAL
@@ -86,6 +107,26 @@ def _simpy_version() -> str:
         return str(getattr(simpy, "__version__", "(unknown version)"))
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for the block (and resume it, if it was
+    on, however the block ends; a block inside another one leaves it to the outer).
+
+    A run allocates tens of thousands of objects that live until its result is made
+    (events, the memory log, spans) and frees nearly all of them by reference counting
+    when it ends: a collection while they live scans every one and finds nothing, one
+    after they are freed scans only what the result keeps. ``engine.simulate_layout``
+    runs a whole simulation, result included, inside one pause."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def run_until_empty(env: simpy.Environment) -> None:
     """``env.run()`` without a deadline, inlined: the same events in the same order (by
     time, priority, then scheduling order), each one's callbacks called in turn, and a
@@ -96,15 +137,9 @@ def run_until_empty(env: simpy.Environment) -> None:
     was on, however the loop ends): a run's events are freed by reference counting as
     they are popped and leave next to no cycles (a few objects per run), so the
     collections their allocations would trigger find nothing and cost several per cent
-    of the loop."""
-    if not gc.isenabled():
+    of the loop (``gc_paused``)."""
+    with gc_paused():
         _run_events(env)
-        return
-    gc.disable()
-    try:
-        _run_events(env)
-    finally:
-        gc.enable()
 
 
 def _run_events(env: simpy.Environment) -> None:
@@ -152,6 +187,17 @@ def fire_in_place_inner(event: simpy.Event) -> None:
     _Inner.depth += 1
     try:
         fire_in_place(event)
+    finally:
+        _Inner.depth -= 1
+
+
+def call_inner(callback: Callable[[], None]) -> None:
+    """Call ``callback`` as ``fire_in_place_inner`` fires an event: while it runs,
+    ``go_on_now`` says no (``DeviceMemory.end_free_last``: a recheck with a signal to
+    fire after it)."""
+    _Inner.depth += 1
+    try:
+        callback()
     finally:
         _Inner.depth -= 1
 

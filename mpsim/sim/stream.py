@@ -41,7 +41,14 @@ class ComputeStream:
     collectives run over the group once its compute is done, and the stream waits for
     them (``tensor_group``). Under interleaved 1F1B several virtual stages share the GPU:
     each task waits for its turn in the GPU's order (``turns``) before it waits for its
-    input, as Megatron-LM's blocking receive holds the GPU."""
+    input, as Megatron-LM's blocking receive holds the GPU.
+
+    From a task's start, a swap-in's landing or a piece's end to the next wait (a piece's
+    end, a swap-in, room), a step of prefetched swaps without data or tensor parallelism
+    defers its memory poke's recheck to the step's end (``DeviceMemory.defer_pokes``,
+    ``settle``): the waiters see the state the step leaves, as they would through the
+    poke's event; a step that leaves ``_run_pieces`` for the next task schedules the
+    recheck there."""
 
     def __init__(self, run: RunContext, stage: int, program: StageProgram, swapper: Swapper, updater: Updater,
                  channels: PeerChannels, stash_in: SwapIn | None, dp: DataParallel | None = None,
@@ -150,6 +157,8 @@ class ComputeStream:
         steps = self._forward_steps if forward else self._backward_steps
         word = "forward" if forward else "backward"
         label = f"{word} of microbatch {mb} on stage {stage}:"
+        defer = not run.on_demand and dp is None and self.tp is None  # see DeviceMemory.settle
+        memory.defer_pokes(defer)  # from the task's start to its first wait: one recheck at the wait
         for piece, climb_before, climb_running, climb_after, wait_cost in steps:
             memory.set_climb(climb_before)
             if piece.wait_for is not None:  # _wait_for_swap_in, written out for the hot loop
@@ -158,17 +167,22 @@ class ComputeStream:
                 landed = signals("in", stage, mb, piece.wait_for)
                 if landed.callbacks is not None:  # not processed yet
                     start_s = env.now
+                    memory.settle()
                     yield landed
                     run.costs.add(self.gpu, wait_cost, env.now - start_s)
+                    memory.defer_pokes(defer)  # from the swap-in's landing to the next wait
             if dp is not None and piece.layer is not None:
                 yield from dp.wait_for_gather(mb, task.kind, piece.layer)
             template = piece.template
             if dp is None and not memory.task_must_wait(template):  # the common case: no generator, one call
                 memory.start_piece(template, label, climb_running)
-            else:
+            else:  # a wait for room settles the step once its waiter is in line (DeviceMemory._until)
                 yield from self._start_piece(piece, label, climb_running, task, last_backward)
             if piece.duration_s:
-                yield sleep(env, piece.duration_s)
+                ends = sleep(env, piece.duration_s)
+                memory.settle()
+                yield ends
+                memory.defer_pokes(defer)  # from this piece's end to the next wait
             if piece.collectives and self.tp is not None:
                 yield from self.tp.communicate(piece.collectives, f"{word} of microbatch {mb}")
             memory.end_piece(template, climb_after)
@@ -176,6 +190,7 @@ class ComputeStream:
                 self.swapper.start_swap_out(mb, piece.swap_out)
                 if run.on_demand:  # the compute goes on once the swap-out has landed
                     yield from self._wait(signals("out", stage, mb, piece.swap_out.layer), "swap_wait_s")
+        memory.settle(last_act=False)  # the step goes on in process(): the recheck waits for it
         if dp is not None and last_backward:
             dp.after_last_backward()
 

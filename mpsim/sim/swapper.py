@@ -103,11 +103,13 @@ class Swapper:
     def start_swap_out(self, mb: int, so: SwapOut) -> None:
         """Launch a swap-out; it counts as a free under way before the next piece asks.
         A swap to the host runs as callbacks (``RunContext.start_host_copy``) started
-        where a process would start (``simpy_fast.call_soon``): the same events in the
-        same order as a process, without one."""
+        here, in the stream's step: its engine is taken (or queued for) now, not from an
+        urgent start event right after the step, so its copy's events are scheduled
+        ahead of what the rest of the step schedules (the engine's queue order is the
+        same: the stream's own later copies come after it either way)."""
         self.memory.begin_free()
         if so.target == "host":
-            call_soon(self.run.env, lambda _e: self._swap_out_to_host(mb, so))
+            self._swap_out_to_host(mb, so)
         else:
             spawn(self.run.env, self._swap_out_to_peers(mb, so))
 
@@ -128,18 +130,19 @@ class Swapper:
 
     def _swapped_out(self, mb: int, so: SwapOut) -> None:
         """The swap-out has landed: free its bytes on the GPU; the layer's last chunk
-        signals it out."""
+        signals it out. The last act of the landing's callback (``end_free_last``)."""
         labels = swap_labels(so.layer, mb, self.gpu, so.target)
         entries: list[Entry] = [(-so.own_bytes, "activations", labels.out_own)]
         if so.input_bytes:
             entries.append((-so.input_bytes, so.input_cat, labels.out_input))
         entries.append((so.own_bytes + so.input_bytes, labels.ledger, labels.out_ledger))
-        self.memory.end_free(entries)
         key = (mb, so.layer)
         left = self._chunks_left.get(key, self._chunks[so.layer]) - 1
         self._chunks_left[key] = left
         if left == 0:
-            self.run.signals("out", self.stage, mb, so.layer).succeed()
+            self.memory.end_free_last(entries, self.run.signals("out", self.stage, mb, so.layer))
+        else:
+            self.memory.end_free_last(entries)
 
     def _to_peers(self, so: SwapOut, mb: int, n_bytes: int, label: str) -> Generator[simpy.Event, object, None]:
         """D2D swap-out striped over the peers; each peer's area is allocated as it starts."""
@@ -190,7 +193,7 @@ class Swapper:
 
         def landed() -> None:
             run.host.change([(-si.n_bytes, "stash" if si.layer == STASH else "activations", labels.in_host)])
-            run.signals("in", self.stage, mb, si.layer).succeed()
+            run.signals.fire("in", self.stage, mb, si.layer)
 
         run.start_host_copy(self.gpu, si.n_bytes, False, labels.in_span, landed)
 
@@ -206,7 +209,7 @@ class Swapper:
             run.memory[peer].change([(-part, "peer_swap",
                                       f"D2D swap area of GPU {g} layer {si.layer} microbatch {mb} released")])
         run.spans.append(Span(g, "copy", f"D2D swap-in L{si.layer} mb{mb}", start, run.env.now))
-        run.signals("in", self.stage, mb, si.layer).succeed()
+        run.signals.fire("in", self.stage, mb, si.layer)
 
     # ---- weight versions and optimizer states -------------------------------------------
     def stash_out(self, mb: int, n_bytes: int) -> Generator[simpy.Event, object, None]:
@@ -216,7 +219,7 @@ class Swapper:
         labels = swap_labels(STASH, mb, self.gpu, "host")
         yield from run.host_copy(self.gpu, n_bytes, True, labels.out_span)
         run.host.change([(n_bytes, "stash", labels.out_host)])
-        run.signals("out", self.stage, mb, STASH).succeed()
+        run.signals.fire("out", self.stage, mb, STASH)
 
     def start_optimizer_out(self, layer: int, n_bytes: int) -> None:
         """Stream a layer's optimizer states back to the host after its update."""
@@ -239,7 +242,17 @@ class SwapInSteps:
     held while the backward has not reached the layer and it does not fit beside the
     running task's climb); then copies from the host (``Swapper._from_host``) or from the
     peers (``Swapper._from_peers``, a generator run from there on). The same events in
-    the same order as the process; no generator frames per step."""
+    the same order as the process; no generator frames per step.
+
+    One step is taken earlier: a prefetch whose swap-out has landed and whose first act
+    is its sleep schedules that sleep as it is made, not from its urgent start event
+    (``_sleeps_at_once``): the start would only read the same state (nothing lands
+    between the two: they lie in one instant, before any event of normal priority) and
+    schedule the same wake-up, so one event fewer per such swap-in. The wake-up's place
+    in the queue moves ahead of the events scheduled in that instant between the two
+    (by the stream after its prefetch, and by the urgent events before the start);
+    it matters only if one of them falls on the very same later instant (a tie of two
+    sums of floats)."""
 
     __slots__ = ("swapper", "mb", "si", "need_at_s")
 
@@ -248,7 +261,21 @@ class SwapInSteps:
         self.mb = mb
         self.si = si
         self.need_at_s = need_at_s
-        call_soon(swapper.run.env, self._start)
+        if not self._sleeps_at_once():
+            call_soon(swapper.run.env, self._start)
+
+    def _sleeps_at_once(self) -> bool:
+        """Schedule the sleep before the copy now, when ``_start`` would only do that
+        (the swap-out has landed, swaps are prefetched and the copy is not due yet)."""
+        sw = self.swapper
+        run = sw.run
+        if run.on_demand or run.signals("out", sw.stage, self.mb, self.si.layer).callbacks is not None:
+            return False
+        wake_s, env = self.need_at_s - sw._time_alone_s(self.si), run.env
+        if wake_s > env.now:
+            call_in(env, wake_s - env.now, self._after_sleep)
+            return True
+        return False
 
     def _start(self, _event: simpy.Event) -> None:
         sw = self.swapper
