@@ -258,6 +258,8 @@ def test_the_search_speed_figures_in_the_readme_are_the_benchmarks():
     assert wall["A"] and wall["B"] and wall_ratio and "same table: yes" in fits_vs
     assert (f"{float(wall['A'][1]):.1f} s against {float(wall['B'][1]):.1f} s wall "
             f"({float(wall_ratio[1]):.2f}x), the same table") in text
+    cpu = re.search(r"^A cpu s\s+[\d.]+\s+([\d.]+)", fits_vs, re.M)
+    assert cpu and f"spread over 2 cores would still take {float(cpu[1]) / 2:.1f} s" in text
     bert = (reports / "bench_best_bert.txt").read_text()
     bert_wall = re.search(r"^([\d.]+) s wall", bert, re.M)
     bert_largest = re.search(r"\((\d+) layers at the shape of (\S+)\)", bert)
