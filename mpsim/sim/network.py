@@ -154,15 +154,20 @@ class Network:
                 self._bytes.extend([0.0] * (len(_LINKS) - len(self._bytes)))
         return path
 
-    def transfer(self, route: Route, n_bytes: int) -> simpy.Event:
-        env = self.env
-        done = simpy.Event(env)
+    def _counted_path(self, route: Route, n_bytes: int) -> _Path:
+        """``route``'s path, with ``n_bytes`` counted on each of its links."""
         path = self._paths.get(id(route))
         if path is None:
             path = self._path(route)
         moved = self._bytes
         for i in path.ids:
             moved[i] += n_bytes
+        return path
+
+    def transfer(self, route: Route, n_bytes: int) -> simpy.Event:
+        env = self.env
+        done = simpy.Event(env)
+        path = self._counted_path(route, n_bytes)
         if n_bytes <= 0:
 
             def land(_e: simpy.Event) -> None:
@@ -179,12 +184,7 @@ class Network:
         that event's place, or in place where ``transfer``'s event would fire in place),
         with no event made for it."""
         env = self.env
-        path = self._paths.get(id(route))
-        if path is None:
-            path = self._path(route)
-        moved = self._bytes
-        for i in path.ids:
-            moved[i] += n_bytes
+        path = self._counted_path(route, n_bytes)
         if n_bytes <= 0:
             call_in(env, path.latency_s, lambda _e: call_in(env, 0.0, then))  # as transfer's land + succeed
             return
