@@ -12,7 +12,7 @@ from mpsim import load_topology
 from mpsim.sim.context import RunContext
 from mpsim.sim.copy_engine import CopyEngines, EnginePool
 from mpsim.sim.network import Network
-from mpsim.sim.simpy_fast import Detached, call_soon, events_scheduled, run_until_empty, sleep
+from mpsim.sim.simpy_fast import Detached, Steps, call_soon, events_scheduled, run_until_empty, sleep
 from mpsim.topology import Link, Route
 
 Log = list[tuple[float, str]]
@@ -55,7 +55,9 @@ def test_a_free_engine_at_a_quiet_instant_is_granted_without_an_event():
     assert req.processed and pool.users == [req] and events_scheduled(env) == 0
 
 
-def test_a_landing_that_is_the_next_event_fires_in_place_and_keeps_the_times():
+def _one_link() -> tuple[simpy.Environment, Network, Route, Log, Callable[[str, int], Steps]]:
+    """A network of one link (1 GB/s, 1 us), the log of landings, and a copy over the link
+    that waits on its transfer's event and logs (time, name) when it lands."""
     env = simpy.Environment()
     net = Network(env)
     route = Route((Link("l", 1e9, 1e-6),))
@@ -65,6 +67,11 @@ def test_a_landing_that_is_the_next_event_fires_in_place_and_keeps_the_times():
         yield net.transfer(route, n_bytes)
         landed.append((env.now, name))
 
+    return env, net, route, landed, copy
+
+
+def test_a_landing_that_is_the_next_event_fires_in_place_and_keeps_the_times():
+    env, _, _, landed, copy = _one_link()
     Detached(env, copy("small", 1000))
     Detached(env, copy("large", 3000))
     run_until_empty(env)
@@ -115,14 +122,7 @@ def test_a_transfer_with_a_callback_lands_in_the_place_of_a_transfers_event():
     that all wait on events."""
 
     def run(callbacks: bool) -> Log:
-        env = simpy.Environment()
-        net = Network(env)
-        route = Route((Link("l", 1e9, 1e-6),))
-        landed: Log = []
-
-        def copy(name: str, n_bytes: int) -> Generator[simpy.Event, object, None]:
-            yield net.transfer(route, n_bytes)
-            landed.append((env.now, name))
+        env, net, route, landed, copy = _one_link()
 
         def copy_then(name: str, n_bytes: int) -> Callable[[simpy.Event], None]:
             def land(_event: simpy.Event | None) -> None:
