@@ -86,7 +86,7 @@ class Ctx(OfJob):
         outside the replicas and tensor groups. False when they cover the whole server: every
         plan's spare memory is then zero, so no D2D swap is possible."""
         busy = self._busy_gpus()
-        return not busy or any(g not in busy for g in range(self.topo.n_gpus))
+        return any(g not in busy for g in range(self.topo.n_gpus))
 
     def plan(self, strategy: str, actions: dict[int, list[LayerAction]] | None = None,
              optimizer: dict[int, str] | None = None, stash: dict[int, str] | None = None,
