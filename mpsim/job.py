@@ -78,6 +78,16 @@ class Parallelism(BaseModel):
             return "HSDP shards parameters (ZeRO-3) inside a server and replicates them across: use zero stage 3"
         return None
 
+    def shard_ways(self, across: int = 1) -> int:
+        """GPUs a stage's sharded states are split over when its data-parallel group spans
+        ``across`` servers: the group, or under HSDP its GPUs on one server."""
+        return self.data // across if self.hsdp else self.data
+
+    def optimizer_shards(self, across: int = 1) -> int:
+        """Parts one GPU's optimizer states are split into: ``shard_ways`` from ZeRO-1 on
+        (ZeRO, Rajbhandari et al. 2020, section 5.1: P_os), else 1."""
+        return self.shard_ways(across) if self.zero_stage >= 1 else 1
+
     def stages_on(self, topo: Topology, servers: int = 1) -> int:
         """The pipeline depth on ``servers`` servers like ``topo``, checked: at least one
         stage, a tensor-parallel group of GPUs for each stage of each data-parallel replica

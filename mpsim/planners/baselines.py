@@ -165,7 +165,7 @@ def _swap_to_host(ctx: Ctx, name: str, timing: SwapTiming) -> Planned:
     queues: list[list[tuple[str | int, int]]] = []
     for s, (a, b) in enumerate(ctx.stages):
         held = ctx.held_microbatches(s)
-        q: list[tuple[str | int, int]] = [("optimizer", sum(r.optimizer_bytes for r in rows[a:b]))]
+        q: list[tuple[str | int, int]] = [("optimizer", sum(ctx.optimizer_bytes(r) for r in rows[a:b]))]
         if ctx.schedule == "pipedream" and len(ctx.stages) - s > 1:
             q.append(("stash", (len(ctx.stages) - s - 1) * sum(r.param_bytes for r in rows[a:b])))
         layers = sorted((j for j in range(a, b) if rows[j].act_bytes), key=lambda j: (-interval[j], j))

@@ -17,7 +17,7 @@ from mpsim.sim import SimResult, simulate_layout
 from mpsim.sim.layout import data_parallel_plan, interleaved, layout_of_plan, stage_trace, tensor_parallel_plan
 from mpsim.sim.placement import Groups, Replicas, place_job
 from mpsim.topology import Topology
-from mpsim.trace import Trace
+from mpsim.trace import LayerRow, Trace
 
 MAX_ROUNDS = 64
 SIMULATIONS = 64
@@ -51,6 +51,8 @@ class Ctx(OfJob):
     """With tensor parallelism, what one GPU of a stage runs (``stage_trace``)."""
     view: Topology | None = None
     """On a cluster, the servers simulated (``placement.Placed``)."""
+    across: int = 1
+    """On a cluster, the servers each stage's data-parallel group spans (``placement.Placed``)."""
 
     @property
     def topo(self) -> Topology:
@@ -116,6 +118,11 @@ class Ctx(OfJob):
             _SIMULATED.move_to_end(key)
         return result if result.strategy == plan.strategy else replace(result, strategy=plan.strategy)
 
+    def optimizer_bytes(self, row: LayerRow) -> int:
+        """Bytes of ``row``'s optimizer states one GPU holds: its shard under ZeRO-1 and up
+        (``Parallelism.optimizer_shards``; rounded up, as the engine's ``Updater`` shards)."""
+        return -(-row.optimizer_bytes // self.job.parallelism.optimizer_shards(self.across))
+
     def held_microbatches(self, s: int) -> int:
         """Microbatches whose activations stage s holds at once (the schedule's bound)."""
         return held_microbatches(self.schedule, s, len(self.stages), self.microbatches)
@@ -139,8 +146,10 @@ def make_context(job: JobSpec, keeps: str = "keep") -> Ctx:
     par = job.parallelism
     placed = place_job(job, p // v)
     replicas, groups = interleaved(placed.replicas, v), interleaved(placed.groups, v)
+    on_cluster = job.cluster is not None
     return Ctx(job, list(stages), list(replicas[0]), replicas if len(replicas) > 1 else (),
-               groups if par.tensor > 1 else (), shard, placed.topology if job.cluster is not None else None)
+               groups if par.tensor > 1 else (), shard, placed.topology if on_cluster else None,
+               placed.across if on_cluster else 1)
 
 
 def over(result: SimResult, gpu: int) -> int:

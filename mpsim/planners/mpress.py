@@ -217,9 +217,10 @@ class _Planner:
         return 2 * max(n_bytes * x.fraction / self.ctx.topo.route(g, x.gpu).bandwidth for x in stripes)
 
     def optimizer_bytes(self, s: int, layers: Iterable[int] | None = None) -> int:
-        """Optimizer-state bytes of stage s (of ``layers`` only, when given)."""
-        rows = self.ctx.trace.layers
-        return sum(rows[j].optimizer_bytes for j in (range(*self.ctx.stages[s]) if layers is None else layers))
+        """Optimizer-state bytes stage s's GPU holds (of ``layers`` only, when given): its
+        shard under ZeRO-1 and up (``Ctx.optimizer_bytes``)."""
+        rows, ctx = self.ctx.trace.layers, self.ctx
+        return sum(ctx.optimizer_bytes(rows[j]) for j in (range(*ctx.stages[s]) if layers is None else layers))
 
     def optimizer_stream_s(self, s: int, layers: Iterable[int] | None = None) -> float:
         """Streaming stage s's optimizer states (of ``layers``) in around its update
@@ -240,9 +241,10 @@ class _Planner:
         for s, (a, b) in enumerate(self.ctx.stages):
             budget_bytes = self.slack_s[s] * self.host_bw(s)
             for j in range(a, b):
-                if 0 < rows[j].optimizer_bytes <= budget_bytes:
+                on_gpu = self.ctx.optimizer_bytes(rows[j])
+                if 0 < on_gpu <= budget_bytes:
                     free.setdefault(s, []).append(j)
-                    budget_bytes -= rows[j].optimizer_bytes
+                    budget_bytes -= on_gpu
         return free
 
     def layer_costs(self, s: int, j: int, interval: float) -> tuple[int, float, float, float]:
@@ -291,8 +293,9 @@ class _Planner:
         pool: list[_PoolEntry] = []
         # per microbatch: PipeDream updates after every backward, a flushed pipeline once
         updates = m if ctx.schedule == "pipedream" else 1
-        pool += [("optimizer", rows[j].optimizer_bytes, float("inf"), self.optimizer_stream_s(s, [j]) * updates / m,
-                  j) for j in range(a, b) if rows[j].optimizer_bytes and j not in streamed]
+        pool += [("optimizer", ctx.optimizer_bytes(rows[j]), float("inf"),
+                  self.optimizer_stream_s(s, [j]) * updates / m, j)
+                 for j in range(a, b) if rows[j].optimizer_bytes and j not in streamed]
         if ctx.schedule == "pipedream" and len(ctx.stages) - s > 1:
             params = sum(r.param_bytes for r in rows[a:b])
             pool.append(("stash", (len(ctx.stages) - s - 1) * params, float("inf"), params / self.host_bw(s), -1))

@@ -161,8 +161,7 @@ class Layout(OfJob):
     def shard_ways(self) -> int:
         """GPUs a stage's sharded states are split over: the data-parallel group, or under
         HSDP its GPUs on one server."""
-        par = self.parallelism
-        return par.data // self.across if par.hsdp else par.data
+        return self.parallelism.shard_ways(self.across)
 
     @property
     def host_ways(self) -> int:
