@@ -1,6 +1,10 @@
 """MPress planner: Table III's rule, the device-mapping search, and its plans simulated."""
 
+import math
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as hs
 
 from mpsim.catalog import load_topology, load_trace
 from mpsim.costs import cost_model
@@ -263,3 +267,22 @@ def test_mpress_on_sharded_states_covers_the_shortfall_in_few_rounds():
                    strategy="mpress")
     planned = plan_job(on_layout(base, parse_layout("fsdp8"), 16))
     assert planned.result.fits and planned.simulations <= 10
+
+
+@given(n=hs.integers(min_value=1, max_value=64), data=hs.data())
+def test_free_offload_count_is_the_one_at_a_time_search_s_in_log_n_trials(n, data):
+    """Step 3's count of streaming stages (``_most_free``): where taking a stage more never
+    makes the iteration faster, the largest count below n that is no slower, as dropping
+    one stage at a time from n finds it, in at most 2 log2(n) + 1 trials."""
+    from mpsim.planners.mpress import _most_free
+
+    largest = data.draw(hs.integers(min_value=0, max_value=n - 1))
+    asked: list[int] = []
+
+    def no_slower(k: int) -> bool:
+        asked.append(k)
+        return k <= largest
+
+    assert _most_free(no_slower, n) == largest
+    assert all(0 < k < n for k in asked) and len(asked) == len(set(asked))
+    assert len(asked) <= 2 * math.ceil(math.log2(n)) + 1 if n > 1 else not asked
