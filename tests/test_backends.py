@@ -60,6 +60,42 @@ def test_a_local_backend_keeps_its_workers_from_one_run_to_the_next_until_closed
     backend.close()
 
 
+class _WritesAtTeardown:
+    """Writes a file when freed: at a worker's teardown, if the worker tears down."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __del__(self) -> None:
+        Path(self.path).write_text("torn down")
+
+
+_KEPT: list[_WritesAtTeardown] = []
+
+
+def keep_till_exit(point: tuple[int, str]) -> int:
+    """Holds, in a module global of the worker, an object that marks its teardown."""
+    value, marker_dir = point
+    _KEPT.append(_WritesAtTeardown(str(Path(marker_dir) / f"freed-{os.getpid()}")))
+    return value
+
+
+def test_closed_workers_exit_at_once_without_freeing_their_caches(tmp_path):
+    """``close`` ends the idle workers after their results are in; a worker then ends its
+    process without tearing down what it holds (after a long study, freeing its caches
+    object by object took most of a second that ``close`` waited for)."""
+    backend = LocalBackend(2)
+    got = sorted(o.value or 0 for o in run_points([(k, str(tmp_path)) for k in range(8)], keep_till_exit, backend,
+                                                  batch=1))
+    pool = backend._pool
+    assert pool is not None
+    procs = list(pool._processes.values())
+    backend.close()
+    assert got == list(range(8))
+    assert all(not p.is_alive() and p.exitcode == 0 for p in procs)
+    assert not list(tmp_path.glob("freed-*"))
+
+
 def _check_once(outcomes: list[Outcome], n: int) -> None:
     values = sorted(o.point[0] if isinstance(o.point, tuple) else o.point for o in outcomes)
     assert values == list(range(n)), "every point exactly once"
