@@ -663,6 +663,8 @@ class _Search:
         """``best``'s sizes answered by existence alone (``_any_part_fits``)."""
         self.last_fit: Part | None = None
         self.simulated = 0
+        self.ahead: dict[int, Future[FitRow]] = {}
+        """Sizes whose row is being made on a thread of its own (``plan_ahead``)."""
 
     def run(self, trace: Trace, skip: frozenset[tuple[str, str]] = frozenset()) -> SimResult:
         """One size simulated under the job's strategy (``best``'s parts in parallel on a backend)."""
@@ -685,10 +687,35 @@ class _Search:
 
     def probe(self, n: int) -> FitRow:
         if n not in self.cache:
-            t = self.template.with_layers(n)
             self.simulated += n not in self.verdicts  # a size answered by existence counts once
-            self.cache[n] = FitRow(t.name, t.spec.params, n, self.run(t, self._skip(n)))
+            ahead = self.ahead.pop(n, None)
+            self.cache[n] = ahead.result() if ahead is not None else self._row(n, self._skip(n))
         return self.cache[n]
+
+    def _row(self, n: int, skip: frozenset[tuple[str, str]]) -> FitRow:
+        t = self.template.with_layers(n)
+        return FitRow(t.name, t.spec.params, n, self.run(t, skip))
+
+    def plan_ahead(self, n: int) -> None:
+        """Under ``best`` on a backend that takes calls from several threads: make the row
+        of ``n`` layers (its full plan) on a thread of its own, while the search asks
+        whether ``n`` + 1 fits. ``n`` is the largest size a single planner reached, where
+        ``best``'s search most often ends, so the plan its report needs is made beside
+        that probe instead of after it; ``probe(n)`` takes it. The parts it leaves out are
+        those known not to fit at ``n`` now: the probe of ``n`` + 1 adds only larger sizes."""
+        if self.backend is None or not self.backend.threads or not combines(self.job.strategy) or n in self.cache:
+            return
+        future: Future[FitRow] = Future()
+        skip = self._skip(n)
+
+        def make() -> None:
+            try:
+                future.set_result(self._row(n, skip))
+            except BaseException as exc:  # noqa: BLE001 - handed to probe(n), which raises it
+                future.set_exception(exc)
+
+        self.ahead[n] = future
+        threading.Thread(target=make, name=f"fits-best-{n}", daemon=True).start()
 
     def fits_at(self, n: int) -> bool:
         """Whether ``n`` layers of the template fit: no when the closed-form floors say
@@ -769,6 +796,7 @@ class _Search:
         lo, step = self.n0, max(1, self.n0)
         if hint > lo:  # best: usually the largest a single planner reached; one layer more first
             lo, step = hint, 1
+            self.plan_ahead(hint)
         while True:
             cand = lo + step
             if cand > MAX_SEARCH_LAYERS:

@@ -284,6 +284,30 @@ def test_best_search_with_its_planners_in_parallel_gives_the_same_report():
     assert seen[-1] == "best: search" and seen.count("best: search") == 1
 
 
+def test_best_plans_the_size_a_single_planner_reached_beside_its_first_probe(monkeypatch):
+    """``best``'s search on a backend starts at the largest size a single planner reached
+    (MPress's 111 layers on the four TITAN RTX) and asks whether one layer more fits; the
+    full plan of that size, where the search ends here, is made beside that probe on a
+    thread of its own (``plan_ahead``): the same reports as in one process."""
+    import mpsim.capacity as capacity
+
+    ahead: list[int] = []
+    plan_ahead = capacity._Search.plan_ahead
+
+    def noted(self: capacity._Search, n: int) -> None:
+        ahead.append(n)
+        plan_ahead(self, n)
+
+    args = ("titanrtx-x4-pcie", "gpt", "1f1b", 2, 8, ("mpress", "best"))
+    one = capacity.fits_strategies(*args)
+    monkeypatch.setattr(capacity._Search, "plan_ahead", noted)
+    two = capacity.fits_strategies(*args, backend=LocalBackend(2))
+    assert [r.to_dict() for r in one] == [r.to_dict() for r in two]
+    mpress, best = one[0].largest, one[1].largest
+    assert mpress is not None and best is not None and best.layers == mpress.layers
+    assert ahead == [mpress.layers]
+
+
 def test_best_alone_in_parallel_plans_each_sizes_parts_at_once_and_gives_the_same_report():
     """With no single strategy asked there is nothing to reuse: each shipped size runs
     ``best``'s parts in parallel (keeping everything first, the rest where that does not
