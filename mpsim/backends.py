@@ -205,7 +205,10 @@ class LocalBackend:
         return self.workers
 
     def run_batches(self, batches: list[list[Any]], fn: Callable[[Any], Any]) -> Generator[list[Outcome], None, None]:
-        if self.workers == 1 or len(batches) <= 1:
+        if self.workers == 1 or (len(batches) <= 1 and threading.current_thread() is threading.main_thread()):
+            # one batch asked from the main thread runs in it (no pickling; its caches); from
+            # another thread (fits' search chains) it goes to a worker, so that the threads do
+            # not take turns on this process's interpreter lock
             for batch in batches:
                 yield _outcomes(batch, run_batch(fn, batch))
             return

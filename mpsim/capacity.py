@@ -16,7 +16,7 @@ earlier layout reached, so a layout that cannot beat it costs one probe).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -314,18 +314,24 @@ def _size_rows(unit: _SizeUnit) -> tuple[FitRow, ...]:
 
 
 def shipped_rows(jobs: Sequence[JobSpec], family: str, models: tuple[str, ...], traces: list[Trace],
-                 strategies: Sequence[str], backend: Backend, on_point: Callable[[str], None] | None = None
-                 ) -> list[dict[str, tuple[FitRow, ...]]]:
+                 strategies: Sequence[str], backend: Backend, on_point: Callable[[str], None] | None = None,
+                 named: bool | None = None) -> list[dict[str, tuple[FitRow, ...]]]:
     """Every shipped size of every layout's job (``jobs``) under every strategy, in one
     round on ``backend``: per job, per strategy, its rows (smallest size first; ``traces``,
     ``shipped_or_named(family, models)``, which each worker loads again). A unit is
     one size of one layout under all the strategies (``_size_rows``), the largest sizes
     submitted first (they take longest, so the round ends evenly). ``on_point`` hears of
-    each size under each strategy."""
+    each size under each strategy, with the layout's name where ``named`` (default: when
+    there are several jobs)."""
     names = tuple(dict.fromkeys(strategies))
     n_sizes = len(traces)
+    named = len(jobs) > 1 if named is None else named
+
+    def prefix(job: JobSpec) -> str:
+        return f"{job.layout_name}: " if named else ""
+
     if all(combines(st) for st in names):  # no single planner's plans to reuse: best's parts in parallel
-        return _combined_rows(jobs, traces, names, backend, on_point)
+        return _combined_rows(jobs, traces, names, backend, on_point, prefix)
     placed = [((k, i), _SizeUnit(j, family, models, i, names)) for i in reversed(range(n_sizes))
               for k, j in enumerate(jobs)]
     units = [u for _, u in placed]
@@ -337,13 +343,14 @@ def shipped_rows(jobs: Sequence[JobSpec], family: str, models: tuple[str, ...], 
         got[where[id(outcome.point)]] = outcome.value
         if on_point is not None:  # a point per size and strategy, as the progress counts them
             for st in names:
-                on_point(f"{_layout_prefix(jobs, outcome.point.job)}{st}: size {outcome.point.size + 1}")
+                on_point(f"{prefix(outcome.point.job)}{st}: size {outcome.point.size + 1}")
     return [{st: tuple(got[(k, i)][m] for i in range(n_sizes)) for m, st in enumerate(names)}
             for k in range(len(jobs))]
 
 
 def _combined_rows(jobs: Sequence[JobSpec], traces: list[Trace], names: tuple[str, ...], backend: Backend,
-                   on_point: Callable[[str], None] | None) -> list[dict[str, tuple[FitRow, ...]]]:
+                   on_point: Callable[[str], None] | None, prefix: Callable[[JobSpec], str]
+                   ) -> list[dict[str, tuple[FitRow, ...]]]:
     """``shipped_rows`` when every strategy asked combines the others (``best``): each
     size's parts run in parallel (``_best_in_parallel``), one size after another."""
     out: list[dict[str, tuple[FitRow, ...]]] = []
@@ -355,7 +362,7 @@ def _combined_rows(jobs: Sequence[JobSpec], traces: list[Trace], names: tuple[st
                 result = _best_in_parallel(j.but(strategy=st, trace=t.rescale(j.microbatch)), frozenset(), backend)
                 got.append(FitRow(t.name, t.spec.params, _n_transformer(t), result))
                 if on_point is not None:
-                    on_point(f"{_layout_prefix(jobs, j)}{st}: size {i + 1}")
+                    on_point(f"{prefix(j)}{st}: size {i + 1}")
             rows[st] = tuple(got)
         out.append(rows)
     return out
@@ -386,24 +393,24 @@ def _fits_on_backend(jobs: Sequence[JobSpec], family: str, traces: list[Trace], 
                      models: tuple[str, ...], backend: Backend, on_point: Callable[[str], None] | None,
                      hints: Mapping[str, dict[str, int]], search: bool = True) -> list[list[FitsReport]]:
     """``fits`` of each job (one per layout) under each strategy on ``backend``: per job,
-    the reports in ``strategies``' order. Every shipped size of every layout runs in one
-    round (``shipped_rows``); then the single strategies' searches, a round per layout,
-    each searching above what the earlier layouts reached (``hints`` first) on a thread
-    of their own (``_SingleSearches``), while this thread runs ``best``'s search of each
-    layout whose single searches are done, its parts on the backend too. The reports are
-    those of running the layouts one after the other: each search sees the same hints."""
+    the reports in ``strategies``' order. The first layout's shipped sizes run first
+    (``shipped_rows``), then its single strategies' searches start while the other
+    layouts' shipped sizes run; each strategy then searches the later layouts in turn,
+    above what the earlier ones reached (``hints`` first; ``_SingleSearches``), while this
+    thread runs ``best``'s search of each layout whose single searches are done, its parts
+    on the backend too. The reports are those of running the layouts one after the other:
+    each search sees the same hints."""
     tell = _serialised(on_point)
     names = list(dict.fromkeys(strategies))
-    shipped = shipped_rows(jobs, family, models, traces, names, backend, tell)
     if not search:
+        shipped = shipped_rows(jobs, family, models, traces, names, backend, tell)
         return [[_unsearched(j.but(strategy=st), family, list(shipped[k][st]), traces) for st in strategies]
                 for k, j in enumerate(jobs)]
     reached = {st: dict(hints.get(st, {})) for st in names}
-    singles = _SingleSearches(jobs, family, models, [st for st in names if not combines(st)], shipped, reached,
-                              backend, tell)
+    singles = _SingleSearches(jobs, family, models, [st for st in names if not combines(st)], reached, backend, tell)
     out: list[list[FitsReport]] = []
     try:
-        singles.start()
+        shipped = _shipped_then_searches(jobs, family, models, traces, names, backend, tell, singles)
         for k, job in enumerate(jobs):
             done = singles.reports(k)
             for st in (st for st in names if combines(st)):
@@ -415,10 +422,33 @@ def _fits_on_backend(jobs: Sequence[JobSpec], family: str, traces: list[Trace], 
                 if tell:
                     tell(f"{_layout_prefix(jobs, job)}{st}: search")
             out.append([done[s] for s in strategies])
-    except BaseException:
-        singles.stop()
+    except BaseException as exc:
+        singles.stop(exc)
         raise
     return out
+
+
+def _shipped_then_searches(jobs: Sequence[JobSpec], family: str, models: tuple[str, ...], traces: list[Trace],
+                           names: list[str], backend: Backend, tell: Callable[[str], None] | None,
+                           singles: _SingleSearches) -> list[dict[str, tuple[FitRow, ...]]]:
+    """Every layout's shipped rows, the single searches started as early as they can: on a
+    backend that takes calls from several threads, after the first layout's rows (its
+    searches, MPress's near its limit the longest, then run beside the other layouts'
+    shipped sizes); else after all of them."""
+    if not backend.threads:
+        shipped = shipped_rows(jobs, family, models, traces, names, backend, tell)
+        for k, rows in enumerate(shipped):
+            singles.add_shipped(k, rows)
+        singles.start()
+        return shipped
+    named = len(jobs) > 1
+    shipped = shipped_rows(jobs[:1], family, models, traces, names, backend, tell, named)
+    singles.add_shipped(0, shipped[0])
+    singles.start()
+    shipped += shipped_rows(jobs[1:], family, models, traces, names, backend, tell, named) if named else []
+    for k in range(1, len(jobs)):
+        singles.add_shipped(k, shipped[k])
+    return shipped
 
 
 def _layout_prefix(jobs: Sequence[JobSpec], job: JobSpec) -> str:
@@ -439,63 +469,117 @@ def _serialised(on_point: Callable[[str], None] | None) -> Callable[[str], None]
 
 
 class _SingleSearches:
-    """The single strategies' searches of each layout in turn, on ``backend``: a round per
-    layout, its units one strategy's search each, above what that strategy reached in the
-    layouts before (``reached``, updated as each round ends). On a backend that takes
-    calls from several threads (``Backend.threads``) the rounds run on a thread of their
-    own, so ``best``'s search of a layout overlaps the next layouts' rounds; else all of
-    them run in ``start``."""
+    """The single strategies' searches of each layout in turn, on ``backend``, each above
+    what that strategy reached in the layouts before (``reached``), each layout's as soon
+    as its shipped rows are in (``add_shipped``). A strategy's search of layout k needs
+    only its own searches of the layouts before, so on a backend that takes calls from
+    several threads (``Backend.threads``) the first layout's searches run as one round,
+    the dearest first (``_dearest_first``), and as each ends its strategy goes on through
+    the later layouts on a thread of its own: a cheap strategy's later layouts fill the
+    workers while a dear one (MPress near its limit) still searches, and ``best``'s search
+    of a layout starts as soon as that layout's singles are done. Else all of them run in
+    ``start``, a round per layout. Either way each search sees the hints of running the
+    layouts one after the other."""
 
     def __init__(self, jobs: Sequence[JobSpec], family: str, models: tuple[str, ...], strategies: list[str],
-                 shipped: list[dict[str, tuple[FitRow, ...]]], reached: dict[str, dict[str, int]],
-                 backend: Backend, tell: Callable[[str], None] | None):
+                 reached: dict[str, dict[str, int]], backend: Backend, tell: Callable[[str], None] | None):
         self.jobs, self.family, self.models, self.strategies = jobs, family, models, strategies
-        self.shipped, self.reached, self.backend, self.tell = shipped, reached, backend, tell
+        self.reached, self.backend, self.tell = reached, backend, tell
+        self.shipped: list[Future[dict[str, tuple[FitRow, ...]]]] = [Future() for _ in jobs]
         self.done: list[Future[dict[str, _Searched]]] = [Future() for _ in jobs]
+        self._got: list[dict[str, _Searched]] = [{} for _ in jobs]
+        self._lock = threading.Lock()
+
+    def add_shipped(self, k: int, rows: dict[str, tuple[FitRow, ...]]) -> None:
+        """Layout ``k``'s shipped rows, per strategy: its searches may start."""
+        self.shipped[k].set_result(rows)
 
     def start(self) -> None:
-        if self.backend.threads:
-            threading.Thread(target=self._run, name="fits-searches", daemon=True).start()
+        if not self.strategies:  # best alone: nothing to wait for
+            for done in self.done:
+                done.set_result({})
+        elif self.backend.threads:
+            threading.Thread(target=self._first_then_chains, name="fits-searches", daemon=True).start()
         else:
-            self._run()
+            self._chain(tuple(self.strategies), 0)
 
     def reports(self, k: int) -> dict[str, FitsReport]:
-        """The single strategies' reports of layout ``k`` (waits for its round); the plans of
-        their largest sizes join this process's plan cache, where ``best``'s search of the
-        layout finds them (``_parts_planned``) instead of planning them again."""
+        """The single strategies' reports of layout ``k`` (waits for their searches); the
+        plans of their largest sizes join this process's plan cache, where ``best``'s
+        search of the layout finds them (``_parts_planned``) instead of planning them again."""
         searched = self.done[k].result()
         for s in searched.values():
             if s.largest_plan is not None:
                 adopt_plan(*s.largest_plan)
         return {st: s.report for st, s in searched.items()}
 
-    def stop(self) -> None:
-        """Stop the backend's work now (``Backend.abort``): the rounds still to run fail."""
+    def stop(self, exc: BaseException) -> None:
+        """Stop the backend's work now (``Backend.abort``): the searches still to run fail,
+        and those waiting for shipped rows that will not come hear ``exc``."""
         self.backend.abort()
+        with self._lock:
+            for rows in self.shipped:
+                if not rows.done():
+                    rows.set_exception(exc)
 
-    def _run(self) -> None:
-        for k, job in enumerate(self.jobs):
+    def _first_then_chains(self) -> None:
+        """The first layout's searches in one round, dearest first; each strategy's later
+        layouts on a thread of its own as its first search ends."""
+        strategies = _dearest_first(self.strategies, self.shipped[0].result() if self.jobs else {})
+        try:
+            for st, searched in self._searches(0, self.jobs[0], strategies):
+                self._record(0, {st: searched})
+                threading.Thread(target=self._chain, args=((st,), 1), name=f"fits-{st}", daemon=True).start()
+        except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits for it
+            self._fail(0, exc)
+
+    def _chain(self, strategies: tuple[str, ...], first: int) -> None:
+        """The searches of ``strategies`` in layouts ``first`` on, a round per layout."""
+        for k in range(first, len(self.jobs)):
             try:
-                self.done[k].set_result(self._round(k, job))
+                got = dict(self._searches(k, self.jobs[k], strategies))
             except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits for it
-                for later in self.done[k:]:
-                    later.set_exception(exc)
+                self._fail(k, exc)
+                return
+            if not self._record(k, got):
                 return
 
-    def _round(self, k: int, job: JobSpec) -> dict[str, _Searched]:
-        units = [_FitsUnit(job.but(strategy=st), self.family, self.models, self.shipped[k][st],
-                           tuple(sorted(self.reached[st].items()))) for st in self.strategies]
-        reports: dict[str, _Searched] = {}
+    def _record(self, k: int, got: dict[str, _Searched]) -> bool:
+        """Add searches of layout ``k``; whether the study goes on (no other search failed)."""
+        with self._lock:
+            if self.done[k].done():  # another search of this layout failed
+                return False
+            self._got[k].update(got)
+            if len(self._got[k]) == len(self.strategies):
+                self.done[k].set_result({st: self._got[k][st] for st in self.strategies})
+            return True
+
+    def _fail(self, k: int, exc: BaseException) -> None:
+        with self._lock:
+            for later in self.done[k:]:
+                if not later.done():
+                    later.set_exception(exc)
+
+    def _searches(self, k: int, job: JobSpec, strategies: Sequence[str]) -> Iterator[tuple[str, _Searched]]:
+        """Each strategy's search of layout ``k``, as it ends, its reach noted."""
+        rows = self.shipped[k].result()
+        units = [_FitsUnit(job.but(strategy=st), self.family, self.models, rows[st],
+                           tuple(sorted(self.reached[st].items()))) for st in strategies]
         for outcome in run_points(units, _fits_unit, self.backend, batch=1):
             st = outcome.point.job.strategy
             if outcome.error is not None or outcome.value is None:
                 raise MpsimError(f"fits under {st}: {outcome.error}")
-            reports[st] = outcome.value
+            _note_reached(self.reached[st], outcome.value.report)
             if self.tell:
                 self.tell(f"{_layout_prefix(self.jobs, job)}{st}: search")
-        for st, searched in reports.items():
-            _note_reached(self.reached[st], searched.report)
-        return reports
+            yield st, outcome.value
+
+
+def _dearest_first(strategies: Sequence[str], rows: Mapping[str, tuple[FitRow, ...]]) -> list[str]:
+    """The strategies in the order their searches are likely to take longest: those whose
+    shipped sizes fit the most first (their searches start largest and probe the largest
+    plans), the given order among equals. Only the order of work changes, not its answers."""
+    return sorted(strategies, key=lambda st: -sum(r.result.fits for r in rows.get(st, ())))
 
 
 def _plan_best_part(job: JobSpec) -> Planned:
