@@ -156,6 +156,11 @@ def _stop_pool(pool: ProcessPoolExecutor, futures: Iterable[Future]) -> None:
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
+        # the pool's manager thread ends once it sees its workers gone: wait for it here, so
+        # that the interpreter's exit does not wake it while it tears the pool down
+        manager = getattr(pool, "_executor_manager_thread", None)
+        if manager is not None and manager is not threading.current_thread():
+            manager.join(1.0)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
