@@ -326,12 +326,8 @@ def shipped_rows(jobs: Sequence[JobSpec], family: str, models: tuple[str, ...], 
     names = tuple(dict.fromkeys(strategies))
     n_sizes = len(traces)
     named = len(jobs) > 1 if named is None else named
-
-    def prefix(job: JobSpec) -> str:
-        return f"{job.layout_name}: " if named else ""
-
     if all(combines(st) for st in names):  # no single planner's plans to reuse: best's parts in parallel
-        return _combined_rows(jobs, traces, names, backend, on_point, prefix)
+        return _combined_rows(jobs, traces, names, backend, on_point, named)
     placed = [((k, i), _SizeUnit(j, family, models, i, names)) for i in reversed(range(n_sizes))
               for k, j in enumerate(jobs)]
     units = [u for _, u in placed]
@@ -343,14 +339,13 @@ def shipped_rows(jobs: Sequence[JobSpec], family: str, models: tuple[str, ...], 
         got[where[id(outcome.point)]] = outcome.value
         if on_point is not None:  # a point per size and strategy, as the progress counts them
             for st in names:
-                on_point(f"{prefix(outcome.point.job)}{st}: size {outcome.point.size + 1}")
+                on_point(f"{_layout_prefix(outcome.point.job, named)}{st}: size {outcome.point.size + 1}")
     return [{st: tuple(got[(k, i)][m] for i in range(n_sizes)) for m, st in enumerate(names)}
             for k in range(len(jobs))]
 
 
 def _combined_rows(jobs: Sequence[JobSpec], traces: list[Trace], names: tuple[str, ...], backend: Backend,
-                   on_point: Callable[[str], None] | None, prefix: Callable[[JobSpec], str]
-                   ) -> list[dict[str, tuple[FitRow, ...]]]:
+                   on_point: Callable[[str], None] | None, named: bool) -> list[dict[str, tuple[FitRow, ...]]]:
     """``shipped_rows`` when every strategy asked combines the others (``best``): each
     size's parts run in parallel (``_best_in_parallel``), one size after another."""
     out: list[dict[str, tuple[FitRow, ...]]] = []
@@ -362,7 +357,7 @@ def _combined_rows(jobs: Sequence[JobSpec], traces: list[Trace], names: tuple[st
                 result = _best_in_parallel(j.but(strategy=st, trace=t.rescale(j.microbatch)), frozenset(), backend)
                 got.append(FitRow(t.name, t.spec.params, _n_transformer(t), result))
                 if on_point is not None:
-                    on_point(f"{prefix(j)}{st}: size {i + 1}")
+                    on_point(f"{_layout_prefix(j, named)}{st}: size {i + 1}")
             rows[st] = tuple(got)
         out.append(rows)
     return out
@@ -420,7 +415,7 @@ def _fits_on_backend(jobs: Sequence[JobSpec], family: str, traces: list[Trace], 
                                     backend=backend)
                 _note_reached(reached[st], done[st])
                 if tell:
-                    tell(f"{_layout_prefix(jobs, job)}{st}: search")
+                    tell(f"{_layout_prefix(job, len(jobs) > 1)}{st}: search")
             out.append([done[s] for s in strategies])
     except BaseException as exc:
         singles.stop(exc)
@@ -451,8 +446,9 @@ def _shipped_then_searches(jobs: Sequence[JobSpec], family: str, models: tuple[s
     return shipped
 
 
-def _layout_prefix(jobs: Sequence[JobSpec], job: JobSpec) -> str:
-    return f"{job.layout_name}: " if len(jobs) > 1 else ""
+def _layout_prefix(job: JobSpec, named: bool) -> str:
+    """What a progress point of ``job`` starts with: its layout's name when several are studied."""
+    return f"{job.layout_name}: " if named else ""
 
 
 def _serialised(on_point: Callable[[str], None] | None) -> Callable[[str], None] | None:
@@ -571,7 +567,7 @@ class _SingleSearches:
                 raise MpsimError(f"fits under {st}: {outcome.error}")
             _note_reached(self.reached[st], outcome.value.report)
             if self.tell:
-                self.tell(f"{_layout_prefix(self.jobs, job)}{st}: search")
+                self.tell(f"{_layout_prefix(job, len(self.jobs) > 1)}{st}: search")
             yield st, outcome.value
 
 

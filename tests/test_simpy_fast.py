@@ -16,10 +16,10 @@ from mpsim.errors import MpsimError
 from mpsim.sim.simpy_fast import (
     Detached,
     SimpyInternalsError,
+    call_inner,
     check_simpy,
     events_scheduled,
     fire_in_place,
-    fire_in_place_inner,
     gc_paused,
     go_on_now,
     mark_processed,
@@ -182,7 +182,7 @@ def test_go_on_now_says_no_under_an_inner_firing():
     seen: list[bool] = []
     gate = env.event()
     gate.callbacks.append(lambda _e: seen.append(go_on_now(env)))
-    fire_in_place_inner(gate)
+    call_inner(fire_in_place, gate)
     assert seen == [False] and go_on_now(env)
 
 

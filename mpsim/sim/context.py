@@ -116,9 +116,9 @@ class RunContext:
         self.spans: list[Span] = []
         self.costs = CostLedger(self.env, topo.n_gpus)
         self.on_task = progress.current()
+        """Called after every task when a caller shows progress (``sim.progress``)."""
         self._host_ways: dict[tuple[int, bool], HostWay] = {}
         """Per (GPU, toward the host): what its host copies share (``start_host_copy``)."""
-        """Called after every task when a caller shows progress (``sim.progress``)."""
 
     @property
     def host_share_bytes(self) -> int:

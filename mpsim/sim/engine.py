@@ -147,7 +147,7 @@ def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostMod
     _allocate_static(run, s, static, sharding)
     swapper = Swapper(run, s, {j: act.split for j, act in program.actions.items()},
                       {j: tuple((x.gpu, x.fraction) for x in act.peers) for j, act in program.actions.items()})
-    shards = sharding.replicas if sharding is not None and sharding.zero_stage >= 1 else 1
+    shards = layout.parallelism.optimizer_shards(layout.across)
     updater = Updater(run, s, swapper, costs, shards, sharding is not None and sharding.offload_grads)
     stash_in = None
     if layout.stash[s] == "host" and versions > 1:

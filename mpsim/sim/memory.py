@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import simpy
 
-from mpsim.sim.simpy_fast import call_in, call_inner, fire_in_place, fire_in_place_inner, go_on_now
+from mpsim.sim.simpy_fast import call_in, call_inner, fire_in_place, go_on_now
 
 CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "stash", "buffers", "workspace",
                                "peer_swap")
@@ -310,7 +310,7 @@ class DeviceMemory:
         processed (``simpy_fast.go_on_now``), the waiters are rechecked now and the
         signals fired in place right after them, as the events, scheduled one after the
         other, would be processed; all but the last run as inner calls
-        (``simpy_fast.call_inner``, ``fire_in_place_inner``), so that nothing they let go
+        (``simpy_fast.call_inner``), so that nothing they let go
         takes the place an event after them held. Otherwise as ``end_free``, then the
         signals succeeded in turn (the first in place where it would be next)."""
         self.frees_under_way -= 1
@@ -322,9 +322,9 @@ class DeviceMemory:
                 if not signals:
                     self._recheck(waiting)
                     return
-                call_inner(lambda: self._recheck(waiting))
+                call_inner(self._recheck, waiting)
             for signal in signals[:-1]:
-                fire_in_place_inner(signal)
+                call_inner(fire_in_place, signal)
             if signals:
                 fire_in_place(signals[-1])
             return
@@ -442,7 +442,7 @@ class DeviceMemory:
         the others back in line, behind whoever began to wait meanwhile. The test is
         ``_must_wait``'s, written out: this loop runs for every waiter at every poke.
         A waiter let go before the batch's last is fired as an inner call
-        (``simpy_fast.fire_in_place_inner``): this loop still has work after it, so it
+        (``simpy_fast.call_inner``): this loop still has work after it, so it
         must not skip an event of its own (``go_on_now``). What the test reads of this
         owner (bytes in use, the climb, frees under way, the line) changes only while a
         waiter goes on, so it is read again after each."""
@@ -461,6 +461,6 @@ class DeviceMemory:
             elif waiter is last:  # this call's last act
                 fire_in_place(gate)
             else:
-                fire_in_place_inner(gate)
+                call_inner(fire_in_place, gate)
                 room = capacity - self.used
                 held_room, freeing, put_back = room - self.climb_bytes, self.frees_under_way > 0, self._waiting.append

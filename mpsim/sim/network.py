@@ -129,21 +129,16 @@ class Network:
     @property
     def bytes_by_link(self) -> dict[str, float]:
         """Bytes sent over each link a transfer has used, in the order first used."""
-        out: dict[str, float] = {}
-        for path in self._paths.values():
-            for name, i in zip(path.names, path.ids, strict=True):
-                out[name] = self._bytes[i]
-        return out
+        return {name: self._bytes[i] for name, i in self._used_links()}
 
     @property
     def busy_s_by_link(self) -> dict[str, float]:
         """Seconds each link has been busy, for the links busy at some time."""
-        out: dict[str, float] = {}
-        for path in self._paths.values():
-            for name, i in zip(path.names, path.ids, strict=True):
-                if self._busy_s[i] > 0:
-                    out[name] = self._busy_s[i]
-        return out
+        return {name: self._busy_s[i] for name, i in self._used_links() if self._busy_s[i] > 0}
+
+    def _used_links(self) -> list[tuple[str, int]]:
+        """(name, number) of each link a transfer has used, in the order first used."""
+        return [pair for path in self._paths.values() for pair in zip(path.names, path.ids, strict=True)]
 
     def _path(self, route: Route) -> _Path:
         path = self._paths.get(id(route))

@@ -56,7 +56,7 @@ import simpy.events
 from mpsim.errors import MpsimError
 
 __all__ = ["Detached", "Fired", "SimpyInternalsError", "call_in", "call_inner", "call_soon", "check_simpy",
-           "events_scheduled", "fire_in_place", "fire_in_place_inner", "gc_paused", "go_on", "go_on_now",
+           "events_scheduled", "fire_in_place", "gc_paused", "go_on", "go_on_now",
            "mark_processed", "missing_internals", "run_until_empty", "sleep"]
 
 Steps = Generator[simpy.Event, object, None]
@@ -175,29 +175,20 @@ def mark_processed(event: simpy.Event) -> None:
 
 
 class _Inner:
-    """How many ``fire_in_place_inner`` calls are under way (see ``go_on_now``)."""
+    """How many ``call_inner`` calls are under way (see ``go_on_now``)."""
 
     depth = 0
 
 
-def fire_in_place_inner(event: simpy.Event) -> None:
-    """``fire_in_place`` for a caller that has more to do once the event's callbacks
-    return (``DeviceMemory._recheck`` letting a waiter go before it looks at the next):
-    while it runs, ``go_on_now`` says no, as the waiter is not at its callback's end."""
+def call_inner(callback: Callable[..., None], *args: Any) -> None:
+    """Call ``callback(*args)`` for a caller that has more to do once it returns
+    (``DeviceMemory._recheck`` firing a waiter's gate in place with ``fire_in_place``
+    before it looks at the next; ``DeviceMemory.end_free_last``: a recheck with a signal
+    to fire after it): while it runs, ``go_on_now`` says no, as the caller is not at its
+    callback's end."""
     _Inner.depth += 1
     try:
-        fire_in_place(event)
-    finally:
-        _Inner.depth -= 1
-
-
-def call_inner(callback: Callable[[], None]) -> None:
-    """Call ``callback`` as ``fire_in_place_inner`` fires an event: while it runs,
-    ``go_on_now`` says no (``DeviceMemory.end_free_last``: a recheck with a signal to
-    fire after it)."""
-    _Inner.depth += 1
-    try:
-        callback()
+        callback(*args)
     finally:
         _Inner.depth -= 1
 
@@ -212,7 +203,7 @@ def go_on_now(env: simpy.Environment) -> bool:
     may go on now when (1) the queue holds nothing for this instant, (2) it is the
     callback's last act (a process that yields the event right after asking for it
     and was resumed by the loop, or by a callback fired in place as that callback's
-    last act: never under ``fire_in_place_inner``). Events it schedules then come in
+    last act: never under ``call_inner``). Events it schedules then come in
     the same order as they would have; only the counter's numbers are fewer."""
     queue = env._queue
     return _Inner.depth == 0 and (not queue or queue[0][0] > env._now)
