@@ -139,13 +139,19 @@ def _spawn() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("spawn")
 
 
-def _stop_pool(pool: ProcessPoolExecutor, futures: Iterable[Future]) -> None:
-    """Cancel the queued batches and terminate the workers now (the batches in flight are lost)."""
+MANAGER_WAIT_S = 10.0
+"""The longest a stopped pool's manager thread is waited for (``_stop_pool``)."""
+
+
+def _stop_pool(pool: ProcessPoolExecutor) -> None:
+    """Terminate the workers now and let the pool drop its queued batches (the batches in
+    flight are lost). The pool's own manager thread cancels the queued ones or, having seen
+    its workers die, fails them: a future cancelled from here meanwhile made Python
+    3.11's manager thread fail (``InvalidStateError`` in ``terminate_broken``) and could
+    leave the process hanging at its exit."""
     main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
-        for fut in futures:
-            fut.cancel()
         procs = list((getattr(pool, "_processes", None) or {}).values())
         for proc in procs:
             proc.terminate()
@@ -156,14 +162,35 @@ def _stop_pool(pool: ProcessPoolExecutor, futures: Iterable[Future]) -> None:
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
-        # the pool's manager thread ends once it sees its workers gone: wait for it here, so
-        # that the interpreter's exit does not wake it while it tears the pool down
+        # the pool's manager thread ends once it has seen its workers gone and closed its
+        # wake-up pipe: wait for that here (seconds on a busy machine), since the
+        # interpreter's exit writes to that pipe unguarded and fails if it closes meanwhile
         manager = getattr(pool, "_executor_manager_thread", None)
         if manager is not None and manager is not threading.current_thread():
-            manager.join(1.0)
+            manager.join(MANAGER_WAIT_S)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+STOP_CHECK_S = 0.1
+"""How long the main thread waits for batches with Ctrl-C and SIGTERM held (``_finished``)."""
+
+
+def _finished(pending: Iterable[Future]) -> set[Future]:
+    """The futures of ``pending`` done within a moment (at least one, unless none is by
+    then). In the main thread, Ctrl-C and SIGTERM are held while it waits (for at most
+    ``STOP_CHECK_S``, then delivered): one that landed inside ``concurrent.futures.wait``
+    could leave its waiter's lock held, and the pool's manager thread, failing the
+    futures as the pool stops, then waited for that lock forever, so the process hung
+    at its exit (Python 3.11; seen beside two busy loops)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        return wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)[0]
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        return wait(pending, timeout=STOP_CHECK_S, return_when=FIRST_COMPLETED)[0]
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 class LocalBackend:
@@ -190,7 +217,7 @@ class LocalBackend:
         self._aborted = True
         pool, self._pool = self._pool, None
         if pool is not None:
-            _stop_pool(pool, [])
+            _stop_pool(pool)
 
     def close(self) -> None:
         """End the kept pool (its idle workers exit)."""
@@ -237,11 +264,10 @@ class LocalBackend:
         """Run ``batches`` on the kept pool; those lost when a worker died go to ``broken``
         (the pool is then dropped: the next round starts a fresh one)."""
         pool = self._kept_pool()
-        pending: dict[Future, list[Any]] = {}
         try:
             pending = self._submit(pool, batches, fn)
             while pending:
-                finished, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                finished = _finished(pending)
                 for fut in finished:
                     batch = pending.pop(fut)
                     try:
@@ -255,7 +281,7 @@ class LocalBackend:
                 pool.shutdown(wait=False, cancel_futures=True)
         except BaseException:
             self._pool = None
-            _stop_pool(pool, pending)
+            _stop_pool(pool)
             raise
 
     @staticmethod
