@@ -9,6 +9,9 @@ plan that, on every stage, swaps the first transformer layer (the longest-lived
 activations) to host memory and recomputes the others; ``--plan swap-heavy`` swaps every
 other transformer layer and recomputes the rest, the busiest case for the engine (a
 swap-out, a swap-in and a cut piece per swapped layer and microbatch).
+
+The engine is the one ``MPSIM_ENGINE`` picks (``mpsim engine --help``): run it with
+``MPSIM_ENGINE=python`` and, after ``mpsim engine build``, ``MPSIM_ENGINE=compiled``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 
 import simpy
 
-from mpsim import load_topology, load_trace
+from mpsim import load_topology, load_trace, native
 from mpsim.costs import cost_model
 from mpsim.job import JobSpec
 from mpsim.partition import compute_balanced
@@ -83,6 +86,7 @@ def main() -> None:
     raw = raw_simpy_rate()
     print(f"machine            {platform.processor() or platform.machine()}, python {platform.python_version()}, "
           f"simpy {simpy.__version__}")
+    print(f"engine             {native.state().describe()}")
     print(f"job                {args.model} {args.schedule} microbatch {args.microbatch} x {args.microbatches} "
           f"on {args.server}, {len(result.stages)} stages, plan {args.plan}")
     print(f"wall per run       {wall * 1e3:.1f} ms (median of {args.repeat}; min {min(walls) * 1e3:.1f} ms), "

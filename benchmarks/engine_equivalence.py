@@ -4,6 +4,10 @@ answers, bit for bit.
 
     git worktree add /tmp/engine_base <start-commit>
     python benchmarks/engine_equivalence.py --base /tmp/engine_base [--quick]
+    python benchmarks/engine_equivalence.py --native [--quick]   # Python engine vs compiled
+
+With ``--native`` the two sides are this checkout's Python engine and its compiled one
+(``mpsim engine build``), which must also schedule the same number of events per job.
 
 Each side runs in its own process (``PYTHONPATH`` set to its checkout) and prints one
 digest line per job: the plan's iteration time and samples/s, each GPU's peak, reserved
@@ -151,8 +155,10 @@ def run_side(quick: bool) -> None:
               flush=True)
 
 
-def _side(checkout: Path, quick: bool) -> dict[str, dict[str, Any]]:
+def _side(checkout: Path, quick: bool, engine: str | None = None) -> dict[str, dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=str(checkout))
+    if engine is not None:
+        env["MPSIM_ENGINE"] = engine
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side"] + (["--quick"] if quick else [])
     out = subprocess.run(cmd, cwd=checkout, env=env, check=True, capture_output=True, text=True).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -195,17 +201,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", type=Path, help="the baseline checkout (a worktree of the starting commit)")
     ap.add_argument("--quick", action="store_true", help="fewer jobs: no best, one size per setting")
+    ap.add_argument("--native", action="store_true",
+                    help="compare this checkout's Python engine with its compiled one (`mpsim engine build`) "
+                         "instead of a baseline checkout")
     ap.add_argument("--side", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side:
         run_side(args.quick)
         return
-    if args.base is None:
-        ap.error("--base is required")
+    if (args.base is None) == (not args.native):
+        ap.error("give one of --base and --native")
     here = Path(__file__).resolve().parents[1]
-    base = _side(args.base, args.quick)
-    mine = _side(here, args.quick)
+    if args.native:
+        print("baseline: this checkout's Python engine; compared: its compiled engine")
+        base, mine = _side(here, args.quick, "python"), _side(here, args.quick, "compiled")
+    else:
+        base, mine = _side(args.base, args.quick), _side(here, args.quick)
     diffs = compare(base, mine)
+    if args.native:  # the same code compiled: the same events too, not only the same answers
+        diffs += [f"{j}: events {base[j]['events']} vs {mine[j]['events']}" for j in sorted(mine)
+                  if "events" in mine[j] and j in base and base[j].get("events") != mine[j]["events"]]
     compared = [j for j in mine if "digest" in mine[j]]
     for line in diffs:
         print(line)

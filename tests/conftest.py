@@ -14,6 +14,10 @@ if TYPE_CHECKING:
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# The suite tests the Python engine unless told otherwise (MPSIM_ENGINE=compiled runs it
+# all on the compiled one, `mpsim engine build`): a build left in the cache changes nothing.
+os.environ.setdefault("MPSIM_ENGINE", "python")
+
 
 # -- a headless Chromium for the page's browser tests (test_serve, test_serve_security) ------
 

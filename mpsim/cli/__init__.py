@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from mpsim.cli.engine_cmd import engine
 from mpsim.cli.job_cmds import plan_cmd, simulate, validate_cmd
 from mpsim.cli.options import STRATEGY_HELP as _STRATEGY_HELP  # noqa: F401  (tests read the help here)
 from mpsim.cli.serve_cmd import serve
@@ -42,7 +43,7 @@ def app() -> None:
 
 
 for command in (simulate, plan_cmd, fits, reproduce_cmd, sweep_cmd, trace, topo, validate_cmd, calibrate_cmd,
-                choose_cmd, serve):
+                choose_cmd, serve, engine):
     app.add_command(command)
 
 

@@ -446,7 +446,7 @@ class DeviceMemory:
         must not skip an event of its own (``go_on_now``). What the test reads of this
         owner (bytes in use, the climb, frees under way, the line) changes only while a
         waiter goes on, so it is read again after each."""
-        last = batch[-1]
+        last_gate = batch[-1][2]  # by its gate: a compiled engine boxes a waiter's tuple anew at each use
         reached, capacity = self.reached, self.capacity
         room = capacity - self.used
         held_room, freeing, put_back = room - self.climb_bytes, self.frees_under_way > 0, self._waiting.append
@@ -458,7 +458,7 @@ class DeviceMemory:
                 wait = n_bytes > room and freeing
             if wait:
                 put_back(waiter)
-            elif waiter is last:  # this call's last act
+            elif gate is last_gate:  # this call's last act
                 fire_in_place(gate)
             else:
                 call_inner(fire_in_place, gate)

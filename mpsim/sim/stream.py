@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Generator
+from typing import Any, cast
 
 import simpy
 
@@ -165,7 +166,7 @@ class ComputeStream:
                 signals.reach((stage, mb, piece.wait_for))
                 memory.poke()
                 landed = signals("in", stage, mb, piece.wait_for)
-                if landed.callbacks is not None:  # not processed yet
+                if cast(Any, landed).callbacks is not None:  # not processed yet
                     start_s = env.now
                     memory.settle()
                     yield landed

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import simpy
 
@@ -269,7 +269,7 @@ class SwapInSteps:
         (the swap-out has landed, swaps are prefetched and the copy is not due yet)."""
         sw = self.swapper
         run = sw.run
-        if run.on_demand or run.signals("out", sw.stage, self.mb, self.si.layer).callbacks is not None:
+        if run.on_demand or cast(Any, run.signals("out", sw.stage, self.mb, self.si.layer)).callbacks is not None:
             return False
         wake_s, env = self.need_at_s - sw._time_alone_s(self.si), run.env
         if wake_s > env.now:
@@ -280,8 +280,8 @@ class SwapInSteps:
     def _start(self, _event: simpy.Event) -> None:
         sw = self.swapper
         out = sw.run.signals("out", sw.stage, self.mb, self.si.layer)
-        if out.callbacks is not None:  # not processed yet: wait for it
-            out.callbacks.append(self._until_start)
+        if cast(Any, out).callbacks is not None:  # not processed yet: wait for it
+            cast(Any, out).callbacks.append(self._until_start)
         else:
             self._until_start(out)
 
@@ -291,8 +291,8 @@ class SwapInSteps:
         env = run.env
         if run.on_demand:
             reached = run.signals.when_reached((sw.stage, self.mb, self.si.layer))
-            if reached is not None and reached.callbacks is not None:
-                reached.callbacks.append(self._acquire)
+            if reached is not None and cast(Any, reached).callbacks is not None:
+                cast(Any, reached).callbacks.append(self._acquire)
             else:
                 self._acquire(None)
             return
@@ -307,7 +307,7 @@ class SwapInSteps:
         if run.torch_pipelining and sw.stage < run.layout.n_stages - 1:
             gradient = run.signals("gradient", sw.stage, self.mb)
             if not gradient.triggered:
-                gradient.callbacks.append(self._after_gradient)
+                cast(Any, gradient).callbacks.append(self._after_gradient)
                 return
         self._acquire(None)
 

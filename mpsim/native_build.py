@@ -1,0 +1,176 @@
+"""``mpsim engine build``: compile the simulator's hottest modules (``mpsim.native.MODULES``)
+to C extensions with mypyc, into the cache ``mpsim.native`` loads them from.
+
+The build works on a copy of the installed package's Python sources in a scratch
+directory (an installed or editable package is never written to), type-checks the
+compiled modules there with mypy (the mpsim modules they import are read for their types,
+silently; third-party ones are skipped as ``Any`` but for simpy's), runs the C compiler
+through setuptools in a child process (its output goes to ``build.log`` beside the
+build), writes the manifest (each compiled module, and the SHA-256 of every mpsim source
+file that importing ``mpsim.sim`` reads) and swaps the new build in whole, so that a
+failed or interrupted build leaves the last good one in place.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpsim import native
+
+OPT_LEVEL = "1"
+"""mypyc's optimisation level: 1 compiles in seconds where 3 takes minutes on two cores,
+for the same speed of ``bench_simulate --plan swap-heavy`` within its noise."""
+MYPY_CONFIG = """\
+[mypy]
+python_version = {python}
+follow_imports = silent
+ignore_missing_imports = True
+check_untyped_defs = True
+
+[mypy-pandas.*,pydantic.*,pydantic_core.*,torch.*,matplotlib.*,yaml.*,rich.*,click.*,scipy.*,ray.*]
+follow_imports = skip
+"""
+"""The build's mypy settings: third-party types but simpy's and numpy's are skipped (read as ``Any``),
+which makes the type check take seconds instead of minutes and changes nothing compiled
+(the compiled modules reach those packages through Python calls either way)."""
+CHILD = """\
+import os, sys, time
+from mypyc.build import mypycify
+from setuptools import setup
+out, temp, opt, group, *paths = sys.argv[1:]
+start = time.perf_counter()
+modules = mypycify(paths, opt_level=opt, group_name=group, target_dir=temp + "/c")
+print(f"mpsim: mypyc took {time.perf_counter() - start:.1f} s", flush=True)
+setup(name=group, ext_modules=modules, script_args=["build_ext", "--build-lib", out, "--build-temp", temp + "/o"])
+print(f"mpsim: mypyc and the C compiler took {time.perf_counter() - start:.1f} s", flush=True)
+os._exit(0)  # freeing mypy's graph object by object at exit takes as long again
+"""
+"""What the child process runs in the scratch copy: mypyc, then setuptools' ``build_ext``."""
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    """What ``build`` made."""
+
+    build_dir: Path
+    modules: tuple[str, ...]
+    n_sources: int
+    """mpsim source files the manifest hashes."""
+    seconds: float
+
+
+def check_toolchain() -> None:
+    """Raise ``EngineError`` (one line) when mypyc or the C compiler is missing."""
+    if importlib.util.find_spec("mypyc") is None or importlib.util.find_spec("setuptools") is None:
+        raise native.EngineError("building the compiled engine needs mypy's compiler (mypyc) and setuptools: "
+                                 "pip install 'mpsim[native]'")
+    compiler = str(sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        raise native.EngineError(f"building the compiled engine needs a C compiler: {compiler!r} is not on PATH "
+                                 "(Debian: apt-get install gcc python3-dev)")
+    include = sysconfig.get_path("include")
+    if not Path(include, "Python.h").is_file():
+        raise native.EngineError(f"building the compiled engine needs Python's headers: no Python.h in {include}")
+
+
+def copy_sources(package: Path, dest: Path) -> None:
+    """The package's ``.py`` files, as a package tree ``dest/mpsim``."""
+    for src in package.rglob("*.py"):
+        target = dest / "mpsim" / src.relative_to(package)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, target)
+
+
+def module_path(module: str) -> str:
+    """``mpsim.sim.network`` -> ``mpsim/sim/network.py``."""
+    return module.replace(".", "/") + ".py"
+
+
+def imported_sources(src: Path) -> dict[str, str]:
+    """Relative path (to the package) -> SHA-256 of every mpsim file that importing
+    ``mpsim.sim`` from ``src`` reads, found by importing it there with the Python engine."""
+    probe = ("import json, sys, mpsim.sim\n"
+             "print(json.dumps(sorted({m.__file__ for n, m in sys.modules.items()"
+             " if n.split('.')[0] == 'mpsim' and getattr(m, '__file__', None)})))")
+    env = {**os.environ, "MPSIM_ENGINE": "python", "PYTHONPATH": str(src)}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=src, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise native.EngineError(f"importing the copied sources failed: {done.stderr.strip().splitlines()[-1:]}")
+    package = (src / "mpsim").resolve()
+    files = [Path(f).resolve() for f in json.loads(done.stdout)]
+    return {str(f.relative_to(package)): native.file_sha256(f) for f in files}
+
+
+def compile_into(src: Path, out: Path, modules: Sequence[str], opt_level: str, log: Path) -> None:
+    """Run mypyc and the C compiler on ``modules`` of the copy in ``src``, extensions
+    into ``out``; the child's output to ``log``."""
+    (src / "mypy.ini").write_text(MYPY_CONFIG.format(python=f"{sys.version_info[0]}.{sys.version_info[1]}"))
+    args = [sys.executable, "-c", CHILD, str(out), str(src / "build"), opt_level, native.GROUP,
+            *(module_path(m) for m in modules)]
+    env = {**os.environ, "MPSIM_ENGINE": "python", "PYTHONPATH": str(src)}
+    with log.open("w") as sink:
+        done = subprocess.run(args, cwd=src, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise native.EngineError(f"mypyc or the C compiler failed (exit {done.returncode}); its output is in {log}")
+
+
+def build_engine(modules: Sequence[str] = native.MODULES, where: Path | None = None,
+                 opt_level: str = OPT_LEVEL) -> BuildReport:
+    """Compile ``modules`` into ``where`` (default ``native.build_dir()``), replacing what
+    is there only once the new build is complete."""
+    unknown = [m for m in modules if m not in native.MODULES]
+    if unknown or not modules:
+        raise native.EngineError(f"cannot compile {', '.join(unknown) or 'nothing'}: "
+                                 f"the compiled engine's modules are {', '.join(native.MODULES)}")
+    check_toolchain()
+    where = native.build_dir() if where is None else where
+    where.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="mpsim-engine-") as scratch:
+        src, out = Path(scratch, "src"), Path(scratch, "out")
+        copy_sources(native.package_root(), src)
+        out.mkdir()
+        log = where.parent / f"{where.name}.build.log"
+        compile_into(src, out, modules, opt_level, log)  # the log stays beside the build
+        sources = imported_sources(src)
+        manifest = {"modules": list(modules), "group": native.GROUP, "sources": sources, "opt_level": opt_level,
+                    "python": sys.version.split()[0], "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        (out / native.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        swap_in(out, where)
+    return BuildReport(where, tuple(modules), len(sources), time.perf_counter() - start)
+
+
+def swap_in(new: Path, where: Path) -> None:
+    """Put the build in ``new`` at ``where``, the old one (if any) moved aside first and
+    removed after."""
+    old = where.with_name(where.name + f".old-{os.getpid()}")
+    if where.exists():
+        where.rename(old)
+    shutil.move(str(new), str(where))
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_engine(where: Path | None = None) -> bool:
+    """Delete the build (``mpsim engine clean``); False when there was none."""
+    where = native.build_dir() if where is None else where
+    if not where.exists():
+        return False
+    shutil.rmtree(where)
+    return True
+
+
+def engine_status() -> native.EngineState:
+    """The engine a new process would run: the build on disk checked against the
+    sources now (``native.probe``)."""
+    return native.probe()
