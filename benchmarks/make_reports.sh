@@ -30,10 +30,19 @@ python benchmarks/bench_floors.py > reports/bench_floors.txt
 #   benchmarks/bench_engine_vs.sh /tmp/base > reports/bench_engine_vs.txt
 #   benchmarks/bench_fits_vs.sh /tmp/base > reports/bench_fits_vs.txt
 for plan in keep swap-recompute swap-heavy; do
-  taskset -c 0,1 python benchmarks/bench_simulate.py --plan "$plan" > "reports/bench_simulate_${plan}.txt"
+  MPSIM_ENGINE=python taskset -c 0,1 python benchmarks/bench_simulate.py --plan "$plan" > "reports/bench_simulate_${plan}.txt"
 done
-taskset -c 0,1 python benchmarks/bench_simulate.py --model bert-1.67b --schedule pipedream --microbatch 12 \
-  > reports/bench_simulate_pipedream.txt
+MPSIM_ENGINE=python taskset -c 0,1 python benchmarks/bench_simulate.py --model bert-1.67b --schedule pipedream \
+  --microbatch 12 > reports/bench_simulate_pipedream.txt
+# the compiled engine (`mpsim engine build`, when the sources changed since the last build)
+mpsim engine status | grep -q "^engine: *compiled" || mpsim engine build > /dev/null 2>&1
+for plan in keep swap-recompute swap-heavy; do
+  MPSIM_ENGINE=compiled taskset -c 0,1 python benchmarks/bench_simulate.py --plan "$plan" \
+    > "reports/bench_simulate_${plan}_compiled.txt"
+done
+MPSIM_ENGINE=compiled taskset -c 0,1 python benchmarks/bench_simulate.py --model bert-1.67b --schedule pipedream \
+  --microbatch 12 > reports/bench_simulate_pipedream_compiled.txt
+benchmarks/bench_native_vs.sh > reports/bench_native_vs.txt
 mpsim simulate --model gpt-15.4b --microbatch 2 --strategy cpu-swap --plot reports/memory_gpt-15.4b_dgx1_cpu-swap.png > reports/simulate_gpt-15.4b_dgx1_cpu-swap.txt || true
 taskset -c 0,1 python benchmarks/bench_planners.py > reports/bench_planners.txt
 taskset -c 0,1 python benchmarks/bench_layers.py > reports/bench_layers.txt

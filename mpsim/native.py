@@ -40,7 +40,9 @@ from mpsim.errors import MpsimError
 MODULES = ("mpsim.sim.network", "mpsim.sim.memory", "mpsim.sim.stream", "mpsim.sim.swapper", "mpsim.sim.context",
            "mpsim.sim.channels", "mpsim.sim.copy_engine")
 """What ``mpsim engine build`` compiles: the modules that run at every event of a
-swap-heavy run (``benchmarks/bench_simulate.py --plan swap-heavy``'s profile)."""
+swap-heavy run (``benchmarks/bench_simulate.py --plan swap-heavy``'s profile). Not
+``simpy_fast``: it makes events without calling their ``__init__`` (``Fired.__new__``),
+which a compiled class does not allow."""
 GROUP = "mpsim_engine"
 """mypyc's group name: the shared library is the top-level module ``mpsim_engine__mypyc``."""
 MODES = ("auto", "python", "compiled")

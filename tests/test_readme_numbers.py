@@ -267,8 +267,33 @@ def test_the_search_speed_figures_in_the_readme_are_the_benchmarks():
     assert f"takes {float(bert_wall[1]):.1f} s (`benchmarks/bench_best_bert.sh`" in text
     assert f"its largest {bert_largest[1]} layers at the shape of {bert_largest[2]})" in text
     for plan in ("keep", "swap-recompute", "swap-heavy"):
-        report = (reports / f"bench_simulate_{plan}.txt").read_text()
-        per_iteration = re.search(r"wall per iteration\s+([\d.]+) ms", report)
-        events = re.search(r"simpy events\s+(\d+) per run", report)
-        assert per_iteration and events
-        assert f"(`--plan {plan}`) | {per_iteration[1]} | {int(events[1]):,} |" in text
+        python_ms, events = _per_iteration(reports / f"bench_simulate_{plan}.txt", "python")
+        compiled_ms, compiled_events = _per_iteration(reports / f"bench_simulate_{plan}_compiled.txt", "compiled")
+        assert compiled_events == events  # the compiled engine schedules the same events
+        assert f"(`--plan {plan}`) | {python_ms} | {compiled_ms} | {events:,} |" in text
+        if plan == "swap-heavy":
+            assert float(compiled_ms) <= 50 < float(python_ms)
+            assert f"missed by the Python one ({float(python_ms) / 50:.2f}x)" in text
+    pipedream = [_per_iteration(reports / f"bench_simulate_pipedream{tail}.txt", engine)
+                 for tail, engine in (("", "python"), ("_compiled", "compiled"))]
+    assert pipedream[0][1] == pipedream[1][1]
+    assert f"per iteration | {pipedream[0][0]} | {pipedream[1][0]} | {pipedream[0][1]:,} |" in text
+    native_vs = (reports / "bench_native_vs.txt").read_text()
+    native_ms = dict(re.findall(r"^(swap-heavy [AB]|keep [AB]) ms per simulated iteration, median of \d+ runs: "
+                                r"([\d.]+)", native_vs, re.M))
+    fits = dict(re.findall(r"^fits ([AB] wall s|A/B wall)\s+[\d.]+\s+([\d.]+)", native_vs, re.M))
+    assert "fits same table: yes" in native_vs
+    assert (f"swap-heavy {native_ms['swap-heavy A']} against {native_ms['swap-heavy B']} ms per simulated "
+            f"iteration, keep {native_ms['keep A']} against {native_ms['keep B']}") in text
+    assert (f"first command {float(fits['A wall s']):.1f} s against {float(fits['B wall s']):.1f} s wall "
+            f"({float(fits['A/B wall']):.2f}x), the same table") in text
+
+
+def _per_iteration(report: Path, engine: str) -> tuple[str, int]:
+    """A ``bench_simulate`` report's ms per simulated iteration and events per run; it
+    must have run on ``engine``."""
+    text = report.read_text()
+    per_iteration = re.search(r"wall per iteration\s+([\d.]+) ms", text)
+    events = re.search(r"simpy events\s+(\d+) per run", text)
+    assert per_iteration and events and re.search(rf"^engine\s+{engine} ", text, re.M), report
+    return per_iteration[1], int(events[1])

@@ -48,7 +48,7 @@ import importlib.metadata
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from heapq import heappop, heappush
-from typing import Any
+from typing import Any, ClassVar
 
 import simpy
 import simpy.events
@@ -177,7 +177,7 @@ def mark_processed(event: simpy.Event) -> None:
 class _Inner:
     """How many ``call_inner`` calls are under way (see ``go_on_now``)."""
 
-    depth = 0
+    depth: ClassVar[int] = 0
 
 
 def call_inner(callback: Callable[..., None], *args: Any) -> None:
