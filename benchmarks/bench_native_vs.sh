@@ -3,15 +3,14 @@
 # alternates the two (A: MPSIM_ENGINE=compiled, B: MPSIM_ENGINE=python). For the swap-heavy
 # and keep plans each run's own "wall per iteration" is kept and its medians printed; for
 # the README's fits the whole-process ratios, and whether both print the same table.
-# Builds the engine first when the sources have changed since the last build.
+# Builds the engine first (and says how long that took).
 #   benchmarks/bench_native_vs.sh > reports/bench_native_vs.txt
 set -euo pipefail
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-if ! mpsim engine status | grep -q "^engine: *compiled"; then
-  mpsim engine build > /dev/null 2>&1
-fi
+mpsim engine build --json "$out/build.json" > /dev/null 2>&1
 echo "# $(git rev-parse --short HEAD); A: MPSIM_ENGINE=compiled, B: MPSIM_ENGINE=python; $(mpsim engine status | head -1)"
+python -c 'import json, sys; print("build s", json.load(open(sys.argv[1]))["seconds"])' "$out/build.json"
 for plan in swap-heavy keep; do
   farm-bench -n 5 --timeout 900 \
     --vs "sh -c 'MPSIM_ENGINE=python exec python benchmarks/bench_simulate.py --plan $plan --repeat 10 >> $out/b_$plan.txt 2>&1'" \

@@ -3,8 +3,8 @@ to C extensions with mypyc, into the cache ``mpsim.native`` loads them from.
 
 The build works on a copy of the installed package's Python sources in a scratch
 directory (an installed or editable package is never written to), type-checks the
-compiled modules there with mypy (the mpsim modules they import are read for their types,
-silently; third-party ones are skipped as ``Any`` but for simpy's), runs the C compiler
+compiled modules there with mypy (the mpsim modules they import, simpy and numpy are read for
+their types, silently; other packages are skipped as ``Any``), runs the C compiler
 through setuptools in a child process (its output goes to ``build.log`` beside the
 build), writes the manifest (each compiled module, and the SHA-256 of every mpsim source
 file that importing ``mpsim.sim`` reads) and swaps the new build in whole, so that a
@@ -34,16 +34,18 @@ for the same speed of ``bench_simulate --plan swap-heavy`` within its noise."""
 MYPY_CONFIG = """\
 [mypy]
 python_version = {python}
-follow_imports = silent
+follow_imports = skip
 ignore_missing_imports = True
 check_untyped_defs = True
 
-[mypy-pandas.*,pydantic.*,pydantic_core.*,torch.*,matplotlib.*,yaml.*,rich.*,click.*,scipy.*,ray.*]
-follow_imports = skip
+[mypy-mpsim.*,simpy.*,numpy.*]
+follow_imports = silent
 """
-"""The build's mypy settings: third-party types but simpy's and numpy's are skipped (read as ``Any``),
-which makes the type check take seconds instead of minutes and changes nothing compiled
-(the compiled modules reach those packages through Python calls either way)."""
+"""The build's mypy settings: the compiled modules are checked, the mpsim modules they
+import and simpy and numpy read for their types (silently); every other package is
+skipped, read as ``Any``, which changes nothing compiled (the compiled modules reach
+those packages through Python calls either way) and keeps a venv with transformers or
+Ray installed from costing half a minute of analysis of them."""
 CHILD = """\
 import os, sys, time
 from mypyc.build import mypycify
@@ -137,28 +139,39 @@ def build_engine(modules: Sequence[str] = native.MODULES, where: Path | None = N
     where = native.build_dir() if where is None else where
     where.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="mpsim-engine-") as scratch:
-        src, out = Path(scratch, "src"), Path(scratch, "out")
-        copy_sources(native.package_root(), src)
-        out.mkdir()
-        log = where.parent / f"{where.name}.build.log"
-        compile_into(src, out, modules, opt_level, log)  # the log stays beside the build
-        sources = imported_sources(src)
+    out = where.with_name(f".{where.name}.new-{os.getpid()}")  # beside the build: renamed in place at the end
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    try:
+        with tempfile.TemporaryDirectory(prefix="mpsim-engine-") as scratch:
+            src = Path(scratch, "src")
+            copy_sources(native.package_root(), src)
+            log = where.parent / f"{where.name}.build.log"
+            compile_into(src, out, modules, opt_level, log)  # the log stays beside the build
+            sources = imported_sources(src)
         manifest = {"modules": list(modules), "group": native.GROUP, "sources": sources, "opt_level": opt_level,
                     "python": sys.version.split()[0], "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         (out / native.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         swap_in(out, where)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
     return BuildReport(where, tuple(modules), len(sources), time.perf_counter() - start)
 
 
 def swap_in(new: Path, where: Path) -> None:
-    """Put the build in ``new`` at ``where``, the old one (if any) moved aside first and
-    removed after."""
-    old = where.with_name(where.name + f".old-{os.getpid()}")
+    """Put the build in ``new`` (a directory beside ``where``) at ``where`` by renaming:
+    the old build, if any, is renamed aside first and removed after. A process that has
+    loaded the old build keeps its mapped files; a new one finds the new build whole."""
+    old = where.with_name(f".{where.name}.old-{os.getpid()}")
     if where.exists():
         where.rename(old)
-    shutil.move(str(new), str(where))
-    shutil.rmtree(old, ignore_errors=True)
+    try:
+        new.rename(where)
+    except OSError as exc:  # another build renamed its own in meanwhile
+        raise native.EngineError(f"another build finished in {where} meanwhile ({exc.strerror}); "
+                                 "`mpsim engine status` says whether it is in use") from exc
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def remove_engine(where: Path | None = None) -> bool:

@@ -143,3 +143,26 @@ def test_a_compiled_module_is_loaded_by_a_new_process_and_computes_the_same(tmp_
     assert runs["compiled"]["engine"] == f"compiled (1 module from {where})"
     for key in ("iteration_s", "events", "peaks", "spans"):
         assert runs["compiled"][key] == runs["python"][key], key
+
+
+def test_a_new_build_replaces_the_old_whole_and_a_failed_one_leaves_it(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    where = tmp_path / "engine" / "abi"
+    where.mkdir(parents=True)
+    (where / "old.txt").write_text("old")
+    new = tmp_path / "engine" / ".abi.new-1"
+    new.mkdir()
+    (new / "new.txt").write_text("new")
+    native_build.swap_in(new, where)
+    assert sorted(p.name for p in where.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in where.parent.iterdir()) == ["abi"]
+
+    def failing(*_args: object) -> None:
+        raise native.EngineError("mypyc or the C compiler failed (exit 1)")
+
+    monkeypatch.setattr(native_build, "check_toolchain", lambda: None)
+    monkeypatch.setattr(native_build, "compile_into", failing)
+    with pytest.raises(native.EngineError, match="failed"):
+        native_build.build_engine(["mpsim.sim.channels"], where)
+    assert sorted(p.name for p in where.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in where.parent.iterdir()) == ["abi"]

@@ -283,6 +283,8 @@ def test_the_search_speed_figures_in_the_readme_are_the_benchmarks():
                                 r"([\d.]+)", native_vs, re.M))
     fits = dict(re.findall(r"^fits ([AB] wall s|A/B wall)\s+[\d.]+\s+([\d.]+)", native_vs, re.M))
     assert "fits same table: yes" in native_vs
+    build_s = re.search(r"^build s ([\d.]+)$", native_vs, re.M)
+    assert build_s and f"to C with mypyc in {float(build_s[1]):.0f} s on two cores" in text
     assert (f"swap-heavy {native_ms['swap-heavy A']} against {native_ms['swap-heavy B']} ms per simulated "
             f"iteration, keep {native_ms['keep A']} against {native_ms['keep B']}") in text
     assert (f"first command {float(fits['A wall s']):.1f} s against {float(fits['B wall s']):.1f} s wall "

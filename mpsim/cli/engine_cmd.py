@@ -18,7 +18,7 @@ def engine() -> None:
     """The compiled engine: the simulator's hottest modules compiled to C.
 
     \b
-    `mpsim engine build` compiles them with mypyc, about a minute on two cores; it needs
+    `mpsim engine build` compiles them with mypyc, in seconds; it needs
     `pip install 'mpsim[native]'` and a C compiler. Every later run loads the build as
     long as mpsim's sources are those it was built from: the same results, bit for bit,
     in less time (README, Speed). After mpsim is edited or upgraded, runs use the Python
@@ -56,7 +56,7 @@ def engine_status(json_out: str | None) -> None:
 def engine_build(json_out: str | None) -> None:
     """Compile the engine for this Python and these sources (replaces the last build
     once the new one is complete)."""
-    click.echo("compiling the engine with mypyc (about a minute on two cores) ...", err=True)
+    click.echo("compiling the engine with mypyc ...", err=True)
     report = api.build_engine()
     state = api.engine_status()
     text = (f"built {len(report.modules)} modules in {report.seconds:.0f} s into {report.build_dir}\n"
