@@ -8,9 +8,11 @@ from collections.abc import Callable, Generator
 import pytest
 import simpy
 
-from mpsim import load_topology
+from mpsim.job import job_of
+from mpsim.sim import Job
 from mpsim.sim.context import RunContext
-from mpsim.sim.copy_engine import CopyEngines, EnginePool
+from mpsim.sim.copy_engine import EnginePool
+from mpsim.sim.layout import resolve
 from mpsim.sim.network import Network
 from mpsim.sim.simpy_fast import Detached, Steps, call_soon, events_scheduled, run_until_empty, sleep
 from mpsim.topology import Link, Route
@@ -83,13 +85,8 @@ def test_a_landing_that_is_the_next_event_fires_in_place_and_keeps_the_times():
 def _host_copies(callbacks: bool) -> Log:
     """Three host copies (two on one GPU's d2h engine, one h2d), started at once, as
     callbacks or as processes: when each lands, and its span."""
-    ctx = RunContext.__new__(RunContext)  # only what a host copy uses
-    env = ctx.env = simpy.Environment()
-    ctx.topo = load_topology("dgx1-v100")
-    ctx.net = Network(env)
-    ctx.engines = [CopyEngines(env, g, 2) for g in range(ctx.topo.n_gpus)]
-    ctx.spans = []
-    ctx._host_ways = {}
+    ctx = RunContext(resolve(Job(job_of("dgx1-v100", "gpt-5.3b"))))  # nothing run yet
+    env = ctx.env
     log: Log = []
 
     def copy(k: int, gpu: int, n_bytes: int, to_host: bool) -> None:
