@@ -42,7 +42,8 @@ MODULES = ("mpsim.sim.network", "mpsim.sim.memory", "mpsim.sim.stream", "mpsim.s
 """What ``mpsim engine build`` compiles: the modules that run at every event of a
 swap-heavy run (``benchmarks/bench_simulate.py --plan swap-heavy``'s profile). Not
 ``simpy_fast``: it makes events without calling their ``__init__`` (``Fired.__new__``),
-which a compiled class does not allow."""
+which a compiled class does not allow; compiled with ``Fired`` moved to a module of its
+own, it gained nothing measurable on the README's ``fits`` or the swap-heavy plan."""
 GROUP = "mpsim_engine"
 """mypyc's group name: the shared library is the top-level module ``mpsim_engine__mypyc``."""
 MODES = ("auto", "python", "compiled")
