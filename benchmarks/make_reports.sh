@@ -34,15 +34,15 @@ for plan in keep swap-recompute swap-heavy; do
 done
 MPSIM_ENGINE=python taskset -c 0,1 python benchmarks/bench_simulate.py --model bert-1.67b --schedule pipedream \
   --microbatch 12 > reports/bench_simulate_pipedream.txt
-# the compiled engine (`mpsim engine build`, when the sources changed since the last build)
-mpsim engine status | grep -q "^engine: *compiled" || mpsim engine build > /dev/null 2>&1
+# the compiled engine: built by bench_native_vs.sh, then checked against the Python one and timed
+benchmarks/bench_native_vs.sh > reports/bench_native_vs.txt
+python benchmarks/engine_equivalence.py --native > reports/engine_equivalence_native.txt
 for plan in keep swap-recompute swap-heavy; do
   MPSIM_ENGINE=compiled taskset -c 0,1 python benchmarks/bench_simulate.py --plan "$plan" \
     > "reports/bench_simulate_${plan}_compiled.txt"
 done
 MPSIM_ENGINE=compiled taskset -c 0,1 python benchmarks/bench_simulate.py --model bert-1.67b --schedule pipedream \
   --microbatch 12 > reports/bench_simulate_pipedream_compiled.txt
-benchmarks/bench_native_vs.sh > reports/bench_native_vs.txt
 mpsim simulate --model gpt-15.4b --microbatch 2 --strategy cpu-swap --plot reports/memory_gpt-15.4b_dgx1_cpu-swap.png > reports/simulate_gpt-15.4b_dgx1_cpu-swap.txt || true
 taskset -c 0,1 python benchmarks/bench_planners.py > reports/bench_planners.txt
 taskset -c 0,1 python benchmarks/bench_layers.py > reports/bench_layers.txt

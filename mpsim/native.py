@@ -62,15 +62,21 @@ class EngineState:
     """``MPSIM_ENGINE``: auto, python or compiled."""
     build_dir: Path
     """Where a build for this Python is looked for."""
-    compiled: tuple[str, ...] = ()
-    """The modules loaded compiled (empty: all run from their Python sources)."""
+    paths: dict[str, Path] = field(default_factory=dict)
+    """Module name -> extension file of each compiled module and of their shared library
+    (empty: every module runs from its Python source)."""
     reason: str = ""
     """Why none are, when none are: not built, stale (which file), or turned off."""
     manifest: dict[str, object] = field(default_factory=dict)
 
     @property
+    def compiled(self) -> tuple[str, ...]:
+        """The modules loaded compiled (the shared library left out)."""
+        return tuple(name for name in self.paths if name.startswith("mpsim."))
+
+    @property
     def in_use(self) -> bool:
-        return bool(self.compiled)
+        return bool(self.paths)
 
     def describe(self) -> str:
         """One line: the engine and, for the Python one, why."""
@@ -148,7 +154,7 @@ def extension_paths(manifest: dict[str, object], where: Path) -> dict[str, Path]
         return None
     names = [*(str(m) for m in modules), f"{group}__mypyc"]
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    paths = {name: where.joinpath(*name.split(".")).with_name(name.rsplit(".", 1)[-1] + suffix) for name in names}
+    paths = {name: where / (name.replace(".", "/") + suffix) for name in names}
     return paths if all(p.is_file() for p in paths.values()) else None
 
 
@@ -167,8 +173,10 @@ class _CompiledFinder(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_file_location(fullname, where, loader=loader)
 
 
-def probe(mode: str | None = None, where: Path | None = None, root: Path | None = None) -> EngineState:
-    """What ``install`` would do, without doing it."""
+def engine_status(mode: str | None = None, where: Path | None = None,
+                  root: Path | None = None) -> EngineState:
+    """The engine a new process would run (what ``install`` would do, without doing it):
+    the build in ``where`` checked against the sources in ``root`` now."""
     mode = engine_mode() if mode is None else mode
     where = build_dir() if where is None else where
     if mode == "python":
@@ -184,31 +192,24 @@ def probe(mode: str | None = None, where: Path | None = None, root: Path | None 
     if paths is None:
         return EngineState(mode, where, reason=f"incomplete build in {where}; `mpsim engine build` again",
                            manifest=manifest)
-    return EngineState(mode, where, compiled=tuple(str(m) for m in manifest["modules"]),  # type: ignore[attr-defined]
-                       manifest=manifest)
+    return EngineState(mode, where, paths=paths, manifest=manifest)
 
 
 _STATE: EngineState | None = None
 
 
 def install() -> EngineState:
-    """Decide once per process which engine runs (``probe``) and, for the compiled one,
+    """Decide once per process which engine runs (``engine_status``) and, for the compiled one,
     put its import hook first on ``sys.meta_path``. Must run before any compiled module
     is imported (``mpsim.sim``'s first line)."""
     global _STATE
     if _STATE is not None:
         return _STATE
-    state = probe()
+    state = engine_status()
     if state.mode == "compiled" and not state.in_use:
         raise EngineError(f"MPSIM_ENGINE=compiled, but the compiled engine cannot be used: {state.reason}")
     if state.in_use:
-        loaded = [m for m in state.compiled if m in sys.modules]
-        if loaded:  # imported from Python before this ran: keep one engine per process
-            state = EngineState(state.mode, state.build_dir, reason=f"{loaded[0]} was imported first")
-        else:
-            paths = extension_paths(state.manifest, state.build_dir)
-            assert paths is not None
-            sys.meta_path.insert(0, _CompiledFinder(paths))
+        sys.meta_path.insert(0, _CompiledFinder(state.paths))
     _STATE = state
     return state
 

@@ -174,16 +174,11 @@ def swap_in(new: Path, where: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def remove_engine(where: Path | None = None) -> bool:
-    """Delete the build (``mpsim engine clean``); False when there was none."""
+def remove_engine(where: Path | None = None) -> tuple[Path, bool]:
+    """Delete the build (``mpsim engine clean``): where it was looked for, and whether
+    there was one."""
     where = native.build_dir() if where is None else where
     if not where.exists():
-        return False
+        return where, False
     shutil.rmtree(where)
-    return True
-
-
-def engine_status() -> native.EngineState:
-    """The engine a new process would run: the build on disk checked against the
-    sources now (``native.probe``)."""
-    return native.probe()
+    return where, True

@@ -49,10 +49,10 @@ def test_engine_mode_reads_the_environment_and_refuses_others(monkeypatch: pytes
 
 
 def test_without_a_build_or_when_turned_off_the_python_engine_runs(tmp_path: Path) -> None:
-    absent = native.probe("auto", tmp_path / "none")
+    absent = native.engine_status("auto", tmp_path / "none")
     assert not absent.in_use and absent.reason.startswith("not built")
     assert absent.describe() == "python (not built: `mpsim engine build` compiles it)"
-    off = native.probe("python", tmp_path / "none")
+    off = native.engine_status("python", tmp_path / "none")
     assert not off.in_use and off.reason == "MPSIM_ENGINE=python"
 
 
@@ -63,7 +63,7 @@ def test_a_build_whose_sources_changed_or_went_is_stale(tmp_path: Path) -> None:
     assert manifest is not None and native.stale_file(manifest, root) is None
     (root / "job.py").write_bytes(b"y = 3\n")
     assert native.stale_file(manifest, root) == "job.py"
-    assert native.probe("auto", where, root).reason.startswith("stale: job.py changed since the build")
+    assert native.engine_status("auto", where, root).reason.startswith("stale: job.py changed since the build")
     (root / "job.py").write_bytes(b"y = 2\n")
     (root / "sim/a.py").unlink()
     assert native.stale_file(manifest, root) == "sim/a.py"
@@ -72,10 +72,10 @@ def test_a_build_whose_sources_changed_or_went_is_stale(tmp_path: Path) -> None:
 def test_a_build_with_matching_sources_but_no_extensions_is_not_loaded(tmp_path: Path) -> None:
     root, where = tmp_path / "pkg", tmp_path / "build"
     _fake_build(where, root, {"sim/a.py": b"x = 1\n"})
-    state = native.probe("auto", where, root)
+    state = native.engine_status("auto", where, root)
     assert not state.in_use and state.reason.startswith("incomplete build in")
     (where / native.MANIFEST).write_text("{not json")
-    assert native.probe("auto", where, root).reason.startswith("not built")
+    assert native.engine_status("auto", where, root).reason.startswith("not built")
 
 
 def test_asking_for_the_compiled_engine_without_a_build_is_one_line(tmp_path: Path) -> None:

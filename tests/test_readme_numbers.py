@@ -283,6 +283,10 @@ def test_the_search_speed_figures_in_the_readme_are_the_benchmarks():
                                 r"([\d.]+)", native_vs, re.M))
     fits = dict(re.findall(r"^fits ([AB] wall s|A/B wall)\s+[\d.]+\s+([\d.]+)", native_vs, re.M))
     assert "fits same table: yes" in native_vs
+    same = re.search(r"^(\d+) jobs compared \(\d+ refused alike\), 0 differences; events (\d+) -> \2$",
+                     (reports / "engine_equivalence_native.txt").read_text(), re.M)
+    assert same and (f"compares the two over {same[1]} jobs (every strategy, layout and schedule) with 0 "
+                     f"differences and {int(same[2]):,} events on each side") in text
     build_s = re.search(r"^build s ([\d.]+)$", native_vs, re.M)
     assert build_s and f"to C with mypyc in {float(build_s[1]):.0f} s on two cores" in text
     assert (f"swap-heavy {native_ms['swap-heavy A']} against {native_ms['swap-heavy B']} ms per simulated "

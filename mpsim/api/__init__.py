@@ -62,8 +62,8 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     )
     from mpsim.layouts import CHOOSE_LAYOUTS, DEFAULT_LAYOUTS, LAYOUTS_HELP, candidate_layouts, parse_layout
     from mpsim.limits import DEFAULT_HEADROOM_GIB, MAX_HEADROOM_GIB
-    from mpsim.native import EngineState
-    from mpsim.native_build import BuildReport, build_engine, engine_status, remove_engine
+    from mpsim.native import EngineState, engine_status
+    from mpsim.native_build import BuildReport, build_engine, remove_engine
     from mpsim.plan import PlanFile, read_plan_file, write_plan_file
     from mpsim.planners import Planned, plan_job
     from mpsim.scale import ScaleReport, scale
@@ -92,8 +92,8 @@ _HOMES: dict[str, tuple[str, ...]] = {
                   "PARTITIONS", "Parallelism", "data_parallel", "job_of"),
     "mpsim.limits": ("DEFAULT_HEADROOM_GIB", "MAX_HEADROOM_GIB"),
     "mpsim.layouts": ("CHOOSE_LAYOUTS", "DEFAULT_LAYOUTS", "LAYOUTS_HELP", "candidate_layouts", "parse_layout"),
-    "mpsim.native": ("EngineState",),
-    "mpsim.native_build": ("BuildReport", "build_engine", "engine_status", "remove_engine"),
+    "mpsim.native": ("EngineState", "engine_status"),
+    "mpsim.native_build": ("BuildReport", "build_engine", "remove_engine"),
     "mpsim.plan": ("PlanFile", "read_plan_file", "write_plan_file"),
     "mpsim.planners": ("Planned", "plan_job"),
     "mpsim.cluster": ("DEFAULT_BATCH_TOKENS", "DEFAULT_CLUSTERS"),

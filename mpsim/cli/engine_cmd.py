@@ -67,5 +67,5 @@ def engine_build(json_out: str | None) -> None:
 @engine.command("clean")
 def engine_clean() -> None:
     """Remove the build: runs use the Python engine."""
-    where = api.engine_status().build_dir
-    click.echo(f"removed {where}" if api.remove_engine() else f"no build in {where}")
+    where, removed = api.remove_engine()
+    click.echo(f"removed {where}" if removed else f"no build in {where}")

@@ -280,8 +280,9 @@ class SwapInSteps:
     def _start(self, _event: simpy.Event) -> None:
         sw = self.swapper
         out = sw.run.signals("out", sw.stage, self.mb, self.si.layer)
-        if cast(Any, out).callbacks is not None:  # not processed yet: wait for it
-            cast(Any, out).callbacks.append(self._until_start)
+        waiters = cast(Any, out).callbacks  # None once processed (SimPy types it as a list)
+        if waiters is not None:  # not processed yet: wait for it
+            waiters.append(self._until_start)
         else:
             self._until_start(out)
 
@@ -291,8 +292,9 @@ class SwapInSteps:
         env = run.env
         if run.on_demand:
             reached = run.signals.when_reached((sw.stage, self.mb, self.si.layer))
-            if reached is not None and cast(Any, reached).callbacks is not None:
-                cast(Any, reached).callbacks.append(self._acquire)
+            waiters = None if reached is None else cast(Any, reached).callbacks  # None once processed
+            if waiters is not None:
+                waiters.append(self._acquire)
             else:
                 self._acquire(None)
             return
@@ -307,7 +309,7 @@ class SwapInSteps:
         if run.torch_pipelining and sw.stage < run.layout.n_stages - 1:
             gradient = run.signals("gradient", sw.stage, self.mb)
             if not gradient.triggered:
-                cast(Any, gradient).callbacks.append(self._after_gradient)
+                gradient.callbacks.append(self._after_gradient)
                 return
         self._acquire(None)
 
