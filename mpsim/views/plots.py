@@ -124,11 +124,15 @@ def plot_memory(r: SimResult, path: Path) -> None:
     plt.close(fig)
 
 
-#: Colours of the timeline: compute tasks by kind, then the copy lanes.
+#: Colours of the timeline: compute tasks by kind, then the copy lanes, then the collectives
+#: of the data- and tensor-parallel groups (``nccl``).
 TIMELINE_COLOURS = {"F": "tab:blue", "B": "tab:orange", "U": "tab:green", "copy": "tab:gray",
-                    "d2h": "tab:red", "h2d": "tab:olive"}
+                    "d2h": "tab:red", "h2d": "tab:olive", "nccl": "tab:purple"}
 _TIMELINE_LABELS = {"F": "forward", "B": "backward", "U": "optimizer update", "copy": "activation / D2D copy",
-                    "d2h": "swap to host", "h2d": "swap from host"}
+                    "d2h": "swap to host", "h2d": "swap from host", "nccl": "collective (NCCL)"}
+#: Where a bar sits in its GPU's row, as (offset from the row's centre, height): compute on
+#: top, copies below it, collectives at the bottom, so none hides another.
+_TIMELINE_BANDS = {"compute": (-0.42, 0.4), "copy": (0.01, 0.19), "nccl": (0.22, 0.19)}
 
 
 def _gpu_labels(r: SimResult) -> list[str]:
@@ -165,28 +169,39 @@ def memory_bars_figure(r: SimResult) -> Figure:
 
 
 def timeline_figure(r: SimResult) -> Figure:
-    """Per GPU a compute row (forward, backward, update) and a thinner copy row (the web
-    page's chart)."""
+    """Per GPU a compute row (forward, backward, update), a thinner copy row (peer copies and
+    swaps) and a collective row (the data- and tensor-parallel groups' NCCL collectives; the
+    web page's chart). Every layout draws: a lane or task kind this figure does not know is
+    drawn in grey under its own name, and a span on a GPU the result does not list gets a row
+    of its own."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    fig = Figure(figsize=(12, 1.2 + 0.5 * len(r.gpus)))
-    ax = fig.add_subplot()
-    bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    rows = {g.gpu: i for i, g in enumerate(r.gpus)}
+    labels = _gpu_labels(r)
+    bars: dict[tuple[int, str, str], list[tuple[float, float]]] = {}
     for s in r.spans:
-        key = s.name[0] if s.lane == "compute" else s.lane
-        bars.setdefault((s.gpu, key), []).append((s.start_s * 1e3, (s.end_s - s.start_s) * 1e3))
-    for (gpu, key), spans in bars.items():
-        compute = key in ("F", "B", "U")
-        y = gpu - 0.4 if compute else gpu + 0.05
-        ax.broken_barh(spans, (y, 0.45 if compute else 0.3), facecolor=TIMELINE_COLOURS.get(key, "tab:gray"),
-                       edgecolor="white", linewidth=0.3)
-    used = sorted({key for _, key in bars}, key=list(TIMELINE_COLOURS).index)
-    ax.legend(handles=[Patch(facecolor=TIMELINE_COLOURS[k], label=_TIMELINE_LABELS[k]) for k in used],
-              fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_yticks(range(len(r.gpus)), _gpu_labels(r))
-    ax.set_ylim(len(r.gpus) - 0.5, -0.5)
-    ax.set_xlabel("time (ms); upper row of a GPU: compute, lower: copies")
+        if s.gpu not in rows:
+            rows[s.gpu] = len(rows)
+            labels.append(f"GPU {s.gpu}")
+        band = "compute" if s.lane == "compute" else "nccl" if s.lane == "nccl" else "copy"
+        key = (s.name[:1] or "?") if s.lane == "compute" else s.lane
+        bars.setdefault((s.gpu, band, key), []).append((s.start_s * 1e3, (s.end_s - s.start_s) * 1e3))
+    fig = Figure(figsize=(12, 1.2 + 0.5 * len(rows)))
+    ax = fig.add_subplot()
+    for (gpu, band, key), spans in bars.items():
+        offset, height = _TIMELINE_BANDS[band]
+        # white seams between compute tasks; none on copies and collectives, whose bars are
+        # often thinner than a seam
+        ax.broken_barh(spans, (rows[gpu] + offset, height), facecolor=TIMELINE_COLOURS.get(key, "tab:gray"),
+                       edgecolor="white" if band == "compute" else "none", linewidth=0.3)
+    order = list(TIMELINE_COLOURS)
+    used = sorted({key for _, _, key in bars}, key=lambda k: (order.index(k) if k in order else len(order), k))
+    ax.legend(handles=[Patch(facecolor=TIMELINE_COLOURS.get(k, "tab:gray"), label=_TIMELINE_LABELS.get(k, k))
+                       for k in used], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_yticks(range(len(rows)), labels)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel("time (ms); rows of a GPU, top to bottom: compute, copies, collectives")
     fig.tight_layout()
     return fig
 
