@@ -76,8 +76,9 @@ def is_cluster(name_or_path: str) -> bool:
     path = Path(name_or_path)
     if not (path.suffix in (".yaml", ".yml") and path.is_file()):
         return False
-    try:
-        head = path.read_text(encoding="utf-8", errors="replace")[:65536]
+    try:  # its head only: a regular file (is_file), but of any size
+        with path.open("rb") as f:
+            head = f.read(65536).decode("utf-8", errors="replace")
     except OSError:
         return False
     return any(line.startswith("fabric:") for line in head.splitlines())

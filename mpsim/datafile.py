@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -11,6 +13,55 @@ from pydantic import BaseModel, ValidationError
 
 from mpsim.errors import MpsimError, SchemaError, from_pydantic
 from mpsim.limits import check_trace_text
+
+MAX_FILE_BYTES = 2**30
+"""The largest trace or plan file read: 1 GiB. A trace at ``MAX_LAYERS`` is about 64 MiB
+(about 6 KiB a layer row); below this bound a deeper one still gets the layer count's
+clearer message (``mpsim.limits``: a 100,000-layer trace is about 400 MB)."""
+MAX_SMALL_FILE_BYTES = 16 * 2**20
+"""The largest server, cluster or Hugging Face config file read: 16 MiB (the shipped ones
+are a few KiB)."""
+_FILE_LIMITS = {"trace": MAX_FILE_BYTES, "plan": MAX_FILE_BYTES}
+
+
+def _kind_of(mode: int) -> str:
+    """What a file that is not a regular file is, in words."""
+    for test, name in ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a folder")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_bounded(path: Path, what: str, limit: int | None = None) -> bytes:
+    """The bytes of ``path``, read only if it is a regular file of at most ``limit`` bytes
+    (``MAX_FILE_BYTES`` for a trace or plan, ``MAX_SMALL_FILE_BYTES`` for anything else):
+    a FIFO (which would block until a writer came), a device such as ``/dev/zero`` (which
+    never ends), a folder or an oversized file is refused in one line naming the path and
+    why, before anything is read. The file is opened without blocking and checked again
+    once open, so swapping it for a FIFO after the first check does not hang either."""
+    limit = _FILE_LIMITS.get(what, MAX_SMALL_FILE_BYTES) if limit is None else limit
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise MpsimError(f"{path}: cannot read {what} file: it is {_kind_of(mode)}, not a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise MpsimError(f"{path}: cannot read {what} file: it is {_kind_of(info.st_mode)}, "
+                                 "not a regular file")
+            if info.st_size > limit:
+                raise MpsimError(f"{path}: {what} file is {info.st_size:,} bytes; mpsim reads at most "
+                                 f"{limit:,} (see MAX_FILE_BYTES in mpsim/datafile.py)")
+            raw = f.read(limit + 1)  # a file growing while read still stops here
+    except OSError as exc:
+        raise MpsimError(f"{path}: cannot read {what} file ({exc.strerror})") from None
+    if len(raw) > limit:
+        raise MpsimError(f"{path}: {what} file is over {limit:,} bytes; mpsim reads at most {limit:,} "
+                         "(see MAX_FILE_BYTES in mpsim/datafile.py)")
+    return raw
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -59,10 +110,7 @@ def read_data_file(path: Path, fmt: Literal["yaml", "json"], what: str) -> objec
 
 
 def _read_text(path: Path, fmt: Literal["yaml", "json"], what: str) -> str:
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise MpsimError(f"{path}: cannot read {what} file ({exc.strerror})") from None
+    raw = read_bounded(path, what)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mpsim.datafile import read_bounded
 from mpsim.errors import MpsimError
 from mpsim.limits import MAX_LAYERS
 
@@ -71,7 +72,7 @@ def config_path(source: str) -> Path:
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
+    if not path.exists():  # a FIFO or a device exists: read_config says what it is
         raise MpsimError(f"--hf {source}: no such config.json, model folder or preset "
                          f"(presets: {', '.join(shipped)})")
     return path
@@ -106,9 +107,10 @@ OVERRIDES = {"layers": ("num_hidden_layers", MAX_LAYERS - 2), "hidden": ("hidden
 
 def read_config(path: Path) -> dict[str, Any]:
     """The JSON object of ``path``, refused in one line when it is not one or nests too deep."""
+    raw = read_bounded(path, "config")  # a regular file of bounded size, or one line why not
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
         raise MpsimError(f"{path}: cannot read the config ({e})") from None
     depth = _max_depth(text)
     if depth > MAX_CONFIG_DEPTH:
