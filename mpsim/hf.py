@@ -149,9 +149,10 @@ def _transformers() -> Any:
     return transformers
 
 
-def load_config(source: str) -> Any:
-    """The ``PretrainedConfig`` of SOURCE, built locally from its JSON (never the network)."""
-    path, raw = read_checked(source)
+def load_config(source: str, overrides: dict[str, int] | None = None) -> Any:
+    """The ``PretrainedConfig`` of SOURCE, built locally from its JSON (never the network);
+    ``overrides`` (``trace --hf``'s) only say which fields the caller will replace."""
+    path, raw = read_checked(source, overrides)
     if "model_type" not in raw:
         raise MpsimError(f"{path}: no model_type in the config")
     model_type = raw["model_type"]
@@ -387,7 +388,7 @@ def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = No
     transformers = _transformers()
     overrides = dict(overrides or {})
     check_overrides(overrides)
-    config = load_config(source)
+    config = load_config(source, overrides)
     layout = LAYOUTS[config.model_type]
     preset_seq, preset_mb, preset_recipe = _defaults(source)
     seq_len = overrides.pop("seq_len", None) or preset_seq or min(config.max_position_embeddings, _DEFAULT_SEQ_LEN)

@@ -78,11 +78,12 @@ def config_path(source: str) -> Path:
     return path
 
 
-def read_checked(source: str) -> tuple[Path, dict[str, Any]]:
-    """SOURCE's config file and its JSON, its shape checked (``check_shape``)."""
+def read_checked(source: str, overrides: dict[str, int] | None = None) -> tuple[Path, dict[str, Any]]:
+    """SOURCE's config file and its JSON, its shape checked (``check_shape``; the fields
+    ``overrides`` replace are checked with their new values by ``mpsim.hf``)."""
     path = config_path(source)
     raw = read_config(path)
-    check_shape(raw, str(path))
+    check_shape(raw, str(path), overrides)
     return path, raw
 
 
@@ -97,7 +98,7 @@ def precheck(source: str, overrides: dict[str, int] | None = None) -> dict[str, 
     """SOURCE's config read and checked, the overrides too: what ``trace --hf`` and the
     page refuse before torch or transformers is imported."""
     check_overrides(overrides)
-    return read_checked(source)[1]
+    return read_checked(source, overrides)[1]
 
 
 #: ``trace --hf``'s shape overrides: the field each sets and its largest value.
@@ -147,10 +148,11 @@ def _max_depth(text: str) -> int:
     return deepest
 
 
-def check_shape(raw: dict[str, Any], where: str) -> None:
+def check_shape(raw: dict[str, Any], where: str, overrides: dict[str, int] | None = None) -> None:
     """Every field of ``SHAPE_FIELDS`` the config gives: a whole number from 1 to its
     largest (module doc); ``NUMBER_FIELDS`` numbers in their ranges, ``NAME_FIELDS``
-    strings. One line naming the field otherwise."""
+    strings; the heads splitting the width (``check_heads``). One line naming the field
+    otherwise."""
     for names, optional, largest in SHAPE_FIELDS.values():
         given = [n for n in names if n in raw]
         if not given:
@@ -172,6 +174,30 @@ def check_shape(raw: dict[str, Any], where: str) -> None:
     heads, kv = _value(raw, "num_attention_heads"), _value(raw, "num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv, int) and kv > heads:
         raise MpsimError(f"{where}: num_key_value_heads {kv} is more than num_attention_heads {heads}")
+    check_heads(raw, where, overrides)
+
+
+def check_heads(raw: dict[str, Any], where: str, overrides: dict[str, int] | None = None) -> None:
+    """The attention heads split the width evenly: without a ``head_dim`` of its own a head
+    gets ``hidden_size / num_attention_heads`` features, so the heads must divide the hidden
+    size (else Phi-3's attention, say, fails deep in torch with a broadcast error; a family
+    that takes ``head_dim`` and refuses it anyway says so through ``mpsim.hf.load_config``);
+    the key-value heads must divide the heads (each serves as many query heads). Fields
+    that ``overrides`` replace (``trace --hf --hidden/--heads``) are left to ``mpsim.hf``,
+    which checks them with their new values."""
+    if overrides and ("hidden" in overrides or "heads" in overrides):
+        return
+    hidden, heads, kv = (_value(raw, f) for f in ("hidden_size", "num_attention_heads", "num_key_value_heads"))
+    if not (isinstance(hidden, int) and isinstance(heads, int)):
+        return  # absent (named with the model type by mpsim.hf.load_config)
+    names = {f: next(n for n in SHAPE_FIELDS[f][0] if n in raw) for f in ("hidden_size", "num_attention_heads")}
+    if _value(raw, "head_dim") is None and hidden % heads:
+        raise MpsimError(f"{where}: {names['hidden_size']} {hidden} is not divisible by "
+                         f"{names['num_attention_heads']} {heads}: each head gets {names['hidden_size']} / "
+                         f"{names['num_attention_heads']} features")
+    if isinstance(kv, int) and heads % kv:
+        raise MpsimError(f"{where}: {names['num_attention_heads']} {heads} is not a multiple of "
+                         f"num_key_value_heads {kv}: each key-value head serves as many query heads")
 
 
 def check_count(label: str, value: Any, largest: int) -> None:
