@@ -34,6 +34,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from mpsim.datafile import read_data_file, validate
 from mpsim.errors import MpsimError, SchemaError
+from mpsim.mesh import DeviceMesh
 from mpsim.topology import (
     HOST,
     MAX_GBPS,
@@ -373,10 +374,15 @@ class Placement:
     groups: tuple[tuple[tuple[int, ...], ...], ...]
 
 
-def place_on_cluster(gpus_per_server: int, data: int, tensor: int, stages: int) -> Placement:
-    """The placement of ``data`` x ``tensor`` x ``stages`` GPUs filling whole servers of
-    ``gpus_per_server`` (class doc); one line when they do not."""
+def place_on_cluster(gpus_per_server: int, mesh: DeviceMesh) -> Placement:
+    """The placement of ``mesh``'s GPUs filling whole servers of ``gpus_per_server`` (class
+    doc): rank r on GPU r, the mesh's innermost axis (tensor) inside a server; a stage's
+    replicas are its GPUs' coordinates on every axis but tensor and pipeline. One line
+    when they do not fill whole servers."""
     g = gpus_per_server
+    tensor, stages = mesh.size_of("tensor"), mesh.size_of("pipeline")
+    rest = tuple(n for n in mesh.names if n not in ("tensor", "pipeline"))
+    data = mesh.size_of(*rest)
     per_stage = data * tensor
     if g % tensor:
         raise MpsimError(f"tensor parallelism stays inside a server: TP x{tensor} does not divide its {g} GPUs")
@@ -388,9 +394,10 @@ def place_on_cluster(gpus_per_server: int, data: int, tensor: int, stages: int) 
     local = min(data, g // tensor)
     stage_server = [per_stage * s // g for s in range(stages)]
     first = {server: i for i, server in enumerate(dict.fromkeys(stage_server))}
+    replica_of = DeviceMesh(tuple((n, mesh.size_of(n)) for n in rest))
 
     def gpu(r: int, s: int, i: int) -> int:
-        rank = i + tensor * (r + data * s)
+        rank = mesh.rank({"tensor": i, "pipeline": s, **replica_of.coords(r)})
         return first[rank // g] * g + rank % g
 
     groups = tuple(tuple(tuple(gpu(r, s, i) for i in range(tensor)) for s in range(stages)) for r in range(local))

@@ -25,8 +25,8 @@ schedule needs it (1f1b, pipedream): ``microbatches_per_replica``.
 from __future__ import annotations
 
 import math
-import re
 
+from mpsim import mesh
 from mpsim.errors import MpsimError
 from mpsim.job import DP_NAMES, JobSpec, Parallelism, data_parallel
 from mpsim.schedule import check_schedule, min_microbatches
@@ -34,9 +34,7 @@ from mpsim.tensor_parallel import check_shardable
 from mpsim.topology import Topology
 from mpsim.trace import Trace
 
-LAYOUT_FORMS = ("pp8 (pipeline of 8), pp4v2 (interleaved, 2 virtual stages), ddp8, zero1x8, zero2x4, fsdp8 "
-                "(= zero3x8), replicas of a pipeline: ddp2xpp4, fsdp2xpp4, or tensor-parallel stages: tp8, tp4spxpp2 "
-                "(sequence parallel), zero1x2xtp2spxpp2")
+LAYOUT_FORMS = mesh.layout_forms()
 FILTERS: dict[str, str] = {
     "all": "every data-parallel degree x pipeline depth that uses all GPUs, ZeRO 0 to 3 where replicated",
     "pipeline": "one pipeline over all GPUs (pp8 on 8 GPUs)",
@@ -58,41 +56,14 @@ LAYOUTS_HELP = ("comma-separated layouts: names " + LAYOUT_FORMS + "; or all, pi
                 "iteration over all replicas: a layout of dp replicas runs ceil(M/dp) per replica, at least "
                 "one per stage for 1f1b")
 
-_NAME = re.compile(r"(?:(?P<kind>ddp|fsdp)(?P<n>\d+)|zero(?P<zero>[0-3])x(?P<zn>\d+))?"
-                   r"(?:(?:(?<=\d)x|^)tp(?P<tp>\d+)(?P<sp>sp)?)?"
-                   r"(?:(?:(?<=\d)x|(?<=sp)x|^)pp(?P<pp>\d+)(?:v(?P<v>\d+))?)?")
-
-
 def parse_layout(text: str) -> Parallelism:
-    """A layout from its name (``pp8``, ``fsdp8``, ``zero2x4``, ``ddp2xpp4``, ``tp4spxpp2``,
-    ``pp4v2``); one-line ``MpsimError`` naming the forms for anything else."""
-    name = text.strip().lower()
-    m = _NAME.fullmatch(name) if name else None
-    if m is None or not any(m.group(k) for k in ("n", "zn", "tp", "pp")):
-        raise MpsimError(f"unknown layout {text!r}: expected {LAYOUT_FORMS}")
-    data, zero = 1, 0
-    if m["kind"]:
-        data, zero = int(m["n"]), 3 if m["kind"] == "fsdp" else 0
-    elif m["zn"]:
-        data, zero = int(m["zn"]), int(m["zero"])
-    options = {"tensor": int(m["tp"] or 1), "sequence_parallel": bool(m["sp"]), "virtual_stages": int(m["v"] or 1)}
-    try:
-        return data_parallel(data, zero, int(m["pp"] or 1), **options)
-    except MpsimError as exc:
-        raise MpsimError(f"layout {text!r}: {exc}") from None
+    """A layout from its name (``mpsim.mesh.parse_layout``, the one grammar)."""
+    return mesh.parse_layout(text)
 
 
 def short_name(p: Parallelism, n_stages: int) -> str:
-    """The name ``parse_layout`` reads back: ``pp8``, ``fsdp8``, ``zero2x4xpp2``, ``tp4spxpp2``."""
-    parts = []
-    if p.data > 1 or p.zero_stage:
-        kind = {0: "ddp", 3: "fsdp"}.get(p.zero_stage, f"zero{p.zero_stage}x")
-        parts.append(f"{kind}{p.data}")
-    if p.tensor > 1:
-        parts.append(f"tp{p.tensor}" + ("sp" if p.sequence_parallel else ""))
-    if n_stages > 1 or not parts:
-        parts.append(f"pp{n_stages}" + (f"v{p.virtual_stages}" if p.virtual_stages > 1 else ""))
-    return "x".join(parts)
+    """The name ``parse_layout`` reads back (``mpsim.mesh.layout_name``)."""
+    return mesh.layout_name(p, n_stages)
 
 
 def _all_layouts(n_gpus: int) -> list[Parallelism]:
@@ -159,7 +130,7 @@ def candidate_layouts(topo: Topology, which: str = "all", schedule: str | None =
             raise MpsimError(f"--layouts: expected a comma-separated list without empty items, got {which!r}")
         else:
             p = parse_layout(item)
-            if p.data * p.tensor * (p.pipeline or 1) <= topo.n_gpus:
+            if p.stage_gpus * (p.pipeline or 1) <= topo.n_gpus:
                 chosen.append(p)
     chosen = list(dict.fromkeys(chosen))
     if not chosen:
@@ -180,7 +151,7 @@ def microbatches_per_replica(microbatches: int, p: Parallelism, n_stages: int, s
     ``ceil(microbatches / data)`` per replica, and at least one per stage for 1f1b and
     pipedream (their pipelines need it). The count itself is checked first."""
     check_schedule(schedule, 1, microbatches)
-    return max(math.ceil(microbatches / p.data), min_microbatches(schedule, n_stages))
+    return max(math.ceil(microbatches / p.replicas), min_microbatches(schedule, n_stages))
 
 
 def on_layout(job: JobSpec, p: Parallelism, microbatches: int) -> JobSpec:

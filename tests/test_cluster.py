@@ -14,6 +14,7 @@ from mpsim.catalog import load_cluster, shipped_clusters
 from mpsim.cluster import Cluster, ClusterFile, parse_cluster, place_on_cluster
 from mpsim.errors import MpsimError
 from mpsim.job import JobSpec, Parallelism
+from mpsim.mesh import DeviceMesh
 from mpsim.sim import Job, simulate_job
 from mpsim.sim.collectives import inter_server_steps, max_hop_bytes, two_level_transfer
 from mpsim.sim.network import Network
@@ -187,12 +188,16 @@ def test_symmetric_servers_simulated_once_give_what_all_of_them_give(fabric, op)
 
 # -- placement -----------------------------------------------------------------------------------
 
+def _mesh(data: int, tensor: int, stages: int) -> DeviceMesh:
+    return DeviceMesh((("tensor", tensor), ("data", data), ("pipeline", stages)))
+
+
 def test_megatron_order_puts_tensor_groups_in_a_server_and_stages_across():
-    placed = place_on_cluster(8, data=4, tensor=4, stages=2)  # 2 replicas of a stage per server
+    placed = place_on_cluster(8, _mesh(data=4, tensor=4, stages=2))  # 2 replicas of a stage per server
     assert (placed.servers, placed.local, placed.across) == (2, 2, 2)
     assert placed.groups[0] == ((0, 1, 2, 3), (8, 9, 10, 11))
     assert placed.groups[1] == ((4, 5, 6, 7), (12, 13, 14, 15))
-    small = place_on_cluster(8, data=2, tensor=2, stages=4)  # two stages a server
+    small = place_on_cluster(8, _mesh(data=2, tensor=2, stages=4))  # two stages a server
     assert (small.servers, small.local, small.across) == (2, 2, 1)
     assert small.replicas == ((0, 4, 8, 12), (2, 6, 10, 14))
 
@@ -204,7 +209,7 @@ def test_megatron_order_puts_tensor_groups_in_a_server_and_stages_across():
 ])
 def test_placements_that_do_not_fill_servers_are_refused(args, message):
     with pytest.raises(MpsimError, match=message):
-        place_on_cluster(*args)
+        place_on_cluster(args[0], _mesh(*args[1:]))
 
 
 # -- jobs ------------------------------------------------------------------------------------------

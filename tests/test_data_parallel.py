@@ -10,6 +10,7 @@ from helpers import layer, tiny_topology, tiny_trace
 from mpsim.costs import cost_model
 from mpsim.errors import MpsimError
 from mpsim.job import JobSpec, Parallelism, job_of
+from mpsim.mesh import DeviceMesh
 from mpsim.sim import simulate_job
 from mpsim.sim.layout import Job
 from mpsim.sim.placement import place_replicas
@@ -119,7 +120,7 @@ def test_a_replicated_pipeline_places_its_groups_on_the_fastest_rings():
     from mpsim.sim.collectives import ring_bottleneck
 
     topo = load_topology("dgx1-v100")
-    replicas = place_replicas(topo, 2, 4)
+    replicas = place_replicas(topo, DeviceMesh((("data", 2), ("pipeline", 4))))
     assert sorted(g for r in replicas for g in r) == list(range(8))
     for s in range(4):
         assert topo.nvlinks_between(replicas[0][s], replicas[1][s])

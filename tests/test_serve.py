@@ -167,6 +167,20 @@ def test_a_job_takes_its_parallel_layout_by_name_from_the_page(server):
     assert status == 400 and answer["error"].startswith("unknown layout 'fsdp': expected")
 
 
+@pytest.mark.parametrize("layout, words, gpus", [("ddp2xpp2", "DDP x2 x pipeline x2", 2), ("pp4", "pipeline x4", 4)])
+def test_the_page_runs_the_pipeline_depth_its_layout_names(server, layout, words, gpus):
+    """``ddp2xpp2`` on the DGX A100 ran as DDP x2 x pipeline x4 and ``pp4`` as pipeline x8."""
+    job = run_job(server, server="dgx-a100-80gb", model="gpt-5.3b", microbatch=1, microbatches=4, layout=layout)
+    assert job["state"] == "done", job["error"]
+    result = job["result"]
+    assert result["layout"] == words and len(result["gpu_of_stage"]) == gpus
+    assert (result["gpus_used"], result["gpus_available"]) == (4, 8)
+    assert job["verdict"].endswith("runs on 4 of 8 GPUs"), job["verdict"]
+    refused = run_job(server, server="dgx-a100-80gb", model="gpt-5.3b", microbatch=1, microbatches=4,
+                      layout=layout, stages=8)
+    assert refused["state"] == "failed" and "but 8 were asked for" in refused["error"]
+
+
 def test_a_job_takes_its_stage_count_from_the_page(server):
     job = run_job(server, server="dgx1-v100", model="gpt-5.3b", microbatch=2, stages=4)
     assert job["state"] == "done", job["error"]

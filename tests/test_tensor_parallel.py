@@ -19,6 +19,7 @@ from mpsim.catalog import load_topology
 from mpsim.errors import MpsimError
 from mpsim.job import JobSpec, Parallelism, job_of
 from mpsim.layouts import parse_layout
+from mpsim.mesh import DeviceMesh
 from mpsim.sim import layout as layout_mod
 from mpsim.sim import simulate_job
 from mpsim.sim.collectives import ring_bottleneck
@@ -158,15 +159,15 @@ def test_tensor_groups_go_on_the_fastest_links():
     """A chain of NVLink pairs 0-1, 1-2, 2-3 (the rest over PCIe): groups of 2 take the
     pairs 0-1 and 2-3, never 1-2 (which would leave 0 and 3 on PCIe)."""
     topo = parse_topology(topology_dict(n_gpus=4, nvlink_gbps=10.0, pcie_gbps=1.0), "chain.yaml")
-    _, groups = place_groups(topo, 2, 2, 1)
+    _, groups = place_groups(topo, DeviceMesh((("tensor", 2), ("data", 2), ("pipeline", 1))))
     assert sorted(tuple(sorted(g)) for r in groups for g in r) == [(0, 1), (2, 3)]
 
 
 def test_on_the_dgx1_groups_of_four_are_its_fully_connected_quads():
     topo = load_topology("dgx1-v100")
-    _, groups = place_groups(topo, 1, 4, 2)
+    _, groups = place_groups(topo, DeviceMesh((("tensor", 4), ("data", 1), ("pipeline", 2))))
     assert sorted(tuple(sorted(g)) for g in groups[0]) == [(0, 1, 2, 3), (4, 5, 6, 7)]
-    _, pairs = place_groups(topo, 2, 2, 2)
+    _, pairs = place_groups(topo, DeviceMesh((("tensor", 2), ("data", 2), ("pipeline", 2))))
     bandwidth = min(ring_bottleneck(topo, g) for r in pairs for g in r)
     assert bandwidth == max(ring_bottleneck(topo, (a, b)) for a in range(8) for b in range(8) if a != b)
 

@@ -115,7 +115,7 @@ def validate(model: str, plan_path: Path | None = None, server: str | None = Non
     check_device(device)
     plan_file = read_plan_file(plan_path) if plan_path else None
     trace = _measured_model(model, plan_file.microbatch if plan_file else None, device, threads)
-    per_stage = parallelism.data * parallelism.tensor if parallelism is not None else 1
+    per_stage = parallelism.stage_gpus if parallelism is not None else 1
     n_devices = max(plan_file.gpus_used()) + 1 if plan_file else stages * per_stage
     topo = load_topology(server) if server else probe(device, n_devices, threads, memory_mib)[1]
     if plan_file is None:

@@ -123,7 +123,7 @@ def sharding_of(layout: Layout) -> Sharding | None:
     """The layout's data parallelism as a stage program sees it; None for one GPU per
     stage without ZeRO (the program then has no gradient hand-off at all)."""
     par = layout.parallelism
-    if par.data == 1 and par.zero_stage == 0:
+    if par.replicas == 1 and par.zero_stage == 0:
         return None
     offload_grads = par.zero_stage >= 2 and bool(layout.host_optimizer) and all(
         opt == "host-update" and len(on_host) == b - a
@@ -187,7 +187,7 @@ def _allocate_static(run: RunContext, s: int, static: dict[str, int], sharding: 
 
 def _result(run: RunContext, stages: list[_Stage], iteration_s: float) -> SimResult:
     layout, topo, trace, m = run.layout, run.topo, run.layout.job.trace, run.layout.microbatches
-    replicas = layout.parallelism.data
+    replicas = layout.parallelism.replicas
     analyses = [run.log.analyse(g, topo.capacity_bytes) for g in range(topo.n_gpus)]
     gpus = _replicated([_gpu_result(run, stages, g, analyses[g]) for g in range(topo.n_gpus)], layout)
     ooms = [a.oom for a in analyses if a.oom]
@@ -210,6 +210,7 @@ def _result(run: RunContext, stages: list[_Stage], iteration_s: float) -> SimRes
         host_peak_bytes=host.peak_bytes * run.replicas // run.servers, host_capacity_bytes=topo.host_memory_bytes,
         host_memory_times_s=host.times_s, host_memory_used_bytes=host.used_bytes * run.replicas // run.servers,
         link_rates=run.net.rate_log, layout=layout.job.layout_name, replicas=replicas,
+        gpus_used=layout.job.gpus_used, gpus_available=layout.job.n_gpus,
         framework=str(trace.spec.model.get("framework", "")), family=str(trace.spec.model.get("family", "")),
         seq_len=trace.seq_len,
     )

@@ -170,7 +170,7 @@ class Layout(OfJob):
         cluster the GPUs of a server over the simulated GPUs on it."""
         par = self.parallelism
         if self.view is None:
-            return par.data * par.tensor
+            return par.stage_gpus
         return self.job.topology.n_gpus * self.view_servers // self.job.n_stages
 
     @property
@@ -203,7 +203,7 @@ class Layout(OfJob):
 def _keep_everything(job: Job) -> Layout:
     spec, topo = job.spec, job.spec.topology
     par = spec.parallelism
-    if (par.data > 1 or par.tensor > 1 or par.virtual_stages > 1) and job.gpu_of_stage is not None:
+    if (par.stage_gpus > 1 or par.virtual_stages > 1) and job.gpu_of_stage is not None:
         raise MpsimError("a stage-to-GPU map places one GPU a stage; with data, tensor or interleaved pipeline "
                          "parallelism mpsim places the GPUs")
     v = par.virtual_stages

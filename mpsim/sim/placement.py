@@ -20,6 +20,7 @@ from typing import Final
 
 from mpsim.cluster import Cluster, place_on_cluster
 from mpsim.job import JobSpec
+from mpsim.mesh import DeviceMesh
 from mpsim.sim.collectives import best_ring, ring_bottleneck
 from mpsim.topology import Topology
 
@@ -51,25 +52,31 @@ def place_job(job: JobSpec, n_stages: int) -> Placed:
     """``job``'s GPUs for ``n_stages`` stages per replica: on one server by
     ``place_groups``; on a cluster in Megatron-LM's order (``cluster.place_on_cluster``),
     each tensor-parallel group in its best ring order."""
-    par = job.parallelism
+    mesh = job.parallelism.mesh(n_stages)
     if job.cluster is None:
-        return Placed(job.topology, *place_groups(job.topology, par.data, par.tensor, n_stages))
-    return _place_cluster_job(job.cluster, par.data, par.tensor, n_stages)
+        return Placed(job.topology, *place_groups(job.topology, mesh))
+    return _place_cluster_job(job.cluster, mesh)
+
+
+def replicas_of(mesh: DeviceMesh) -> int:
+    """Copies of a stage in ``mesh``: its GPUs over the tensor-parallel group's, every axis
+    but tensor and pipeline."""
+    return mesh.size // mesh.size_of("tensor", "pipeline")
 
 
 @lru_cache(maxsize=256)
-def _place_cluster_job(cluster: Cluster, data: int, tensor: int, n_stages: int) -> Placed:
-    placed = place_on_cluster(cluster.gpus_per_server, data, tensor, n_stages)
+def _place_cluster_job(cluster: Cluster, mesh: DeviceMesh) -> Placed:
+    placed = place_on_cluster(cluster.gpus_per_server, mesh)
     view = cluster.view(placed.servers)
     groups = tuple(tuple(best_ring(view, g) if len(g) > 1 else g for g in replica) for replica in placed.groups)
     replicas = tuple(tuple(g[0] for g in replica) for replica in groups)
     return Placed(view, replicas, groups, placed.across)
 
 
-def place_replicas(topo: Topology, data: int, n_stages: int) -> Replicas:
-    """The GPUs of ``data`` replicas of ``n_stages`` stages on ``topo`` (checked by the job:
-    ``data * n_stages`` GPUs exist)."""
-    return _place(topo, data, n_stages)
+def place_replicas(topo: Topology, mesh: DeviceMesh) -> Replicas:
+    """The GPUs of the replicas of ``mesh``'s stages (one GPU each) on ``topo`` (checked by
+    the job: the mesh's GPUs exist)."""
+    return _place(topo, replicas_of(mesh), mesh.size_of("pipeline"))
 
 
 @lru_cache(maxsize=256)
@@ -91,18 +98,19 @@ def _place(topo: Topology, data: int, n_stages: int) -> Replicas:
     return _replicas(chosen)
 
 
-def place_groups(topo: Topology, data: int, tensor: int, n_stages: int) -> tuple[Replicas, Groups]:
-    """Replicas and tensor-parallel groups of ``data`` x ``tensor`` x ``n_stages`` GPUs in
-    Megatron-LM's order: the tensor-parallel groups first, on the fastest rings (the
+def place_groups(topo: Topology, mesh: DeviceMesh) -> tuple[Replicas, Groups]:
+    """Replicas and tensor-parallel groups of ``mesh`` (its replicas, every axis but tensor
+    and pipeline, x tensor x pipeline GPUs) in Megatron-LM's order: the tensor-parallel
+    groups first, on the fastest rings (the
     smallest ring bandwidth over the groups, highest); then which group runs which stage
     of which replica, by the data-parallel rings (every tensor rank's) and then the
     pipeline hops. Every choice is searched on servers of up to ``EXHAUSTIVE_GPUS`` GPUs;
     larger ones take blocks of consecutive GPUs (group b = stage b // data, replica
     b % data)."""
-    if tensor == 1:
-        replicas = place_replicas(topo, data, n_stages)
+    if mesh.size_of("tensor") == 1:
+        replicas = place_replicas(topo, mesh)
         return replicas, tuple(tuple((g,) for g in r) for r in replicas)
-    return _place_groups(topo, data, tensor, n_stages)
+    return _place_groups(topo, replicas_of(mesh), mesh.size_of("tensor"), mesh.size_of("pipeline"))
 
 
 @lru_cache(maxsize=256)

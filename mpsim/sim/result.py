@@ -126,6 +126,11 @@ class SimResult:
     """The parallel layout (``JobSpec.layout_name``): ``pipeline x8``, ``FSDP x8``, ..."""
     replicas: int = 1
     """Data-parallel replicas (``samples_per_s`` and ``model_tflops`` count them all)."""
+    gpus_used: int = 0
+    """GPUs the layout uses (its mesh's size); 0 when not recorded."""
+    gpus_available: int = 0
+    """GPUs of the server or servers the job was given; more than ``gpus_used`` when the
+    layout names a pipeline that leaves some idle (``runs_on``)."""
     framework: str = ""
     """How the model's layers are written, which sets their activations (the trace's
     ``model.framework``: ``mpsim.workloads.FRAMEWORKS``; empty for a traced module)."""
@@ -136,6 +141,13 @@ class SimResult:
     time_band_pct: float = 0.0
     """The iteration time's error band, % either side (``CostModel.time_band``)."""
     time_band_source: str = ""
+
+    @property
+    def runs_on(self) -> str | None:
+        """``runs on 6 of 8 GPUs`` when the layout leaves some of the job's GPUs idle, else None."""
+        if 0 < self.gpus_used < self.gpus_available:
+            return f"runs on {self.gpus_used} of {self.gpus_available} GPUs"
+        return None
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -205,6 +217,8 @@ class SimResult:
             "layout": self.layout,
             "framework": self.framework,
             "replicas": self.replicas,
+            "gpus_used": self.gpus_used,
+            "gpus_available": self.gpus_available,
             "microbatch": self.microbatch,
             "microbatches": self.microbatches,
             "iteration_s": self.iteration_s,

@@ -61,10 +61,11 @@ UNITS_LEGEND = "memory in GiB = 2^30 bytes; layers [a, b) = a to b - 1, as in pl
 def _verdict_lines(r: SimResult, headroom_gib: float) -> list[str]:
     layout = f"{r.layout}, " if r.data_parallel else ""
     job = (f"{r.model} on {r.server}: {layout}{r.schedule}, microbatch {r.microbatch} x {r.microbatches}, "
-           f"strategy {r.strategy}")
+           f"strategy {r.strategy}" + (f", {r.runs_on}" if r.runs_on else ""))
     if not r.oom:
         risk = r.at_risk(headroom_gib)
-        return [f"FITS on every GPU, AT RISK: {job}", f"  {risk}"] if risk else [f"FITS on every GPU: {job}"]
+        every = "every GPU it uses" if r.runs_on else "every GPU"
+        return [f"FITS on {every}, AT RISK: {job}", f"  {risk}"] if risk else [f"FITS on {every}: {job}"]
     o = r.oom
     return [f"DOES NOT FIT: {job}",
             f"  GPU {o['gpu']} ran out at {o['time_s'] * 1e3:.1f} ms during {o['task']}: "
