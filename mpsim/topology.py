@@ -2,7 +2,14 @@
 
 A topology file (YAML, ``topologies/``) describes the physical links only. Every route
 between two GPUs and between each GPU and host memory, with its bottleneck bandwidth, is
-derived here (``Topology.route``), never typed in by hand.
+derived (``Topology.route``), never typed in by hand.
+
+Two schemas are read. Schema 1 (this module, ``TopologyFile``) has NVIDIA-shaped slots:
+``nvlink`` pairs or an ``nvswitch``, a PCIe tree below host sockets. Schema 2
+(``mpsim.topology_schema2``) is tiered and vendor-neutral: a ``scale_up`` switch or mesh
+of any size, CPUs with the GPUs each holds by PCIe or NVLink-C2C. Both become one
+``mpsim.topology_tiers.Tiers``, whose ``Wiring`` builds the links and routes, so a
+schema-1 file keeps the links, names and routes it always had.
 
 Links are directional: a PCIe x16 lane set or an NVLink carries its bandwidth in each
 direction independently, so a swap-out and a swap-in on the same GPU do not contend,
@@ -14,19 +21,38 @@ from __future__ import annotations
 import datetime
 import hashlib
 import re
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mpsim.datafile import read_data_file, validate
 from mpsim.errors import MpsimError, SchemaError
 from mpsim.gpu_tables import KernelTable, shipped_table
-from mpsim.units import MAX_BYTES, GiB, MiB, gbps_to_bytes_per_s
+from mpsim.topology_tiers import (
+    HOST,
+    CpuLink,
+    Endpoint,
+    HostPort,
+    Link,
+    PeerBundle,
+    Route,
+    ScaleUp,
+    Tiers,
+    Wiring,
+)
+from mpsim.units import MAX_BYTES, GiB, MiB
+
+if TYPE_CHECKING:
+    from mpsim.topology_schema2 import ServerFile
 
 SCHEMA_VERSION = 1
+"""Schema of the NVIDIA-shaped format (``TopologyFile``); ``mpsim.topology_schema2`` reads 2."""
+
+MAX_GPUS: Final = 1024
+"""The most GPUs one server (one scale-up domain and its hosts) may have: an NVL72 rack
+is 72, NVL576 576; every GPU pair's route is derived when the server is loaded."""
 
 
 # Sane ranges of physical quantities: wide enough for any real or imagined server, narrow
@@ -66,7 +92,7 @@ class OpEfficiency(_Strict):
 
 class GpuSpec(_Strict):
     model: str = Field(description="GPU model name, e.g. V100-SXM2-32GB")
-    count: int = Field(gt=0, le=64, description="number of GPUs in the server")
+    count: int = Field(gt=0, le=MAX_GPUS, description="number of GPUs in the server")
     memory_mib: float = Field(gt=0, le=MAX_MEMORY_MIB, description="device memory as nvidia-smi reports it, MiB")
     reserved_mib: float = Field(
         ge=0, le=MAX_MEMORY_MIB, default=300, description="CUDA context and allocator slack per GPU, MiB")
@@ -281,10 +307,24 @@ class TopologyFile(_Strict):
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
+    def tiers(self, source: str = "") -> Tiers:
+        """The file checked (``_check``, errors naming ``source``) and as tiers."""
+        _check(source, self)
+        return _tiers_of_schema1(self)
 
-def with_faster_peer_links(spec: TopologyFile, factor: float) -> TopologyFile:
-    """The same server with its NVLink (or NVSwitch) bandwidth ``factor`` times higher: a
-    what-if that bounds what any D2D placement (device mapping, striping) could gain."""
+    def with_faster_scale_up(self, factor: float) -> TopologyFile:
+        """The same server with its NVLink (or NVSwitch) bandwidth ``factor`` times higher."""
+        return _faster_schema1(self, factor)
+
+
+def with_faster_peer_links(spec: TopologyFile | ServerFile, factor: float) -> TopologyFile | ServerFile:
+    """The same server with its scale-up links (NVLink, NVSwitch, a schema-2 mesh or switch)
+    ``factor`` times faster: a what-if that bounds what any D2D placement (device mapping,
+    striping) could gain."""
+    return spec.with_faster_scale_up(factor)
+
+
+def _faster_schema1(spec: TopologyFile, factor: float) -> TopologyFile:
     update: dict[str, object] = {}
     if spec.nvlink is not None:
         update["nvlink"] = spec.nvlink.model_copy(
@@ -295,42 +335,14 @@ def with_faster_peer_links(spec: TopologyFile, factor: float) -> TopologyFile:
     return spec.model_copy(update=update)
 
 
-@dataclass(frozen=True, slots=True)
-class Link:
-    """One direction of a physical link: a shared fluid resource of ``bandwidth`` bytes/s."""
-
-    name: str
-    bandwidth: float
-    latency_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    """A path of links. Alone on an idle server it moves at its slowest link's bandwidth."""
-
-    links: tuple[Link, ...]
-
-    @property
-    def bandwidth(self) -> float:
-        return min(link.bandwidth for link in self.links)
-
-    @property
-    def latency_s(self) -> float:
-        """One setup latency per transfer: the largest of its links' (hops are pipelined)."""
-        return max(link.latency_s for link in self.links)
-
-    def time_alone_s(self, n_bytes: int) -> float:
-        return self.latency_s + n_bytes / self.bandwidth
-
-
-HOST: Final = "host"
-Endpoint = int | Literal["host"]
+def _schema_expected(got: object) -> str:
+    return f"expected {SCHEMA_VERSION}, got {got} (or 2, the tiered format: topologies/README.md)"
 
 
 def _check(path: str, spec: TopologyFile) -> None:
     """Cross-field rules pydantic cannot state per field; raise the first violation."""
     if spec.schema_ != SCHEMA_VERSION:
-        raise SchemaError(path, "schema", f"expected {SCHEMA_VERSION}, got {spec.schema_}")
+        raise SchemaError(path, "schema", _schema_expected(spec.schema_))
     if spec.nvlink and spec.nvswitch:
         raise SchemaError(path, "nvlink", "give either nvlink pairs or an nvswitch fabric, not both")
     if spec.nvlink:
@@ -375,81 +387,38 @@ def _check_pcie(path: str, spec: TopologyFile) -> None:
         raise SchemaError(path, "pcie.switches", f"every GPU must sit below a PCIe switch; missing {missing}")
 
 
-class Topology:
-    """A validated server with its links and derived routes."""
+def _tiers_of_schema1(spec: TopologyFile) -> Tiers:
+    """A checked schema-1 file as tiers: its NVLink pairs a mesh of ``nvlink`` bundles, its
+    NVSwitch a switch, each PCIe switch a port of its socket, the socket link between
+    every two sockets (at the PCIe latency, as schema 1 always timed it)."""
+    if spec.nvlink is not None:
+        nv = spec.nvlink
+        bundles = tuple(PeerBundle(p.gpus[0], p.gpus[1], p.links, p.links * nv.link_bandwidth_gbps) for p in nv.pairs)
+        scale_up = ScaleUp("mesh", "nvlink", "NV", nv.latency_us, bundles=bundles)
+    elif spec.nvswitch is not None:
+        sw = spec.nvswitch
+        scale_up = ScaleUp("switch", "nvswitch", "NV", sw.latency_us, gpu_gbps=sw.gpu_bandwidth_gbps,
+                           links_per_gpu=sw.links_per_gpu)
+    else:
+        scale_up = ScaleUp("none")
+    pcie = spec.pcie
+    ports = tuple(HostPort(sw.socket, "pcie", tuple(sw.gpus), pcie.gpu_link_gbps, pcie.latency_us, sw.name,
+                           sw.uplink_gbps) for sw in pcie.switches)
+    link = spec.socket_link
+    cpu_link = None if link is None else CpuLink(link.name.lower(), link.bandwidth_gbps, pcie.latency_us)
+    return Tiers(spec.gpu.count, spec.host.sockets, scale_up, ports, cpu_link)
 
-    def __init__(self, spec: TopologyFile, source: str = "") -> None:
-        _check(source, spec)
+
+class Topology:
+    """A validated server with its links and derived routes (``mpsim.topology_tiers``)."""
+
+    def __init__(self, spec: TopologyFile | ServerFile, source: str = "") -> None:
+        self.tiers = spec.tiers(source)
         self.spec = spec
         self.source = source
-        self.links: dict[str, Link] = {}
-        self._switch_of: dict[int, PcieSwitch] = {}
-        for sw in spec.pcie.switches:
-            for g in sw.gpus:
-                self._switch_of[g] = sw
-        self._build_links()
-        self._nvlinks = {(a, b): self._count_nvlinks(a, b) for a in range(self.n_gpus) for b in range(self.n_gpus)}
-        self._nvlink_peers = tuple(tuple(b for b in range(self.n_gpus) if b != a and self._nvlinks[(a, b)])
-                                   for a in range(self.n_gpus))
-        self._routes: dict[tuple[Endpoint, Endpoint], Route] = {}
-        for a in range(self.n_gpus):
-            for b in range(self.n_gpus):
-                if a != b:
-                    self._routes[(a, b)] = self._derive_gpu_route(a, b)
-            self._routes[(a, HOST)] = self._derive_host_route(a, to_host=True)
-            self._routes[(HOST, a)] = self._derive_host_route(a, to_host=False)
-
-    # -- construction -------------------------------------------------------------------
-    def _add(self, name: str, gbps: float, latency_us: float) -> None:
-        self.links[name] = Link(name, gbps_to_bytes_per_s(gbps), latency_us * 1e-6)
-
-    def _build_links(self) -> None:
-        s = self.spec
-        if s.nvlink:
-            for pair in s.nvlink.pairs:
-                a, b = pair.gpus
-                bw = pair.links * s.nvlink.link_bandwidth_gbps
-                self._add(f"nvlink:{a}->{b}", bw, s.nvlink.latency_us)
-                self._add(f"nvlink:{b}->{a}", bw, s.nvlink.latency_us)
-        if s.nvswitch:
-            for g in range(self.n_gpus):
-                self._add(f"nvswitch:gpu{g}->fabric", s.nvswitch.gpu_bandwidth_gbps, s.nvswitch.latency_us)
-                self._add(f"nvswitch:fabric->gpu{g}", s.nvswitch.gpu_bandwidth_gbps, s.nvswitch.latency_us)
-        lat = s.pcie.latency_us
-        for sw in s.pcie.switches:
-            for g in sw.gpus:
-                self._add(f"pcie:gpu{g}->{sw.name}", s.pcie.gpu_link_gbps, lat)
-                self._add(f"pcie:{sw.name}->gpu{g}", s.pcie.gpu_link_gbps, lat)
-            self._add(f"pcie:{sw.name}->cpu{sw.socket}", sw.uplink_gbps, lat)
-            self._add(f"pcie:cpu{sw.socket}->{sw.name}", sw.uplink_gbps, lat)
-        if s.socket_link and s.host.sockets > 1:
-            for a in range(s.host.sockets):
-                for b in range(s.host.sockets):
-                    if a != b:
-                        self._add(f"{s.socket_link.name.lower()}:cpu{a}->cpu{b}", s.socket_link.bandwidth_gbps, lat)
-
-    def _derive_gpu_route(self, a: int, b: int) -> Route:
-        if (key := f"nvlink:{a}->{b}") in self.links:
-            return Route((self.links[key],))
-        if self.spec.nvswitch:
-            return Route((self.links[f"nvswitch:gpu{a}->fabric"], self.links[f"nvswitch:fabric->gpu{b}"]))
-        sa, sb = self._switch_of[a], self._switch_of[b]
-        up = self.links[f"pcie:gpu{a}->{sa.name}"]
-        down = self.links[f"pcie:{sb.name}->gpu{b}"]
-        if sa.name == sb.name:
-            return Route((up, down))
-        hops = [up, self.links[f"pcie:{sa.name}->cpu{sa.socket}"]]
-        if sa.socket != sb.socket:
-            hops.append(self.links[f"{self.spec.socket_link.name.lower()}:cpu{sa.socket}->cpu{sb.socket}"])  # type: ignore[union-attr]
-        hops += [self.links[f"pcie:cpu{sb.socket}->{sb.name}"], down]
-        return Route(tuple(hops))
-
-    def _derive_host_route(self, g: int, to_host: bool) -> Route:
-        """Host buffers are pinned on the socket the GPU's switch hangs off (NUMA-local)."""
-        sw = self._switch_of[g]
-        if to_host:
-            return Route((self.links[f"pcie:gpu{g}->{sw.name}"], self.links[f"pcie:{sw.name}->cpu{sw.socket}"]))
-        return Route((self.links[f"pcie:cpu{sw.socket}->{sw.name}"], self.links[f"pcie:{sw.name}->gpu{g}"]))
+        self._wiring = Wiring(self.tiers)
+        self.links: dict[str, Link] = self._wiring.links
+        self._routes: dict[tuple[Endpoint, Endpoint], Route] = self._wiring.routes()
 
     # -- queries --------------------------------------------------------------------------
     @cached_property
@@ -489,35 +458,22 @@ class Topology:
             raise MpsimError(f"no route from {src} to {dst} on {self.name} (GPUs are 0..{self.n_gpus - 1})") from None
 
     def nvlinks_between(self, a: int, b: int) -> int:
-        """NVLinks from GPU a to GPU b (through the NVSwitch: each GPU's own links)."""
-        return self._nvlinks.get((a, b), 0)
+        """Scale-up links (NVLink, xGMI, ...) from GPU a to GPU b (through a switch: each
+        GPU's own links)."""
+        return self._wiring.link_counts.get((a, b), 0)
 
     def nvlink_peers(self, g: int) -> tuple[int, ...]:
-        """The GPUs GPU g reaches over NVLink, in index order."""
-        return self._nvlink_peers[g]
-
-    def _count_nvlinks(self, a: int, b: int) -> int:
-        if self.spec.nvswitch:
-            return self.spec.nvswitch.links_per_gpu
-        if self.spec.nvlink:
-            for pair in self.spec.nvlink.pairs:
-                if set(pair.gpus) == {a, b}:
-                    return pair.links
-        return 0
+        """The GPUs GPU g reaches over its scale-up links (NVLink, xGMI, ...), in index order."""
+        return self._wiring.peers[g]
 
     def connection(self, a: int, b: int) -> str:
-        """The ``nvidia-smi topo -m`` label of a GPU pair: X, NV<n>, PIX, NODE or SYS."""
-        if a == b:
-            return "X"
-        if n := self.nvlinks_between(a, b):
-            return f"NV{n}"
-        sa, sb = self._switch_of[a], self._switch_of[b]
-        if sa.name == sb.name:
-            return "PIX"
-        return "NODE" if sa.socket == sb.socket else "SYS"
+        """The ``nvidia-smi topo -m`` label of a GPU pair: X, NV<n> (a schema-2 mesh or
+        switch may name another label, XGMI<n>), PIX, NODE or SYS."""
+        return self._wiring.connection(a, b)
 
     def socket_of(self, g: int) -> int:
-        return self._switch_of[g].socket
+        """The host CPU (socket) GPU g hangs off."""
+        return self._wiring.cpu_of(g)
 
     def to_dict(self) -> dict:
         """JSON-safe summary: GPUs, connection and bandwidth matrices (GB/s)."""
@@ -546,6 +502,14 @@ class Topology:
 
 
 def parse_topology(data: object, source: str = "<topology>") -> Topology:
+    """A server from parsed YAML of either schema (``schema: 2``: ``mpsim.topology_schema2``)."""
+    version = data.get("schema") if isinstance(data, dict) else None
+    if version == 2:
+        from mpsim.topology_schema2 import ServerFile
+
+        return Topology(validate(ServerFile, data, source), source)
+    if isinstance(version, int) and not isinstance(version, bool) and version != SCHEMA_VERSION:
+        raise SchemaError(source, "schema", _schema_expected(version))
     return Topology(validate(TopologyFile, data, source), source)
 
 
