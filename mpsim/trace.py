@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast
@@ -358,7 +359,24 @@ def measured_elsewhere(trace: Trace, gpu_model: str, server: str) -> str | None:
             "the measured times are used as they are")
 
 
+def _not_a_hf_config(data: object, source: str) -> None:
+    """Refuse a Hugging Face config.json given where a trace goes (``--model``) in one line
+    with the command that traces it: it has ``model_type`` or ``architectures`` and no
+    trace ``schema``, which would otherwise be reported as some thirty missing fields."""
+    if not isinstance(data, dict) or "schema" in data:
+        return
+    key = next((k for k in ("model_type", "architectures") if k in data), None)
+    if key is None:
+        return
+    path = Path(source)
+    out = path.with_name(f"{path.stem}-trace.json")
+    raise MpsimError(f"{source}: a Hugging Face config.json (it has {key}), not an mpsim trace: trace it "
+                     f"with `mpsim trace --hf {shlex.quote(source)} -o {shlex.quote(str(out))}` "
+                     f"and give --model {shlex.quote(str(out))}")
+
+
 def parse_trace(data: object, source: str = "<trace>") -> Trace:
+    _not_a_hf_config(data, source)
     check_trace_data(data, source)  # a layer count over the limit in one line, before validating every row
     return Trace(validate(TraceFile, data, source), source)
 
