@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -116,10 +117,25 @@ def json_option(f: F) -> F:
                         help="write the result as JSON to FILE ('-' for stdout)")(f)
 
 
+class FiniteFloatRange(click.FloatRange):
+    """click's ``FloatRange`` that also refuses ``nan`` (which every comparison with a bound
+    lets through) and infinities, in click's one-line form."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            low, high = ("" if b is None else f"{b:g}" for b in (self.min, self.max))
+            self.fail(f"{value!r} is not a finite number; expected one from {low or '-inf'} to {high or 'inf'}",
+                      param, ctx)
+        return number
+
+
 def headroom_option(f: F) -> F:
-    """``--headroom GiB``: the margin a plan should leave (``mpsim.sim.reserved``)."""
+    """``--headroom GiB``: the margin a plan should leave (``mpsim.sim.reserved``), a finite
+    number from 0 to ``api.MAX_HEADROOM_GIB`` (``nan`` once passed and cleared every at-risk
+    mark, since no comparison with it is true)."""
     return click.option(
-        "--headroom", "headroom_gib", type=click.FloatRange(min=0, max=api.MAX_HEADROOM_GIB),
+        "--headroom", "headroom_gib", type=FiniteFloatRange(min=0, max=api.MAX_HEADROOM_GIB),
         default=api.DEFAULT_HEADROOM_GIB,
         show_default=True, help="GiB a plan should leave free: a plan that fits but whose reserved estimate (caching "
                                 "allocator, CUDA context, NCCL buffers) comes closer to a GPU's memory is 'at risk'")(f)
