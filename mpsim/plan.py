@@ -44,15 +44,18 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from mpsim.datafile import read_data_file, validate
-from mpsim.errors import SchemaError
+from mpsim.errors import MpsimError, SchemaError
+from mpsim.mesh import parse_layout
 from mpsim.schedule import MAX_MICROBATCH, MAX_MICROBATCHES, SCHEDULES, check_schedule
 from mpsim.topology import Topology
 from mpsim.trace import LayerRow, Trace
 
-SCHEMA_VERSION = 3
-SCHEMA_VERSIONS = (1, 2, 3)
-"""Versions read; 1 has no ``data_parallel``, 2 no ``tensor_parallel``. ``make_plan`` writes
-2 unless the plan has tensor-parallel groups, so plans older readers take stay readable."""
+SCHEMA_VERSION = 4
+SCHEMA_VERSIONS = (1, 2, 3, 4)
+"""Versions read; 1 has no ``data_parallel``, 2 no ``tensor_parallel``, 3 no ``mesh``.
+``make_plan`` writes the oldest that says the plan: 2 unless it has tensor-parallel groups
+or virtual stages (3), or a layout only a mesh names (4: HSDP, registered axes), so plans
+older readers take stay readable."""
 STRIPE_TOLERANCE = 1e-6
 DEFAULT_SPLIT_SLOWDOWN_PER_EXTRA_OP = 0.03
 """Default cost of a split: each micro-op beyond the first adds 3% of the layer's time
@@ -143,6 +146,18 @@ class TensorParallelPlan(_Strict):
         return tuple(self.groups[replica][stage])
 
 
+class MeshPlan(_Strict):
+    """The layout as a device mesh (schema 4, ``mpsim.mesh``): its name, and its axes
+    with their sizes in rank order. Written where schemas 2 and 3 cannot say the layout
+    (HSDP, axes beyond data, tensor and pipeline); the data and tensor blocks still place
+    the GPUs."""
+
+    layout: str = Field(min_length=1, max_length=200,
+                        description="the layout's name (`mpsim.mesh` grammar): hsdp16, ddp2xmir2xpp2")
+    axes: list[tuple[str, StrictInt]] = Field(min_length=1, max_length=16,
+                                              description="the mesh's axes and their sizes, innermost first")
+
+
 SwapTiming = Literal["prefetch", "on-demand"]
 """When swaps run: ``PlanFile.swap_timing``."""
 Checkpoints = Literal["layer", "segment"]
@@ -179,6 +194,9 @@ class PlanFile(_Strict):
     virtual_stages: StrictInt = Field(
         default=1, ge=1, le=64, description="schema 3: model chunks per GPU (interleaved 1F1B): of p x v stages, "
                                             "stage c * p + g runs on stage g's GPU  [default: 1]")
+    mesh: MeshPlan | None = Field(
+        default=None, description="schema 4: the layout as a device mesh, where schemas 2 and 3 cannot name it "
+                                  "[default: the layout the data and tensor blocks say]")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
@@ -190,6 +208,8 @@ class PlanFile(_Strict):
             del data["tensor_parallel"]
         if data["virtual_stages"] == 1:
             del data["virtual_stages"]
+        if data["mesh"] is None:
+            del data["mesh"]
         return json.dumps(data, indent=1)
 
     @property
@@ -253,6 +273,30 @@ def check_plan(plan: PlanFile, topo: Topology, trace: Trace, source: str = "") -
     check_schedule(plan.schedule, p, plan.microbatches)
     _check_data_parallel(plan, topo, bad)
     _check_tensor_parallel(plan, topo, bad)
+    _check_mesh(plan, bad)
+
+
+def _check_mesh(plan: PlanFile, bad: _Bad) -> None:
+    """Schema 4's mesh: a layout name that parses, saying what the other blocks say (the
+    stages, the replicas and their ZeRO stage, the tensor-parallel degree), and its axes."""
+    if plan.mesh is None:
+        return
+    try:
+        par = parse_layout(plan.mesh.layout)
+    except MpsimError as exc:
+        raise bad("mesh.layout", str(exc)) from None
+    p, v = len(plan.stages) // plan.virtual_stages, plan.virtual_stages
+    dp, tp = plan.data_parallel, plan.tensor_parallel
+    said = {"stages": (par.pipeline, p), "virtual stages": (par.virtual_stages, v),
+            "replicas": (par.replicas, plan.replicas), "ZeRO stage": (par.zero_stage, dp.zero_stage if dp else 0),
+            "tensor-parallel degree": (par.tensor, plan.tensor),
+            "sequence parallel": (par.sequence_parallel, tp is not None and tp.sequence_parallel)}
+    for what, (named, planned) in said.items():
+        if named != planned:
+            raise bad("mesh.layout", f"{plan.mesh.layout} names {what} {named} but the plan has {planned}")
+    axes = [tuple(a) for a in par.mesh(p).axes]
+    if [tuple(a) for a in plan.mesh.axes] != axes:
+        raise bad("mesh.axes", f"{plan.mesh.layout} is the mesh {axes}, innermost first")
 
 
 def _check_tensor_parallel(plan: PlanFile, topo: Topology, bad: _Bad) -> None:
@@ -322,6 +366,8 @@ def _check_schema_fields(plan: PlanFile, bad: _Bad) -> None:
         raise bad("tensor_parallel", "needs schema 3")
     if plan.virtual_stages > 1 and plan.schema_ < 3:
         raise bad("virtual_stages", "needs schema 3")
+    if plan.mesh is not None and plan.schema_ < 4:
+        raise bad("mesh", "needs schema 4")
 
 
 def _check_repeats(per_stage: list, p: int, n_stages: int, at: str, bad: _Bad) -> None:
@@ -507,7 +553,8 @@ def make_plan(trace: Trace, topo: Topology, schedule: str, microbatches: int,
               swap_timing: SwapTiming = "prefetch", optimizer_layers: dict[int, list[int]] | None = None,
               recompute_checkpoints: Checkpoints = "layer",
               data_parallel: DataParallelPlan | None = None,
-              tensor_parallel: TensorParallelPlan | None = None, virtual_stages: int = 1) -> PlanFile:
+              tensor_parallel: TensorParallelPlan | None = None, virtual_stages: int = 1,
+              mesh: MeshPlan | None = None) -> PlanFile:
     """A plan from its parts; ``actions``/``optimizer``/``stash``/``optimizer_layers``
     are keyed by stage."""
     actions = actions or {}
@@ -515,7 +562,8 @@ def make_plan(trace: Trace, topo: Topology, schedule: str, microbatches: int,
     optimizer_layers = optimizer_layers or {}
     stash = stash or {}
     return PlanFile(
-        schema=SCHEMA_VERSION if tensor_parallel is not None or virtual_stages > 1 else 2, model=trace.name,
+        schema=4 if mesh is not None else 3 if tensor_parallel is not None or virtual_stages > 1 else 2,
+        model=trace.name, mesh=mesh,
         server=topo.name, microbatch=trace.microbatch, virtual_stages=virtual_stages,
         microbatches=microbatches, schedule=schedule, strategy=strategy,  # type: ignore[arg-type]
         swap_timing=swap_timing, recompute_checkpoints=recompute_checkpoints, data_parallel=data_parallel,

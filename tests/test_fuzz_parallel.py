@@ -235,7 +235,7 @@ PLAN_CASES = {
     "schema-2-with-tensor-parallel": (lambda d: d.update(schema=2), ("tensor_parallel", "needs schema 3")),
     "schema-2-with-virtual-stages": (lambda d: (d.update(schema=2), d.pop("tensor_parallel")),
                                      ("virtual_stages", "needs schema 3")),
-    "schema-4": (lambda d: d.update(schema=4), ("schema", "got 4")),
+    "schema-5": (lambda d: d.update(schema=5), ("schema", "got 5")),
     "virtual-with-gpipe": (lambda d: d.update(schedule="gpipe"), ("virtual_stages", "got gpipe")),
     "virtual-with-pipedream": (lambda d: d.update(schedule="pipedream"), ("virtual_stages", "got pipedream")),
     "tensor-parallel-with-pipedream": (

@@ -3,6 +3,7 @@ layout checks of a job, and a new axis added as new code (``mpsim.mesh``)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -195,3 +196,69 @@ def test_sharded_states_beside_another_replicating_axis_are_refused() -> None:
 def test_mesh_size_is_every_gpu_the_job_uses() -> None:
     p = parse_layout("zero1x2xtp2spxpp2")
     assert p.mesh(2).size == p.stage_gpus * 2 == 8 == math.prod(s for _, s in p.mesh(2).axes)
+
+
+# -- plan files: schema 4 carries the mesh -------------------------------------------------------
+
+
+def _hsdp_job(hsdp: bool) -> JobSpec:
+    cluster = load_cluster("dgx-a100-superpod")
+    layout = Parallelism(data=16, zero_stage=3, hsdp=hsdp, pipeline=1)
+    return JobSpec(cluster.server, load_trace("gpt-5.3b").rescale(1), "1f1b", 2, layout, cluster=cluster, servers=2)
+
+
+def test_a_plan_of_a_layout_schema_3_cannot_name_is_written_as_schema_4_and_read_back() -> None:
+    from mpsim.plan import parse_plan
+    from mpsim.planners.registry import plan_job
+    from mpsim.sim.layout import parallelism_of_plan
+
+    topo, trace = load_topology("dgx-a100-80gb"), load_trace("gpt-5.3b").rescale(1)
+    plan = plan_job(JobSpec(topo, trace, "1f1b", 4, parse_layout("ddp2xmir2xpp2"))).plan
+    data = json.loads(plan.to_json())
+    assert data["schema"] == 4
+    assert data["mesh"] == {"layout": "ddp2xmir2xpp2", "axes": [["tensor", 1], ["mirror", 2], ["data", 2],
+                                                                ["pipeline", 2]]}
+    again = parse_plan(data)
+    assert again == plan and parallelism_of_plan(again) == parse_layout("ddp2xmir2xpp2")
+    hsdp = plan_job(_hsdp_job(True)).plan
+    assert hsdp.schema_ == 4 and hsdp.mesh is not None and hsdp.mesh.layout == "hsdp16"
+    fsdp = plan_job(_hsdp_job(False)).plan
+    assert fsdp.schema_ == 2 and fsdp.mesh is None  # the oldest schema that says it
+
+
+@pytest.mark.parametrize(("mesh", "message"), [
+    ({"layout": "ddp2xpp2", "axes": [["tensor", 1], ["data", 2], ["pipeline", 2]]}, "needs schema 4"),
+    ({"layout": "ddp4xmir2xpp2", "axes": [["tensor", 1], ["mirror", 2], ["data", 4], ["pipeline", 2]]},
+     "mesh.layout: ddp4xmir2xpp2 names replicas 8 but the plan has 4"),
+    ({"layout": "ddp2xmir2xpp2", "axes": [["tensor", 1], ["data", 2], ["mirror", 2], ["pipeline", 2]]},
+     "mesh.axes: ddp2xmir2xpp2 is the mesh"),
+    ({"layout": "ddp2xwhat2", "axes": [["data", 2]]}, "mesh.layout: unknown layout"),
+])
+def test_a_mesh_that_contradicts_its_plan_is_refused_in_one_line(mesh: dict, message: str) -> None:
+    from mpsim.errors import SchemaError
+    from mpsim.plan import check_plan, parse_plan
+    from mpsim.planners.registry import plan_job
+
+    topo, trace = load_topology("dgx-a100-80gb"), load_trace("gpt-5.3b").rescale(1)
+    data = json.loads(plan_job(JobSpec(topo, trace, "1f1b", 4, parse_layout("ddp2xmir2xpp2"))).plan.to_json())
+    data["mesh"] = mesh
+    if message == "needs schema 4":
+        data["schema"] = 3
+    with pytest.raises(SchemaError, match=message) as exc:
+        check_plan(parse_plan(data, "p.json"), topo, trace, "p.json")
+    assert "\n" not in str(exc.value)
+
+
+def test_hsdp_is_not_served_its_fsdp_twins_simulation() -> None:
+    """The simulated-plan cache was keyed by the plan's JSON, which said nothing of HSDP:
+    in one process every HSDP job got its FSDP twin's result (``choose --tokens -j 1``)."""
+    from mpsim.planners import context
+    from mpsim.planners.registry import plan_job
+
+    context._SIMULATED.clear()
+    alone = plan_job(_hsdp_job(True)).result
+    context._SIMULATED.clear()
+    plan_job(_hsdp_job(False))
+    after_twin = plan_job(_hsdp_job(True)).result
+    assert after_twin.iteration_s == alone.iteration_s and after_twin.layout == "HSDP x16"
+    assert after_twin.iteration_s != plan_job(_hsdp_job(False)).result.iteration_s

@@ -69,7 +69,7 @@ BAD = [
      "stages.0.stash: 'host' applies to pipedream only"),
     ("layer listed twice", lambda d: d["stages"][0]["actions"].append({"layer": 2}),
      "stages.0.actions.1.layer: layer 2 is listed twice"),
-    ("wrong schema", lambda d: d.update(schema=4), "schema: expected one of 1, 2, 3, got 4"),
+    ("wrong schema", lambda d: d.update(schema=5), "schema: expected one of 1, 2, 3, 4, got 5"),
     ("replicas in a schema 1 file", lambda d: d.update(schema=1, data_parallel={"degree": 1, "replicas": [[0]]}),
      "data_parallel: needs schema 2"),
     ("optimizer layers with the states on the GPU", lambda d: d["stages"][0].update(optimizer_layers=[1]),

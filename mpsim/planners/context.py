@@ -14,7 +14,14 @@ from mpsim.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, make_plan
 from mpsim.planners.liveness import live_intervals
 from mpsim.planners.mcap import held_microbatches, mcap_partition
 from mpsim.sim import SimResult, simulate_layout
-from mpsim.sim.layout import data_parallel_plan, interleaved, layout_of_plan, stage_trace, tensor_parallel_plan
+from mpsim.sim.layout import (
+    data_parallel_plan,
+    interleaved,
+    layout_of_plan,
+    mesh_plan,
+    stage_trace,
+    tensor_parallel_plan,
+)
 from mpsim.sim.placement import Groups, Replicas, place_job
 from mpsim.topology import Topology
 from mpsim.trace import LayerRow, Trace
@@ -98,16 +105,26 @@ class Ctx(OfJob):
         dp = data_parallel_plan(self.job.parallelism, self.replicas or (tuple(self.gpus),), offload_params,
                                 offload_device)
         tp = tensor_parallel_plan(self.job.parallelism, self.tp_groups)
+        mesh = mesh_plan(self.job.parallelism, self.job.n_stages)
         return make_plan(self.trace, self.topo, self.schedule, self.microbatches, self.stages, self.gpus, strategy,
                          actions, optimizer, stash, swap_timing, optimizer_layers, recompute_checkpoints, dp, tp,
-                         self.job.parallelism.virtual_stages)
+                         self.job.parallelism.virtual_stages, mesh)
+
+    def simulation_key(self, plan: PlanFile) -> tuple[object, ...]:
+        """What a simulated plan's result depends on beyond the plan's own JSON: the server
+        and the cluster (with how many servers), the trace, the whole layout (HSDP and
+        every mesh axis, which a schema 2-3 plan does not say) and whether link rates are
+        recorded."""
+        job = self.job
+        cluster = None if job.cluster is None else (job.cluster.content_hash, job.servers)
+        return (self.topo.content_hash, cluster, self.trace.content_hash, self.record_link_rates,
+                job.parallelism.model_dump_json(), plan.model_dump_json(exclude={"strategy"}))
 
     def simulate(self, plan: PlanFile) -> SimResult:
         """Simulate a plan this context made (``make_plan`` output is valid by construction,
         so it is not checked again). A plan simulated before in this process, by any
         planner, is not simulated again (``SIMULATIONS``)."""
-        key = (self.topo.content_hash, self.trace.content_hash, self.record_link_rates,
-               plan.model_dump_json(exclude={"strategy"}))
+        key = self.simulation_key(plan)
         result = _SIMULATED.get(key)
         if result is None:
             result = simulate_layout(layout_of_plan(plan, self.job, checked=True))

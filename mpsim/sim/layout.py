@@ -18,11 +18,13 @@ import numpy as np
 from mpsim.costs import cost_model
 from mpsim.errors import MpsimError
 from mpsim.job import JobSpec, OfJob, Parallelism, pipeline
+from mpsim.mesh import layout_name, parse_layout
 from mpsim.partition import Stages, compute_balanced, validate_stages
 from mpsim.plan import (
     Checkpoints,
     DataParallelPlan,
     LayerAction,
+    MeshPlan,
     PlanFile,
     SwapTiming,
     TensorParallelPlan,
@@ -75,6 +77,10 @@ def job_of_plan(topo: Topology, trace: Trace, plan: PlanFile, record_link_rates:
 def parallelism_of_plan(plan: PlanFile) -> Parallelism:
     """The parallel layout a plan file describes (schema 1: a pipeline of its stages)."""
     dp, tp = plan.data_parallel, plan.tensor_parallel
+    if plan.mesh is not None:  # schema 4: the mesh names it; the data block keeps the bucket and resharding
+        named = parse_layout(plan.mesh.layout)
+        options = {"bucket_mib": dp.bucket_mib, "reshard_after_forward": dp.reshard_after_forward} if dp else {}
+        return named.model_copy(update=options)
     tensor = 1 if tp is None else tp.degree
     sp = tp is not None and tp.sequence_parallel
     p, v = len(plan.stages) // plan.virtual_stages, plan.virtual_stages
@@ -88,12 +94,20 @@ def parallelism_of_plan(plan: PlanFile) -> Parallelism:
 def data_parallel_plan(parallelism: Parallelism, replicas: Replicas, offload_params: bool = False,
                        offload_device: Literal["host", "nvme"] = "host") -> DataParallelPlan | None:
     """What a plan file records of a layout's replicas (None for one replica without ZeRO)."""
-    if parallelism.data == 1 and parallelism.zero_stage == 0:
+    if parallelism.replicas == 1 and parallelism.zero_stage == 0:
         return None
-    return DataParallelPlan(degree=parallelism.data, zero_stage=parallelism.zero_stage,
+    return DataParallelPlan(degree=parallelism.replicas, zero_stage=parallelism.zero_stage,
                             bucket_mib=parallelism.bucket_mib, reshard_after_forward=parallelism.reshard_after_forward,
                             replicas=[list(r) for r in replicas], offload_params=offload_params,
                             offload_device=offload_device)
+
+
+def mesh_plan(parallelism: Parallelism, n_stages: int) -> MeshPlan | None:
+    """What a plan file records of a layout's mesh (schema 4): only where the data and
+    tensor blocks cannot say the layout (HSDP, registered axes), else None."""
+    if not (parallelism.hsdp or parallelism.axes):
+        return None
+    return MeshPlan(layout=layout_name(parallelism, n_stages), axes=list(parallelism.mesh(n_stages).axes))
 
 
 def tensor_parallel_plan(parallelism: Parallelism, groups: Groups) -> TensorParallelPlan | None:
