@@ -39,7 +39,7 @@ import yaml
 
 from mpsim.costs import peak_rates
 from mpsim.errors import MpsimError
-from mpsim.topology import Dtype, GpuSpec, OpEfficiency, Topology, TopologyFile
+from mpsim.topology import Dtype, GpuSpec, OpEfficiency, Topology, parse_topology
 from mpsim.trace import Trace, measured_elsewhere
 
 CLASSES = ("matmul", "attention", "memory")
@@ -209,7 +209,7 @@ def calibrated_topology(topo: Topology, cal: Calibration) -> dict[str, Any]:
     validated before it is returned."""
     spec = topo.spec.model_dump(by_alias=True, exclude_none=True)
     spec["gpu"].setdefault("efficiency", {})[cal.dtype] = cal.efficiency.model_dump()
-    Topology(TopologyFile.model_validate(spec), "<calibrated>")
+    parse_topology(spec, "<calibrated>")  # either schema (1, or 2: tiers)
     return spec
 
 

@@ -252,3 +252,16 @@ def test_refuses_a_singular_fit(tmp_path, capsys):
 def test_refuses_efficiencies_above_one(tmp_path, capsys):
     fast = dict(TRUE, matmul=2.0)
     _one_line_error(capsys, _cli(tmp_path, measured(ROWS, fast)), "above 1", "peak_tflops")
+
+
+def test_a_tiered_server_is_calibrated_like_any_other():
+    """``calibrated_topology`` validated the result as a schema-1 file: a schema-2 (tiers)
+    server such as the MI300X failed with a raw pydantic error."""
+    from mpsim.catalog import load_topology
+    from mpsim.topology import parse_topology
+
+    topo = load_topology("mi300x-x8")
+    cal = calibrate(measured(ROWS, TRUE), topo)
+    spec = calibrated_topology(topo, cal)
+    assert spec["schema"] == 2 and spec["gpu"]["efficiency"][cal.dtype]["matmul"] == cal.efficiency.matmul
+    assert parse_topology(spec, "again").n_gpus == 8
