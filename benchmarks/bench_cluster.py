@@ -9,7 +9,7 @@ of two CPUs, each in a fresh process, its wall time and whether both answers are
 
 The engine simulates one pipeline replica on the servers its stages use (``ClusterView``):
 what a job costs grows with its stages and microbatches, not with its data-parallel
-replicas or servers (``mpsim.cluster``). The global batch is 4 Mi tokens (512 x 8,192) on
+replicas or servers (``mpsim.hardware.cluster``). The global batch is 4 Mi tokens (512 x 8,192) on
 1,024 GPUs and 16 Mi tokens on 16,384, so each replica runs 32 microbatches.
 """
 
@@ -30,7 +30,7 @@ CASES = (  # servers, data, tensor, pipeline, ZeRO stage, HSDP, microbatches per
 
 
 def _one(case: tuple) -> dict:
-    from mpsim.job import Parallelism, job_of
+    from mpsim.plans.job import Parallelism, job_of
     from mpsim.sim import Job, simulate_job
 
     servers, data, tensor, stages, zero, hsdp, m = case
@@ -53,8 +53,8 @@ SEARCH = {"model": "llama-3-70b", "clusters": ["dgx-h100-superpod", "aws-p5"], "
 
 
 def _search(backend: str) -> dict:
-    from mpsim.backends import make_backend
-    from mpsim.scale import scale
+    from mpsim.studies.backends import make_backend
+    from mpsim.studies.scale import scale
 
     start = time.perf_counter()
     report = scale(SEARCH["model"], SEARCH["clusters"], SEARCH["tokens"], SEARCH["days"],

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from mpsim.job import Parallelism, job_of
+from mpsim.plans.job import Parallelism, job_of
 from mpsim.sim import Job, SimResult, simulate_job
 
 SERVER, MODEL, MICROBATCH, MICROBATCHES = "dgx-a100-80gb", "llama-3-8b", 1, 8

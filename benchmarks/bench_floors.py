@@ -1,5 +1,5 @@
 """The two-tier search against simulating every candidate: the same answers, and how
-many candidates the closed-form tier (``mpsim.bounds``) decided.
+many candidates the closed-form tier (``mpsim.studies.bounds``) decided.
 
     python benchmarks/bench_floors.py > reports/bench_floors.txt
 
@@ -22,7 +22,7 @@ STUDIES = ("fits", "choose")
 
 
 def _fits() -> dict:
-    from mpsim.capacity import family_job, family_traces, fits_layouts
+    from mpsim.studies.capacity import family_job, family_traces, fits_layouts
 
     traces = family_traces("gpt")
     job = family_job("dgx1-v100", traces, "1f1b", 2, 16, "none", "compute")
@@ -37,7 +37,7 @@ def _fits() -> dict:
 
 
 def _choose() -> dict:
-    from mpsim.choose import choose
+    from mpsim.studies.choose import choose
 
     report = choose("llama-3-8b", "all")
     answer = [(r.server, r.rank, r.result.strategy, r.result.layout, r.result.fits, r.result.samples_per_s,
@@ -49,7 +49,7 @@ def _choose() -> dict:
 
 def _one(study: str, floors: bool) -> None:
     """In a child: run one study and print its answer, counts and wall seconds as JSON."""
-    from mpsim import bounds
+    from mpsim.studies import bounds
 
     run = {"fits": _fits, "choose": _choose}[study]
     start = time.perf_counter()

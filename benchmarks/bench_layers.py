@@ -18,9 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mpsim.catalog import load_trace
+from mpsim.data.catalog import load_trace
 from mpsim.limits import MAX_LAYERS
-from mpsim.trace import Trace
+from mpsim.models.trace import Trace
 
 MEASURE = ("import resource, subprocess, sys, time\n"
            "t = time.perf_counter()\n"

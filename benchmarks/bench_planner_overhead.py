@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import sys
 
-from mpsim.capacity import family_job, family_traces
-from mpsim.job import JobSpec
-from mpsim.layouts import candidate_layouts, on_layout
 from mpsim.planners.registry import plan_fits, plan_job
+from mpsim.plans.job import JobSpec
+from mpsim.plans.layouts import candidate_layouts, on_layout
+from mpsim.studies.capacity import family_job, family_traces
 
 _Case = tuple[str, str, str, int, str, tuple[int, ...], tuple[str, ...]]
 CASES: dict[str, list[_Case]] = {

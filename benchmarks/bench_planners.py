@@ -10,9 +10,9 @@ import time
 import numpy as np
 
 from mpsim.api import plan
-from mpsim.catalog import load_topology, load_trace
-from mpsim.partition import min_max_partition, stage_peak_table
+from mpsim.data.catalog import load_topology, load_trace
 from mpsim.planners.mapping import search_mapping
+from mpsim.plans.partition import min_max_partition, stage_peak_table
 
 GiB = 2**30
 

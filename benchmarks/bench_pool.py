@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from mpsim.api import fits_request
-from mpsim.backends import LocalBackend, Outcome
+from mpsim.studies.backends import LocalBackend, Outcome
 
 ARGS = dict(server="dgx1-v100", family="gpt", models=["gpt-5.3b", "gpt-10.3b"],
             strategies=["none", "recompute", "mpress"], layouts="pipeline,fsdp8", workers=2)

@@ -24,13 +24,13 @@ import time
 import simpy
 
 from mpsim import load_topology, load_trace, native
-from mpsim.costs import cost_model
-from mpsim.job import JobSpec
-from mpsim.partition import compute_balanced
-from mpsim.plan import LayerAction, make_plan
-from mpsim.schedule import PIPEDREAM_ITERATIONS
+from mpsim.plans.job import JobSpec
+from mpsim.plans.partition import compute_balanced
+from mpsim.plans.plan import LayerAction, make_plan
+from mpsim.plans.schedule import PIPEDREAM_ITERATIONS
 from mpsim.sim import Job, simulate_job
 from mpsim.sim.layout import job_of_plan
+from mpsim.timing.costs import cost_model
 
 
 def raw_simpy_rate(n_events: int = 200_000, n_procs: int = 16) -> float:

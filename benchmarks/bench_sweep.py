@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from mpsim.backends import Backend, LocalBackend, RayBackend, run_points
-from mpsim.sweep import Point, grid, sweep
+from mpsim.studies.backends import Backend, LocalBackend, RayBackend, run_points
+from mpsim.studies.sweep import Point, grid, sweep
 
 
 def points(n: int) -> list[Point]:

@@ -16,11 +16,11 @@ import time
 
 from bench_dp import best_simulation
 
-from mpsim.catalog import load_trace
-from mpsim.job import job_of
-from mpsim.layouts import parse_layout
+from mpsim.data.catalog import load_trace
+from mpsim.models.tensor_parallel import shard_trace
+from mpsim.plans.job import job_of
+from mpsim.plans.layouts import parse_layout
 from mpsim.sim import Job
-from mpsim.tensor_parallel import shard_trace
 
 SERVER, MODEL, MICROBATCHES = "dgx-a100-80gb", "llama-3-8b", 8
 LAYOUTS = ("pp8", "pp8v2", "fsdp8", "tp8", "tp8sp", "tp2spxpp4", "fsdp2xtp4sp", "zero1x2xtp2spxpp2v2")

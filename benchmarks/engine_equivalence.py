@@ -58,9 +58,9 @@ QUICK_STRATEGIES = ("none", "recompute", "host-swap", "cpu-swap", "d2d", "mpress
 def _job_specs(quick: bool) -> Iterator[tuple[str, Any]]:
     """(name, JobSpec) of every job compared; ``quick`` leaves out ``best`` and the
     larger sizes."""
-    from mpsim.capacity import family_job, family_traces
     from mpsim.errors import MpsimError
-    from mpsim.layouts import on_layout, parse_layout
+    from mpsim.plans.layouts import on_layout, parse_layout
+    from mpsim.studies.capacity import family_job, family_traces
 
     strategies = QUICK_STRATEGIES if quick else STRATEGIES
     for server, family, schedule in PIPELINE_SETTINGS:
@@ -85,11 +85,11 @@ def _job_specs(quick: bool) -> Iterator[tuple[str, Any]]:
 def _bench_results() -> Iterator[tuple[str, Any]]:
     """``bench_simulate``'s swap plans, their link rates recorded."""
     from mpsim import load_topology, load_trace
-    from mpsim.costs import cost_model
-    from mpsim.partition import compute_balanced
-    from mpsim.plan import LayerAction, make_plan
+    from mpsim.plans.partition import compute_balanced
+    from mpsim.plans.plan import LayerAction, make_plan
     from mpsim.sim import simulate_job
     from mpsim.sim.layout import job_of_plan
+    from mpsim.timing.costs import cost_model
 
     topo = load_topology("dgx1-v100")
     trace = load_trace("gpt-25.5b").rescale(2)

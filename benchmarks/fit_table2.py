@@ -8,7 +8,7 @@ GPU memory without memory saving (Table II: total over the 8 stages, largest and
 stage) but no layer count or width. Section IV-A fixes the rest: BERT "deeper and wider by
 adjusting the number of encoder layers and the value of hidden sizes" under PipeDream at
 microbatch 12, GPT "with adjusted parameters" under DAPPLE at microbatch 2. Sequence
-length, vocabulary and precision stay as ``mpsim.workloads`` has them.
+length, vocabulary and precision stay as ``mpsim.models.workloads`` has them.
 
 With the parameter count fixed, the shape decides the activation memory: a layer has
 about 12*h^2 parameters and keeps about s*b*h*(34 + 5*a*s/h) bytes (fp16, eager
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 from mpress_table2 import TABLE_II, stage_peaks
 
-from mpsim.tracer import trace_model
-from mpsim.workloads import ZOO, ModelConfig
+from mpsim.models.tracer import trace_model
+from mpsim.models.workloads import ZOO, ModelConfig
 
 
 @dataclass(frozen=True)

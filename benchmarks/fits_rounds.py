@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from mpsim.backends import make_backend
-from mpsim.capacity import fits_strategies
+from mpsim.studies.backends import make_backend
+from mpsim.studies.capacity import fits_strategies
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from mpsim.api import plan
 from mpsim.errors import MpsimError
-from mpsim.layouts import parse_layout
+from mpsim.plans.layouts import parse_layout
 
 TRACES = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "traces").glob("*.json"))
 SERVERS = ("dgx1-v100", "dgx-a100-80gb", "titanrtx-x4-pcie")

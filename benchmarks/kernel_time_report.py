@@ -1,4 +1,4 @@
-"""Writes reports/kernel_time.md: the kernel-shape time model (mpsim.kernel_time) against
+"""Writes reports/kernel_time.md: the kernel-shape time model (mpsim.timing.kernel_time) against
 public kernel benchmarks and against the H100 layer times we measured
 (validate/results/h100/trace_*.json), per kernel class.
 
@@ -15,14 +15,14 @@ import pathlib
 
 import numpy as np
 
-from mpsim.calibrate_kernels import KERNEL_CLASSES, TimedPass, class_seconds, fit_kernel_table
-from mpsim.catalog import load_topology
-from mpsim.costs import kernel_rates
+from mpsim.data.catalog import load_topology
 from mpsim.errors import MpsimError
-from mpsim.gpu_tables import shipped_table
-from mpsim.kernel_records import AttentionKernel
-from mpsim.kernel_time import KernelRates, attention_seconds, gemm_seconds
-from mpsim.trace import read_trace_file
+from mpsim.hardware.gpu_tables import shipped_table
+from mpsim.hardware.kernel_records import AttentionKernel
+from mpsim.models.trace import read_trace_file
+from mpsim.timing.calibrate_kernels import KERNEL_CLASSES, TimedPass, class_seconds, fit_kernel_table
+from mpsim.timing.costs import kernel_rates
+from mpsim.timing.kernel_time import KernelRates, attention_seconds, gemm_seconds
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "validate" / "results" / "h100"
@@ -97,7 +97,7 @@ def layer_rows() -> list[str]:
         lines += ["", f"Unfitted table: rms error {np.sqrt(np.mean(np.square(layers))):.1f}% over the "
                       f"{len(layers)} transformer-layer and head passes (embeddings apart: their backward is a "
                       "scatter-add the model times as streaming). "
-                      f"Per-class fit to these passes (in-sample; `mpsim.calibrate_kernels`): {mult}, rms "
+                      f"Per-class fit to these passes (in-sample; `mpsim.timing.calibrate_kernels`): {mult}, rms "
                       f"{fit.rms_residual_pct:.1f}% over all {len(fit.rows)} passes."]
     return lines
 
@@ -106,8 +106,8 @@ def _measured_shapes(gpu) -> dict[str, list[tuple[str, list[TimedPass], object, 
     """Per dtype, each measured H100 shape: its stem, its passes (kernel model, labelled
     "stem layer phase"), its measured trace, its FakeTensor trace (the roofline, which must
     not see measured times) and the rates its kernels are timed at on ``gpu``."""
-    from mpsim.tracer import trace_model
-    from mpsim.workloads import ModelConfig
+    from mpsim.models.tracer import trace_model
+    from mpsim.models.workloads import ModelConfig
 
     out: dict[str, list] = {}
     for path in sorted(RECORDS.glob("trace_*.json")):
@@ -132,8 +132,8 @@ def held_out_rows() -> list[str]:
     """Each time model fitted to all measured shapes of a precision but one, and judged on
     that one (transformer-layer and head passes; embeddings apart, as above): how far each
     is off away from its calibration points."""
-    from mpsim.calibrate import calibrate
-    from mpsim.costs import cost_model
+    from mpsim.timing.calibrate import calibrate
+    from mpsim.timing.costs import cost_model
 
     topo = load_topology("h100-x1")
     lines = ["| precision | held-out shape | roofline, efficiencies fitted to the others | kernel table, fitted to "
@@ -180,10 +180,10 @@ def held_out_rows() -> list[str]:
 
 def main() -> None:
     lines = ["# Kernel-shape time against kernel benchmarks and measured layers", "",
-             "Made by `python benchmarks/kernel_time_report.py`; the model is `mpsim/kernel_time.py`, the tables "
-             "`mpsim/gpu_tables.py`. Kernel tables are opt-in (`gpu.time_model: kernels` in a topology file); "
-             "under the default `auto` no shipped table is used yet, since none has been checked against "
-             "kernel-level profiles of its GPU.", "",
+             "Made by `python benchmarks/kernel_time_report.py`; the model is `mpsim/timing/kernel_time.py`, the "
+             "tables `mpsim/hardware/gpu_tables.py`. Kernel tables are opt-in (`gpu.time_model: kernels` in a "
+             "topology file); under the default `auto` no shipped table is used yet, since none has been checked "
+             "against kernel-level profiles of its GPU.", "",
              "## Attention: FlashAttention-2 on H100 (bf16, head dim 128), TFLOP/s", "",
              "Published: FlashAttention-3 paper Fig. 5/6. The table's long-sequence fractions come from the 16k "
              "points and its half-length from the 512 points; 1k to 8k are out of sample.", ""]
@@ -199,7 +199,7 @@ def main() -> None:
     lines += ["", "## Away from the calibration points: fit on the other shapes, judge on one", "",
               "rms error over the held-out shape's transformer-layer and head passes. The roofline is mpsim's "
               "default time model (per-class efficiencies, `mpsim calibrate --trace`); the kernel table is "
-              "`mpsim.kernel_time` (`mpsim calibrate --profile` fits its per-class factors).", ""]
+              "`mpsim.timing.kernel_time` (`mpsim calibrate --profile` fits its per-class factors).", ""]
     lines += held_out_rows()
     print("\n".join(lines))
 

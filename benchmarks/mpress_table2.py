@@ -9,7 +9,7 @@ dgx1-v100, compute-balanced partition, 16 microbatches.
 from __future__ import annotations
 
 from mpsim import simulate
-from mpsim.trace import Trace
+from mpsim.models.trace import Trace
 
 # MPress Table II: total, per-stage max, per-stage min (GB)
 TABLE_II = {

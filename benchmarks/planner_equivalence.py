@@ -17,10 +17,10 @@ import hashlib
 import sys
 from collections.abc import Iterator
 
-from mpsim.capacity import family_job, family_traces
-from mpsim.job import JobSpec
-from mpsim.layouts import candidate_layouts, on_layout
 from mpsim.planners.registry import plan_fits, plan_job
+from mpsim.plans.job import JobSpec
+from mpsim.plans.layouts import candidate_layouts, on_layout
+from mpsim.studies.capacity import family_job, family_traces
 
 STRATEGIES = ("mpress", "tsplit", "cpu-swap", "host-swap", "d2d", "recompute", "best")
 

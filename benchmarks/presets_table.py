@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from mpsim import simulate
-from mpsim.catalog import load_trace
+from mpsim.data.catalog import load_trace
 from mpsim.errors import MpsimError
 
 PUBLIC = {"llama-2-7b": 6_738_415_616, "llama-2-13b": 13_015_864_320, "llama-3-8b": 8_030_261_248,

@@ -18,8 +18,8 @@ from pathlib import Path
 import yaml
 
 from mpsim import api
-from mpsim.job import Parallelism
-from mpsim.probe import probe
+from mpsim.models.probe import probe
+from mpsim.plans.job import Parallelism
 
 RUNS = [  # (label, tensor-parallel degree, sequence parallel, stages)
     ("tp=2", 2, False, 1), ("tp=2, SP", 2, True, 1), ("tp=2 x pp=2", 2, False, 2), ("tp=2 x pp=2, SP", 2, True, 2),
@@ -73,7 +73,7 @@ DTensor's own temporaries, which the simulator (modelling Megatron-LM's kernels)
 have: on the last stage, `loss_parallel`'s log-softmax holds the shifted logits and their
 exponentials at once, one more fp32 logits shard (b s V/t x 4 bytes = 0.5 MiB here; the head
 alone, measured with MemTracker: forward peak 2.77 MiB against 2.27 MiB for Megatron's
-vocabulary-parallel cross-entropy in `mpsim.tp_ops`, the same tensors saved, the same
+vocabulary-parallel cross-entropy in `mpsim.models.tp_ops`, the same tensors saved, the same
 backward peak); on the first stage, DTensor's embedding backward has no row-sharded rule
 and builds the whole table's gradient (V h x 4 bytes = 0.5 MiB) before the executor keeps
 the rank's rows. The rest (about 0.5 MiB on the last stage) is not attributed yet.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from importlib import resources
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -156,3 +157,28 @@ def validate(schema: type[M], data: object, source: str) -> M:
         return schema.model_validate(data)
     except ValidationError as exc:
         raise from_pydantic(source, exc) from None
+
+
+#: The packages the shipped files are installed as (the top-level ``topologies/`` and
+#: ``traces/`` folders, mapped into the package at build time, see pyproject.toml).
+DATA_PACKAGES = {"topologies": "mpsim.data.topologies", "traces": "mpsim.data.traces",
+                 "hf_configs": "mpsim.data.hf_configs", "clusters": "mpsim.data.clusters"}
+_CHECKOUT_PATHS = {"clusters": "topologies/clusters"}
+"""Where a folder sits under ``MPSIM_DATA`` when not at its top (clusters live with servers)."""
+
+
+def data_dir(kind: str) -> Path:
+    """The folder of shipped ``topologies`` or ``traces``, found with ``importlib.resources``.
+
+    Set ``MPSIM_DATA`` to a folder with ``topologies/`` and ``traces/`` in it (a checkout
+    of the repository, say) to use those files instead.
+    """
+    if kind not in DATA_PACKAGES:
+        raise ValueError(f"unknown data folder {kind!r}: expected one of {', '.join(DATA_PACKAGES)}")
+    env = os.environ.get("MPSIM_DATA")
+    if env:
+        return Path(env) / _CHECKOUT_PATHS.get(kind, kind)
+    root = resources.files(DATA_PACKAGES[kind])
+    if not isinstance(root, Path):  # a zipped install: the files have no path of their own
+        raise MpsimError(f"{DATA_PACKAGES[kind]} is not installed as files; set MPSIM_DATA to a folder with {kind}/")
+    return root

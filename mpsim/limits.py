@@ -17,6 +17,7 @@ and ``check_trace_data`` counts them exactly once the JSON is parsed.
 from __future__ import annotations
 
 import re
+from numbers import Integral
 from pathlib import Path
 
 from mpsim.errors import MpsimError
@@ -70,3 +71,15 @@ def check_trace_data(data: object, source: Path | str) -> None:
         rows = data.get("layers")
         if isinstance(rows, list):
             check_layer_count(len(rows), source)
+
+
+MAX_MICROBATCH = 65536
+"""The largest microbatch size (samples) a trace is rescaled to."""
+
+
+def check_microbatch(microbatch: int) -> None:
+    """The one check of a microbatch size (samples per microbatch)."""
+    if isinstance(microbatch, bool) or not isinstance(microbatch, Integral) or microbatch < 1:
+        raise MpsimError(f"microbatch must be a positive integer, got {microbatch}")
+    if microbatch > MAX_MICROBATCH:
+        raise MpsimError(f"microbatch must be at most {MAX_MICROBATCH} samples, got {microbatch}")

@@ -7,8 +7,8 @@ import copy
 import io
 import signal
 
-from mpsim.topology import Topology, parse_topology
-from mpsim.trace import Trace, parse_trace
+from mpsim.hardware.topology import Topology, parse_topology
+from mpsim.models.trace import Trace, parse_trace
 
 GB = 10**9
 

@@ -16,11 +16,11 @@ from functools import lru_cache
 from helpers import layer, tiny_trace, topology_dict
 from hypothesis import strategies as st
 
-from mpsim.plan import LayerAction, PlanFile, make_plan, stripes_by_bandwidth
+from mpsim.hardware.topology import Topology, parse_topology
+from mpsim.models.trace import Trace
+from mpsim.plans.plan import LayerAction, PlanFile, make_plan, stripes_by_bandwidth
 from mpsim.sim import Job, SimResult, simulate_job
 from mpsim.sim.layout import job_of_plan
-from mpsim.topology import Topology, parse_topology
-from mpsim.trace import Trace
 
 MiB = 2**20
 SCHEDULES = ("gpipe", "1f1b", "pipedream")

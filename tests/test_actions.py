@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from helpers import GB, layer, tiny_topology, tiny_trace
 
-from mpsim.catalog import load_topology
+from mpsim.data.catalog import load_topology
 from mpsim.errors import SchemaError
-from mpsim.plan import LayerAction, Stripe, check_plan, make_plan, stripes_by_bandwidth
+from mpsim.plans.plan import LayerAction, Stripe, check_plan, make_plan, stripes_by_bandwidth
 from mpsim.sim import simulate_job
 from mpsim.sim.layout import job_of_plan
 from mpsim.sim.transfers import Copy, copy_times

@@ -12,9 +12,9 @@ import pytest
 from helpers import run_cli
 
 from mpsim.api import load_topology, load_trace, plan
-from mpsim.choose import Tried, _standing, choose
-from mpsim.costs import UNCHECKED_TIME_BAND_PCT, cost_model
 from mpsim.errors import MpsimError
+from mpsim.studies.choose import Tried, _standing, choose
+from mpsim.timing.costs import UNCHECKED_TIME_BAND_PCT, cost_model
 from mpsim.units import GiB
 from mpsim.web.inputs import JobInputs, from_query
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from mpsim.backends import LocalBackend, Outcome, RayBackend, auto_batch, run_points
 from mpsim.errors import MpsimError
-from mpsim.sweep import FIELDS, KEY, grid, sweep
+from mpsim.studies.backends import LocalBackend, Outcome, RayBackend, auto_batch, run_points
+from mpsim.studies.sweep import FIELDS, KEY, grid, sweep
 
 TESTS = Path(__file__).parent
 
@@ -257,7 +257,7 @@ def test_closing_a_ray_run_early_cancels_its_outstanding_tasks(ray_local):
 
 
 def test_fits_in_parallel_gives_the_same_reports_as_in_one_process():
-    from mpsim.capacity import fits_strategies
+    from mpsim.studies.capacity import fits_strategies
 
     args = ("dgx1-v100", "gpt", "1f1b", 2, 16, ("recompute", "none"))
     one = [r.to_dict() for r in fits_strategies(*args)]
@@ -271,7 +271,7 @@ def test_best_search_with_its_planners_in_parallel_gives_the_same_report():
     """With a backend, each probe of ``best``'s search runs its single planners in worker
     processes and combines them in this one: the same largest, plan and times as
     ``plan_best`` run whole in one process."""
-    from mpsim.capacity import fits_strategies
+    from mpsim.studies.capacity import fits_strategies
 
     args = ("gtx1080ti-x1", "gpt", "1f1b", 2, 4, ("recompute", "best"))
     one = fits_strategies(*args)
@@ -289,7 +289,7 @@ def test_best_plans_the_size_a_single_planner_reached_beside_its_first_probe(mon
     (MPress's 111 layers on the four TITAN RTX) and asks whether one layer more fits; the
     full plan of that size, where the search ends here, is made beside that probe on a
     thread of its own (``plan_ahead``): the same reports as in one process."""
-    import mpsim.capacity as capacity
+    import mpsim.studies.capacity as capacity
 
     ahead: list[int] = []
     plan_ahead = capacity._Search.plan_ahead
@@ -312,7 +312,7 @@ def test_best_alone_in_parallel_plans_each_sizes_parts_at_once_and_gives_the_sam
     """With no single strategy asked there is nothing to reuse: each shipped size runs
     ``best``'s parts in parallel (keeping everything first, the rest where that does not
     fit), and the rows, the largest and its plan are those of one process."""
-    from mpsim.capacity import fits_strategies
+    from mpsim.studies.capacity import fits_strategies
 
     args = ("gtx1080ti-x1", "gpt", "1f1b", 2, 4, ("best",))
     one = fits_strategies(*args)
@@ -391,7 +391,7 @@ def test_an_interrupted_fits_over_layouts_stops_both_its_threads_and_the_workers
     """Ctrl-C (here raised by the progress callback at the first search that ends) while the
     single strategies' searches run on their own thread: the interruption reaches the
     caller, the workers are stopped and nothing runs on."""
-    from mpsim.capacity import family_job, family_traces, fits_layouts
+    from mpsim.studies.capacity import family_job, family_traces, fits_layouts
 
     traces = family_traces("gpt")[:2]
     job = family_job("dgx1-v100", traces, "1f1b", 2, 16, "none", "compute")
@@ -420,8 +420,8 @@ def test_a_single_search_hands_its_largest_plan_to_best_which_does_not_plan_it_a
     """A single strategy's search in a worker returns the plan of its largest size by its
     cache key; the process running ``best``'s search adopts it, and ``best``'s part for
     that job (the same planner and partition) is taken from it, not sent to a worker."""
-    from mpsim.capacity import _fits_unit, _FitsUnit, _parts_planned, family_job, shipped_or_named
     from mpsim.planners import cache
+    from mpsim.studies.capacity import _fits_unit, _FitsUnit, _parts_planned, family_job, shipped_or_named
 
     traces = shipped_or_named("gpt", ())
     job = family_job("gtx1080ti-x1", traces, "1f1b", 2, 4, "recompute", "compute")
@@ -444,7 +444,7 @@ def test_fits_over_layouts_in_parallel_gives_the_reports_of_one_process():
     a thread of their own, ``best``'s beside them): every report (the rows, the largest,
     what a later layout could not beat) is that of the layouts run one after the other in
     one process."""
-    from mpsim.capacity import family_job, family_traces, fits_layouts
+    from mpsim.studies.capacity import family_job, family_traces, fits_layouts
 
     traces = family_traces("gpt")[:2]
     job = family_job("titanrtx-x4-pcie", traces, "1f1b", 2, 8, "none", "compute")

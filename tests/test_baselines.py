@@ -3,10 +3,10 @@
 from helpers import layer, tiny_trace, topology_dict
 
 from mpsim import load_topology, load_trace
-from mpsim.job import JobSpec, pipeline
+from mpsim.hardware.topology import parse_topology
 from mpsim.planners.context import make_context
 from mpsim.planners.registry import run_planner
-from mpsim.topology import parse_topology
+from mpsim.plans.job import JobSpec, pipeline
 
 MB = 1024 * 1024
 

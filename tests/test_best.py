@@ -2,9 +2,9 @@
 
 import pytest
 
-from mpsim.catalog import load_topology, load_trace
-from mpsim.job import JobSpec
+from mpsim.data.catalog import load_topology, load_trace
 from mpsim.planners import plan_job
+from mpsim.plans.job import JobSpec
 
 SINGLE = ("none", "recompute", "cpu-swap", "d2d", "mpress", "tsplit")
 
@@ -31,7 +31,7 @@ def test_planner_runs_counts_the_parts_best_tries():
     """The page's work bound counts best's planner runs from the registry: every part
     ``best`` may run under both partitions, one run for a single strategy."""
     from mpsim.planners.best import parts
-    from mpsim.strategies import planner_runs
+    from mpsim.plans.strategies import planner_runs
 
     assert planner_runs("best") == len(parts()) == 16
     assert planner_runs("mpress") == planner_runs("none") == 1

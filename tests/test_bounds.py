@@ -1,4 +1,4 @@
-"""The closed-form tier (``mpsim.bounds``): its floors are on the right side of the
+"""The closed-form tier (``mpsim.studies.bounds``): its floors are on the right side of the
 simulator's answer, its static figure is the engine's, and the searches that use it give
 the same answers as simulating every candidate."""
 
@@ -9,15 +9,15 @@ from dataclasses import replace
 
 import pytest
 
-from mpsim import bounds
-from mpsim.bounds import floors
-from mpsim.capacity import family_job, family_traces, fits_job
-from mpsim.choose import choose
 from mpsim.errors import MpsimError
-from mpsim.job import JobSpec
-from mpsim.layouts import candidate_layouts, on_layout, parse_layout
 from mpsim.planners.registry import plan_job
-from mpsim.strategies import STRATEGIES as STRATEGIES_BY_NAME
+from mpsim.plans.job import JobSpec
+from mpsim.plans.layouts import candidate_layouts, on_layout, parse_layout
+from mpsim.plans.strategies import STRATEGIES as STRATEGIES_BY_NAME
+from mpsim.studies import bounds
+from mpsim.studies.bounds import floors
+from mpsim.studies.capacity import family_job, family_traces, fits_job
+from mpsim.studies.choose import choose
 
 STRATEGIES = ("none", "recompute", "selective", "cpu-swap", "d2d", "mpress", "tsplit", "zero-offload", "best")
 SETTINGS = (("dgx1-v100", "gpt", "1f1b"), ("a100-40gb-nvswitch", "bert", "gpipe"), ("dgx-h100", "gpt", "1f1b"),
@@ -90,7 +90,7 @@ def test_a_model_whose_weights_and_gradients_exceed_the_gpus_is_decided_without_
 def test_the_time_floor_of_one_stage_is_the_microbatches_times_forward_and_backward():
     traces = family_traces("gpt")
     job = family_job("h100-x1", traces, "gpipe", 1, 4, "none", "compute")
-    from mpsim.costs import cost_model
+    from mpsim.timing.costs import cost_model
 
     times = cost_model(job.trace, job.topology.spec.gpu).layer_times
     assert floors(job).iteration_floor_s == pytest.approx(4 * (sum(times.fwd_s) + sum(times.bwd_s)), rel=1e-12)

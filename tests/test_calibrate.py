@@ -10,13 +10,13 @@ import yaml
 from helpers import layer, topology_dict, trace_dict
 from pydantic import ValidationError
 
-from mpsim.calibrate import calibrate, calibrated_topology, nnls_small
-from mpsim.catalog import load_topology, shipped_topologies
 from mpsim.cli import main
-from mpsim.costs import cost_model
+from mpsim.data.catalog import load_topology, shipped_topologies
 from mpsim.errors import MpsimError
-from mpsim.topology import OpEfficiency, parse_topology
-from mpsim.trace import Trace, parse_trace
+from mpsim.hardware.topology import OpEfficiency, parse_topology
+from mpsim.models.trace import Trace, parse_trace
+from mpsim.timing.calibrate import calibrate, calibrated_topology, nnls_small
+from mpsim.timing.costs import cost_model
 
 PEAK = 1e12  # the tiny server: 1 TFLOP/s fp16, 1 GB/s
 BW = 1e9
@@ -257,8 +257,8 @@ def test_refuses_efficiencies_above_one(tmp_path, capsys):
 def test_a_tiered_server_is_calibrated_like_any_other():
     """``calibrated_topology`` validated the result as a schema-1 file: a schema-2 (tiers)
     server such as the MI300X failed with a raw pydantic error."""
-    from mpsim.catalog import load_topology
-    from mpsim.topology import parse_topology
+    from mpsim.data.catalog import load_topology
+    from mpsim.hardware.topology import parse_topology
 
     topo = load_topology("mi300x-x8")
     cal = calibrate(measured(ROWS, TRUE), topo)

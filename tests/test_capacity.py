@@ -52,8 +52,8 @@ def test_best_search_leaves_out_planners_known_not_to_fit_and_finds_the_same_lar
     searches showed they do not fit there (a failed shipped size, or one layer past their
     largest); the largest it finds and its plan are those of the full search."""
     import mpsim.planners.best as best
-    from mpsim.capacity import _known_failing, fits_strategies
     from mpsim.planners.cache import _CACHE
+    from mpsim.studies.capacity import _known_failing, fits_strategies
 
     job = ("gtx1080ti-x1", "gpt", "1f1b", 2, 4)
     singles = fits_strategies(*job, strategies=("none", "recompute", "tsplit"))
@@ -94,7 +94,7 @@ def test_a_search_from_a_known_fitting_size_probes_one_layer_more_first(monkeypa
     search probes one layer more first: where that does not fit, it has found the largest
     with that one probe and the plan of the largest; it finds what a search from the
     shipped sizes finds, from below and from above the boundary."""
-    import mpsim.capacity as capacity
+    import mpsim.studies.capacity as capacity
 
     job = ("dgx1-v100", "gpt", "1f1b", 2, 16)
     full = fits(*job, strategy="none")

@@ -10,11 +10,11 @@ import pytest
 import yaml
 from helpers import layer, topology_dict, trace_dict
 
-from mpsim.choose import choose, parse_price, parse_servers
 from mpsim.cli import main
 from mpsim.errors import MpsimError, SchemaError
-from mpsim.topology import parse_topology
-from mpsim.trace import parse_trace
+from mpsim.hardware.topology import parse_topology
+from mpsim.models.trace import parse_trace
+from mpsim.studies.choose import choose, parse_price, parse_servers
 from mpsim.units import MiB
 
 MB = 10**6
@@ -151,7 +151,7 @@ def test_an_unquoted_yaml_date_is_kept_as_text(tmp_path):
 
 
 def test_shipped_8_gpu_servers_carry_dated_sourced_prices():
-    from mpsim.catalog import load_topology
+    from mpsim.data.catalog import load_topology
 
     for name in ("dgx1-v100", "a100-40gb-nvswitch", "dgx-a100-80gb", "dgx-h100"):
         price = load_topology(name).spec.price
@@ -260,7 +260,8 @@ def test_simulate_html_is_self_contained_with_the_verdict(capsys, files, tmp_pat
 
 
 def test_html_escapes_text(files, tmp_path):
-    from mpsim.htmlreport import markdown_html, table_html
+    from mpsim.views.html import table_html
+    from mpsim.views.markdown import markdown_html
 
     assert "<b>" not in table_html(["<b>"], [["<i>x</i>"]])
     html_text = markdown_html("# a <script>\n![plot](http://example.com/x.png)\n| a |\n|---|\n| <b> |", tmp_path)

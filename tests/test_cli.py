@@ -379,8 +379,8 @@ def test_a_cpu_measured_trace_on_a_gpu_server_warns_in_one_line(capsys, tmp_path
     ("hand-written", "dgx1-v100", False),
 ])
 def test_measured_trace_warning_compares_device_kinds(capsys, tmp_path, device, server, warns):
-    from mpsim.catalog import load_topology, load_trace
-    from mpsim.trace import measured_elsewhere
+    from mpsim.data.catalog import load_topology, load_trace
+    from mpsim.models.trace import measured_elsewhere
 
     topo = load_topology(server)
     line = measured_elsewhere(load_trace(_measured_trace(tmp_path, device)), topo.spec.gpu.model, topo.name)
@@ -432,7 +432,7 @@ def test_simulate_plot_of_a_run_that_does_not_fit_leaks_no_warnings(tmp_path):
 
 def test_memory_plot_marks_the_out_of_memory_and_tells_host_from_peer_swaps():
     from mpsim.api import simulate
-    from mpsim.report import memory_figure
+    from mpsim.views.plots import memory_figure
 
     oom = simulate("dgx1-v100", "gpt-10.3b", schedule="1f1b", microbatch=2, microbatches=16)
     fig = memory_figure(oom)

@@ -10,15 +10,16 @@ import pytest
 import simpy
 from helpers import layer, tiny_trace, topology_dict
 
-from mpsim.catalog import load_cluster, shipped_clusters
-from mpsim.cluster import Cluster, ClusterFile, parse_cluster, place_on_cluster
+from mpsim.data.catalog import cluster_from_data, load_cluster, shipped_clusters
 from mpsim.errors import MpsimError
-from mpsim.job import JobSpec, Parallelism
-from mpsim.mesh import DeviceMesh
+from mpsim.hardware.cluster import Cluster, ClusterFile
+from mpsim.hardware.topology import parse_topology
+from mpsim.plans.cluster_placement import place_on_cluster
+from mpsim.plans.job import JobSpec, Parallelism
+from mpsim.plans.mesh import DeviceMesh
 from mpsim.sim import Job, simulate_job
 from mpsim.sim.collectives import inter_server_steps, max_hop_bytes, two_level_transfer
 from mpsim.sim.network import Network
-from mpsim.topology import parse_topology
 
 GBPS = 1e9
 
@@ -84,7 +85,7 @@ def test_bad_cluster_files_are_refused_in_one_line(change, message, tmp_path):
     if "nic_groups" in data["fabric"] or data["fabric"]["nics_per_server"] == 3:
         data["server"] = "titanrtx-x4-pcie"
     with pytest.raises(MpsimError) as err:
-        parse_cluster(data, "bad.yaml", tmp_path)
+        cluster_from_data(data, "bad.yaml", tmp_path)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 

@@ -9,9 +9,10 @@ import pytest
 import simpy
 from helpers import topology_dict
 
-from mpsim.catalog import load_topology
 from mpsim.cli import main
+from mpsim.data.catalog import load_topology
 from mpsim.errors import MpsimError
+from mpsim.hardware.topology import Topology, parse_topology
 from mpsim.sim.collectives import (
     BROADCAST_CHUNK_BYTES,
     MAX_BROADCAST_CHUNKS,
@@ -26,7 +27,6 @@ from mpsim.sim.collectives import (
     tree_edges,
 )
 from mpsim.sim.network import Network
-from mpsim.topology import Topology, parse_topology
 
 GBPS = 1e9
 

@@ -8,14 +8,14 @@ from collections.abc import Callable, Generator
 import pytest
 import simpy
 
-from mpsim.job import job_of
+from mpsim.hardware.topology import Link, Route
+from mpsim.plans.job import job_of
 from mpsim.sim import Job
 from mpsim.sim.context import RunContext
 from mpsim.sim.copy_engine import EnginePool
 from mpsim.sim.layout import resolve
 from mpsim.sim.network import Network
 from mpsim.sim.simpy_fast import Detached, Steps, call_soon, events_scheduled, run_until_empty, sleep
-from mpsim.topology import Link, Route
 
 Log = list[tuple[float, str]]
 

@@ -1,4 +1,4 @@
-"""The cost model (mpsim.costs): layer times, the attention core and the optimizer update
+"""The cost model (mpsim.timing.costs): layer times, the attention core and the optimizer update
 from one memory rate, cached by content."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import pytest
 from helpers import layer, topology_dict, trace_dict
 
 from mpsim import load_topology, load_trace, simulate
-from mpsim.costs import attention_core_seconds, cost_model
-from mpsim.plan import LayerAction, make_plan
+from mpsim.hardware.topology import Topology, parse_topology
+from mpsim.models.trace import Trace, parse_trace
+from mpsim.plans.plan import LayerAction, make_plan
 from mpsim.sim import simulate_job
 from mpsim.sim.layout import job_of_plan
-from mpsim.topology import Topology, parse_topology
-from mpsim.trace import Trace, parse_trace
+from mpsim.timing.costs import attention_core_seconds, cost_model
 
 
 def _topology(memory: float = 0.5) -> Topology:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 from helpers import layer, tiny_topology, tiny_trace
 
-from mpsim.costs import cost_model
 from mpsim.errors import MpsimError
-from mpsim.job import JobSpec, Parallelism, job_of
-from mpsim.mesh import DeviceMesh
+from mpsim.plans.job import JobSpec, Parallelism, job_of
+from mpsim.plans.mesh import DeviceMesh
 from mpsim.sim import simulate_job
 from mpsim.sim.layout import Job
 from mpsim.sim.placement import place_replicas
 from mpsim.sim.program import Sharding, static_bytes
+from mpsim.timing.costs import cost_model
 from mpsim.units import MiB
 
 MS = 1e-3
@@ -116,7 +116,7 @@ def test_zero2_frees_each_full_gradient_when_its_bucket_lands():
 def test_a_replicated_pipeline_places_its_groups_on_the_fastest_rings():
     """DGX-1: GPUs 0-3 and 4-7 are fully connected quads, 0 and 5 share no NVLink; every
     stage's pair of replicas must share an NVLink (45 GB/s or more)."""
-    from mpsim.catalog import load_topology
+    from mpsim.data.catalog import load_topology
     from mpsim.sim.collectives import ring_bottleneck
 
     topo = load_topology("dgx1-v100")
@@ -152,8 +152,8 @@ def test_bucket_size_is_mib():
 def test_a_replicated_plan_file_round_trips_and_a_schema_1_file_still_reads(tmp_path):
     """Schema 2 carries the layout: written, read back and simulated again, it gives the
     same result; a schema 1 file (no data_parallel) reads as one replica."""
-    from mpsim.plan import read_plan_file, write_plan_file
     from mpsim.planners import plan_job
+    from mpsim.plans.plan import read_plan_file, write_plan_file
     from mpsim.sim.layout import job_of_plan
 
     job = job_of("dgx1-v100", "gpt-5.3b", microbatches=4, n_stages=4, strategy="recompute",

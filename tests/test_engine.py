@@ -6,7 +6,7 @@ import pytest
 from helpers import layer, tiny_topology, tiny_trace
 
 from mpsim import simulate
-from mpsim.job import JobSpec
+from mpsim.plans.job import JobSpec
 from mpsim.sim import Job, simulate_job
 
 MS = 1e-3
@@ -155,7 +155,7 @@ def test_peer_copy_engines_bound_concurrent_sends(engines):
     # overlap when it has two engines and queue when it has one.
     from helpers import topology_dict
 
-    from mpsim.topology import parse_topology
+    from mpsim.hardware.topology import parse_topology
 
     d = topology_dict(n_gpus=3, nvlink_gbps=0.0003)
     d["gpu"]["peer_copy_engines"] = engines
@@ -188,10 +188,10 @@ def test_a_finished_swap_heavy_run_is_freed_by_reference_counting():
     import gc
 
     from mpsim import load_topology, load_trace
-    from mpsim.costs import cost_model
-    from mpsim.partition import compute_balanced
-    from mpsim.plan import LayerAction, make_plan
+    from mpsim.plans.partition import compute_balanced
+    from mpsim.plans.plan import LayerAction, make_plan
     from mpsim.sim.layout import job_of_plan
+    from mpsim.timing.costs import cost_model
 
     topo = load_topology("dgx1-v100")
     trace = load_trace("gpt-25.5b").rescale(2)

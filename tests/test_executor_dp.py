@@ -20,7 +20,14 @@ import pytest
 
 from mpsim import api
 from mpsim.errors import MpsimError
-from mpsim.hardware_check import (
+from mpsim.hardware.topology import NvmeSpec, Topology
+from mpsim.models.probe import probe
+from mpsim.models.trace import Trace
+from mpsim.models.tracer import trace_model
+from mpsim.models.workloads import ModelConfig
+from mpsim.plans.job import Parallelism
+from mpsim.plans.plan import DataParallelPlan, PlanFile, make_plan
+from mpsim.studies.hardware_check import (
     RunSettings,
     check_runnable,
     compare,
@@ -29,13 +36,6 @@ from mpsim.hardware_check import (
     run_executor,
     simulate_plan,
 )
-from mpsim.job import Parallelism
-from mpsim.plan import DataParallelPlan, PlanFile, make_plan
-from mpsim.probe import probe
-from mpsim.topology import NvmeSpec, Topology
-from mpsim.trace import Trace
-from mpsim.tracer import trace_model
-from mpsim.workloads import ModelConfig
 
 CFG = ModelConfig("gpt", layers=2, hidden=64, heads=2, seq_len=32, vocab=128)
 SETTINGS = RunSettings(device="cpu", threads=1, warmup=0, steps=2, digests=True)

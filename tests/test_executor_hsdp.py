@@ -21,7 +21,6 @@ from functools import cache
 
 import pytest
 
-from mpsim.cluster import Cluster
 from mpsim.executor.hsdp_check import (
     check,
     executor_plan,
@@ -30,10 +29,11 @@ from mpsim.executor.hsdp_check import (
     mesh_of,
     simulate,
 )
-from mpsim.hardware_check import RunSettings
-from mpsim.trace import Trace
-from mpsim.tracer import trace_model
-from mpsim.workloads import ZOO
+from mpsim.hardware.cluster import Cluster
+from mpsim.models.trace import Trace
+from mpsim.models.tracer import trace_model
+from mpsim.models.workloads import ZOO
+from mpsim.studies.hardware_check import RunSettings
 
 CFG, MICROBATCH, _ = ZOO["gpt-tiny"]
 """The report's model: 8 layers of 256, 128 tokens, vocabulary 512, microbatch 4. A 2-layer
@@ -94,7 +94,7 @@ def test_the_executor_plan_and_mesh_are_the_jobs() -> None:
 @pytest.fixture(scope="module")
 def measured_trace() -> Trace:
     """The model's layers measured here (as ``mpsim validate`` measures its preset)."""
-    from mpsim.profiler import measure_trace
+    from mpsim.models.profiler import measure_trace
 
     return measure_trace(CFG, MICROBATCH, "fp32", "cpu", 1, name="gpt-tiny")
 

@@ -18,7 +18,13 @@ from pathlib import Path
 import pytest
 
 from mpsim.errors import MpsimError
-from mpsim.hardware_check import (
+from mpsim.hardware.topology import Topology
+from mpsim.models.probe import probe
+from mpsim.models.trace import Trace
+from mpsim.models.tracer import trace_model
+from mpsim.models.workloads import ModelConfig
+from mpsim.plans.plan import DataParallelPlan, LayerAction, PlanFile, TensorParallelPlan, make_plan
+from mpsim.studies.hardware_check import (
     RankPlace,
     RunSettings,
     check_runnable,
@@ -28,12 +34,6 @@ from mpsim.hardware_check import (
     run_executor,
     simulate_plan,
 )
-from mpsim.plan import DataParallelPlan, LayerAction, PlanFile, TensorParallelPlan, make_plan
-from mpsim.probe import probe
-from mpsim.topology import Topology
-from mpsim.trace import Trace
-from mpsim.tracer import trace_model
-from mpsim.workloads import ModelConfig
 
 CFG = ModelConfig("gpt", layers=2, hidden=64, heads=4, seq_len=32, vocab=128, dropout=0.0)
 SETTINGS = RunSettings(device="cpu", threads=1, warmup=0, steps=2, digests=True)

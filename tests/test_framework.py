@@ -16,10 +16,10 @@ import pytest
 import torch
 from helpers import run_cli
 
-from mpsim.tp_ops import NO_SHARD, TensorShard
-from mpsim.trace import LayerRow
-from mpsim.tracer import trace_model
-from mpsim.workloads import (
+from mpsim.models.tp_ops import NO_SHARD, TensorShard
+from mpsim.models.trace import LayerRow
+from mpsim.models.tracer import trace_model
+from mpsim.models.workloads import (
     FRAMEWORK_LAYERS,
     FRAMEWORKS,
     PRESETS,
@@ -180,7 +180,7 @@ def test_a_bad_framework_is_one_line(tmp_path):
     assert code == 2 and err.count("\n") == 1 and "'deepspeed' is not one of 'megatron', 'hf', 'torchtitan'" in err
     code, _, err = run_cli(LIMIT_S, "trace", "--hf", "llama-2-7b", "--framework", "megatron", "-o", out)
     assert code == 2 and err.count("\n") == 1 and "--hf traces transformers' own modules, the hf framework" in err
-    code, _, err = run_cli(LIMIT_S, "trace", "--module", "mpsim.cnn:vgg11", "--framework", "hf", "-o", out)
+    code, _, err = run_cli(LIMIT_S, "trace", "--module", "mpsim.models.cnn:vgg11", "--framework", "hf", "-o", out)
     assert code == 2 and err.count("\n") == 1 and "--framework is for presets and shapes" in err
     assert not Path(out).exists()
 

@@ -306,25 +306,25 @@ def test_plan_for_another_model(tmp_path):
 # --- the Python API's checked constructors ---------------------------------------------------
 
 def _job(**kw):
-    from mpsim.job import job_of
+    from mpsim.plans.job import job_of
 
     return job_of("dgx-a100-80gb", "llama-3-8b", microbatches=8, **kw)
 
 
 def _par(**kw):
-    from mpsim.job import Parallelism
+    from mpsim.plans.job import Parallelism
 
     return Parallelism(**kw)
 
 
 def _data_parallel(*args, **kw):
-    from mpsim.job import data_parallel
+    from mpsim.plans.job import data_parallel
 
     return data_parallel(*args, **kw)
 
 
 def _parse(text):
-    from mpsim.layouts import parse_layout
+    from mpsim.plans.layouts import parse_layout
 
     return parse_layout(text)
 

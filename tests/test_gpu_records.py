@@ -15,11 +15,11 @@ from typing import Literal
 
 import pytest
 
-from mpsim.catalog import load_topology, load_trace
-from mpsim.hardware_check import simulate_plan
-from mpsim.job import JobSpec, Parallelism, pipeline
-from mpsim.plan import read_plan_file
+from mpsim.data.catalog import load_topology, load_trace
 from mpsim.planners import plan_job
+from mpsim.plans.job import JobSpec, Parallelism, pipeline
+from mpsim.plans.plan import read_plan_file
+from mpsim.studies.hardware_check import simulate_plan
 
 RECORDS = Path(__file__).resolve().parents[1] / "validate" / "results" / "h100"
 #: Peak error allowed per record (predicted - measured) / measured. Keep, recompute and

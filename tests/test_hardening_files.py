@@ -17,7 +17,7 @@ import pytest
 
 from mpsim.datafile import MAX_FILE_BYTES, MAX_SMALL_FILE_BYTES, read_bounded, read_data_file
 from mpsim.errors import MpsimError
-from mpsim.hf_fields import read_checked
+from mpsim.models.hf_fields import read_checked
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo") or not Path("/dev/zero").exists(),
                                 reason="needs POSIX FIFOs and /dev/zero")

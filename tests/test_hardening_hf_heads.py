@@ -1,7 +1,7 @@
 """A Hugging Face config whose attention heads do not split its width (issue 45): a Phi-3
 config with 8 heads on a hidden size of 60 printed torch's traceback and a broadcast error.
 It is refused in one line naming ``hidden_size`` and ``num_attention_heads`` before torch
-loads (``mpsim.hf_fields.check_heads``), on the command line and on the page's check."""
+loads (``mpsim.models.hf_fields.check_heads``), on the command line and on the page's check."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from helpers import run_cli
 
 from mpsim import api
 from mpsim.errors import MpsimError
-from mpsim.hf_fields import check_shape
+from mpsim.models.hf_fields import check_shape
 
 PHI3 = {"model_type": "phi3", "hidden_size": 60, "intermediate_size": 128, "num_attention_heads": 8,
         "num_key_value_heads": 8, "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 256,
@@ -56,7 +56,7 @@ def test_what_real_configs_do_is_still_taken():
     check_shape({**PHI3, "head_dim": 8}, "c")  # a head_dim of its own: the width need not split
     check_shape({**PHI3, "hidden_size": 64, "num_key_value_heads": 2}, "c")  # grouped-query
     check_shape({**PHI3, "hidden_size": 64, "num_key_value_heads": None}, "c")
-    # trace --hf --hidden/--heads replace the fields: mpsim.hf checks the new values
+    # trace --hf --hidden/--heads replace the fields: mpsim.models.hf checks the new values
     check_shape(PHI3, "c", overrides={"hidden": 64})
 
 

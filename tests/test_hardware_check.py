@@ -12,14 +12,14 @@ from __future__ import annotations
 import pytest
 
 from mpsim.errors import MpsimError, SchemaError
-from mpsim.hardware_check import RunSettings, check_runnable, validate_plan
-from mpsim.plan import LayerAction, make_plan
-from mpsim.probe import probe
-from mpsim.profiler import measure_trace
+from mpsim.models.probe import probe
+from mpsim.models.profiler import measure_trace
+from mpsim.models.workloads import ZOO
+from mpsim.plans.plan import LayerAction, make_plan
 from mpsim.sim import simulate_job
 from mpsim.sim.layout import job_of_plan
+from mpsim.studies.hardware_check import RunSettings, check_runnable, validate_plan
 from mpsim.views.measured import validation_text
-from mpsim.workloads import ZOO
 
 SETTINGS = RunSettings(device="cpu", threads=1, warmup=1, steps=3)
 
@@ -53,7 +53,7 @@ def test_measured_trace_names_its_device_and_times_every_layer(tiny):
     # the backward's transients exceed the forward's largest temporary (gradients of scores, MLP)
     assert block.bwd_workspace_bytes > block.workspace_bytes
     # saved bytes from real tensors are what the FakeTensor tracer counts
-    from mpsim.tracer import trace_model
+    from mpsim.models.tracer import trace_model
 
     derived = trace_model(ZOO["gpt-tiny"][0], 4, "fp32")
     assert [r.act_bytes for r in tiny.layers] == [r.act_bytes for r in derived.layers]
@@ -174,7 +174,7 @@ def _fake_runs(monkeypatch, attempts: list[tuple[int, list[int], str]]):
     """Each attempt: torchrun's exit code, the ranks that wrote their result, its stderr."""
     import subprocess
 
-    from mpsim import hardware_check as hc
+    from mpsim.studies import hardware_check as hc
 
     calls: list[int] = []
 
@@ -196,9 +196,9 @@ ABORT = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n  e
 
 
 def _run_fake(tmp_path):
-    from mpsim.hardware_check import run_executor
-    from mpsim.tracer import trace_model
-    from mpsim.workloads import ModelConfig
+    from mpsim.models.tracer import trace_model
+    from mpsim.models.workloads import ModelConfig
+    from mpsim.studies.hardware_check import run_executor
 
     cfg = ModelConfig("gpt", 1, 64, 2, 32, 128)
     plan = make_plan(trace_model(cfg, 1, "fp32"), probe("cpu", devices=2, threads=1)[1], "gpipe", 1,
@@ -227,7 +227,7 @@ def test_validation_sets_the_reserved_prediction_beside_max_memory_reserved(tiny
     """A CUDA rank reports ``max_memory_reserved``; the report gives the allocator model's
     prediction beside it, per stage, with its error (here from a hand-made measurement: a
     rank that reserved 10% more than predicted, and one on CPU that reports none)."""
-    from mpsim.hardware_check import compare, simulate_plan
+    from mpsim.studies.hardware_check import compare, simulate_plan
 
     plan = _plan(tiny, cpu2, "1f1b", "keep")
     predicted = simulate_plan(plan, cpu2, tiny)

@@ -12,8 +12,8 @@ pytest.importorskip("transformers")
 from mpsim import hf  # noqa: E402
 from mpsim.cli import main  # noqa: E402
 from mpsim.errors import MpsimError  # noqa: E402
-from mpsim.tracer import trace_model  # noqa: E402
-from mpsim.workloads import PRESETS  # noqa: E402
+from mpsim.models.tracer import trace_model  # noqa: E402
+from mpsim.models.workloads import PRESETS  # noqa: E402
 
 PUBLIC_PARAMS = {
     "llama-2-7b": 6_738_415_616,
@@ -120,8 +120,8 @@ def test_a_hf_trace_names_its_framework_and_shards_with_the_models_shape():
     tensor-parallel shard (re-traced with mpsim's hf layer) is the model's: half the
     layer's parameters at t = 2 but for its two RMSNorms (replicated), and the bytes
     mpsim's own hf shard keeps."""
-    from mpsim.tensor_parallel import shard_trace
-    from mpsim.tp_ops import TensorShard
+    from mpsim.models.tensor_parallel import shard_trace
+    from mpsim.models.tp_ops import TensorShard
 
     t = hf.trace_hf("qwen2.5-7b", overrides={"layers": 2, "seq_len": 256})
     assert t.spec.model["framework"] == "hf" and t.spec.model["ffn_hidden"] == 18944 and t.spec.model["qkv_bias"]
@@ -225,7 +225,7 @@ def test_our_gpt_and_bert_layers_keep_what_hf_gpt2block_and_bertlayer_keep(tmp_p
     GPT2Block (exact GELU; its default tanh GELU written in Python keeps its intermediates,
     about half as much again) and BertLayer keep exactly the bytes of mpsim's layers, and
     do the same FLOPs."""
-    from mpsim.workloads import ModelConfig
+    from mpsim.models.workloads import ModelConfig
 
     theirs = hf.trace_hf(str(_config(tmp_path / family, **fields)), microbatch=2, recipe=recipe, attention=attention,
                          overrides={"seq_len": 128}).spec.layers[1]

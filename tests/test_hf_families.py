@@ -1,5 +1,5 @@
 """Phi-3, Gemma 2 and Gemma 3 traced from their configs with their own transformers
-modules (mpsim.hf): the parameter count is the full model's, Gemma's logit soft-capping
+modules (mpsim.models.hf): the parameter count is the full model's, Gemma's logit soft-capping
 keeps its tanh for the backward, Gemma 3's local and global layers each get their RoPE
 tables (built once, kept by the embedding row), and a tensor-parallel split is refused."""
 
@@ -16,8 +16,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from mpsim.errors import MpsimError  # noqa: E402
-from mpsim.hf import trace_hf  # noqa: E402
-from mpsim.tensor_parallel import check_shardable  # noqa: E402
+from mpsim.models.hf import trace_hf  # noqa: E402
+from mpsim.models.tensor_parallel import check_shardable  # noqa: E402
 
 BASE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
         "num_hidden_layers": 3, "vocab_size": 1000, "max_position_embeddings": 256, "pad_token_id": 0,

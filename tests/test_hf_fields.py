@@ -1,4 +1,4 @@
-"""A Hugging Face config's fields checked before anything is built (mpsim.hf_fields):
+"""A Hugging Face config's fields checked before anything is built (mpsim.models.hf_fields):
 every bad field refused in one line that names it, a config asking for too much refused
 before torch is imported, on the command line and on the page."""
 
@@ -13,8 +13,8 @@ import pytest
 from helpers import run_cli
 
 from mpsim.errors import MpsimError
-from mpsim.hf_fields import MAX_CONFIG_DEPTH, check_shape, precheck, read_config
 from mpsim.limits import MAX_LAYERS
+from mpsim.models.hf_fields import MAX_CONFIG_DEPTH, check_shape, precheck, read_config
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
          "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 128}

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpsim.errors import MpsimError
-from mpsim.schedule import (
+from mpsim.plans.schedule import (
     Task,
     interleaved_bubble,
     interleaved_gpu_order,
@@ -319,7 +319,7 @@ def test_the_engine_runs_interleaved_1f1b_exactly():
     GPU 1 F [1,2] [2,3] [3,4], B [4,6], F [6,7], B [7,9] [9,11] [11,13]."""
     from helpers import layer, tiny_topology, tiny_trace
 
-    from mpsim.job import JobSpec, Parallelism
+    from mpsim.plans.job import JobSpec, Parallelism
     from mpsim.sim import simulate_job
     from mpsim.sim.layout import Job
 
@@ -339,7 +339,7 @@ def test_interleaving_shrinks_the_bubble_of_a_balanced_pipeline():
     slots of F + B per GPU's share; interleaved with v = 2 cuts the bubble to (p-1)/(v m)."""
     from helpers import layer, tiny_topology, tiny_trace
 
-    from mpsim.job import JobSpec, Parallelism
+    from mpsim.plans.job import JobSpec, Parallelism
     from mpsim.sim import simulate_job
     from mpsim.sim.layout import Job
 

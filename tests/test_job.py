@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from mpsim.catalog import load_topology, load_trace
+from mpsim.data.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
-from mpsim.job import JobSpec, Parallelism, job_of, pipeline
 from mpsim.planners.best import SINGLE
 from mpsim.planners.context import make_context
 from mpsim.planners.mcap import mcap_partition
 from mpsim.planners.registry import STRATEGIES, strategy_named
-from mpsim.schedule import check_microbatch
+from mpsim.plans.job import JobSpec, Parallelism, job_of, pipeline
+from mpsim.plans.schedule import check_microbatch
 
 
 def _job(**fields) -> JobSpec:
@@ -104,13 +104,13 @@ def test_the_memory_partition_predicts_the_peak_as_the_strategy_keeps(strategy, 
 
 def test_every_registered_planner_imports_and_checking_a_name_imports_none():
     assert all(callable(s.planner_fn()) for s in STRATEGIES.values())
-    code = "import sys, mpsim.job as j; j.check_strategy('mpress'); print('mpsim.planners' in sys.modules)"
+    code = "import sys, mpsim.plans.job as j; j.check_strategy('mpress'); print('mpsim.planners' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
 
 
 def test_the_strategy_help_is_the_registry_s():
-    from mpsim.strategies import STRATEGY_HELP
+    from mpsim.plans.strategies import STRATEGY_HELP
 
     described = [s for s in STRATEGIES.values() if s.help is not None]
     assert [s.name for s in described][:3] == ["none", "recompute", "recompute-segments"]

@@ -1,4 +1,4 @@
-"""The kernel-shape time model (mpsim.kernel_time) on hand-built shapes and tables."""
+"""The kernel-shape time model (mpsim.timing.kernel_time) on hand-built shapes and tables."""
 
 from __future__ import annotations
 
@@ -7,9 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from mpsim.gpu_tables import AttentionRate, GemmRate, GemmTile, KernelTable, family_of, shipped_table
-from mpsim.kernel_records import AttentionKernel, ConvKernel, GemmKernel, MemoryKernel, rescale_kernel
-from mpsim.kernel_time import KernelRates, attention_seconds, conv_seconds, gemm_seconds, kernel_seconds, pass_seconds
+from mpsim.hardware.gpu_tables import AttentionRate, GemmRate, GemmTile, KernelTable, family_of, shipped_table
+from mpsim.hardware.kernel_records import AttentionKernel, ConvKernel, GemmKernel, MemoryKernel, rescale_kernel
+from mpsim.timing.kernel_time import (
+    KernelRates,
+    attention_seconds,
+    conv_seconds,
+    gemm_seconds,
+    kernel_seconds,
+    pass_seconds,
+)
 
 SOURCES = {"sms": "test", "launch_floor_us": "test", "memory_fraction": "test", "gemm.fp16": "test",
            "gemm.fp32": "test", "attention.fp16": "test"}
@@ -152,7 +159,7 @@ def test_calibrate_fits_a_kernel_table_to_a_profiler_trace(tmp_path):
 
     from helpers import run_cli
 
-    from mpsim.topology import read_topology_file
+    from mpsim.hardware.topology import read_topology_file
 
     profile = Path(__file__).parent / "data" / "kineto" / "h100_train_step.json"
     out, fit_json = tmp_path / "h100-fitted.yaml", tmp_path / "fit.json"

@@ -21,9 +21,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from mpsim import kernels
-from mpsim.tracer import trace_model
-from mpsim.workloads import PRESETS, ModelConfig
+from mpsim.models import kernels
+from mpsim.models.tracer import trace_model
+from mpsim.models.workloads import PRESETS, ModelConfig
 
 S, B_SAMPLES, H, A = 256, 2, 512, 8
 GPT = ModelConfig("gpt", 2, H, A, S, 1000)
@@ -148,7 +148,7 @@ def test_any_models_nn_dropout_keeps_a_one_byte_mask_when_traced() -> None:
     user's (or Hugging Face's) ``nn.Dropout`` keeps 1 byte per element, not 4 (fp32)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from mpsim.tracer import trace_layer
+    from mpsim.models.tracer import trace_layer
 
     with FakeTensorMode():
         block = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.1), torch.nn.Linear(64, 64))

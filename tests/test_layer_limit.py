@@ -6,13 +6,13 @@ import json
 import numpy as np
 import pytest
 
-from mpsim.catalog import load_trace
-from mpsim.costs import cost_model
+from mpsim.data.catalog import load_trace
 from mpsim.errors import MpsimError
 from mpsim.limits import MAX_LAYERS, TooManyLayersError, check_trace_data, count_layer_rows
-from mpsim.partition import compute_balanced
+from mpsim.models.trace import read_trace_file
 from mpsim.planners.mcap import mcap_partition
-from mpsim.trace import read_trace_file
+from mpsim.plans.partition import compute_balanced
+from mpsim.timing.costs import cost_model
 
 
 def _trace_text(n_layers: int) -> str:
@@ -79,7 +79,7 @@ def test_a_trace_at_the_limit_reads_and_partitions_in_linear_memory(at_limit):
     """Both partitions of a trace at the limit; the old whole tables would be 800 MB each."""
     import tracemalloc
 
-    from mpsim.catalog import load_topology
+    from mpsim.data.catalog import load_topology
 
     trace = read_trace_file(at_limit)
     assert trace.n_layers == MAX_LAYERS
@@ -98,8 +98,8 @@ def test_a_trace_at_the_limit_reads_and_partitions_in_linear_memory(at_limit):
 def test_tracing_more_layers_than_the_limit_is_refused_before_tracing():
     from dataclasses import replace
 
-    from mpsim.tracer import trace_model
-    from mpsim.workloads import ZOO
+    from mpsim.models.tracer import trace_model
+    from mpsim.models.workloads import ZOO
 
     cfg = replace(ZOO["gpt-5.3b"][0], layers=MAX_LAYERS - 1)
     with pytest.raises(TooManyLayersError, match=f"has {MAX_LAYERS + 1} layers; mpsim handles at most"):

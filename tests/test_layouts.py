@@ -8,21 +8,21 @@ import json
 import pytest
 import yaml
 
-from mpsim import bounds
-from mpsim.capacity import fits_layouts
-from mpsim.catalog import load_topology, load_trace, shipped_topologies
-from mpsim.choose import choose
 from mpsim.cli import main
+from mpsim.data.catalog import load_topology, load_trace, shipped_topologies
 from mpsim.errors import MpsimError
-from mpsim.job import JobSpec, data_parallel
-from mpsim.layouts import (
+from mpsim.hardware.topology import parse_topology
+from mpsim.plans.job import JobSpec, data_parallel
+from mpsim.plans.layouts import (
     candidate_layouts,
     microbatches_per_replica,
     on_layout,
     parse_layout,
     short_name,
 )
-from mpsim.topology import parse_topology
+from mpsim.studies import bounds
+from mpsim.studies.capacity import fits_layouts
+from mpsim.studies.choose import choose
 from mpsim.units import GiB
 
 

@@ -5,17 +5,17 @@ import random
 import numpy as np
 import pytest
 
-from mpsim.catalog import load_topology, load_trace
-from mpsim.costs import cost_model
+from mpsim.data.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
-from mpsim.job import JobSpec
-from mpsim.partition import brute_force, compute_balanced, highest_peak, min_max_partition
 from mpsim.planners.mcap import mcap_partition, peak_tables
+from mpsim.plans.job import JobSpec
+from mpsim.plans.partition import brute_force, compute_balanced, highest_peak, min_max_partition
 from mpsim.sim import Job, simulate_job
+from mpsim.timing.costs import cost_model
 
 
 def random_tables(rng: random.Random, n: int, p: int) -> list[np.ndarray]:
-    from mpsim.partition import stage_peak_table
+    from mpsim.plans.partition import stage_peak_table
 
     transient = np.array([rng.randint(0, 50) for _ in range(n)], dtype=float)
     b_in = np.array([rng.randint(0, 9) for _ in range(n + 1)], dtype=float)

@@ -3,8 +3,8 @@
 import simpy
 
 from mpsim import load_topology, load_trace
-from mpsim.job import JobSpec
 from mpsim.planners import plan_job
+from mpsim.plans.job import JobSpec
 from mpsim.sim.memory import DeviceMemory, MemoryLog
 
 

@@ -1,5 +1,5 @@
 """The parallel layout as a device mesh: ranks and groups, the one name grammar, the
-layout checks of a job, and a new axis added as new code (``mpsim.mesh``)."""
+layout checks of a job, and a new axis added as new code (``mpsim.plans.mesh``)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import toy_axis  # noqa: F401 - registers the mirror axis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsim.catalog import load_cluster, load_topology, load_trace
 from mpsim.cli import main
-from mpsim.cluster import place_on_cluster
+from mpsim.data.catalog import load_cluster, load_topology, load_trace
 from mpsim.errors import MpsimError
-from mpsim.job import JobSpec, job_of
-from mpsim.layouts import parse_layout as layouts_parse
-from mpsim.mesh import (
+from mpsim.plans.cluster_placement import place_on_cluster
+from mpsim.plans.job import JobSpec, job_of
+from mpsim.plans.layouts import parse_layout as layouts_parse
+from mpsim.plans.mesh import (
     AxisKind,
     DeviceMesh,
     Parallelism,
@@ -208,8 +208,8 @@ def _hsdp_job(hsdp: bool) -> JobSpec:
 
 
 def test_a_plan_of_a_layout_schema_3_cannot_name_is_written_as_schema_4_and_read_back() -> None:
-    from mpsim.plan import parse_plan
     from mpsim.planners.registry import plan_job
+    from mpsim.plans.plan import parse_plan
     from mpsim.sim.layout import parallelism_of_plan
 
     topo, trace = load_topology("dgx-a100-80gb"), load_trace("gpt-5.3b").rescale(1)
@@ -236,8 +236,8 @@ def test_a_plan_of_a_layout_schema_3_cannot_name_is_written_as_schema_4_and_read
 ])
 def test_a_mesh_that_contradicts_its_plan_is_refused_in_one_line(mesh: dict, message: str) -> None:
     from mpsim.errors import SchemaError
-    from mpsim.plan import check_plan, parse_plan
     from mpsim.planners.registry import plan_job
+    from mpsim.plans.plan import check_plan, parse_plan
 
     topo, trace = load_topology("dgx-a100-80gb"), load_trace("gpt-5.3b").rescale(1)
     data = json.loads(plan_job(JobSpec(topo, trace, "1f1b", 4, parse_layout("ddp2xmir2xpp2"))).plan.to_json())

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpsim import cnn
 from mpsim.cli import main
 from mpsim.errors import MpsimError
-from mpsim.hardware_check import model_config
-from mpsim.modules import trace_builder
-from mpsim.trace import read_trace_file
+from mpsim.models import cnn
+from mpsim.models.modules import trace_builder
+from mpsim.models.trace import read_trace_file
+from mpsim.studies.hardware_check import model_config
 
 # torchvision's parameter counts at 1000 classes (torchvision.models.*, inception_v3 with aux_logits=False)
 TORCHVISION_PARAMS = {"vgg11": 132_863_336, "vgg16": 138_357_544, "vgg19": 143_667_240,
@@ -103,7 +103,7 @@ def test_module_traces_are_refused_where_they_do_not_apply(tiny):
 
 def test_resnet50_traces_and_simulates_on_one_titan_rtx(capsys, tmp_path):
     out = tmp_path / "resnet50.json"
-    code, text, err = run(capsys, "trace", "--module", "mpsim.cnn:resnet50", "-o", str(out))
+    code, text, err = run(capsys, "trace", "--module", "mpsim.models.cnn:resnet50", "-o", str(out))
     assert code == 0, err
     assert "resnet50" in text and "18 layers, microbatch 32, fp32" in text
     trace = read_trace_file(out)
@@ -145,10 +145,10 @@ BAD_BUILDERS = textwrap.dedent("""
 
 
 @pytest.mark.parametrize(("spec", "message"), [
-    ("mpsim.cnn", "expected package.module:function"),
-    ("mpsim.cnn:", "expected package.module:function"),
+    ("mpsim.models.cnn", "expected package.module:function"),
+    ("mpsim.models.cnn:", "expected package.module:function"),
     ("no_such_package_here:build", "cannot import no_such_package_here (ModuleNotFoundError"),
-    ("mpsim.cnn:resnet9000", "mpsim.cnn has no function 'resnet9000'"),
+    ("mpsim.models.cnn:resnet9000", "mpsim.models.cnn has no function 'resnet9000'"),
     ("missing/file.py:build", "no file missing/file.py"),
     ("{bad}:only_blocks", "the builder returned list, expected (blocks, example_input)"),
     ("{bad}:not_modules", "the builder's blocks are a list"),

@@ -6,12 +6,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as hs
 
-from mpsim.catalog import load_topology, load_trace
-from mpsim.costs import cost_model
-from mpsim.job import JobSpec, pipeline
+from mpsim.data.catalog import load_topology, load_trace
 from mpsim.planners import plan_job
 from mpsim.planners.mapping import is_symmetric, nvlink_bandwidth, search_mapping
 from mpsim.planners.mpress import choose
+from mpsim.plans.job import JobSpec, pipeline
+from mpsim.timing.costs import cost_model
 
 GiB = 2**30
 
@@ -158,7 +158,7 @@ def test_fig9_default_plan_gains_at_most_a_few_percent_from_faster_peer_links():
     """Why our Fig. 9 shows no mapping or striping gain: the default plan, simulated on a
     DGX-1 whose NVLinks are 100x faster, is under 2% faster, and that bounds what any
     stage-to-GPU map or striping of its D2D swaps could give."""
-    from mpsim.reproduce import _peer_link_headroom
+    from mpsim.studies.reproduce import _peer_link_headroom
 
     planned, fast = _peer_link_headroom("dgx1-v100")
     default = planned.result
@@ -172,7 +172,7 @@ def test_fig9_links_bound_the_gains_below_the_papers_even_with_unbounded_peer_me
     default plan moved to D2D swap, the fastest single neighbour is no slower than the
     slowest, stripes over all neighbours no slower than the fastest, and the whole chain
     gains less than half the paper's 33.3% (the reason our Fig. 9 cannot show it)."""
-    from mpsim.reproduce import _peer_link_headroom, _unbounded_d2d_bound
+    from mpsim.studies.reproduce import _peer_link_headroom, _unbounded_d2d_bound
 
     planned, _ = _peer_link_headroom("dgx1-v100")
     bound = _unbounded_d2d_bound("dgx1-v100", planned)
@@ -187,7 +187,7 @@ def test_fig9_links_bound_the_gains_below_the_papers_even_with_unbounded_peer_me
 def test_optimizer_states_leave_layer_by_layer_only_as_far_as_needed(gpt_15b):
     """GPT-15.4B on the DGX-1: the plan streams the optimizer states of some layers of a
     stage, not all or nothing; stage 0, which has no end slack, keeps most of its own."""
-    from mpsim.plan import host_optimizer_layers
+    from mpsim.plans.plan import host_optimizer_layers
 
     stages = gpt_15b["mpress"].plan.stages
     partial = [st for st in stages if 0 < len(host_optimizer_layers(st)) < st.layers[1] - st.layers[0]]
@@ -219,9 +219,9 @@ def test_striping_is_not_tried_where_no_gpu_can_take_a_swap():
     D2D swap (``Ctx.spare``) and striping cannot change the plan. MPress tries it only where
     some GPU may lend (``Ctx.may_lend``): the same plan as without striping, in as many
     simulations; on the pipeline over the same GPUs both options are tried."""
-    from mpsim.layouts import on_layout, parse_layout
     from mpsim.planners.context import make_context
-    from mpsim.strategies import strategy_named
+    from mpsim.plans.layouts import on_layout, parse_layout
+    from mpsim.plans.strategies import strategy_named
 
     base = JobSpec(load_topology("dgx1-v100"), load_trace("gpt-15.4b").rescale(2), "1f1b", 16, strategy="mpress")
     fsdp = on_layout(base, parse_layout("fsdp8"), 16)
@@ -239,8 +239,8 @@ def test_planners_count_the_optimizer_shard_the_engine_allocates(layout, shards)
     and the host-swap planners count per layer (``Ctx.optimizer_bytes``) is the engine's
     shard of it (``Sharding.shard``), so that the bytes a host stream saves are not
     overestimated N times."""
-    from mpsim.layouts import on_layout, parse_layout
     from mpsim.planners.context import make_context
+    from mpsim.plans.layouts import on_layout, parse_layout
     from mpsim.sim.engine import sharding_of
     from mpsim.sim.layout import Job, resolve
 
@@ -259,7 +259,7 @@ def test_mpress_on_sharded_states_covers_the_shortfall_in_few_rounds():
     shard counted as what it saves, step 4's first round covers nearly all of the
     shortfall: the whole plan takes 8 simulations, where the unsharded figure, 8 times too
     large, took 32 (rounds of a few more streams each)."""
-    from mpsim.layouts import on_layout, parse_layout
+    from mpsim.plans.layouts import on_layout, parse_layout
 
     trace = load_trace("gpt-15.4b")
     blocks = sum(row.kind == "transformer" for row in trace.layers)

@@ -99,8 +99,8 @@ def test_engine_status_and_clean_on_an_empty_cache(tmp_path: Path) -> None:
 
 
 def test_the_build_refuses_modules_outside_the_engine(tmp_path: Path) -> None:
-    with pytest.raises(native.EngineError, match="cannot compile mpsim.job: the compiled engine's modules are"):
-        native_build.build_engine(["mpsim.job"], tmp_path)
+    with pytest.raises(native.EngineError, match="cannot compile mpsim.plans.job: the compiled engine's modules are"):
+        native_build.build_engine(["mpsim.plans.job"], tmp_path)
 
 
 def test_the_build_names_a_missing_c_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

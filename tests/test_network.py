@@ -3,8 +3,8 @@
 import pytest
 import simpy
 
+from mpsim.hardware.topology import Link, Route
 from mpsim.sim.network import Network
-from mpsim.topology import Link, Route
 
 GB = 1e9
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from helpers import layer, tiny_trace, topology_dict
 
-from mpsim.job import JobSpec, Parallelism
+from mpsim.hardware.topology import parse_topology
 from mpsim.planners import plan_job
-from mpsim.strategies import STRATEGIES
-from mpsim.topology import parse_topology
+from mpsim.plans.job import JobSpec, Parallelism
+from mpsim.plans.strategies import STRATEGIES
 
 MS = 1e-3
 P = 250_000

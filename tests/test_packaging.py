@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mpsim.catalog import data_dir, load_topology, load_trace, shipped_topologies, shipped_traces
-from mpsim.hardware_check import EXECUTOR_MODULE, executor_module
+from mpsim.data.catalog import data_dir, load_topology, load_trace, shipped_topologies, shipped_traces
+from mpsim.studies.hardware_check import EXECUTOR_MODULE, executor_module
 
 ROOT = Path(__file__).resolve().parent.parent
 

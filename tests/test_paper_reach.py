@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 
 from mpsim.api import plan
-from mpsim.reproduce import CLAIMS, FIG7_SYSTEMS, FIG8_SYSTEMS, run_system
+from mpsim.studies.reproduce import CLAIMS, FIG7_SYSTEMS, FIG8_SYSTEMS, run_system
 
 BERT = ["bert-0.35b", "bert-0.64b", "bert-1.67b", "bert-4b", "bert-6.2b"]
 GPT = ["gpt-5.3b", "gpt-10.3b", "gpt-15.4b", "gpt-20.4b"]

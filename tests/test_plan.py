@@ -9,9 +9,9 @@ from helpers import layer, tiny_topology, tiny_trace
 
 from mpsim.api import plan as make_strategy_plan
 from mpsim.api import simulate
-from mpsim.catalog import load_topology, load_trace
+from mpsim.data.catalog import load_topology, load_trace
 from mpsim.errors import SchemaError
-from mpsim.plan import LayerAction, Stripe, check_plan, make_plan, parse_plan, read_plan_file, write_plan_file
+from mpsim.plans.plan import LayerAction, Stripe, check_plan, make_plan, parse_plan, read_plan_file, write_plan_file
 
 
 @pytest.fixture(scope="module")

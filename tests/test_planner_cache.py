@@ -2,11 +2,11 @@
 
 from helpers import layer, tiny_topology, trace_dict
 
-from mpsim.job import JobSpec
+from mpsim.models.trace import parse_trace
 from mpsim.planners import plan_job
 from mpsim.planners.cache import job_key
 from mpsim.planners.context import make_context
-from mpsim.trace import parse_trace
+from mpsim.plans.job import JobSpec
 
 
 def two_traces_with_one_name():

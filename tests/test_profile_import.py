@@ -1,4 +1,4 @@
-"""mpsim.profile_import: PyTorch profiler (Kineto) traces into per-kernel samples.
+"""mpsim.models.profile_import: PyTorch profiler (Kineto) traces into per-kernel samples.
 
 The fixtures under tests/data/kineto/ are hand-written in the shape of real traces (see
 their notes in this file); the kernel names are real ones, from public traces and docs.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from mpsim.errors import MpsimError
-from mpsim.profile_import import (
+from mpsim.models.profile_import import (
     KERNEL_CLASSES,
     KERNEL_PATTERNS,
     KernelSample,
@@ -434,7 +434,7 @@ def test_a_cpu_only_trace_has_no_samples(tmp_path):
 
 
 def test_the_importer_does_not_import_torch():
-    code = "import sys, mpsim.profile_import; sys.exit('torch' in sys.modules)"
+    code = "import sys, mpsim.models.profile_import; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from strategies import Case, Layer, Server, cases
 
-from mpsim.plan import LayerAction, Stripe, make_plan
+from mpsim.plans.plan import LayerAction, Stripe, make_plan
 from mpsim.sim import simulate_job
 from mpsim.sim.layout import job_of_plan
 

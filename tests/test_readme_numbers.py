@@ -33,7 +33,7 @@ def test_the_layer_figures_in_the_readme_are_those_of_reports_bench_layers():
 
 
 def test_the_collective_figure_in_the_readme_is_what_the_simulator_gives():
-    from mpsim.catalog import load_topology
+    from mpsim.data.catalog import load_topology
     from mpsim.sim.collectives import collective_time
 
     quote = _paragraph((ROOT / "README.md").read_text(), "mpsim topo collective`) run as one")
@@ -120,7 +120,7 @@ def test_the_tensor_parallel_validation_range_in_the_readme_is_the_reports():
 def test_the_70b_prose_in_the_readme_is_what_the_files_say():
     """The 3-D section's figures: Llama-3-70B's model states (16 bytes a parameter), the
     40 GB A100 server's host memory (its topology file) and the DGX-1's shortfall (the report)."""
-    from mpsim.catalog import load_topology, load_trace
+    from mpsim.data.catalog import load_topology, load_trace
 
     quote = _paragraph((ROOT / "README.md").read_text(), "Llama-3-70B needs about")
     states_tb = re.search(r"about ([\d.]+) TB for its weights, gradients and Adam states", quote)
@@ -153,7 +153,7 @@ def test_the_cluster_answer_in_the_readme_is_the_report():
     p5_rows = {int(m[1]): float(m[2]) for m in re.finditer(r"^(\d+)\s+\d+\s+.+?\s+(?:none|selective|recompute)"
                                                           r"\s+\d+\s+[\d.]+\s+[\d,]+\s+([\d.]+)\s", p5, re.M)}
     assert "the days are within 1% of these up to 128 servers" in quote
-    from mpsim.catalog import load_cluster
+    from mpsim.data.catalog import load_cluster
 
     efa = load_cluster("aws-p5").spec.fabric
     assert f"On AWS p5 (EFA, {efa.latency_us:g} us a step, {efa.efficiency:.0%} of line rate)" in quote
@@ -214,7 +214,7 @@ def test_the_resnet50_example_in_the_readme_is_what_the_commands_give(tmp_path):
     quote = re.search(r"titanrtx-x1 +# fits: peak ([\d.]+) GiB, ([\d.]+) samples/s", (ROOT / "README.md").read_text())
     assert quote is not None
     trace = tmp_path / "resnet50.json"
-    assert run_cli(300, "trace", "--module", "mpsim.cnn:resnet50", "-o", str(trace))[0] == 0
+    assert run_cli(300, "trace", "--module", "mpsim.models.cnn:resnet50", "-o", str(trace))[0] == 0
     from mpsim.api import plan
 
     r = plan("titanrtx-x1", str(trace), "1f1b", None, 16).result

@@ -1,5 +1,5 @@
 """TSPLIT Tables IV/V and mCAP 4.2 (VGG-11) as `mpsim reproduce` computes them
-(mpsim/reproduce_tsplit.py): boundaries, the papers' orderings, mCAP's optimality."""
+(mpsim/studies/reproduce_tsplit.py): boundaries, the papers' orderings, mCAP's optimality."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import functools
 import pytest
 import torch
 
-from mpsim import cnn
-from mpsim import reproduce_tsplit as rt
-from mpsim.catalog import load_trace
-from mpsim.modules import trace_builder
-from mpsim.partition import brute_force, highest_peak
+from mpsim.data.catalog import load_trace
+from mpsim.models import cnn
+from mpsim.models.modules import trace_builder
 from mpsim.planners.mcap import peak_tables
+from mpsim.plans.partition import brute_force, highest_peak
+from mpsim.studies import reproduce_tsplit as rt
 
 
 @functools.cache
@@ -35,7 +35,7 @@ def test_rescaling_a_cnn_trace_scales_activations_not_weights():
     per-channel statistics."""
     for name in ("vgg16", "resnet50"):
         rescaled = rt.cnn_trace(name).rescale(2)
-        direct = trace_builder(f"mpsim.cnn:{name}", 2)
+        direct = trace_builder(f"mpsim.models.cnn:{name}", 2)
         for a, b in zip(rescaled.layers, direct.layers, strict=True):
             assert a.param_bytes == b.param_bytes and a.optimizer_bytes == b.optimizer_bytes
             assert a.act_bytes == pytest.approx(b.act_bytes, rel=0.02)

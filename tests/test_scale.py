@@ -8,9 +8,9 @@ from helpers import layer, tiny_trace
 from test_cluster import toy_cluster
 
 from mpsim.errors import MpsimError
-from mpsim.job import JobSpec, Parallelism
 from mpsim.planners.registry import plan_job
-from mpsim.scale import (
+from mpsim.plans.job import JobSpec, Parallelism
+from mpsim.studies.scale import (
     Point,
     ScaleReport,
     ScaleRow,
@@ -59,7 +59,7 @@ def test_pareto_front_keeps_rows_nobody_beats_on_both_days_and_cost():
 
 
 def test_recommendation_picks_the_cheapest_within_the_goal():
-    from mpsim.scale import ClusterAnswer
+    from mpsim.studies.scale import ClusterAnswer
 
     rows = [_row(4, 40.0, 100.0), _row(8, 25.0, 120.0), _row(16, 14.0, 150.0)]
     for r in rows:
@@ -85,7 +85,7 @@ def test_bad_inputs_are_refused_in_one_line(args, message):
 
 def test_choose_tokens_prints_json_and_html_as_the_study_returns(capsys, tmp_path):
     from mpsim.cli import main
-    from mpsim.scale import scale
+    from mpsim.studies.scale import scale
 
     html = tmp_path / "s.html"
     code = main(["choose", "-m", "bert-0.35b", "--tokens", "1e9", "--clusters", "aws-p4d", "--max-servers", "2",
@@ -103,7 +103,7 @@ def test_choose_tokens_prints_json_and_html_as_the_study_returns(capsys, tmp_pat
 
 
 def test_no_pick_names_the_goal_and_the_fastest():
-    from mpsim.scale import ClusterAnswer
+    from mpsim.studies.scale import ClusterAnswer
 
     rows = [_row(4, 40.0, 100.0), _row(8, 35.0, 120.0)]
     report = ScaleReport("m", 1e12, 4 * 2**20, 8192, 30.0, None, 0.0, [ClusterAnswer("c", "c", 10.0, "", rows, 2)])

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from mpsim.errors import MpsimError
-from mpsim.partition import compute_balanced
-from mpsim.schedule import PIPEDREAM_ITERATIONS, Task, stage_tasks
+from mpsim.plans.partition import compute_balanced
+from mpsim.plans.schedule import PIPEDREAM_ITERATIONS, Task, stage_tasks
 
 
 def max_in_flight(tasks):
@@ -111,7 +111,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from mpsim import partition  # noqa: E402
-from mpsim.partition import PeakCost, SpanCost, min_max_partition, stage_peak_table  # noqa: E402
+from mpsim.plans.partition import PeakCost, SpanCost, min_max_partition, stage_peak_table  # noqa: E402
 
 
 def quadratic_min_max_partition(tables):
@@ -231,7 +231,7 @@ def test_dense_tables_with_infinities_and_nans_partition_as_before(n, data):
 
 
 def test_memory_balanced_partition_of_a_traced_model_is_unchanged():
-    from mpsim.catalog import load_trace
+    from mpsim.data.catalog import load_trace
     from mpsim.planners.mcap import mcap_partition, peak_tables
 
     trace = load_trace("bert-0.64b").rescale(8)

@@ -12,16 +12,16 @@ from __future__ import annotations
 import pytest
 from helpers import GB, layer, tiny_topology, tiny_trace
 
-from mpsim.catalog import load_topology, load_trace
-from mpsim.costs import attention_core_seconds, cost_model
+from mpsim.data.catalog import load_topology, load_trace
 from mpsim.errors import SchemaError
-from mpsim.job import JobSpec
-from mpsim.plan import LayerAction, check_plan, make_plan
+from mpsim.models.trace import Trace
 from mpsim.planners.registry import plan_job
+from mpsim.plans.job import JobSpec
+from mpsim.plans.plan import LayerAction, check_plan, make_plan
 from mpsim.sim import simulate_job
 from mpsim.sim.layout import job_of_plan
 from mpsim.sim.program import build_program
-from mpsim.trace import Trace
+from mpsim.timing.costs import attention_core_seconds, cost_model
 
 
 def _roofline(name: str, fwd_flops: float, fwd_mem: float, bwd_flops: float, **kw: object) -> dict:
@@ -179,8 +179,8 @@ def test_executor_checkpoints_the_attention_core_only():
     exactly the trace's act_bytes - attention_core_bytes, with the same gradients."""
     torch = pytest.importorskip("torch")
     from mpsim.executor.stage_actions import selective
-    from mpsim.tracer import trace_layer
-    from mpsim.workloads import ModelConfig, TransformerLayer
+    from mpsim.models.tracer import trace_layer
+    from mpsim.models.workloads import ModelConfig, TransformerLayer
 
     cfg = ModelConfig("gpt", 1, 64, 4, 32, 100, dropout=0.1)
     traced, grads = [], []

@@ -19,8 +19,8 @@ from urllib.parse import parse_qs, urlencode
 import pytest
 
 from mpsim import api
-from mpsim.catalog import load_trace
 from mpsim.cli import main
+from mpsim.data.catalog import load_trace
 from mpsim.web.app import MpsimServer
 from mpsim.web.inputs import MAX_UPLOAD_BYTES, JobInputs, from_query
 
@@ -190,7 +190,7 @@ def test_a_job_takes_its_stage_count_from_the_page(server):
 
 
 def test_an_uploaded_server_and_trace_run_and_cannot_be_bookmarked(server):
-    from mpsim.catalog import data_dir
+    from mpsim.data.catalog import data_dir
 
     yaml_text = (data_dir("topologies") / "dgx1-v100.yaml").read_bytes()
     trace_text = (data_dir("traces") / "gpt-5.3b.json").read_bytes()
@@ -205,7 +205,7 @@ def test_an_uploaded_server_and_trace_run_and_cannot_be_bookmarked(server):
 
 def test_an_uploaded_hugging_face_config_is_traced_as_trace_hf_does(server):
     pytest.importorskip("transformers", reason="the hf extra")
-    from mpsim.hf import shipped_configs, trace_hf
+    from mpsim.models.hf import shipped_configs, trace_hf
 
     path = shipped_configs()["gpt2-xl"]
     _, up = call_json(server, "POST", "/api/upload?kind=hf&name=config.json", path.read_bytes())
@@ -340,7 +340,7 @@ def test_cancel_during_planning_ends_the_worker_and_the_next_run_gets_a_fresh_on
     run is cancelled, its worker process is gone with all of its memory, and the next run
     starts a new worker and finishes."""
     pytest.importorskip("transformers", reason="the hf extra")
-    from mpsim.hf import shipped_configs
+    from mpsim.models.hf import shipped_configs
 
     server.app.jobs.worker.stop()  # a cold worker: tracing waits for torch's import
     _, up = call_json(server, "POST", "/api/upload?kind=hf&name=config.json",
@@ -369,8 +369,8 @@ def test_a_worker_killed_mid_run_fails_its_run_in_one_line_and_the_server_goes_o
 
 
 def test_choose_view_ranks_the_servers_as_mpsim_choose_does(server):
-    """The page's choose view is ``mpsim.choose.choose``: the same ranking as the command."""
-    from mpsim.choose import choose
+    """The page's choose view is ``mpsim.studies.choose.choose``: the same ranking as the command."""
+    from mpsim.studies.choose import choose
 
     job = run_job(server, view="choose", model="gpt-5.3b", servers="dgx1-v100,dgx-a100-80gb", microbatch=2)
     assert job["state"] == "done", job
@@ -382,8 +382,8 @@ def test_choose_view_ranks_the_servers_as_mpsim_choose_does(server):
 
 
 def test_scale_view_answers_how_many_servers_as_choose_tokens_does(server):
-    """The page's "how many servers" view is ``mpsim.scale.scale``: the same rows and pick."""
-    from mpsim.scale import scale
+    """The page's "how many servers" view is ``mpsim.studies.scale.scale``: the same rows and pick."""
+    from mpsim.studies.scale import scale
 
     job = run_job(server, view="scale", model="gpt2-xl", clusters="dgx-h100-superpod", tokens="1e10",
                   min_servers=1, max_servers=2)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from mpsim.catalog import data_dir
+from mpsim.data.catalog import data_dir
 from mpsim.web.app import TOKEN_HEADER, MpsimServer, make_server, serve_in_thread
 
 JOB_QUERY = "/api/jobs?server=dgx1-v100&model=gpt-5.3b&microbatch=2"

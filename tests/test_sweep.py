@@ -6,7 +6,7 @@ import pytest
 from test_cli import run
 
 from mpsim.errors import MpsimError
-from mpsim.sweep import FIELDS, grid, sweep
+from mpsim.studies.sweep import FIELDS, grid, sweep
 
 
 def points(sizes):
@@ -65,7 +65,7 @@ def test_a_sweep_of_70_series_plots_as_small_multiples(tmp_path):
 
     import pandas as pd
 
-    from mpsim.sweep import plot_sweep
+    from mpsim.views.plots import plot_sweep
 
     models = [f"model-{i}" for i in range(10)]
     strategies = ["none", "recompute", "cpu-swap", "d2d", "mpress", "tsplit", "best"]
@@ -89,7 +89,7 @@ def test_the_sweep_plot_names_its_server_starts_at_zero_and_keeps_the_capacity_l
     and one 372 GiB peak on a 32 GiB GPU: it is drawn at the top with its value."""
     import pandas as pd
 
-    from mpsim.sweep import plot_sweep
+    from mpsim.views.plots import plot_sweep
 
     rows = [dict(server="dgx1-v100", model="gpt-5.3b", microbatches=16, strategy=st, microbatch=mb,
                  fits=mb < 8, samples_per_s=100.0 + mb if mb < 8 else "", max_peak_gib=372.0 if mb == 8 else 20.0,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from mpsim.sweep import FIELDS, KEY, grid, sweep
+from mpsim.studies.sweep import FIELDS, KEY, grid, sweep
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and process groups")
 

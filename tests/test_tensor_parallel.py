@@ -14,21 +14,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn import functional as F
 
-from mpsim import tp_ops
-from mpsim.catalog import load_topology
+from mpsim.data.catalog import load_topology
 from mpsim.errors import MpsimError
-from mpsim.job import JobSpec, Parallelism, job_of
-from mpsim.layouts import parse_layout
-from mpsim.mesh import DeviceMesh
+from mpsim.hardware.topology import parse_topology
+from mpsim.models import tp_ops
+from mpsim.models.tp_ops import TensorShard
+from mpsim.models.tracer import trace_model
+from mpsim.models.workloads import ModelConfig
+from mpsim.plans.job import JobSpec, Parallelism, job_of
+from mpsim.plans.layouts import parse_layout
+from mpsim.plans.mesh import DeviceMesh
 from mpsim.sim import layout as layout_mod
 from mpsim.sim import simulate_job
 from mpsim.sim.collectives import ring_bottleneck
 from mpsim.sim.layout import Job
 from mpsim.sim.placement import place_groups
-from mpsim.topology import parse_topology
-from mpsim.tp_ops import TensorShard
-from mpsim.tracer import trace_model
-from mpsim.workloads import ModelConfig
 
 MS = 1e-3
 GPT = ModelConfig("gpt", 2, 3072, 24, 1024, 1000)
@@ -126,7 +126,7 @@ def test_each_layer_waits_for_its_collectives(monkeypatch):
     [7, 9], [9, 10]. Both GPUs of the group are reported alike."""
     topo, shard = tiny_topology(n_gpus=2, nvlink_gbps=1.0), _hand_shard()
     monkeypatch.setattr(layout_mod, "stage_trace", lambda job, runtime: shard)
-    monkeypatch.setattr("mpsim.job.check_shardable", lambda *a: None)
+    monkeypatch.setattr("mpsim.plans.job.check_shardable", lambda *a: None)
     r = simulate_job(Job(JobSpec(topo, shard, "gpipe", 1, Parallelism(tensor=2))))
     nccl = sorted((round(s.start_s / MS, 9), round(s.end_s / MS, 9)) for s in r.spans if s.lane == "nccl")
     assert nccl == [(1.0, 2.0), (3.0, 4.0), (6.0, 7.0), (9.0, 10.0)]
@@ -140,11 +140,11 @@ def test_each_layer_waits_for_its_collectives(monkeypatch):
 def test_a_recomputed_layer_runs_its_forward_collectives_again(monkeypatch):
     """l1 recomputed: its backward piece re-runs the forward (1 ms) and then its forward's
     and backward's all-reduces together (2 ms): B = l1 [4, 7], [7, 9]; l0 [9, 11], [11, 12]."""
-    from mpsim.plan import LayerAction
+    from mpsim.plans.plan import LayerAction
 
     topo, shard = tiny_topology(n_gpus=2, nvlink_gbps=1.0), _hand_shard()
     monkeypatch.setattr(layout_mod, "stage_trace", lambda job, runtime: shard)
-    monkeypatch.setattr("mpsim.job.check_shardable", lambda *a: None)
+    monkeypatch.setattr("mpsim.plans.job.check_shardable", lambda *a: None)
     spec = JobSpec(topo, shard, "gpipe", 1, Parallelism(tensor=2))
     base = layout_mod.resolve(Job(spec))
     recompute = dataclasses.replace(base, actions=({1: LayerAction(layer=1, action="recompute")},))
@@ -231,7 +231,7 @@ def test_one_stage_takes_its_compute_plus_its_collectives_exactly(fwd, n_collect
     expected_ms = m * sum(3.0 * f + 2 * per_hop_ms for f in fwd)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(layout_mod, "stage_trace", lambda job, runtime: shard)
-        mp.setattr("mpsim.job.check_shardable", lambda *a: None)
+        mp.setattr("mpsim.plans.job.check_shardable", lambda *a: None)
         r = simulate_job(Job(JobSpec(tiny_topology(n_gpus=2, nvlink_gbps=1.0), shard, "gpipe", m,
                                      Parallelism(tensor=2))))
     end_ms = max(s.end_s for s in r.spans if s.lane == "compute" and s.name[0] != "U") / MS
@@ -281,7 +281,7 @@ def test_a_plan_file_fixes_the_layout_so_layout_options_beside_it_are_refused(ca
 
 
 def test_a_sweep_over_3d_layouts_leaves_out_what_the_model_cannot_split():
-    from mpsim.sweep import grid
+    from mpsim.studies.sweep import grid
 
     points = grid(["dgx-a100-80gb"], ["gpt-5.3b", "llama-3-8b"], "1f1b", [1], [8], ["none"], layouts="3d")
     tensor = {md: {parse_layout(p.layout).tensor for p in points if p.model == md} for md in ("gpt-5.3b", "llama-3-8b")}

@@ -2,8 +2,8 @@
 
 import pytest
 
-from mpsim.catalog import load_topology, shipped_topologies
-from mpsim.topology import HOST
+from mpsim.data.catalog import load_topology, shipped_topologies
+from mpsim.hardware.topology import HOST
 
 # nvidia-smi topo -m of a DGX-1 (shared/reference/hardware.md), NV pairs only.
 DGX1_TOPO_M = """\

@@ -7,11 +7,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mpsim.catalog import load_topology, shipped_topologies
 from mpsim.cli import main
+from mpsim.data.catalog import load_topology, shipped_topologies
 from mpsim.errors import SchemaError
-from mpsim.topology import HOST, Topology, TopologyFile, parse_topology, read_topology_file, with_faster_peer_links
-from mpsim.topology_schema2 import ServerFile, schema2_of
+from mpsim.hardware.schema2 import ServerFile, schema2_of
+from mpsim.hardware.topology import (
+    HOST,
+    Topology,
+    TopologyFile,
+    parse_topology,
+    read_topology_file,
+    with_faster_peer_links,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 NEW = ("gb200-nvl72", "mi300x-x8")

@@ -4,9 +4,9 @@ import pytest
 from helpers import layer, tiny_trace
 
 from mpsim import load_topology, load_trace
-from mpsim.costs import cost_model
-from mpsim.tracer import trace_model
-from mpsim.workloads import ZOO, ModelConfig
+from mpsim.models.tracer import trace_model
+from mpsim.models.workloads import ZOO, ModelConfig
+from mpsim.timing.costs import cost_model
 
 
 def test_shipped_traces_hit_the_papers_parameter_counts():
@@ -37,7 +37,7 @@ def test_rescale_keeps_the_traffic_of_parameter_shaped_tensors():
     t = tiny_trace([layer("a", 1.0, 2.0, act=100)], microbatch=2)
     row = t.layers[0].model_copy(update={"fwd_mem_bytes": 50.0, "fwd_fixed_mem_bytes": 10.0,
                                          "bwd_mem_bytes": 400.0, "bwd_fixed_mem_bytes": 300.0})
-    from mpsim.trace import Trace
+    from mpsim.models.trace import Trace
     r = Trace(t.spec.model_copy(update={"layers": [row]})).rescale(6).layers[0]
     assert (r.fwd_mem_bytes, r.bwd_mem_bytes) == (10.0 + 3 * 40.0, 300.0 + 3 * 100.0)
     assert (r.fwd_fixed_mem_bytes, r.bwd_fixed_mem_bytes) == (10.0, 300.0)
@@ -46,7 +46,7 @@ def test_rescale_keeps_the_traffic_of_parameter_shaped_tensors():
 def test_fixed_traffic_cannot_exceed_the_traffic():
     row = tiny_trace([layer("a", 1.0, 2.0)]).layers[0].model_dump()
     row.update(bwd_mem_bytes=10.0, bwd_fixed_mem_bytes=11.0)
-    from mpsim.trace import LayerRow
+    from mpsim.models.trace import LayerRow
     with pytest.raises(ValueError, match="fixed traffic is part of"):
         LayerRow(**row)
 
@@ -55,10 +55,10 @@ def test_fixed_traffic_cannot_exceed_the_traffic():
 def test_a_rescaled_trace_moves_the_bytes_of_one_traced_at_that_batch(traced, wanted):
     """A convolution's backward reads its weight and writes its weight gradient at any
     batch; rescaling keeps that part, so bytes and times match a fresh trace."""
-    from mpsim.modules import trace_builder
+    from mpsim.models.modules import trace_builder
 
     gpu = load_topology("dgx1-v100").spec.gpu
-    small, large = (trace_builder("mpsim.cnn:vgg11", b) for b in (traced, wanted))
+    small, large = (trace_builder("mpsim.models.cnn:vgg11", b) for b in (traced, wanted))
     rescaled = small.rescale(wanted)
     for a, b in zip(rescaled.layers, large.layers, strict=True):
         assert a.fwd_mem_bytes == pytest.approx(b.fwd_mem_bytes, rel=1e-3), a.name
@@ -74,9 +74,9 @@ def test_a_weight_gradient_is_not_copied_into_place():
     """On a GPU autograd takes a fresh weight gradient as the parameter's .grad; tracing
     must not add a copy of it (VGG-11's fc1 at batch 1 would move its 411 MB weight
     gradient three times, 1.2 GB, in a backward that moves well under 1 MB)."""
-    from mpsim.modules import trace_builder
+    from mpsim.models.modules import trace_builder
 
-    fc1 = next(r for r in trace_builder("mpsim.cnn:vgg11", 1).layers if r.name == "fc1")
+    fc1 = next(r for r in trace_builder("mpsim.models.cnn:vgg11", 1).layers if r.name == "fc1")
     assert fc1.bwd_mem_bytes < 1e6 < fc1.param_bytes
 
 
@@ -129,7 +129,7 @@ def test_roofline_times_follow_flops_and_bytes():
     t = tiny_trace([layer("a", flops=1e12)])
     spec = t.spec.model_copy(update={"layers": [t.layers[0].model_copy(update={"fwd_ms": None, "bwd_ms": None,
                                                                               "fwd_mem_bytes": 7.2e8})]})
-    from mpsim.trace import Trace
+    from mpsim.models.trace import Trace
     times = cost_model(Trace(spec), gpu).layer_times
     eff = gpu.op_efficiency("fp16")
     rate = 125e12 * eff.matmul

@@ -3,11 +3,11 @@
 import pytest
 from helpers import layer, tiny_topology, tiny_trace
 
-from mpsim.catalog import load_topology, load_trace
-from mpsim.job import JobSpec, pipeline
+from mpsim.data.catalog import load_topology, load_trace
 from mpsim.planners import plan_job
 from mpsim.planners.context import make_context
 from mpsim.planners.tsplit import _Stage, split_saving, swap_cost_s
+from mpsim.plans.job import JobSpec, pipeline
 
 MB = 10**6
 

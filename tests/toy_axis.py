@@ -7,6 +7,6 @@ to the engine's components (``tests/test_mesh.py``)."""
 
 from __future__ import annotations
 
-from mpsim.mesh import AxisKind, register_axis
+from mpsim.plans.mesh import AxisKind, register_axis
 
 MIRROR = register_axis(AxisKind("mirror", order=30, name_position=10, replicates=True, token="mir", label="MIRROR"))

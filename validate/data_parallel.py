@@ -53,7 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mpsim.executor.stage_actions import untracked
 from mpsim.executor.zero import Zero2Adam
-from mpsim.plan import DataParallelPlan, PlanFile
+from mpsim.plans.plan import DataParallelPlan, PlanFile
 
 
 @dataclass(frozen=True)

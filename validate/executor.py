@@ -4,7 +4,7 @@ Launched as ``torchrun --nproc-per-node P -m mpsim.executor.executor --job JOB.j
 (one process per GPU of each stage's tensor-parallel group, one per stage without, of each
 data-parallel replica: ``rank = (replica * stages + stage) * t + i``, tensor innermost;
 gloo on CPU, NCCL on GPUs); this folder is installed as the package ``mpsim.executor``.
-Each process builds its stage's layers from ``mpsim.workloads`` (the modules the trace
+Each process builds its stage's layers from ``mpsim.models.workloads`` (the modules the trace
 was measured on), shards them with DTensor as ``tensor_parallel`` describes, wraps them as
 the plan says (``stage_actions``; with replicas, DDP, ZeRO-1/2 or FSDP2 as
 ``data_parallel`` describes), and drives them with ``torch.distributed.pipelining``
@@ -69,9 +69,9 @@ from mpsim.executor.data_parallel import (
 from mpsim.executor.stage_actions import Recompute, Split, Swap, SwapSpace, selective, untracked
 from mpsim.executor.tensor_parallel import Sharder, layer_sharder, local_loss, stage_sequence, step_context
 from mpsim.executor.zero import Zero2Adam
-from mpsim.plan import PlanFile, TensorParallelPlan
-from mpsim.profiler import sync_device
-from mpsim.workloads import Embedding, LossHead, ModelConfig, TransformerLayer
+from mpsim.models.profiler import sync_device
+from mpsim.models.workloads import Embedding, LossHead, ModelConfig, TransformerLayer
+from mpsim.plans.plan import PlanFile, TensorParallelPlan
 
 _CATEGORY = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer", "Buffer": "activations",
              "Activation": "activations", "Temp": "activations", "Other": "activations", "Input": "activations"}

@@ -73,7 +73,7 @@ for s in none recompute; do
     step mpsim validate --model "$out/trace_bert.json" --server "$out/probe.yaml" --device cuda --steps 10 --stages 1 \
         --strategy "$s" --json "$out/validate_bert_$s.json"
 done
-# kernel tables fitted to profiler traces of the same layers (mpsim.kernel_time; issue 30)
+# kernel tables fitted to profiler traces of the same layers (mpsim.timing.kernel_time; issue 30)
 step python3 validate/profile_layers.py --preset llama-3-8b --layers 2 --recipe mixed-bf16 --device cuda \
     -o "$out/profile_bf16.json"
 step mpsim calibrate --profile "$out/profile_bf16.json" --dtype bf16 --server "$server" \

@@ -3,7 +3,7 @@
 Launched as ``torchrun --nproc-per-node 4 -m mpsim.executor.hsdp --job JOB.json --out OUT.json``
 (``validate/hsdp_check.py`` writes the job and launches it). The world stands for
 ``replicate`` servers of ``shard`` GPUs each: rank ``r`` is GPU ``r % shard`` of server
-``r // shard`` (Megatron-LM's order, as ``mpsim.cluster.place_on_cluster`` places a
+``r // shard`` (Megatron-LM's order, as ``mpsim.plans.cluster_placement.place_on_cluster`` places a
 data-parallel group), and the data mesh is
 ``init_device_mesh(device, (replicate, shard), mesh_dim_names=("replicate", "shard"))``:
 ``fully_shard`` on it shards parameters, gradients and Adam's states over the ``shard``
@@ -13,7 +13,7 @@ one-dimensional mesh (``mesh: [4]``) is plain FSDP over the whole world, for con
 
 Everything else is the executor's (``validate/executor.py``), imported, not copied: the
 job's plan is a one-stage data-parallel plan (ZeRO 3, one replica per rank), the model is
-built from ``mpsim.workloads`` by ``build_pipeline`` (FSDP2 on every layer and the stage by
+built from ``mpsim.models.workloads`` by ``build_pipeline`` (FSDP2 on every layer and the stage by
 ``shard_module``, here given the 2-D mesh; ``ShardedStage`` reduce-scatters every
 microbatch), and ``train`` runs the setup steps, the step whose peak the CPU tracker
 (MemTracker, capped at the job's capacity) measures, and the timed steps. Each replica
@@ -41,8 +41,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mpsim.executor.data_parallel import Groups, RankLayout, rank_layout
 from mpsim.executor.executor import build_pipeline, init_process, train
-from mpsim.plan import PlanFile
-from mpsim.workloads import ModelConfig
+from mpsim.models.workloads import ModelConfig
+from mpsim.plans.plan import PlanFile
 
 HSDP_DIMS = ("replicate", "shard")
 FSDP_DIMS = ("shard",)

@@ -29,16 +29,16 @@ from pathlib import Path
 
 import torch
 
-from mpsim.cluster import Cluster, read_cluster_file
 from mpsim.errors import MpsimError
-from mpsim.hardware_check import LAUNCH_ATTEMPTS, RunSettings, failure_line, killed_by_signal
-from mpsim.job import JobSpec, Parallelism
-from mpsim.plan import DataParallelPlan, PlanFile, make_plan
+from mpsim.hardware.cluster import Cluster
+from mpsim.models.trace import Trace
+from mpsim.models.tracer import trace_model
+from mpsim.models.workloads import ZOO, ModelConfig
+from mpsim.plans.job import JobSpec, Parallelism
+from mpsim.plans.plan import DataParallelPlan, PlanFile, make_plan
 from mpsim.sim import Job, SimResult, simulate_job
 from mpsim.sim.memory import MODEL_STATES
-from mpsim.trace import Trace
-from mpsim.tracer import trace_model
-from mpsim.workloads import ZOO, ModelConfig
+from mpsim.studies.hardware_check import LAUNCH_ATTEMPTS, RunSettings, failure_line, killed_by_signal
 
 CLUSTER_FILE = Path(__file__).resolve().parent / "results" / "cpu2x2-cluster.yaml"
 """Two servers of ``cpu2.yaml`` (2 CPU "devices" each) joined by loopback."""
@@ -49,9 +49,9 @@ MiB = 2**20
 
 def load_cluster(where: Path | str = CLUSTER_FILE) -> Cluster:
     """A cluster file, or a shipped cluster by name (``dgx-h100-superpod``)."""
-    from mpsim.catalog import load_cluster as shipped
+    from mpsim.data.catalog import load_cluster as shipped
 
-    return read_cluster_file(Path(where)) if Path(where).is_file() else shipped(str(where))
+    return shipped(str(where))
 
 
 def hsdp_job(cluster: Cluster, trace: Trace, schedule: str, microbatches: int, hsdp: bool) -> JobSpec:
@@ -191,7 +191,7 @@ TABLE_HEAD = ("| layout | rank | server | GPU | predicted peak MiB | measured Mi
 
 def measured_trace(model: str, device: str, threads: int) -> tuple[Trace, ModelConfig]:
     """A preset's layers measured on this machine (as ``mpsim validate --model`` does)."""
-    from mpsim.profiler import measure_trace
+    from mpsim.models.profiler import measure_trace
 
     if model not in ZOO or (device == "cpu" and ZOO[model][2] != "fp32"):
         raise MpsimError(f"--model {model}: give a preset (on CPU an fp32 one: gpt-tiny)")

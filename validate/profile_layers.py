@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mpsim.trace import RECIPES
-from mpsim.tracer import DTYPES
-from mpsim.workloads import PRESETS, build_layers
+from mpsim.models.trace import RECIPES
+from mpsim.models.tracer import DTYPES
+from mpsim.models.workloads import PRESETS, build_layers
 
 
 def profile_layers(preset: str, layers: int, microbatch: int, recipe: str, device: str, steps: int,

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
-from mpsim.workloads import SelfAttention
+from mpsim.models.workloads import SelfAttention
 
 
 def untracked() -> AbstractContextManager[object]:

@@ -60,8 +60,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from mpsim.plan import TensorParallelPlan
-from mpsim.workloads import (
+from mpsim.models.workloads import (
     Embedding,
     LossHead,
     ModelConfig,
@@ -69,6 +68,7 @@ from mpsim.workloads import (
     gate_up_rank_order,
     qkv_rank_order,
 )
+from mpsim.plans.plan import TensorParallelPlan
 
 Sharder = Callable[[nn.Module], nn.Module]
 """Shards one layer of a stage in place (``layer_sharder``)."""
@@ -152,7 +152,7 @@ _Strategies = list[tuple[list[Placement | None], list[Placement | None]]]
 
 @functools.cache
 def register_rms_norm_sharding() -> None:
-    """DTensor sharding rules for ``mpsim.kernels``' RMSNorm on the CPU (a custom op that
+    """DTensor sharding rules for ``mpsim.models.kernels``' RMSNorm on the CPU (a custom op that
     ``SequenceParallel`` runs on sequence shards; on CUDA torch's own ``F.rms_norm`` runs):
     the rows may be sharded on any dimension but the normalised one, the weight replicated;
     backward, the weight's gradient is then a partial sum."""

@@ -34,11 +34,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     )
     from mpsim.api.servers import collective, probe_server, shipped_servers, transfer
     from mpsim.api.studies import FitsRequest, fits_request, reproduce, sweep_warnings
-    from mpsim.backends import backend_for, make_backend
-    from mpsim.calibrate import Calibration, calibrate, calibrated_yaml
-    from mpsim.calibrate_kernels import calibrate_profile_file, kernel_table_yaml
-    from mpsim.capacity import FitsReport, LayoutFits, fits
-    from mpsim.catalog import (
+    from mpsim.data.catalog import (
         is_cluster,
         load_cluster,
         load_topology,
@@ -47,9 +43,14 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
         shipped_topologies,
         shipped_traces,
     )
-    from mpsim.choose import ChooseReport, choose, parse_price, parse_servers
-    from mpsim.cluster import DEFAULT_BATCH_TOKENS, DEFAULT_CLUSTERS
-    from mpsim.job import (
+    from mpsim.hardware.cluster import DEFAULT_BATCH_TOKENS, DEFAULT_CLUSTERS
+    from mpsim.hardware.topology import Topology, read_topology_file
+    from mpsim.limits import DEFAULT_HEADROOM_GIB, MAX_HEADROOM_GIB
+    from mpsim.models.trace import RECIPE_HELP, Trace, read_trace_file
+    from mpsim.native import EngineState, engine_status
+    from mpsim.native_build import BuildReport, build_engine, remove_engine
+    from mpsim.planners import Planned, plan_job
+    from mpsim.plans.job import (
         DEFAULT_MICROBATCHES,
         DEFAULT_MODEL,
         DEFAULT_SCHEDULE,
@@ -60,19 +61,18 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
         data_parallel,
         job_of,
     )
-    from mpsim.layouts import CHOOSE_LAYOUTS, DEFAULT_LAYOUTS, LAYOUTS_HELP, candidate_layouts, parse_layout
-    from mpsim.limits import DEFAULT_HEADROOM_GIB, MAX_HEADROOM_GIB
-    from mpsim.native import EngineState, engine_status
-    from mpsim.native_build import BuildReport, build_engine, remove_engine
-    from mpsim.plan import PlanFile, read_plan_file, write_plan_file
-    from mpsim.planners import Planned, plan_job
-    from mpsim.scale import ScaleReport, scale
+    from mpsim.plans.layouts import CHOOSE_LAYOUTS, DEFAULT_LAYOUTS, LAYOUTS_HELP, candidate_layouts, parse_layout
+    from mpsim.plans.plan import PlanFile, read_plan_file, write_plan_file
+    from mpsim.plans.strategies import STRATEGIES, STRATEGY_HELP, planner_runs
     from mpsim.sim import SimResult
     from mpsim.sim.progress import reporting
-    from mpsim.strategies import STRATEGIES, STRATEGY_HELP, planner_runs
-    from mpsim.sweep import Point, SweepInterrupted, grid, sweep
-    from mpsim.topology import Topology, read_topology_file
-    from mpsim.trace import RECIPE_HELP, Trace, read_trace_file
+    from mpsim.studies.backends import backend_for, make_backend
+    from mpsim.studies.capacity import FitsReport, LayoutFits, fits
+    from mpsim.studies.choose import ChooseReport, choose, parse_price, parse_servers
+    from mpsim.studies.scale import ScaleReport, scale
+    from mpsim.studies.sweep import Point, SweepInterrupted, grid, sweep
+    from mpsim.timing.calibrate import Calibration, calibrate, calibrated_yaml
+    from mpsim.timing.calibrate_kernels import calibrate_profile_file, kernel_table_yaml
 
 #: Where each name lives (the same imports as above, made on first use).
 _HOMES: dict[str, tuple[str, ...]] = {
@@ -81,29 +81,29 @@ _HOMES: dict[str, tuple[str, ...]] = {
                          "presets", "trace_hf", "trace_module", "trace_shape"),
     "mpsim.api.servers": ("collective", "probe_server", "shipped_servers", "transfer"),
     "mpsim.api.studies": ("FitsRequest", "fits_request", "reproduce", "sweep_warnings"),
-    "mpsim.backends": ("backend_for", "make_backend"),
-    "mpsim.calibrate": ("Calibration", "calibrate", "calibrated_yaml"),
-    "mpsim.calibrate_kernels": ("calibrate_profile_file", "kernel_table_yaml"),
-    "mpsim.capacity": ("FitsReport", "LayoutFits", "fits"),
-    "mpsim.catalog": ("is_cluster", "load_cluster", "load_topology", "load_trace", "shipped_clusters",
+    "mpsim.studies.backends": ("backend_for", "make_backend"),
+    "mpsim.timing.calibrate": ("Calibration", "calibrate", "calibrated_yaml"),
+    "mpsim.timing.calibrate_kernels": ("calibrate_profile_file", "kernel_table_yaml"),
+    "mpsim.studies.capacity": ("FitsReport", "LayoutFits", "fits"),
+    "mpsim.data.catalog": ("is_cluster", "load_cluster", "load_topology", "load_trace", "shipped_clusters",
                       "shipped_topologies", "shipped_traces"),
-    "mpsim.choose": ("ChooseReport", "choose", "parse_price", "parse_servers"),
-    "mpsim.job": ("DEFAULT_MICROBATCHES", "DEFAULT_MODEL", "DEFAULT_SCHEDULE", "DEFAULT_SERVER", "JobSpec",
+    "mpsim.studies.choose": ("ChooseReport", "choose", "parse_price", "parse_servers"),
+    "mpsim.plans.job": ("DEFAULT_MICROBATCHES", "DEFAULT_MODEL", "DEFAULT_SCHEDULE", "DEFAULT_SERVER", "JobSpec",
                   "PARTITIONS", "Parallelism", "data_parallel", "job_of"),
     "mpsim.limits": ("DEFAULT_HEADROOM_GIB", "MAX_HEADROOM_GIB"),
-    "mpsim.layouts": ("CHOOSE_LAYOUTS", "DEFAULT_LAYOUTS", "LAYOUTS_HELP", "candidate_layouts", "parse_layout"),
+    "mpsim.plans.layouts": ("CHOOSE_LAYOUTS", "DEFAULT_LAYOUTS", "LAYOUTS_HELP", "candidate_layouts", "parse_layout"),
     "mpsim.native": ("EngineState", "engine_status"),
     "mpsim.native_build": ("BuildReport", "build_engine", "remove_engine"),
-    "mpsim.plan": ("PlanFile", "read_plan_file", "write_plan_file"),
+    "mpsim.plans.plan": ("PlanFile", "read_plan_file", "write_plan_file"),
     "mpsim.planners": ("Planned", "plan_job"),
-    "mpsim.cluster": ("DEFAULT_BATCH_TOKENS", "DEFAULT_CLUSTERS"),
-    "mpsim.scale": ("ScaleReport", "scale"),
+    "mpsim.hardware.cluster": ("DEFAULT_BATCH_TOKENS", "DEFAULT_CLUSTERS"),
+    "mpsim.studies.scale": ("ScaleReport", "scale"),
     "mpsim.sim": ("SimResult",),
     "mpsim.sim.progress": ("reporting",),
-    "mpsim.strategies": ("STRATEGIES", "STRATEGY_HELP", "planner_runs"),
-    "mpsim.sweep": ("Point", "SweepInterrupted", "grid", "sweep"),
-    "mpsim.topology": ("Topology", "read_topology_file"),
-    "mpsim.trace": ("RECIPE_HELP", "Trace", "read_trace_file"),
+    "mpsim.plans.strategies": ("STRATEGIES", "STRATEGY_HELP", "planner_runs"),
+    "mpsim.studies.sweep": ("Point", "SweepInterrupted", "grid", "sweep"),
+    "mpsim.hardware.topology": ("Topology", "read_topology_file"),
+    "mpsim.models.trace": ("RECIPE_HELP", "Trace", "read_trace_file"),
 }
 _HOME = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_HOME)

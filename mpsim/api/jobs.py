@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mpsim.catalog import load_topology, load_trace
-from mpsim.cluster import Cluster
+from mpsim.data.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
-from mpsim.job import (
+from mpsim.hardware.cluster import Cluster
+from mpsim.hardware.topology import Topology
+from mpsim.models.trace import Trace, measured_elsewhere
+from mpsim.planners import Planned, plan_job
+from mpsim.plans.job import (
     DEFAULT_MICROBATCHES,
     DEFAULT_MODEL,
     DEFAULT_SCHEDULE,
@@ -18,12 +21,9 @@ from mpsim.job import (
     job_of,
     pipeline,
 )
-from mpsim.plan import PlanFile, check_plan, read_plan_file
-from mpsim.planners import Planned, plan_job
+from mpsim.plans.plan import PlanFile, check_plan, read_plan_file
 from mpsim.sim import SimResult, simulate_job
 from mpsim.sim.layout import job_of_plan
-from mpsim.topology import Topology
-from mpsim.trace import Trace, measured_elsewhere
 
 
 def plan(server: str | Topology | None, model: str | Trace, schedule: str = DEFAULT_SCHEDULE,
@@ -33,8 +33,8 @@ def plan(server: str | Topology | None, model: str | Trace, schedule: str = DEFA
          parallelism: Parallelism | None = None, cluster: str | Cluster | None = None, servers: int = 1) -> Planned:
     """Make a plan with a named strategy; returns it with its simulated result
     (``record_link_rates``: every change of link rates kept, for Chrome-trace counters;
-    ``parallelism``: data-parallel replicas and ZeRO stage, ``mpsim.job.data_parallel``;
-    ``cluster`` and ``servers``: that many servers of a cluster, ``mpsim.cluster``)."""
+    ``parallelism``: data-parallel replicas and ZeRO stage, ``mpsim.plans.job.data_parallel``;
+    ``cluster`` and ``servers``: that many servers of a cluster, ``mpsim.hardware.cluster``)."""
     return plan_job(job_of(server, model, schedule=schedule, microbatch=microbatch, microbatches=microbatches,
                            n_stages=n_stages, strategy=strategy, partition=partition,
                            record_link_rates=record_link_rates, parallelism=parallelism, cluster=cluster,
@@ -84,8 +84,8 @@ def measured_warning(trace: Trace, topo: Topology) -> str | None:
 
 def _measured_model(model: str, microbatch: int | None, device: str, threads: int) -> Trace:
     """``validate --model``: a preset's layers measured here, or a measured trace file."""
-    from mpsim.profiler import measure_trace
-    from mpsim.workloads import ZOO
+    from mpsim.models.profiler import measure_trace
+    from mpsim.models.workloads import ZOO
 
     if model in ZOO:
         cfg, mb, recipe = ZOO[model]
@@ -104,13 +104,13 @@ def validate(model: str, plan_path: Path | None = None, server: str | None = Non
              memory_mib: float | None = None, steps: int = 5, warmup: int = 2,
              parallelism: Parallelism | None = None) -> dict:
     """Run a plan on this machine with the PyTorch executor and compare it with the
-    simulator (:func:`mpsim.hardware_check.validate_plan`): the plan file, else one made
+    simulator (:func:`mpsim.studies.hardware_check.validate_plan`): the plan file, else one made
     with ``strategy`` (and ``parallelism``'s replicas); ``server``'s topology, else this
     machine probed; ``model`` a preset measured here or a measured trace. Returns the report
     (``oom`` set when a run ran out)."""
-    from mpsim.hardware_check import RunSettings, validate_plan
-    from mpsim.probe import probe
-    from mpsim.profiler import check_device
+    from mpsim.models.probe import probe
+    from mpsim.models.profiler import check_device
+    from mpsim.studies.hardware_check import RunSettings, validate_plan
 
     check_device(device)
     plan_file = read_plan_file(plan_path) if plan_path else None

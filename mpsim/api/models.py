@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from mpsim.catalog import load_topology
+from mpsim.data.catalog import load_topology
 from mpsim.errors import MpsimError
-from mpsim.job import DEFAULT_MODEL
-from mpsim.trace import RECIPES, Trace
+from mpsim.models.trace import RECIPES, Trace
+from mpsim.plans.job import DEFAULT_MODEL
 
 if TYPE_CHECKING:
-    from mpsim.workloads import ModelConfig
+    from mpsim.models.workloads import ModelConfig
 
 DEFAULT_PRESET = DEFAULT_MODEL
 """The shape a trace starts from when no preset is named."""
@@ -31,7 +31,7 @@ class Measure:
 
 def presets() -> dict[str, tuple[ModelConfig, int, str]]:
     """The shipped configurations by name: shape, microbatch and precision recipe."""
-    from mpsim.workloads import ZOO
+    from mpsim.models.workloads import ZOO
 
     return dict(ZOO)
 
@@ -39,7 +39,7 @@ def presets() -> dict[str, tuple[ModelConfig, int, str]]:
 def default_attention(server: str | None, recipe: str | None) -> str:
     """The kernel PyTorch's scaled_dot_product_attention picks on ``server``'s GPUs for the
     recipe's compute dtype (mixed-fp16 when none is given; flash without a server)."""
-    from mpsim.kernels import default_attention as picked
+    from mpsim.models.kernels import default_attention as picked
 
     dtype = RECIPES[recipe].compute_dtype if recipe in RECIPES else "fp16"
     capability = None if server is None else load_topology(server).spec.gpu.compute_capability
@@ -76,11 +76,11 @@ def trace_shape(preset: str | None, shape: dict[str, Any], attention: str | None
     if name is None and preset is not None and unchanged and microbatch in (None, base_mb):
         name = preset
     if measure is not None:
-        from mpsim.profiler import measure_trace
+        from mpsim.models.profiler import measure_trace
 
         return measure_trace(cfg, microbatch or base_mb, recipe or base_recipe, measure.device, measure.threads,
                              repeats=measure.repeats, name=name)
-    from mpsim.tracer import trace_model
+    from mpsim.models.tracer import trace_model
 
     return trace_model(cfg, microbatch or base_mb, recipe or base_recipe, name)
 
@@ -88,7 +88,7 @@ def trace_shape(preset: str | None, shape: dict[str, Any], attention: str | None
 def trace_module(spec: str, microbatch: int | None = None, recipe: str | None = None, name: str | None = None) -> Trace:
     """Trace the model a builder function returns (``package.module:build`` or
     ``file.py:build``), one row per block; fp32 unless ``recipe`` says (TSPLIT, mCAP)."""
-    from mpsim.modules import trace_builder
+    from mpsim.models.modules import trace_builder
 
     return trace_builder(spec, microbatch, recipe or "fp32", name)
 
@@ -97,24 +97,26 @@ def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = No
              overrides: dict[str, int] | None = None, name: str | None = None) -> Trace:
     """Trace a Hugging Face model with its own modules from its config.json (a folder, the
     file, or a shipped one); ``overrides``: layers, hidden, heads, seq_len."""
-    from mpsim.hf import trace_hf as traced  # its config checked as it is read (``check_hf`` does it without torch)
+    from mpsim.models.hf import (
+        trace_hf as traced,  # its config checked as it is read (``check_hf`` does it without torch)
+    )
 
     return traced(source, microbatch, recipe, attention, overrides, name)
 
 
 def check_hf(source: str, overrides: dict[str, int] | None = None) -> None:
     """SOURCE's config.json read and its shape (with ``overrides``) checked, in one line
-    where it is bad, without importing torch or transformers (``mpsim.hf_fields``)."""
-    from mpsim.hf_fields import precheck
+    where it is bad, without importing torch or transformers (``mpsim.models.hf_fields``)."""
+    from mpsim.models.hf_fields import precheck
 
     precheck(source, overrides)
 
 
 def hf_config(source: str) -> Any:
     """The ``PretrainedConfig`` of ``source``, built locally (the checks of ``trace --hf``)."""
-    from mpsim.hf_fields import precheck
+    from mpsim.models.hf_fields import precheck
 
     precheck(source)
-    from mpsim.hf import load_config
+    from mpsim.models.hf import load_config
 
     return load_config(source)

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 
 import yaml
 
-from mpsim.catalog import load_topology, shipped_topologies
+from mpsim.data.catalog import load_topology, shipped_topologies
 from mpsim.errors import MpsimError
-from mpsim.plan import stripes_by_bandwidth
+from mpsim.hardware.topology import HOST, Endpoint, Topology
+from mpsim.plans.plan import stripes_by_bandwidth
 from mpsim.sim.collectives import OPS, check_algorithm, check_group, check_op, collective_time, ring_bottleneck
 from mpsim.sim.transfers import Copy, copy_times
-from mpsim.topology import HOST, Endpoint, Topology
 from mpsim.units import parse_bytes
 
 
@@ -23,11 +23,11 @@ def shipped_servers() -> dict[str, Topology]:
 
 def probe_server(device: str = "cpu", devices: int = 1, threads: int = 1, memory_mib: float | None = None,
                  name: str | None = None) -> tuple[str, Topology]:
-    """A topology of this machine from measurements (``mpsim.probe``): on ``cuda`` its GPUs,
+    """A topology of this machine from measurements (``mpsim.models.probe``): on ``cuda`` its GPUs,
     on ``cpu`` ``devices`` processes of ``threads`` threads; as the text of a topology
     file and checked."""
-    from mpsim.probe import probe
-    from mpsim.profiler import check_device
+    from mpsim.models.probe import probe
+    from mpsim.models.profiler import check_device
 
     check_device(device)
     spec, topology = probe(device, devices, threads, memory_mib, name)

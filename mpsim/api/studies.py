@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpsim.api.jobs import measured_warning
-from mpsim.backends import Backend, backend_for
-from mpsim.capacity import LayoutFits, family_job, family_traces, fits_layouts, model_traces
-from mpsim.catalog import load_topology, load_trace
+from mpsim.data.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
-from mpsim.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_strategy, pipeline
-from mpsim.layouts import DEFAULT_LAYOUTS, candidate_layouts
-from mpsim.sweep import Point
-from mpsim.trace import Trace
+from mpsim.models.trace import Trace
+from mpsim.plans.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_strategy, pipeline
+from mpsim.plans.layouts import DEFAULT_LAYOUTS, candidate_layouts
+from mpsim.studies.backends import Backend, backend_for
+from mpsim.studies.capacity import LayoutFits, family_job, family_traces, fits_layouts, model_traces
+from mpsim.studies.sweep import Point
 
 SEARCH_PROBES = 10
 """About how many sizes one strategy's largest-size search simulates in one process."""
@@ -27,7 +27,7 @@ SEARCH_PROBES = 10
 class FitsRequest:
     """``fits`` under several strategies and layouts, checked before any simulation: the job
     at the family's smallest size, the family (the named models' own) and its traces, the
-    layouts (``mpsim.layouts``) and the microbatches per iteration over all replicas, the
+    layouts (``mpsim.plans.layouts``) and the microbatches per iteration over all replicas, the
     backend the work runs on (None: this process), and how many points ``run``'s
     ``on_point`` hears."""
 
@@ -45,7 +45,7 @@ class FitsRequest:
 
     def run(self, on_point: Callable[[str], None] | None = None) -> list[LayoutFits]:
         """One answer per strategy over the layouts, in the order asked
-        (:func:`mpsim.capacity.fits_layouts`)."""
+        (:func:`mpsim.studies.capacity.fits_layouts`)."""
         try:
             return fits_layouts(self.job, self.family, list(self.traces), self.strategies, self.layouts,
                                 self.microbatches, self.models, on_point, self.backend, self.search)
@@ -99,7 +99,7 @@ def reproduce(papers: Sequence[str], out: Path, on_step: Callable[[str], None] |
     """Simulate each paper's comparisons (``mpress``, ``mcap``, ``tsplit``) and write its
     markdown report with plots into ``out``; returns the reports. ``on_step`` hears what
     runs, ``on_written`` each report's file."""
-    from mpsim.reproduce import REPORTS  # it plans and simulates through this facade
+    from mpsim.studies.reproduce import REPORTS  # it plans and simulates through this facade
 
     for name in papers:
         if name not in REPORTS:

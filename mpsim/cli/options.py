@@ -88,7 +88,7 @@ def layout_options(f: F) -> F:
 
 
 def cluster_options(f: F) -> F:
-    """--cluster, --servers: run on that many servers of a cluster (``mpsim.cluster``)."""
+    """--cluster, --servers: run on that many servers of a cluster (``mpsim.hardware.cluster``)."""
     return _apply(f, [
         click.option("--cluster", help="a shipped cluster (mpsim topo list) or a cluster YAML file: servers of one "
                                        "type and the fabric joining them; --server defaults to its server"),
@@ -98,7 +98,7 @@ def cluster_options(f: F) -> F:
 
 
 def layouts_option(default: str) -> Callable[[F], F]:
-    """--layouts: the parallel layouts a study searches (``mpsim.layouts``), ``default`` unless told."""
+    """--layouts: the parallel layouts a study searches (``mpsim.plans.layouts``), ``default`` unless told."""
     return click.option("--layouts", default=default, show_default=True, help=api.LAYOUTS_HELP)
 
 

@@ -178,7 +178,7 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
                    "measured on one device, fitted together")
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="instead of --trace: a PyTorch profiler trace (Chrome JSON, .json.gz; record_shapes=True) whose "
-                   "kernels fit the GPU's kernel table (mpsim.kernel_time) per class")
+                   "kernels fit the GPU's kernel table (mpsim.timing.kernel_time) per class")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "tf32"]), default="bf16", show_default=True,
               help="with --profile: the precision whose kernels are fitted")
 @click.option("--server", "-s", required=True, help=SERVER_HELP)

@@ -38,7 +38,8 @@ def _list_presets(ctx: click.Context, _param: click.Parameter, value: bool) -> N
               help="list the presets and exit")
 @click.option("--module", "module_spec", metavar="SPEC",
               help="trace your own model: package.module:build or file.py:build returning (blocks, example input); "
-                   "shipped CNNs: mpsim.cnn:resnet50, vgg16, inception_v3 ... (README); --recipe defaults to fp32")
+                   "shipped CNNs: mpsim.models.cnn:resnet50, vgg16, inception_v3 ... (README); --recipe defaults to "
+                   "fp32")
 @click.option("--family", type=click.Choice(["gpt", "bert", "llama"]),
               help="model family: gpt (GPT-2), bert, llama (RMSNorm, SwiGLU, RoPE, GQA: Llama, Mistral, Qwen2)  "
                    "[default: gpt]")
@@ -89,7 +90,7 @@ def trace(output: Path, preset: str | None, family: str | None, layers: int | No
     named (`--preset gpt-tiny --measure --device cpu -o tiny.json`).
 
     With --module any PyTorch model cut into pipeline layers is traced, one row per layer
-    (`--module mpsim.cnn:resnet50 -o resnet50.json`).
+    (`--module mpsim.models.cnn:resnet50 -o resnet50.json`).
 
     With --hf a Hugging Face model is traced with its own modules from its config.json
     (`--hf llama-3-70b -o llama.json`; no weights, no network).

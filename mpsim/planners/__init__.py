@@ -3,8 +3,8 @@
 ``STRATEGIES`` maps the names accepted by ``--strategy`` to planners; ``plan_job`` runs one.
 """
 
-from mpsim.job import PARTITIONS
 from mpsim.planners.context import Planned
 from mpsim.planners.registry import STRATEGIES, plan_job
+from mpsim.plans.job import PARTITIONS
 
 __all__ = ["PARTITIONS", "STRATEGIES", "Planned", "plan_job"]

@@ -40,10 +40,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from mpsim.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, fit_stripes
+from mpsim.models.trace import RECOMPUTABLE, LayerRow
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
+from mpsim.plans.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, fit_stripes
 from mpsim.sim.result import SimResult
-from mpsim.trace import RECOMPUTABLE, LayerRow
 
 
 def _rounds(ctx: Ctx, planned: Planned, take: Callable[[int, int], bool], build: Callable[[], PlanFile],

@@ -15,10 +15,10 @@ import re
 from collections.abc import Callable, Collection
 from dataclasses import replace
 
-from mpsim.job import PARTITIONS, partitions_of
 from mpsim.planners.cache import cached_plan
 from mpsim.planners.context import Ctx, Planned, make_context
-from mpsim.strategies import IN_BEST, strategy_named
+from mpsim.plans.job import PARTITIONS, partitions_of
+from mpsim.plans.strategies import IN_BEST, strategy_named
 
 SINGLE = IN_BEST
 """The single planners ``best`` tries (``Strategy.in_best``), in the registry's order."""
@@ -48,7 +48,7 @@ def plan_part(ctx: Ctx, name: str, partition: str) -> Planned:
 
 def parts(known_not_fitting: Collection[Part] = (), partitions: tuple[str, ...] = PARTITIONS) -> list[Part]:
     """Every (planner, partition) the combined plan may run, in its order (``partitions``:
-    ``mpsim.job.partitions_of`` the layout)."""
+    ``mpsim.plans.job.partitions_of`` the layout)."""
     return [(name, partition) for partition in partitions for name in SINGLE
             if (name, partition) not in known_not_fitting]
 

@@ -31,7 +31,7 @@ def known_plan(strategy: str, ctx: Ctx) -> Planned | None:
 
 def adopt_plan(key: tuple[object, ...], planned: Planned) -> None:
     """Remember ``planned`` as the answer for ``key`` (``job_key``), made in another process
-    (``mpsim.capacity`` hands ``best`` the single searches' largest plans)."""
+    (``mpsim.studies.capacity`` hands ``best`` the single searches' largest plans)."""
     remembered(_CACHE, key, lambda: planned)
 
 

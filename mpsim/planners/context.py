@@ -7,12 +7,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from mpsim.costs import cost_model
-from mpsim.job import JobSpec, OfJob
-from mpsim.partition import Stages, compute_balanced
-from mpsim.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, make_plan
+from mpsim.hardware.topology import Topology
+from mpsim.models.trace import LayerRow, Trace
 from mpsim.planners.liveness import live_intervals
 from mpsim.planners.mcap import held_microbatches, mcap_partition
+from mpsim.plans.job import JobSpec, OfJob
+from mpsim.plans.partition import Stages, compute_balanced
+from mpsim.plans.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, make_plan
 from mpsim.sim import SimResult, simulate_layout
 from mpsim.sim.layout import (
     data_parallel_plan,
@@ -23,8 +24,7 @@ from mpsim.sim.layout import (
     tensor_parallel_plan,
 )
 from mpsim.sim.placement import Groups, Replicas, place_job
-from mpsim.topology import Topology
-from mpsim.trace import LayerRow, Trace
+from mpsim.timing.costs import cost_model
 
 MAX_ROUNDS = 64
 SIMULATIONS = 64

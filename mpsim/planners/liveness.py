@@ -11,8 +11,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from mpsim.costs import LayerTimes
 from mpsim.sim import SimResult
+from mpsim.timing.costs import LayerTimes
 
 
 def live_intervals(result: SimResult, times: LayerTimes) -> dict[int, float]:

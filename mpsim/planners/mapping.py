@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpsim.topology import Topology
+from mpsim.hardware.topology import Topology
 
 MAX_ENUMERATED_GPUS = 9
 

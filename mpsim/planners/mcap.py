@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpsim.partition import PeakCost, Stages, min_max_partition
-from mpsim.schedule import weight_versions
-from mpsim.trace import RECOMPUTABLE, Trace
+from mpsim.models.trace import RECOMPUTABLE, Trace
+from mpsim.plans.partition import PeakCost, Stages, min_max_partition
+from mpsim.plans.schedule import weight_versions
 
 
 def held_microbatches(schedule: str, stage: int, n_stages: int, microbatches: int) -> int:

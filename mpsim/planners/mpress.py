@@ -39,15 +39,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from mpsim.costs import cost_model
-from mpsim.plan import LayerAction, PlanFile, Stripe, fit_stripes
+from mpsim.models.trace import RECOMPUTABLE, LayerRow
 from mpsim.planners.baselines import BASELINES
 from mpsim.planners.cache import cached_plan, remembered
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
 from mpsim.planners.liveness import end_slack
 from mpsim.planners.mapping import Mapping, search_mapping
+from mpsim.plans.plan import LayerAction, PlanFile, Stripe, fit_stripes
 from mpsim.sim import SimResult
-from mpsim.trace import RECOMPUTABLE, LayerRow
+from mpsim.timing.costs import cost_model
 
 MIN_GAIN = 0.001
 """A tuning round must make the iteration this much faster (relative) to be kept."""

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mpsim.plan import LayerAction
+from mpsim.models.trace import RECOMPUTABLE
 from mpsim.planners.context import Ctx, Planned
-from mpsim.trace import RECOMPUTABLE
+from mpsim.plans.plan import LayerAction
 
 
 def _with_zero(ctx: Ctx, stage: int) -> Ctx:

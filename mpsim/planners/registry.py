@@ -1,14 +1,14 @@
-"""The one entry point that runs a job's strategy (``mpsim.strategies``) through the cache."""
+"""The one entry point that runs a job's strategy (``mpsim.plans.strategies``) through the cache."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
 
-from mpsim.job import JobSpec
 from mpsim.planners.best import Part, plan_best
 from mpsim.planners.cache import cached_plan, cached_verdict, job_key, known_plan
 from mpsim.planners.context import Ctx, Planned, make_context
-from mpsim.strategies import STRATEGIES, combines, strategy_named
+from mpsim.plans.job import JobSpec
+from mpsim.plans.strategies import STRATEGIES, combines, strategy_named
 
 __all__ = ["STRATEGIES", "combines", "made_plan", "plan_fits", "plan_job", "run_planner", "strategy_named"]
 

@@ -13,7 +13,7 @@ byte saved (Delta T / Delta M):
 - step 2, split, on the operator at the bottleneck (its input plus output plus
   workspace is the largest of the stage): p micro-ops along a splittable dimension save
   (p - 1) / p x min(input, output) (eq. 5) at the cost of the split slowdown (eq. 6; the
-  default 3% per extra micro-op, ``mpsim.plan``), for p in 2, 4, 8;
+  default 3% per extra micro-op, ``mpsim.plans.plan``), for p in 2, 4, 8;
 - step 3: the better of the two.
 
 Delta M of a saved activation counts every microbatch the stage holds at once; Delta T
@@ -33,10 +33,10 @@ from typing import TypeVar
 
 import numpy as np
 
-from mpsim.costs import cost_model
-from mpsim.plan import LayerAction
+from mpsim.models.trace import RECOMPUTABLE, LayerRow
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
-from mpsim.trace import RECOMPUTABLE, LayerRow
+from mpsim.plans.plan import LayerAction
+from mpsim.timing.costs import cost_model
 
 SPLIT_COUNTS = (2, 4, 8)
 _Values = TypeVar("_Values", float, np.ndarray)

@@ -53,10 +53,10 @@ from typing import Any, Final, Literal, get_args
 
 import simpy
 
-from mpsim.cluster import ClusterView
 from mpsim.errors import MpsimError
+from mpsim.hardware.cluster import ClusterView
+from mpsim.hardware.topology import Route, Topology
 from mpsim.sim.network import Network
-from mpsim.topology import Route, Topology
 from mpsim.units import MiB
 
 Op = Literal["all-reduce", "reduce-scatter", "all-gather", "broadcast"]

@@ -8,6 +8,7 @@ from typing import Any
 
 import simpy
 
+from mpsim.hardware.topology import HOST, Route
 from mpsim.sim import progress
 from mpsim.sim.copy_engine import CopyEngines, EnginePool
 from mpsim.sim.layout import Layout
@@ -15,7 +16,6 @@ from mpsim.sim.memory import DeviceMemory, MemoryLog
 from mpsim.sim.network import Network
 from mpsim.sim.result import COSTS, Span
 from mpsim.sim.simpy_fast import events_scheduled, fire_in_place, go_on_now
-from mpsim.topology import HOST, Route
 from mpsim.units import GiB
 
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Generator
 
 import simpy
 
-from mpsim.cluster import ClusterView
+from mpsim.hardware.cluster import ClusterView
 from mpsim.sim.collectives import ring_transfer, two_level_transfer
 from mpsim.sim.context import RunContext
 from mpsim.sim.program import Piece, Sharding

@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
-from mpsim.costs import CostModel, cost_model
-from mpsim.schedule import PIPEDREAM_MEASURED, interleaved_turn_orders, weight_versions
+from mpsim.plans.schedule import PIPEDREAM_MEASURED, interleaved_turn_orders, weight_versions
 from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
 from mpsim.sim.data_parallel import DataParallel
@@ -34,6 +33,7 @@ from mpsim.sim.swapper import STASH, Swapper
 from mpsim.sim.tensor_group import TensorGroup
 from mpsim.sim.turns import GpuTurns
 from mpsim.sim.update import Updater
+from mpsim.timing.costs import CostModel, cost_model
 
 __all__ = ["Job", "Layout", "simulate_job", "simulate_layout"]
 

@@ -3,7 +3,7 @@
 A ``Job`` is what a caller asks for (a ``JobSpec``, and a plan or the fields that make a
 keep-everything one). ``resolve`` checks it once (partition, stage-to-GPU map, schedule,
 plan rules) and returns a ``Layout``: stages, GPUs, actions, optimizer and stash
-placement, already valid. Planners that make plans with ``mpsim.plan.make_plan`` build
+placement, already valid. Planners that make plans with ``mpsim.plans.plan.make_plan`` build
 layouts with ``layout_of_plan(..., checked=True)`` and skip the checks, so a search that
 simulates thousands of plans does not re-validate each one.
 """
@@ -15,12 +15,14 @@ from typing import Literal, TypeVar
 
 import numpy as np
 
-from mpsim.costs import cost_model
 from mpsim.errors import MpsimError
-from mpsim.job import JobSpec, OfJob, Parallelism, pipeline
-from mpsim.mesh import layout_name, parse_layout
-from mpsim.partition import Stages, compute_balanced, validate_stages
-from mpsim.plan import (
+from mpsim.hardware.topology import Topology
+from mpsim.models.tensor_parallel import shard_trace
+from mpsim.models.trace import Trace
+from mpsim.plans.job import JobSpec, OfJob, Parallelism, pipeline
+from mpsim.plans.mesh import layout_name, parse_layout
+from mpsim.plans.partition import Stages, compute_balanced, validate_stages
+from mpsim.plans.plan import (
     Checkpoints,
     DataParallelPlan,
     LayerAction,
@@ -32,9 +34,7 @@ from mpsim.plan import (
     host_optimizer_layers,
 )
 from mpsim.sim.placement import Groups, Placed, Replicas, place_job
-from mpsim.tensor_parallel import shard_trace
-from mpsim.topology import Topology
-from mpsim.trace import Trace
+from mpsim.timing.costs import cost_model
 
 Runtime = Literal["mpress", "torch-pipelining"]
 T = TypeVar("T")
@@ -120,7 +120,7 @@ def tensor_parallel_plan(parallelism: Parallelism, groups: Groups) -> TensorPara
 
 def stage_trace(job: JobSpec, runtime: Runtime) -> Trace | None:
     """The trace one GPU of a stage runs: the job's, or with tensor parallelism its shard
-    (``mpsim.tensor_parallel``; the executor's DTensor layers keep the gathered input under
+    (``mpsim.models.tensor_parallel``; the executor's DTensor layers keep the gathered input under
     sequence parallelism, Megatron's the shard). None when it is the job's own."""
     par = job.parallelism
     if par.tensor == 1:

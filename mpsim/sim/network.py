@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import simpy
 
+from mpsim.hardware.topology import Route
 from mpsim.sim.simpy_fast import Fired, call_in, fire_in_place, go_on_now
-from mpsim.topology import Route
 
 _EPS = 1e-12
 

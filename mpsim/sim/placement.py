@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Final
 
-from mpsim.cluster import Cluster, place_on_cluster
-from mpsim.job import JobSpec
-from mpsim.mesh import DeviceMesh
+from mpsim.hardware.cluster import Cluster
+from mpsim.hardware.topology import Topology
+from mpsim.plans.cluster_placement import place_on_cluster
+from mpsim.plans.job import JobSpec
+from mpsim.plans.mesh import DeviceMesh
 from mpsim.sim.collectives import best_ring, ring_bottleneck
-from mpsim.topology import Topology
 
 Replicas = tuple[tuple[int, ...], ...]
 """Per replica, the GPU of each stage; replica 0 is the pipeline the engine simulates."""
@@ -39,7 +40,7 @@ class Placed:
     """Where a job's simulated GPUs run: the topology the engine simulates (the server, or
     a cluster's view of the servers replica 0 uses), per replica on it the GPU of each
     stage and per stage its tensor-parallel group; each stage's data-parallel group spans
-    ``across`` servers (``mpsim.cluster``), its GPUs on the view's server listed in
+    ``across`` servers (``mpsim.hardware.cluster``), its GPUs on the view's server listed in
     ``replicas``."""
 
     topology: Topology
@@ -50,7 +51,7 @@ class Placed:
 
 def place_job(job: JobSpec, n_stages: int) -> Placed:
     """``job``'s GPUs for ``n_stages`` stages per replica: on one server by
-    ``place_groups``; on a cluster in Megatron-LM's order (``cluster.place_on_cluster``),
+    ``place_groups``; on a cluster in Megatron-LM's order (``cluster_placement.place_on_cluster``),
     each tensor-parallel group in its best ring order."""
     mesh = job.parallelism.mesh(n_stages)
     if job.cluster is None:

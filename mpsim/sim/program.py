@@ -13,7 +13,7 @@ otherwise taken equal to the forward's); at its
 end: - workspace, - own, - in if held, - gradient of the output. The gradient of the
 stage's first layer input is the boundary buffer sent back, freed when its send lands.
 
-Actions (``mpsim.plan``):
+Actions (``mpsim.plans.plan``):
 
 - recompute: own is freed at the end of the forward; before the backward the forward is
   re-run on the compute stream (+ own, + out, + workspace at its start; - workspace,
@@ -26,7 +26,7 @@ Actions (``mpsim.plan``):
 - selective (Korthikanti et al. 2022, section 4.2): only the attention core's kept bytes
   (``attention_core_bytes``, at most own) are freed at the end of the forward; before the
   backward the core's forward re-runs on the compute stream (+ those bytes at its start,
-  for ``mpsim.costs.attention_core_seconds``), and the backward frees them with the rest of own. The
+  for ``mpsim.timing.costs.attention_core_seconds``), and the backward frees them with the rest of own. The
   core's transient tensors while it re-runs are not modelled (they are its kept ones);
 - host / peer swap: after the forward a swap-out of own (+ in when saved) starts; it frees
   them when it lands (``mpsim.sim.engine``). The backward's piece for the layer starts
@@ -51,9 +51,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from mpsim.plan import LayerAction
+from mpsim.models.trace import LayerRow
+from mpsim.plans.plan import LayerAction
 from mpsim.sim.memory import Template, make_template
-from mpsim.trace import LayerRow
 
 _KEEP = LayerAction(layer=-1)
 _REMAT = ("recompute", "selective")

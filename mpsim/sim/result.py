@@ -133,7 +133,7 @@ class SimResult:
     layout names a pipeline that leaves some idle (``runs_on``)."""
     framework: str = ""
     """How the model's layers are written, which sets their activations (the trace's
-    ``model.framework``: ``mpsim.workloads.FRAMEWORKS``; empty for a traced module)."""
+    ``model.framework``: ``mpsim.models.workloads.FRAMEWORKS``; empty for a traced module)."""
     family: str = ""
     """The trace's ``model.family`` (gpt, bert, llama; empty when it has none)."""
     seq_len: int | None = None

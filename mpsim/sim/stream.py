@@ -7,7 +7,7 @@ from typing import Any, cast
 
 import simpy
 
-from mpsim.schedule import Task, interleaved_stage_tasks, stage_tasks
+from mpsim.plans.schedule import Task, interleaved_stage_tasks, stage_tasks
 from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
 from mpsim.sim.data_parallel import DataParallel

@@ -9,13 +9,13 @@ from typing import Any, NamedTuple, cast
 
 import simpy
 
+from mpsim.hardware.topology import HOST
 from mpsim.sim.context import RunContext
 from mpsim.sim.memory import Entry
 from mpsim.sim.program import SwapIn, SwapOut, chunk
 from mpsim.sim.result import Span
 from mpsim.sim.simpy_fast import call_in, call_soon, go_on
 from mpsim.sim.spawn import spawn
-from mpsim.topology import HOST
 
 STASH = -1
 """Pseudo-layer of a PipeDream weight version kept in host memory."""

@@ -1,6 +1,6 @@
 """A stage's tensor-parallel group: the collectives of each layer's shard, on the critical path.
 
-Every GPU of the group runs the same shard (``mpsim.tensor_parallel``), so the engine
+Every GPU of the group runs the same shard (``mpsim.models.tensor_parallel``), so the engine
 simulates the group's first GPU; after each piece of its forward or backward the stream
 runs the piece's collectives (``Piece.collectives``: Megatron-LM's all-reduces, or under
 sequence parallelism its all-gathers and reduce-scatters) over the group's ring and waits

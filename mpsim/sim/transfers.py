@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import simpy
 
+from mpsim.hardware.topology import Endpoint, Topology
 from mpsim.sim.network import Network
-from mpsim.topology import Endpoint, Topology
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Turns on a GPU shared by several pipeline stages: interleaved 1F1B's virtual stages.
 
-Under interleaved 1F1B (Narayanan et al. 2021, section 2.2.2; ``mpsim.schedule``'s
+Under interleaved 1F1B (Narayanan et al. 2021, section 2.2.2; ``mpsim.plans.schedule``'s
 ``interleaved_gpu_order``) each GPU holds v model chunks, each a virtual stage with its own
 task list and its own process in the engine. The GPU still runs one program: Megatron-LM's
 ``forward_backward_pipelining_with_interleaving`` issues the chunks' forwards and backwards

@@ -6,11 +6,11 @@ from collections.abc import Generator
 
 import simpy
 
-from mpsim.costs import CostModel
+from mpsim.models.trace import LayerRow
 from mpsim.sim.context import RunContext
 from mpsim.sim.simpy_fast import sleep
 from mpsim.sim.swapper import Swapper
-from mpsim.trace import LayerRow
+from mpsim.timing.costs import CostModel
 
 
 class Updater:

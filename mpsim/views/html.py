@@ -30,10 +30,10 @@ if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.figure import Figure
 
-    from mpsim.choose import ChooseReport
-    from mpsim.plan import PlanFile
-    from mpsim.scale import ScaleReport
+    from mpsim.plans.plan import PlanFile
     from mpsim.sim import SimResult
+    from mpsim.studies.choose import ChooseReport
+    from mpsim.studies.scale import ScaleReport
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1200px; color: #222; padding: 0 1em; }

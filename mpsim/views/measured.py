@@ -1,5 +1,5 @@
 """What was measured beside what was predicted, as text: ``mpsim validate``'s table
-(``mpsim.hardware_check``) and ``mpsim calibrate``'s fit (``mpsim.calibrate``)."""
+(``mpsim.studies.hardware_check``) and ``mpsim calibrate``'s fit (``mpsim.timing.calibrate``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from mpsim.sim.memory import MODEL_STATES
 
 if TYPE_CHECKING:
-    from mpsim.calibrate import Calibration
+    from mpsim.timing.calibrate import Calibration
 
 
 def calibration_text(cal: Calibration) -> str:

@@ -16,9 +16,9 @@ if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.figure import Figure
 
-    from mpsim.choose import ChooseReport
-    from mpsim.scale import ScaleReport
     from mpsim.sim import SimResult
+    from mpsim.studies.choose import ChooseReport
+    from mpsim.studies.scale import ScaleReport
 
 
 def downsample(times: np.ndarray, used: np.ndarray, max_points: int = 4000) -> tuple[np.ndarray, np.ndarray]:

@@ -6,27 +6,27 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from mpsim.choose import ChooseReport, ChooseRow, money
-from mpsim.cluster import Cluster
-from mpsim.frameworks import framework_line
-from mpsim.job import DP_NAMES
-from mpsim.layouts import parse_layout
+from mpsim.hardware.cluster import Cluster
+from mpsim.hardware.topology import HOST, Topology
 from mpsim.limits import DEFAULT_HEADROOM_GIB
-from mpsim.plan import PlanFile, optimizer_label
-from mpsim.scale import ScaleReport
+from mpsim.models.frameworks import framework_line
+from mpsim.plans.job import DP_NAMES
+from mpsim.plans.layouts import parse_layout
+from mpsim.plans.plan import PlanFile, optimizer_label
+from mpsim.plans.strategies import STRATEGIES, base_name, combines
 from mpsim.sim.memory import TECHNIQUES
 from mpsim.sim.result import COSTS, GpuResult
-from mpsim.strategies import STRATEGIES, base_name, combines
-from mpsim.topology import HOST, Topology
+from mpsim.studies.choose import ChooseReport, ChooseRow, money
+from mpsim.studies.scale import ScaleReport
 from mpsim.units import GiB
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from mpsim.capacity import FitsReport, LayoutFits
+    from mpsim.models.trace import Trace
     from mpsim.sim import SimResult
     from mpsim.sim.result import GpuResult
-    from mpsim.trace import Trace
+    from mpsim.studies.capacity import FitsReport, LayoutFits
 
 
 def table_text(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

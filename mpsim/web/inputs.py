@@ -63,7 +63,7 @@ class JobInputs:
     stages: int | None = None
     """Pipeline stages of a job view (None: one per GPU)."""
     layout: str = ""
-    """A job view's parallel layout by name (``mpsim.layouts.parse_layout``: ``fsdp8``,
+    """A job view's parallel layout by name (``mpsim.plans.layouts.parse_layout``: ``fsdp8``,
     ``tp4spxpp2``, ...); empty: the pipeline over the GPUs."""
     strategy: str = "none"
     partition: str = "compute"

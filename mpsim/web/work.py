@@ -68,7 +68,7 @@ def model_of(request: RunRequest) -> Trace:
 
 
 PAGE_MAX_WORK = 2_000_000
-"""The most layer-microbatches times planner runs (``mpsim.strategies.planner_runs``: 16
+"""The most layer-microbatches times planner runs (``mpsim.plans.strategies.planner_runs``: 16
 for ``best``) a run from the page may ask for: GPT-25.5B (145 layers) under best at 256
 microbatches is 593,920; a 10,000-layer upload at 256 is refused before planning (the
 command line has no such bound)."""

@@ -1,0 +1,201 @@
+"""Per-GPU kernel tables: what ``mpsim.timing.kernel_time`` needs to time a kernel from its shape.
+
+A table gives, for one GPU model: its streaming multiprocessors (wave quantization), the
+smallest time a kernel takes (launch floor), the share of memory bandwidth a streaming
+kernel reaches, and per precision the share of the dense peak that GEMMs (with their
+tiles) and fused attention reach. Every figure names its source in ``sources``: a public
+kernel microbenchmark, a vendor document, a measurement of ours under
+``validate/results/``, or "estimate" where none was found (``mpsim calibrate --profile``
+fits those from a profiler trace of the real GPU).
+
+A topology file may carry its own table (``gpu.kernels``); otherwise the shipped one for
+the GPU's family is used (``kernel_table``), found from the model name.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TableDtype = Literal["fp16", "bf16", "fp32", "tf32", "fp8"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class GemmTile(_Strict):
+    """An output tile one thread block computes, and its throughput per SM relative to the
+    largest tile's (smaller tiles reuse less data; cuBLAS takes them when they quantize
+    better)."""
+
+    rows: int = Field(ge=1, le=1024)
+    cols: int = Field(ge=1, le=1024)
+    relative: float = Field(gt=0, le=1)
+
+
+class GemmRate(_Strict):
+    fraction: float = Field(gt=0, le=1, description="share of the dtype's dense peak that full waves of the "
+                                                     "first tile reach")
+    tiles: list[GemmTile] = Field(min_length=1)
+
+
+class AttentionRate(_Strict):
+    """A fused attention kernel's share of the dtype's peak on long sequences, and the key
+    length at which it reaches half of that (per thread block, a fixed cost is amortised
+    over the key blocks: e(s) = fraction x s / (s + half_seq))."""
+
+    fwd_fraction: float = Field(gt=0, le=1)
+    bwd_fraction: float = Field(gt=0, le=1)
+    fwd_half_seq: float = Field(ge=0, le=1e6)
+    bwd_half_seq: float = Field(ge=0, le=1e6)
+    block_rows: int = Field(default=128, ge=1, le=1024, description="query rows per thread block")
+
+
+class KernelTable(_Strict):
+    sms: int = Field(ge=1, le=1024, description="streaming multiprocessors")
+    launch_floor_us: float = Field(ge=0, le=1e4, description="least time one kernel occupies its stream")
+    memory_fraction: float = Field(gt=0, le=1, description="share of memory bandwidth a streaming kernel reaches")
+    gemm: dict[TableDtype, GemmRate] = Field(min_length=1)
+    attention: dict[TableDtype, AttentionRate] = Field(default_factory=dict)
+    mem_efficient_relative: float = Field(
+        default=0.7, gt=0, le=1, description="the memory-efficient attention kernel's rate relative to flash's")
+    winograd: dict[TableDtype, float] = Field(
+        default_factory=dict, description="dtypes for which cuDNN runs 3x3 stride-1 convolutions as Winograd, "
+                                          "and the FLOP reduction it brings")
+    sources: dict[str, str] = Field(default_factory=dict, description="figure -> where it comes from")
+    checked: str | None = Field(
+        default=None, description="the measurements of this GPU the table has been checked against (layer or "
+                                  "kernel times under validate/results/); only then does it time layers by "
+                                  "default (GpuSpec.time_model: auto)")
+    residual_pct: float | None = Field(
+        default=None, ge=0, le=1e4, description="rms relative error of the layer or kernel times it was checked "
+                                                "against, %: the band of its predictions")
+
+    @model_validator(mode="after")
+    def _sources_named(self) -> KernelTable:
+        for key in ("sms", "launch_floor_us", "memory_fraction", *(f"gemm.{d}" for d in self.gemm),
+                    *(f"attention.{d}" for d in self.attention)):
+            if not self.sources.get(key, "").strip():
+                raise ValueError(f"sources.{key}: every figure must name its source")
+        return self
+
+
+# --- shipped tables ------------------------------------------------------------------------
+
+_OUR_H100 = "validate/results/h100/probe.yaml (mpsim topo probe, H100 80GB HBM3, torch 2.11.0+cu130)"
+_FA3_PAPER = ("FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608) Fig. 5/6: FlashAttention-2 on H100 SXM5, "
+              "head dim 128, non-causal, fwd 309/350/362/368/370/370 and bwd 214/260/291/310/318/322 TFLOP/s at "
+              "seq 512..16k")
+_FA2_PAPER = "FlashAttention-2 (Dao 2023, arXiv 2307.08691): on A100 forward up to 73% of peak"
+_TILE_ESTIMATE = ("tile set: the CTA tiles cuBLAS kernel names carry (e.g. sm90 ..._tilesize128x256x64, ampere "
+                  "..._256x128); relative throughput of smaller tiles is an estimate")
+_FLOOR = "estimate: a few microseconds per eager kernel launch (launch plus dependency gap); fit with calibrate"
+_HOPPER_TILES = [GemmTile(rows=128, cols=256, relative=1.0), GemmTile(rows=128, cols=128, relative=0.9),
+                 GemmTile(rows=64, cols=128, relative=0.75), GemmTile(rows=64, cols=64, relative=0.5)]
+_TC_TILES = [GemmTile(rows=256, cols=128, relative=1.0), GemmTile(rows=128, cols=128, relative=0.92),
+             GemmTile(rows=128, cols=64, relative=0.8), GemmTile(rows=64, cols=64, relative=0.55)]
+_SIMT_TILES = [GemmTile(rows=128, cols=128, relative=1.0), GemmTile(rows=128, cols=64, relative=0.9),
+               GemmTile(rows=64, cols=64, relative=0.7), GemmTile(rows=32, cols=32, relative=0.35)]
+# H100 probe: 8192^3 GEMMs, 128x256 tiles: 64 x 32 = 2048 tiles over 132 SMs = 16 waves for 15.52 of work,
+# so the full-wave fraction is the measured one x 16/15.52.
+_H100_WAVES = 16 / (2048 / 132)
+_FP32_SIMT = 51.35 / 67.0 * (32 / (4096 / 132))  # H100 fp32 probe, 128x128 tiles: 4096 tiles, 32 waves
+_FLASH_H100 = AttentionRate(fwd_fraction=0.374, bwd_fraction=0.326, fwd_half_seq=100.0, bwd_half_seq=260.0)
+
+
+def _hopper(sms: int) -> KernelTable:
+    return KernelTable(
+        sms=sms, launch_floor_us=4.0, memory_fraction=round(2711.3 / 3350, 3),
+        gemm={"bf16": GemmRate(fraction=round(769.0 / 989 * _H100_WAVES, 3), tiles=_HOPPER_TILES),
+              "fp16": GemmRate(fraction=round(746.6 / 989 * _H100_WAVES, 3), tiles=_HOPPER_TILES),
+              "tf32": GemmRate(fraction=round(769.0 / 989 * _H100_WAVES, 3), tiles=_HOPPER_TILES),
+              "fp8": GemmRate(fraction=round(769.0 / 989 * _H100_WAVES, 3), tiles=_HOPPER_TILES),
+              "fp32": GemmRate(fraction=round(_FP32_SIMT, 3), tiles=_SIMT_TILES)},
+        attention={"bf16": _FLASH_H100, "fp16": _FLASH_H100},
+        sources={"sms": "NVIDIA H100 Tensor Core GPU Architecture whitepaper (132 SMs SXM5; 114 PCIe)",
+                 "launch_floor_us": _FLOOR,
+                 "memory_fraction": f"device-to-device copy 2711.3 GB/s of 3350 GB/s: {_OUR_H100}",
+                 "gemm.bf16": f"8192^3 bf16 matmul 769.0 TFLOP/s: {_OUR_H100}; {_TILE_ESTIMATE}",
+                 "gemm.fp16": f"8192^3 fp16 matmul 746.6 TFLOP/s: {_OUR_H100}",
+                 "gemm.tf32": "estimate: taken as bf16's share of its own peak",
+                 "gemm.fp8": "estimate: taken as bf16's share of its own peak (Transformer Engine recipe)",
+                 "gemm.fp32": f"8192^3 fp32 (no TF32) matmul 51.35 TFLOP/s: {_OUR_H100}",
+                 "attention.bf16": _FA3_PAPER + "; half_seq fitted to the 512 points",
+                 "attention.fp16": _FA3_PAPER})
+
+
+_FLASH_A100 = AttentionRate(fwd_fraction=0.73, bwd_fraction=round(0.73 * 322 / 370, 3), fwd_half_seq=100.0,
+                            bwd_half_seq=260.0)
+_A100_SOURCES = {
+    "sms": "NVIDIA A100 Tensor Core GPU Architecture whitepaper (108 SMs)",
+    "launch_floor_us": _FLOOR,
+    "memory_fraction": "transferred from our H100 copy probe (0.81 of peak); " + _OUR_H100,
+    "gemm.fp16": "mli/transformers-benchmarks micro_bench (2022): torch.matmul fp16 230 of 312 TFLOP/s on A100 "
+                 "80GB; " + _TILE_ESTIMATE,
+    "gemm.bf16": "as fp16 (same tensor-core rate)",
+    "gemm.tf32": "mli/transformers-benchmarks micro_bench: TF32 116 of 156 TFLOP/s",
+    "gemm.fp32": "transferred from our H100 fp32 probe (CUDA-core SGEMM share of peak)",
+    "attention.fp16": _FA2_PAPER + "; backward x 322/370 and half_seq as FlashAttention-2 on H100 (FA3 paper)",
+    "attention.bf16": "as fp16",
+}
+
+
+def _ampere() -> KernelTable:
+    tc = GemmRate(fraction=round(230 / 312, 3), tiles=_TC_TILES)
+    return KernelTable(
+        sms=108, launch_floor_us=4.0, memory_fraction=round(2711.3 / 3350, 3),
+        gemm={"fp16": tc, "bf16": tc, "tf32": GemmRate(fraction=round(116 / 156, 3), tiles=_TC_TILES),
+              "fp32": GemmRate(fraction=round(_FP32_SIMT, 3), tiles=_SIMT_TILES)},
+        attention={"fp16": _FLASH_A100, "bf16": _FLASH_A100}, sources=_A100_SOURCES)
+
+
+def _older(sms: int, name: str, tensor_cores: bool) -> KernelTable:
+    """Volta (V100), Turing (TITAN RTX), Pascal (GTX 1080 Ti): no kernel-level figure of
+    ours; the shares of peak are transferred and say so."""
+    gemm: dict[TableDtype, GemmRate] = {"fp32": GemmRate(fraction=round(_FP32_SIMT, 3), tiles=_SIMT_TILES)}
+    sources = {"sms": f"NVIDIA {name} datasheet/whitepaper ({sms} SMs)", "launch_floor_us": _FLOOR,
+               "memory_fraction": "transferred from our H100 copy probe (0.81 of peak); " + _OUR_H100,
+               "gemm.fp32": "transferred from our H100 fp32 probe (CUDA-core SGEMM share of peak)"}
+    attention: dict[TableDtype, AttentionRate] = {}
+    if tensor_cores:
+        gemm["fp16"] = GemmRate(fraction=round(230 / 312, 3), tiles=_TC_TILES)
+        sources["gemm.fp16"] = "transferred from the A100 fp16 micro_bench share (230 of 312 TFLOP/s)"
+    return KernelTable(sms=sms, launch_floor_us=4.0, memory_fraction=round(2711.3 / 3350, 3), gemm=gemm,
+                       attention=attention, winograd={"fp32": 2.25}, sources={
+                           **sources, "winograd": "cuDNN's Winograd F(2x2,3x3) (Lavin and Gray 2016): 16 "
+                                                  "multiplies for 4 outputs instead of 36, 2.25x fewer FLOPs"})
+
+
+SHIPPED: dict[str, KernelTable] = {
+    "hopper-sxm": _hopper(132),
+    "hopper-pcie": _hopper(114),
+    "ampere": _ampere(),
+    "volta": _older(80, "V100", tensor_cores=True),
+    "turing": _older(72, "TITAN RTX", tensor_cores=True),
+    "pascal": _older(28, "GTX 1080 Ti", tensor_cores=False),
+}
+"""Tables by GPU family; ``family_of`` maps a model name onto them."""
+
+_FAMILY_WORDS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("H100", "PCIE"), "hopper-pcie"),
+    (("H100",), "hopper-sxm"), (("H200",), "hopper-sxm"), (("GH200",), "hopper-sxm"),
+    (("A100",), "ampere"), (("V100",), "volta"), (("TITAN", "RTX"), "turing"), (("1080",), "pascal"),
+)
+
+
+def family_of(model: str) -> str | None:
+    """The shipped table's family for a GPU model name (``H100-SXM5-80GB``, ``NVIDIA H100
+    80GB HBM3``, ``A100-SXM4-40GB`` ...), or None."""
+    upper = model.upper().replace("-", " ").replace("_", " ")
+    words = set(upper.split())
+    for needed, family in _FAMILY_WORDS:
+        if all(any(w.startswith(n) or n in w for w in words) for n in needed):
+            return family
+    return None
+
+
+def shipped_table(model: str) -> KernelTable | None:
+    family = family_of(model)
+    return SHIPPED[family] if family else None

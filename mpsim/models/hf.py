@@ -1,0 +1,418 @@
+"""Trace a Hugging Face model from its config.json: no weights, no hub access.
+
+The model's own ``transformers`` modules run under FakeTensor mode, built with one
+transformer block in the recipe's compute dtype. The embedding, that block (repeated for
+every layer) and the head (final norm, vocabulary projection, cross-entropy) are traced
+as their own layers by ``mpsim.models.tracer.trace_layer``.
+
+GPU kernel semantics, as ``mpsim.models.kernels`` gives them to mpsim's own layers:
+
+- attention goes through a function registered with transformers' ``AttentionInterface``
+  that calls ``kernels.attention`` with the chosen backend (eager, fused-softmax,
+  mem-efficient, flash), so the saved tensors are what that CUDA kernel keeps;
+- ``torch.nn.functional.dropout`` is redirected to ``kernels.dropout`` (CUDA's fused
+  dropout, a 1-byte mask) by a ``TorchFunctionMode``.
+
+Everything else runs as the model writes it, one eager kernel per op, as it would on a
+GPU without a compiler: Llama's RMSNorm upcasts to fp32 and keeps fp32 copies, GPT-2's
+tanh GELU keeps its intermediate tensors.
+
+A rotary model's cos and sin are built once per forward and read by every block, as the
+backbone's forward builds them (``LlamaModel.rotary_emb``): the embedding's row keeps them
+once, a block holds them as buffers and so does not count them. The trace's model names
+the framework ``hf`` (``mpsim.models.workloads.FRAMEWORKS``): mpsim's own ``hf`` layer keeps the
+same bytes (tests/test_hf.py), and a tensor-parallel shard of the trace is re-traced with it.
+
+Ops whose output shape depends on the data (``nonzero``, ``.item()``) cannot run on fake
+tensors; they end the trace with an ``MpsimError`` naming the op and the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from mpsim.errors import MpsimError
+from mpsim.models import kernels
+from mpsim.models.hf_fields import check_overrides, config_path, read_checked
+from mpsim.models.hf_fields import shipped_configs as shipped_configs  # where callers have found it
+from mpsim.models.trace import RECIPES, Trace
+
+#: Overrides ``trace_hf`` accepts, mapped to the config's canonical key (each config's
+#: ``attribute_map`` turns that into its own, e.g. GPT-2's ``n_layer``).
+OVERRIDE_KEYS = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads"}
+ATTN_IMPLEMENTATION = "mpsim"
+"""The name ``_mpsim_attention`` is registered under (transformers treats any name with
+"flash" in it as a hub kernel, so the backend is not part of it)."""
+_BACKEND: ContextVar[kernels.AttentionBackend] = ContextVar("mpsim_hf_backend", default="flash")
+_DEFAULT_SEQ_LEN = 4096
+"""Sequence length of a model that is no preset: its maximum positions, at most this."""
+
+
+@dataclass(frozen=True)
+class FamilyLayout:
+    """Where a family keeps its layers and how they are called.
+
+    ``base``: the attribute holding the backbone; ``blocks``: the block list inside it;
+    ``rotary``: the backbone's rotary-embedding module whose (cos, sin) each block is given,
+    or None; ``embed`` and ``head``: tokens -> hidden states and hidden states -> logits,
+    with the names (relative to the full model) of the modules they use."""
+
+    family: str
+    masked_lm: bool
+    base: str
+    blocks: str
+    rotary: str | None
+    embed_modules: tuple[str, ...]
+    head_modules: tuple[str, ...]
+    embed: Callable[[Any, torch.Tensor], torch.Tensor]
+    head: Callable[[Any, torch.Tensor], torch.Tensor]
+    required: tuple[str, ...] = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def _positions(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.arange(tokens.shape[1], device=tokens.device)
+
+
+_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+
+
+def _decoder(family: str = "llama", head: Callable[[Any, torch.Tensor], torch.Tensor] | None = None) -> FamilyLayout:
+    """Llama's layout, shared by Mistral and Qwen2, and by Phi-3 and Gemma 2 and 3 under
+    their own family names (their blocks are not mpsim's Llama layer, so a tensor-parallel
+    shard cannot be re-traced with it: ``mpsim.models.tensor_parallel`` refuses them)."""
+    return FamilyLayout(family=family, masked_lm=False, base="model", blocks="layers", rotary="rotary_emb",
+                        embed_modules=("model.embed_tokens",), head_modules=("model.norm", "lm_head"),
+                        embed=lambda m, t: m.model.embed_tokens(t),
+                        head=head or (lambda m, x: m.lm_head(m.model.norm(x))), required=_SHAPE_KEYS)
+
+
+def _soft_capped_head(model: Any, x: torch.Tensor) -> torch.Tensor:
+    """Gemma's head: the final norm, the vocabulary projection, and the logits soft-capped
+    as its config says (``final_logit_softcapping``: cap x tanh(logits / cap), whose tanh
+    keeps a logits-sized tensor for the backward)."""
+    logits = model.lm_head(model.model.norm(x))
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+#: model_type -> layout.
+LAYOUTS: dict[str, FamilyLayout] = {
+    "llama": _decoder(),
+    "mistral": _decoder(),
+    "qwen2": _decoder(),
+    "phi3": _decoder("phi3"),
+    "gemma2": _decoder("gemma2", _soft_capped_head),
+    "gemma3_text": _decoder("gemma3", _soft_capped_head),
+    "gpt2": FamilyLayout(
+        family="gpt", masked_lm=False, base="transformer", blocks="h", rotary=None,
+        embed_modules=("transformer.wte", "transformer.wpe", "transformer.drop"),
+        head_modules=("transformer.ln_f", "lm_head"),
+        embed=lambda m, t: m.transformer.drop(m.transformer.wte(t) + m.transformer.wpe(_positions(t))),
+        head=lambda m, x: m.lm_head(m.transformer.ln_f(x))),
+    "gpt_neox": FamilyLayout(
+        family="gpt", masked_lm=False, base="gpt_neox", blocks="layers", rotary="rotary_emb",
+        embed_modules=("gpt_neox.embed_in", "gpt_neox.emb_dropout"),
+        head_modules=("gpt_neox.final_layer_norm", "lm_head"),
+        embed=lambda m, t: m.gpt_neox.emb_dropout(m.gpt_neox.embed_in(t)),
+        head=lambda m, x: m.lm_head(m.gpt_neox.final_layer_norm(x)),
+        required=_SHAPE_KEYS),
+    "bert": FamilyLayout(
+        family="bert", masked_lm=True, base="bert", blocks="encoder.layer", rotary=None,
+        embed_modules=("bert.embeddings",), head_modules=("cls",),
+        embed=lambda m, t: m.bert.embeddings(input_ids=t), head=lambda m, x: m.cls(x),
+        required=_SHAPE_KEYS),
+}
+
+
+# --- configs -------------------------------------------------------------------------------------
+
+
+def _transformers() -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        raise MpsimError("--hf needs Hugging Face transformers: pip install 'mpsim[hf]'") from None
+    return transformers
+
+
+def load_config(source: str, overrides: dict[str, int] | None = None) -> Any:
+    """The ``PretrainedConfig`` of SOURCE, built locally from its JSON (never the network);
+    ``overrides`` (``trace --hf``'s) only say which fields the caller will replace."""
+    path, raw = read_checked(source, overrides)
+    if "model_type" not in raw:
+        raise MpsimError(f"{path}: no model_type in the config")
+    model_type = raw["model_type"]
+    if not isinstance(model_type, str) or model_type not in LAYOUTS:
+        raise MpsimError(f"{path}: model_type {model_type!r} is not supported; expected one of {', '.join(LAYOUTS)}")
+    transformers = _transformers()
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    aliases = getattr(config_class, "attribute_map", {})
+    missing = [k for k in LAYOUTS[model_type].required if k not in raw and aliases.get(k) not in raw]
+    if missing:
+        raise MpsimError(f"{path}: {model_type} config lacks {', '.join(missing)}")
+    try:
+        config = config_class.from_dict(raw)
+    except Exception as e:  # noqa: BLE001 (transformers' and huggingface_hub's checks raise their own types)
+        raise MpsimError(f"{path}: bad {model_type} config: {_one_line(e)}") from None
+    for field in ("hidden_act", "activation_function"):
+        name = raw.get(field)
+        if isinstance(name, str) and name not in transformers.activations.ACT2FN:
+            raise MpsimError(f"{path}: {field}: unknown activation {name!r}; transformers has "
+                             f"{', '.join(sorted(transformers.activations.ACT2FN))}")
+    return config
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception's message on one line: its first lines joined, at most 200 characters."""
+    text = " ".join(line.strip() for line in str(e).strip().splitlines()[:3] if line.strip())
+    return (text or type(e).__name__)[:200]
+
+
+def _apply_overrides(config: Any, overrides: dict[str, int], seq_len: int) -> None:
+    unknown = set(overrides) - set(OVERRIDE_KEYS)
+    if unknown:
+        raise MpsimError(f"unknown --hf override(s) {', '.join(sorted(unknown))}: expected {', '.join(OVERRIDE_KEYS)}")
+    for key, value in overrides.items():
+        setattr(config, OVERRIDE_KEYS[key], value)
+    if "hidden" in overrides or "heads" in overrides:
+        if config.hidden_size % config.num_attention_heads:
+            raise MpsimError(f"bad model shape: hidden {config.hidden_size} is not divisible by heads "
+                             f"{config.num_attention_heads}")
+        if hasattr(config, "head_dim"):
+            config.head_dim = config.hidden_size // config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None)
+    if kv and config.num_attention_heads % kv:
+        raise MpsimError(f"bad model shape: heads {config.num_attention_heads} is not divisible by kv heads {kv}")
+    if config.max_position_embeddings < seq_len:  # learned positions need a row per position
+        config.max_position_embeddings = seq_len
+
+
+# --- GPU kernel semantics ------------------------------------------------------------------------
+
+
+def _mpsim_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """An ``AttentionInterface`` function: q (b, a, s, d), k and v (b, kv_heads, s, d) to
+    (b, s, a, d), as transformers' own functions return it. Blocks are called without a
+    mask (training without padding): causal as the module says. Sliding windows
+    (Mistral, Gemma's local layers) are not modelled, as in ``mpsim.models.workloads``: their
+    kernels keep the same tensors, and the FLOPs counted are the full causal ones. Gemma 2's
+    attention soft-capping (``softcap``) runs inside the fused kernel and keeps nothing more."""
+    if attention_mask is not None:
+        raise MpsimError("mpsim attention takes no explicit attention mask (causal or bidirectional only)")
+    causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    out = kernels.attention(query, key, value, causal=causal, dropout_p=dropout, training=module.training,
+                            backend=_BACKEND.get(), scale=scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextmanager
+def _attention_backend(transformers: Any, backend: str) -> Iterator[None]:
+    """``_mpsim_attention`` registered, running ``backend``."""
+    transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, _mpsim_attention)
+    token = _BACKEND.set(kernels.check_backend(backend))
+    try:
+        yield
+    finally:
+        _BACKEND.reset(token)
+
+
+@contextmanager
+def _config_errors(source: str, model_type: str) -> Iterator[None]:
+    """A config whose values transformers accepts but its modules cannot run with (an
+    unknown activation, a string where a number belongs) fails while the model is built
+    or traced: one line naming the config and what failed, never a traceback."""
+    try:
+        yield
+    except MpsimError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError, RuntimeError,
+            AssertionError) as e:
+        raise MpsimError(f"{config_path(source)}: the {model_type} model cannot be built from this config "
+                         f"({type(e).__name__}: {_one_line(e)})") from None
+
+
+@contextmanager
+def _fake_errors(model_type: str) -> Iterator[None]:
+    """Data-dependent ops, which FakeTensor cannot run, as one line naming op and model."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        op = getattr(e, "func", None) or str(e)
+        raise MpsimError(f"{model_type}: {op} depends on the data, which FakeTensor mode cannot trace; "
+                         f"the model cannot be traced with --hf") from None
+
+
+# --- tracing -------------------------------------------------------------------------------------
+
+
+def _submodule(model: nn.Module, path: str) -> Any:
+    return functools.reduce(getattr, path.split("."), model)
+
+
+def _group(model: nn.Module, paths: tuple[str, ...]) -> nn.Module:
+    return nn.ModuleList([_submodule(model, p) for p in paths])
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def _build(transformers: Any, config: Any, layout: FamilyLayout, dtype: torch.dtype) -> nn.Module:
+    auto = transformers.AutoModelForMaskedLM if layout.masked_lm else transformers.AutoModelForCausalLM
+    model = auto.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
+    return model.train()
+
+
+class _SharedTables(nn.Module):
+    """The tables a decoder's rotary embedding builds once per forward and hands to every
+    block (``LlamaModel.forward``: ``position_embeddings``), held as buffers: a traced block
+    leaves them out of its saved bytes, as it does parameters, since the embedding's row
+    keeps them once (``_embed``)."""
+
+    def __init__(self, tables: tuple[torch.Tensor, ...]) -> None:
+        super().__init__()
+        for i, table in enumerate(tables):
+            self.register_buffer(f"table{i}", table, persistent=False)
+
+
+def _embed(model: Any, layout: FamilyLayout, rotary: nn.Module | None, tokens: torch.Tensor) -> torch.Tensor:
+    """The embedding and, for a rotary model, the (cos, sin) every block reads, built once
+    right after it as the backbone's forward does, kept until the backward."""
+    from mpsim.models.workloads import hold_for_backward
+
+    x = layout.embed(model, tokens)
+    if rotary is None:
+        return x
+    tables = _rotary_tables(model.config, rotary, x, _positions(x).unsqueeze(0))
+    return hold_for_backward(x, *[t for pair in tables.values() for t in pair])
+
+
+def _rotary_tables(config: Any, rotary: nn.Module, x: torch.Tensor,
+                   positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, ...]]:
+    """The (cos, sin) the backbone builds once per forward: one pair, or one per attention
+    type where the layers alternate (Gemma 3: local layers with their own RoPE base)."""
+    types = getattr(config, "layer_types", None)
+    if types and "layer_type" in inspect.signature(rotary.forward).parameters:
+        return {t: tuple(rotary(x, positions, t)) for t in dict.fromkeys(types)}
+    return {None: tuple(rotary(x, position_ids=positions))}
+
+
+def _trace_rows(model: Any, layout: FamilyLayout, b: int, s: int,
+                dtype: torch.dtype) -> tuple[dict, dict, dict]:
+    from mpsim.models.tracer import trace_layer
+
+    base = _submodule(model, layout.base)
+    block = _submodule(base, layout.blocks)[0]
+    rotary = _submodule(base, layout.rotary) if layout.rotary else None
+    h = model.config.hidden_size
+    tokens = torch.zeros(b, s, dtype=torch.long)
+    emb = trace_layer(_group(model, layout.embed_modules), [tokens], lambda _m, t: _embed(model, layout, rotary, t))
+    x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+    positions = _positions(x).unsqueeze(0)
+    extra: dict[str, Any] = {}
+    tables: dict[str | None, tuple[torch.Tensor, ...]] = {}
+    if rotary is not None:  # the traced block is layer 0, of layer type 0 where they alternate
+        tables = _rotary_tables(model.config, rotary, x, positions)
+        first = (getattr(model.config, "layer_types", None) or [None])[0]
+        extra = {"position_ids": positions, "position_embeddings": tables.get(first, next(iter(tables.values())))}
+    shared = _SharedTables(tuple(t for pair in tables.values() for t in pair))
+    layer = trace_layer(nn.ModuleList([block, shared]), [x],
+                        lambda _m, x: _first(block(x, attention_mask=None, **extra)))
+
+    def run_head(_m: nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = layout.head(model, x)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+
+    x2 = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+    head = trace_layer(_group(model, layout.head_modules), [x2, tokens], run_head)
+    return emb, layer, head
+
+
+def _full_params(model: nn.Module, layout: FamilyLayout, layers: int) -> int:
+    """Unique parameters of the full model: the one-block model's, plus the other blocks."""
+    block = _submodule(_submodule(model, layout.base), layout.blocks)[0]
+    return sum(p.numel() for p in model.parameters()) + (layers - 1) * sum(p.numel() for p in block.parameters())
+
+
+def _decoder_shape(model: Any, layout: FamilyLayout) -> dict[str, Any]:
+    """A Llama-layout model's MLP width, q|k|v biases, RoPE base and dropout in
+    ``mpsim.models.workloads.ModelConfig``'s terms, so that a tensor-parallel shard of the trace
+    (re-traced with mpsim's own hf-framework layer) has the model's shape."""
+    if layout.family != "llama":
+        return {}
+    config = model.config
+    attention = _submodule(_submodule(model, layout.base), layout.blocks)[0].self_attn
+    rope = getattr(config, "rope_parameters", None) or {}
+    return {"ffn_hidden": config.intermediate_size, "qkv_bias": attention.q_proj.bias is not None,
+            "rope_theta": float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            "dropout": float(getattr(config, "attention_dropout", 0.0))}
+
+
+def _defaults(source: str) -> tuple[int | None, int, str]:
+    """(seq_len, microbatch, recipe) of a preset as ``mpsim.models.workloads.PRESETS`` trains it."""
+    from mpsim.models.workloads import PRESETS
+
+    if source in PRESETS:
+        cfg, mb, recipe = PRESETS[source]
+        return cfg.seq_len, mb, recipe
+    return None, 1, "mixed-bf16"
+
+
+def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = None, attention: str | None = None,
+             overrides: dict[str, int] | None = None, name: str | None = None) -> Trace:
+    """Trace the Hugging Face model of SOURCE (a preset name, a model folder or a
+    config.json). ``overrides``: layers, hidden, heads, seq_len (see the module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mpsim.models.tracer import DTYPES, compute_dtype, make_trace
+
+    transformers = _transformers()
+    overrides = dict(overrides or {})
+    check_overrides(overrides)
+    config = load_config(source, overrides)
+    layout = LAYOUTS[config.model_type]
+    preset_seq, preset_mb, preset_recipe = _defaults(source)
+    seq_len = overrides.pop("seq_len", None) or preset_seq or min(config.max_position_embeddings, _DEFAULT_SEQ_LEN)
+    _apply_overrides(config, overrides, seq_len)
+    recipe = recipe or preset_recipe
+    if recipe not in RECIPES:
+        raise MpsimError(f"unknown recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+    backend = attention or kernels.default_attention(None, RECIPES[recipe].compute_dtype)
+    layers = config.num_hidden_layers
+    config.num_hidden_layers = 1
+    b = microbatch or preset_mb
+    with (_config_errors(source, config.model_type), _fake_errors(config.model_type),
+          _attention_backend(transformers, backend), compute_dtype(recipe), FakeTensorMode()):
+        dtype = DTYPES[RECIPES[recipe].compute_dtype]
+        model = _build(transformers, config, layout, dtype)
+        emb, layer, head = _trace_rows(model, layout, b, seq_len, dtype)
+        params = _full_params(model, layout, layers)
+    model_info = {"family": layout.family, "model_type": config.model_type, "layers": layers,
+                  "hidden": config.hidden_size, "heads": config.num_attention_heads,
+                  "kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                  "seq_len": seq_len, "vocab": config.vocab_size, "attention": backend, "framework": "hf",
+                  **_decoder_shape(model, layout), "source": f"hf:{config.model_type}"}
+    named = [("embedding", "embedding", emb), *[(f"layer{i}", "transformer", layer) for i in range(layers)],
+             ("head", "head", head)]
+    plain = not overrides and microbatch in (None, preset_mb) and preset_seq == seq_len
+    default_name = source if plain else f"hf-{config.model_type}-{layers}l-{config.hidden_size}h-{seq_len}s"
+    return make_trace(name or default_name, model_info, params, b, recipe, named)  # type: ignore[arg-type]

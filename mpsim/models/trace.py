@@ -1,0 +1,384 @@
+"""Model traces: per-layer time and bytes for one microbatch size (JSON, ``traces/``).
+
+A trace row is one layer of the pipeline (embedding, transformer layer, loss head). Byte
+counts are exact for the traced shapes; times are either measured (``fwd_ms``/``bwd_ms``)
+or derived for a GPU from FLOPs and bytes moved (``mpsim.timing.costs``).
+
+Rescaling rule (``scaling.rule = "linear-microbatch"``): activation, output, workspace
+bytes, FLOPs, bytes moved and measured times scale linearly with the microbatch size;
+parameter, gradient and optimizer bytes do not, nor does the part of the bytes moved that
+is the same at any batch (``fwd_fixed_mem_bytes``, ``bwd_fixed_mem_bytes``: a convolution's
+weight read and its gradient written, an embedding table's gradient).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, cast
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mpsim.datafile import read_data_file, validate
+from mpsim.errors import MpsimError, SchemaError
+from mpsim.hardware.kernel_records import Kernel, rescale_kernel
+from mpsim.hardware.topology import Dtype, GpuSpec
+from mpsim.limits import MAX_LAYERS, MAX_MICROBATCH, check_microbatch, check_trace_data
+from mpsim.units import MAX_BYTES
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+SCHEMA_VERSION = 1
+
+
+MAX_FLOPS = 1e21
+"""Per layer and microbatch (a zettaFLOP): far beyond any layer, so times stay finite."""
+MAX_MS = 1e7
+"""A measured layer time of at most about three hours."""
+MAX_PARAMS = 2**50
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class Precision(_Strict):
+    """Bytes per parameter of a training recipe. Mixed-precision Adam (the default) keeps
+    fp16 weights (2) and gradients (2), an fp32 master copy (4) and two fp32 Adam moments
+    (8): 16 bytes per parameter."""
+
+    recipe: Literal["mixed-fp16", "mixed-bf16", "mixed-fp16-fp32grad", "mixed-bf16-fp32grad", "fp32", "tf32"] = (
+        "mixed-fp16")
+    compute_dtype: Literal["fp16", "bf16", "fp32", "tf32"] = "fp16"
+    weight_bytes_per_param: int = Field(default=2, gt=0, le=64)
+    grad_bytes_per_param: int = Field(default=2, gt=0, le=64)
+    optimizer_bytes_per_param: int = Field(default=12, ge=0, le=256, description="master weights + Adam moments")
+
+
+RECIPES: dict[str, Precision] = {
+    "mixed-fp16": Precision(),
+    "mixed-bf16": Precision(recipe="mixed-bf16", compute_dtype="bf16"),
+    # fp32 gradient accumulation (Megatron-LM's main_grad): the gradient buffer is fp32, 18 bytes a parameter.
+    "mixed-fp16-fp32grad": Precision(recipe="mixed-fp16-fp32grad", grad_bytes_per_param=4),
+    "mixed-bf16-fp32grad": Precision(recipe="mixed-bf16-fp32grad", compute_dtype="bf16", grad_bytes_per_param=4),
+    "fp32": Precision(recipe="fp32", compute_dtype="fp32", weight_bytes_per_param=4, grad_bytes_per_param=4,
+                      optimizer_bytes_per_param=8),
+    # fp32 storage, matmuls on TF32 tensor cores (Ampere on): the bytes of fp32, the rate of tf32.
+    "tf32": Precision(recipe="tf32", compute_dtype="tf32", weight_bytes_per_param=4, grad_bytes_per_param=4,
+                      optimizer_bytes_per_param=8),
+}
+RECIPE_HELP = ("mixed-fp16 / mixed-bf16: 16-bit weights and gradients, fp32 master weights and Adam moments "
+               "(16 bytes a parameter); -fp32grad: gradients accumulated in fp32 (18); fp32 (16, no master copy); "
+               "tf32: fp32 bytes at tensor-core TF32 rate")
+_RATE_FALLBACK = {"tf32": ("tf32", "fp32"), "bf16": ("bf16", "fp16", "fp32"), "fp16": ("fp16", "fp32"),
+                  "fp32": ("fp32",)}
+
+
+class Source(_Strict):
+    kind: Literal["derived", "measured"]
+    tool: str = ""
+    torch_version: str = ""
+    device: str | None = Field(default=None, description="device the times were measured on")
+
+
+class Scaling(_Strict):
+    rule: Literal["linear-microbatch"] = "linear-microbatch"
+
+
+LayerKind = Literal["embedding", "transformer", "head", "other"]
+RECOMPUTABLE: frozenset[str] = frozenset({"transformer", "other"})
+"""Kinds of layer a planner may recompute (checkpoint the input, run the forward again before
+the backward): a transformer layer, or a block of a ``--module`` trace such as a ResNet
+bottleneck (the embedding's input is only token ids; the head runs the loss)."""
+
+
+CollectiveOp = Literal["all-reduce", "reduce-scatter", "all-gather"]
+
+
+class Collective(_Strict):
+    """One collective a tensor-parallel shard runs over its group, on the critical path:
+    ``n_bytes`` as nccl-tests counts them (all-reduce: the buffer; all-gather: the gathered
+    output; reduce-scatter: the input)."""
+
+    op: CollectiveOp
+    n_bytes: int = Field(ge=0, le=MAX_BYTES)
+
+
+class LayerRow(_Strict):
+    name: str
+    kind: LayerKind
+    params: int = Field(ge=0, le=MAX_PARAMS)
+    param_bytes: int = Field(ge=0, le=MAX_BYTES, description="working-precision weights")
+    grad_bytes: int = Field(ge=0, le=MAX_BYTES)
+    optimizer_bytes: int = Field(ge=0, le=MAX_BYTES, description="master weights and optimizer moments")
+    act_bytes: int = Field(ge=0, le=MAX_BYTES, description="saved for backward, layer input included when saves_input")
+    saves_input: bool = Field(description="whether the layer's input is among its saved tensors")
+    input_bytes: int = Field(ge=0, le=MAX_BYTES)
+    output_bytes: int = Field(ge=0, le=MAX_BYTES, description="what crosses a stage boundary after this layer")
+    workspace_bytes: int = Field(
+        ge=0, le=MAX_BYTES, description="largest transient tensor of the forward, freed within the layer")
+    bwd_workspace_bytes: int | None = Field(
+        default=None, ge=0, le=MAX_BYTES,
+        description="transient bytes of the backward beyond the input gradient (measured traces); "
+                    "absent: taken equal to workspace_bytes")
+    fwd_flops: float = Field(ge=0, le=MAX_FLOPS)
+    bwd_flops: float = Field(ge=0, le=MAX_FLOPS)
+    fwd_mem_bytes: float = Field(
+        ge=0, le=MAX_BYTES, description="bytes read and written by the forward's non-matmul ops")
+    bwd_mem_bytes: float = Field(ge=0, le=MAX_BYTES)
+    fwd_fixed_mem_bytes: float = Field(
+        default=0.0, ge=0, le=MAX_BYTES,
+        description="part of fwd_mem_bytes that does not grow with the microbatch (weights read)")
+    bwd_fixed_mem_bytes: float = Field(
+        default=0.0, ge=0, le=MAX_BYTES,
+        description="part of bwd_mem_bytes that does not grow with the microbatch: weights read, weight "
+                    "gradients written")
+    fwd_ms: float | None = Field(default=None, gt=0, le=MAX_MS, description="measured forward time")
+    bwd_ms: float | None = Field(default=None, gt=0, le=MAX_MS, description="measured backward time")
+    split_dims: list[Literal["batch", "sequence", "hidden"]] = Field(default_factory=list)
+    fwd_attention_flops: float = Field(
+        default=0.0, ge=0, le=MAX_FLOPS, description="part of fwd_flops run inside a fused attention kernel")
+    bwd_attention_flops: float = Field(default=0.0, ge=0, le=MAX_FLOPS, description="part of bwd_flops likewise")
+    attention_core_bytes: int = Field(
+        default=0, ge=0, le=MAX_BYTES,
+        description="part of act_bytes kept by the attention core beyond q, k, v: what selective recompute drops")
+    attention_core_flops: float = Field(
+        default=0.0, ge=0, le=MAX_FLOPS, description="forward FLOPs of the attention core (selective recompute)")
+    attention_core_mem_bytes: float = Field(
+        default=0.0, ge=0, le=MAX_BYTES, description="bytes the attention core's non-matmul ops move, forward")
+    fwd_collectives: list[Collective] = Field(
+        default_factory=list, description="a tensor-parallel shard's collectives in the forward, in order")
+    bwd_collectives: list[Collective] = Field(
+        default_factory=list, description="a tensor-parallel shard's collectives in the backward, in order")
+    fwd_kernels: list[Kernel] = Field(
+        default_factory=list, description="the forward's GPU kernels by shape (mpsim.hardware.kernel_records); empty "
+                                          "in traces made before kernels were recorded")
+    bwd_kernels: list[Kernel] = Field(default_factory=list, description="the backward's GPU kernels by shape")
+
+    @model_validator(mode="after")
+    def _saved_input_fits(self) -> LayerRow:
+        if self.saves_input and self.act_bytes < self.input_bytes:
+            raise ValueError("act_bytes must include input_bytes when saves_input is true")
+        if self.attention_core_bytes > self.act_bytes:
+            raise ValueError("attention_core_bytes is part of act_bytes and cannot exceed it")
+        if self.fwd_attention_flops > self.fwd_flops or self.bwd_attention_flops > self.bwd_flops:
+            raise ValueError("attention FLOPs are part of fwd_flops and bwd_flops and cannot exceed them")
+        if self.fwd_fixed_mem_bytes > self.fwd_mem_bytes or self.bwd_fixed_mem_bytes > self.bwd_mem_bytes:
+            raise ValueError("fixed traffic is part of fwd_mem_bytes and bwd_mem_bytes and cannot exceed them")
+        return self
+
+    @property
+    def own_bytes(self) -> int:
+        """What recomputing the layer frees per microbatch: its saved activations less the
+        input, which the checkpoint keeps (when the input is among them)."""
+        return self.act_bytes - (self.input_bytes if self.saves_input else 0)
+
+
+class TraceFile(_Strict):
+    schema_: int = Field(alias="schema")
+    name: str
+    model: dict = Field(description="family and shape: family, layers, hidden, heads, seq_len, vocab ...")
+    params: int = Field(gt=0, le=MAX_PARAMS, description="unique model parameters")
+    microbatch: int = Field(gt=0, le=MAX_MICROBATCH)
+    precision: Precision = Precision()
+    source: Source
+    scaling: Scaling = Scaling()
+    layers: list[LayerRow] = Field(min_length=1, max_length=MAX_LAYERS)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
+
+
+_SCALED = ("act_bytes", "input_bytes", "output_bytes", "workspace_bytes", "fwd_flops", "bwd_flops",
+           "fwd_attention_flops", "bwd_attention_flops", "attention_core_bytes",
+           "attention_core_flops", "attention_core_mem_bytes")
+_SCALED_OPTIONAL = ("fwd_ms", "bwd_ms", "bwd_workspace_bytes")
+_COLLECTIVE_FIELDS = ("fwd_collectives", "bwd_collectives")
+"""Only a tensor-parallel shard's rows have them; linear in the batch (they move activations)."""
+_KERNEL_FIELDS = ("fwd_kernels", "bwd_kernels")
+"""Rescaled kernel by kernel (``kernel_records.rescale_kernel``); left out of the file when empty."""
+_BYTE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "act_bytes", "input_bytes", "output_bytes",
+                "workspace_bytes", "bwd_workspace_bytes")
+
+
+class Trace:
+    """A validated trace. Immutable; ``rescale`` and ``with_layers`` return new traces."""
+
+    def __init__(self, spec: TraceFile, source: str = "") -> None:
+        if spec.schema_ != SCHEMA_VERSION:
+            raise SchemaError(source, "schema", f"expected {SCHEMA_VERSION}, got {spec.schema_}")
+        rows = spec.layers
+        if not any(r.fwd_flops or r.bwd_flops or r.fwd_mem_bytes or r.bwd_mem_bytes or r.fwd_ms or r.bwd_ms
+                   for r in rows):
+            raise SchemaError(source, "layers", "every layer has zero FLOPs, no bytes moved and no measured time: "
+                                                "expected some work to simulate")
+        total = sum(getattr(r, k) or 0 for r in rows for k in _BYTE_FIELDS)
+        if total > MAX_BYTES:
+            raise SchemaError(source, "layers", f"the layers' bytes add up to {total:.3g}, expected at most 1 PiB "
+                                                f"({MAX_BYTES}) in all at microbatch {spec.microbatch}")
+        self.spec = spec
+        self.source = source
+
+    @cached_property
+    def content_hash(self) -> str:
+        """SHA-256 of the validated contents (not the name or path): equal contents, equal hash."""
+        return hashlib.sha256(self.spec.model_dump_json(by_alias=True).encode()).hexdigest()
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def layers(self) -> list[LayerRow]:
+        return self.spec.layers
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.spec.layers)
+
+    @property
+    def seq_len(self) -> int | None:
+        """Tokens per sample (``model.seq_len``); None for a model without one (a CNN)."""
+        value = self.spec.model.get("seq_len")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    @property
+    def microbatch(self) -> int:
+        return self.spec.microbatch
+
+    @cached_property
+    def fwd_flops_total(self) -> float:
+        return float(sum(r.fwd_flops for r in self.spec.layers))
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per layer, columns as in the file."""
+        import pandas as pd  # here only: importing it took half of `import mpsim`
+
+        return pd.DataFrame([r.model_dump() for r in self.spec.layers])
+
+    def to_json(self) -> str:
+        """The file's text; a row's collective lists are left out when empty (only
+        tensor-parallel shards have them)."""
+        data = self.spec.model_dump(by_alias=True)
+        for row in data["layers"]:
+            for k in (*_COLLECTIVE_FIELDS, *_KERNEL_FIELDS):
+                if not row[k]:
+                    del row[k]
+        return json.dumps(data, indent=1)
+
+    def rescale(self, microbatch: int) -> Trace:
+        """The same model at another microbatch size, by the linear rule in the module doc."""
+        check_microbatch(microbatch)
+        if microbatch == self.microbatch:
+            return self
+        f = microbatch / self.microbatch
+        rows = []
+        for r in self.spec.layers:
+            upd = {k: (round(getattr(r, k) * f) if isinstance(getattr(r, k), int) else getattr(r, k) * f)
+                   for k in _SCALED}
+            # bytes moved: the fixed part stays, the rest scales
+            upd["fwd_mem_bytes"] = r.fwd_fixed_mem_bytes + (r.fwd_mem_bytes - r.fwd_fixed_mem_bytes) * f
+            upd["bwd_mem_bytes"] = r.bwd_fixed_mem_bytes + (r.bwd_mem_bytes - r.bwd_fixed_mem_bytes) * f
+            for k in _SCALED_OPTIONAL:
+                v = getattr(r, k)
+                if v is not None:
+                    upd[k] = round(v * f) if isinstance(v, int) else v * f
+            for k in _COLLECTIVE_FIELDS:
+                if getattr(r, k):
+                    upd[k] = [c.model_copy(update={"n_bytes": round(c.n_bytes * f)}) for c in getattr(r, k)]
+            for k in _KERNEL_FIELDS:
+                if getattr(r, k):
+                    upd[k] = [rescale_kernel(kern, f) for kern in getattr(r, k)]
+            rows.append(r.model_copy(update=upd))
+        return Trace(self.spec.model_copy(update={"layers": rows, "microbatch": microbatch}), self.source)
+
+    def with_layers(self, n_transformer: int) -> Trace:
+        """The same family with ``n_transformer`` identical transformer layers: the size knob
+        that ``fits`` searches (hidden size, heads and sequence stay as traced)."""
+        rows = self.spec.layers
+        blocks = [r for r in rows if r.kind == "transformer"]
+        if not blocks:
+            raise MpsimError(f"{self.name}: has no transformer layers to repeat, so its depth cannot be changed "
+                             "(a --module trace keeps the depth its builder gave)")
+        if n_transformer < 1:
+            raise MpsimError(f"{self.name}: cannot set the number of transformer layers to {n_transformer}")
+        first = next(i for i, r in enumerate(rows) if r.kind == "transformer")
+        last = max(i for i, r in enumerate(rows) if r.kind == "transformer")
+        template = blocks[0]
+        new_blocks = [template.model_copy(update={"name": f"layer{i}"}) for i in range(n_transformer)]
+        new_rows = rows[:first] + new_blocks + rows[last + 1:]
+        delta = (n_transformer - len(blocks)) * template.params
+        model = dict(self.spec.model, layers=n_transformer)
+        name = f"{self.spec.model.get('family', 'model')}-{n_transformer}l"
+        spec = self.spec.model_copy(update={"layers": new_rows, "params": self.spec.params + delta, "model": model,
+                                            "name": name})
+        return Trace(spec, self.source)
+
+    def rate_dtype(self, gpu: GpuSpec) -> Dtype:
+        """The datatype whose peak and efficiencies time this trace on ``gpu``: the compute
+        dtype, else the next one down ``_RATE_FALLBACK`` that the GPU lists (bf16 on a V100
+        runs at its fp16 rate)."""
+        wanted = self.spec.precision.compute_dtype
+        return cast(Dtype, next((d for d in _RATE_FALLBACK[wanted] if d in gpu.peak_tflops), "fp32"))
+
+
+_GENERIC_WORDS = {"NVIDIA", "TESLA", "GEFORCE", "QUADRO", "SXM", "SXM2", "SXM3", "SXM4", "SXM5", "PCIE", "HBM2",
+                  "HBM2E", "HBM3", "HBM3E", "NVL", "TI"}
+
+
+def _device_kind(name: str) -> frozenset[str]:
+    """What identifies a device name: {"CPU"}, or the GPU model's numbered words (V100,
+    H100, 1080 ...), empty when it names none (TITAN RTX, a hand-written trace)."""
+    import re
+
+    if name.strip().lower().startswith("cpu"):
+        return frozenset({"CPU"})
+    words = {w for w in re.split(r"[^A-Za-z0-9]+", name.upper()) if w} - _GENERIC_WORDS
+    return frozenset(w for w in words if re.search(r"\d", w) and not re.fullmatch(r"\d+GB", w))
+
+
+def measured_elsewhere(trace: Trace, gpu_model: str, server: str) -> str | None:
+    """One line when ``trace`` holds times measured on another kind of device than the
+    server's GPUs (a CPU-measured trace simulated on a GPU server, say); else None. The
+    measured times are used as they are, so the result describes that device, not the GPU."""
+    source = trace.spec.source
+    if source.kind != "measured" or not source.device or not any(r.fwd_ms or r.bwd_ms for r in trace.layers):
+        return None
+    measured, target = _device_kind(source.device), _device_kind(gpu_model)
+    if "CPU" in measured | target:
+        differ = measured != target
+    else:  # two GPUs: different when both are named and share no model number
+        differ = bool(measured and target and not measured & target)
+    if not differ:
+        return None
+    return (f"{trace.name}: times measured on {source.device}, but {server} has {gpu_model} GPUs; "
+            "the measured times are used as they are")
+
+
+def _not_a_hf_config(data: object, source: str) -> None:
+    """Refuse a Hugging Face config.json given where a trace goes (``--model``) in one line
+    with the command that traces it: it has ``model_type`` or ``architectures`` and no
+    trace ``schema``, which would otherwise be reported as some thirty missing fields."""
+    if not isinstance(data, dict) or "schema" in data:
+        return
+    key = next((k for k in ("model_type", "architectures") if k in data), None)
+    if key is None:
+        return
+    path = Path(source)
+    out = path.with_name(f"{path.stem}-trace.json")
+    raise MpsimError(f"{source}: a Hugging Face config.json (it has {key}), not an mpsim trace: trace it "
+                     f"with `mpsim trace --hf {shlex.quote(source)} -o {shlex.quote(str(out))}` "
+                     f"and give --model {shlex.quote(str(out))}")
+
+
+def parse_trace(data: object, source: str = "<trace>") -> Trace:
+    _not_a_hf_config(data, source)
+    check_trace_data(data, source)  # a layer count over the limit in one line, before validating every row
+    return Trace(validate(TraceFile, data, source), source)
+
+
+def read_trace_file(path: Path) -> Trace:
+    return parse_trace(read_data_file(path, "json", "trace"), str(path))

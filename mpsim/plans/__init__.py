@@ -1,0 +1,2 @@
+"""The job and its plan: the parallel layout as a device mesh, the job type checked once, layout
+names and the layouts searched, schedules, partitions, plan files and the strategy registry."""

@@ -1,0 +1,342 @@
+"""How many servers, with which layout, to train a model on N tokens: time and cost to train.
+
+For every cluster (``mpsim.hardware.cluster``) the search tries server counts in powers of two up
+to the cluster's ``max_servers`` and, on each, every layout of Megatron-LM's kind: tensor
+parallel with sequence parallel inside a server (the degrees the model's heads allow),
+pipeline across servers, and the data-parallel replicas left, their states sharded by
+ZeRO-1 (Megatron's distributed optimizer), FSDP or HSDP (``LAYOUT_KINDS``), at each
+microbatch size. The global batch is fixed (``batch_tokens``, as a training recipe fixes
+it): each replica runs ``batch / (replicas x microbatch)`` microbatches, so more replicas
+mean fewer microbatches and a larger pipeline bubble. Each configuration is simulated
+(one iteration, one replica's pipeline: ``mpsim.sim``); a configuration whose peak does
+not fit is tried again with selective, then full recomputation.
+
+Per server count the fastest configuration that fits stands; time to train is tokens over
+its tokens per second, cost is servers x hours x the server's price (``price`` of the
+cluster or its server; ``discount`` off). The answer per cluster: the fewest servers that
+train within ``days`` (and ``budget_usd``), and the Pareto front of days against cost.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from mpsim.data.catalog import load_cluster, load_trace
+from mpsim.errors import MpsimError
+from mpsim.hardware.cluster import DEFAULT_BATCH_TOKENS, Cluster
+from mpsim.models.trace import Trace
+from mpsim.plans.job import JobSpec, Parallelism
+from mpsim.studies.backends import Backend, run_points
+
+LAYOUT_KINDS: tuple[tuple[str, int, bool], ...] = (("ZeRO-1", 1, False), ("FSDP", 3, False), ("HSDP", 3, True))
+"""Data-parallel kinds searched: (name, ZeRO stage, HSDP)."""
+STRATEGIES: tuple[str, ...] = ("none", "selective", "recompute")
+"""Tried in this order until one fits."""
+HOURS_PER_DAY = 24.0
+MAX_PIPELINE = 16
+"""Deepest pipeline searched: deeper ones run hundreds of microbatches per replica and
+leave a layer or two a stage (an 80-layer model over 64 stages)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A layout without its server count: tensor (with sequence parallel), pipeline, the
+    data-parallel kind, and the microbatch size."""
+
+    tensor: int
+    pipeline: int
+    zero_stage: int
+    hsdp: bool
+    microbatch: int
+
+    def parallelism(self, data: int) -> Parallelism:
+        zero, hsdp = (self.zero_stage, self.hsdp) if data > 1 else (0, False)
+        return Parallelism(data=data, tensor=self.tensor, sequence_parallel=self.tensor > 1, pipeline=self.pipeline,
+                           zero_stage=zero, hsdp=hsdp)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Point:
+    """One configuration to simulate (picklable: runs on worker processes or Ray)."""
+
+    cluster: str
+    model: str
+    servers: int
+    shape: Shape
+    batch_samples: int
+    strategy: str = "none"
+
+
+@dataclass(frozen=True)
+class Tried:
+    """What one configuration gave."""
+
+    point: Point
+    layout: str
+    fits: bool
+    iteration_s: float
+    samples_per_s: float
+    peak_bytes: int
+    capacity_bytes: int
+    states_bytes: int = 0
+    """The most any GPU keeps of parameters, gradients and optimizer states: when it alone
+    passes the capacity, recomputation cannot help."""
+
+
+@dataclass
+class ScaleRow:
+    """The configuration that stands for ``servers`` servers of a cluster."""
+
+    cluster: str
+    servers: int
+    gpus: int
+    tried: Tried
+    tokens_per_s: float
+    days: float
+    usd: float | None
+    within: bool = False
+    """Meets ``days`` and ``budget_usd``."""
+    pareto: bool = False
+
+    def to_dict(self) -> dict:
+        t = self.tried
+        return {"cluster": self.cluster, "servers": self.servers, "gpus": self.gpus, "layout": t.layout,
+                "strategy": t.point.strategy, "microbatch": t.point.shape.microbatch, "iteration_s": t.iteration_s,
+                "tokens_per_s": self.tokens_per_s, "days": self.days, "usd": self.usd,
+                "peak_bytes": t.peak_bytes, "capacity_bytes": t.capacity_bytes, "within": self.within,
+                "pareto": self.pareto}
+
+
+@dataclass
+class ClusterAnswer:
+    cluster: str
+    description: str
+    usd_per_server_hour: float | None
+    price_source: str
+    rows: list[ScaleRow]
+    simulated: int
+    """Configurations simulated for this cluster."""
+    pick: ScaleRow | None = None
+    """The fewest servers within the deadline and budget (None: none is)."""
+
+    def to_dict(self) -> dict:
+        return {"cluster": self.cluster, "description": self.description,
+                "usd_per_server_hour": self.usd_per_server_hour, "price_source": self.price_source,
+                "simulated": self.simulated, "pick": None if self.pick is None else self.pick.servers,
+                "rows": [r.to_dict() for r in self.rows]}
+
+
+@dataclass
+class ScaleReport:
+    model: str
+    tokens: float
+    batch_tokens: int
+    seq_len: int
+    days: float | None
+    budget_usd: float | None
+    discount: float
+    answers: list[ClusterAnswer] = field(default_factory=list)
+
+    def recommendation(self) -> str:
+        return recommendation(self)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "tokens": self.tokens, "batch_tokens": self.batch_tokens,
+                "seq_len": self.seq_len, "days": self.days, "budget_usd": self.budget_usd,
+                "discount": self.discount, "recommendation": self.recommendation(),
+                "clusters": [a.to_dict() for a in self.answers]}
+
+
+def seq_len_of(trace: Trace) -> int:
+    seq = trace.seq_len
+    if seq is None:
+        raise MpsimError(f"{trace.name} has no sequence length (model.seq_len): time to train on tokens needs one")
+    return seq
+
+
+def shapes(cluster: Cluster, trace: Trace, microbatch_sizes: Sequence[int]) -> list[Shape]:
+    """Every layout shape the model splits into on ``cluster``'s servers (module doc)."""
+    from mpsim.models.tensor_parallel import check_shardable
+
+    g = cluster.gpus_per_server
+    out = []
+    for t in (d for d in (1, 2, 4, 8, 16, 32, 64) if d <= g and g % d == 0):
+        try:
+            check_shardable(trace, t, t > 1)
+        except MpsimError:
+            continue
+        for p in (q for q in (1, 2, 4, 8, 16) if q <= min(trace.n_layers, MAX_PIPELINE)):
+            for _, zero, hsdp in LAYOUT_KINDS:
+                out += [Shape(t, p, zero, hsdp, mb) for mb in microbatch_sizes]
+    return out
+
+
+def job_of_point(point: Point, cluster: Cluster | None = None, trace: Trace | None = None) -> JobSpec | None:
+    """The job a point describes, or None when its layout does not split the batch or the
+    servers (replicas must divide the global batch, stages need microbatches)."""
+    cluster = cluster or load_cluster(point.cluster)
+    shape, n = point.shape, point.servers
+    per_replica = shape.tensor * shape.pipeline
+    gpus = n * cluster.gpus_per_server
+    if gpus % per_replica:
+        return None
+    data = gpus // per_replica
+    if point.batch_samples % (data * shape.microbatch):
+        return None
+    m = point.batch_samples // (data * shape.microbatch)
+    if m < shape.pipeline or (data == 1 and (shape.zero_stage, shape.hsdp) != LAYOUT_KINDS[0][1:]):
+        return None  # a single replica is searched once, as ZeRO-1's row (it has nothing to shard)
+    trace = (trace or load_trace(point.model)).rescale(shape.microbatch)
+    try:
+        return JobSpec(cluster.server, trace, "1f1b", m, shape.parallelism(data), strategy=point.strategy,
+                       cluster=cluster, servers=n)
+    except MpsimError:
+        return None
+
+
+def simulated_microbatches(stages: int) -> tuple[int, int]:
+    """The two microbatch counts a long iteration is simulated at (``simulate_point``)."""
+    return max(2 * stages, 4), max(3 * stages, 6)
+
+
+def simulate_point(point: Point) -> Tried:
+    """One configuration simulated (runs on a worker). An iteration of m microbatches,
+    more than the two counts of ``simulated_microbatches`` (m1 < m2) together, is
+    simulated at both and extended along the line through them: past 1F1B's warm-up
+    every further microbatch adds the same forward and backward of the slowest stage, and
+    a stage holds at most p microbatches, so the peak is m2's (``tests/test_scale.py``
+    holds the line to full runs; on Llama-3-70B layouts it agrees to 1e-13)."""
+    from mpsim.planners.registry import plan_job
+
+    job = job_of_point(point)
+    if job is None:
+        raise MpsimError(f"{point} is not a layout of its servers")
+    m = job.microbatches
+    m1, m2 = simulated_microbatches(job.n_stages)
+    extend = m > m1 + m2  # two short runs cost less than the long one
+    r = plan_job(job if not extend else job.but(microbatches=m2)).result
+    iteration_s = r.iteration_s
+    if extend:
+        short = plan_job(job.but(microbatches=m1)).result
+        iteration_s += (m - m2) * (r.iteration_s - short.iteration_s) / (m2 - m1)
+    samples_per_s = job.samples_per_iteration / iteration_s
+    peak = max(g.peak_bytes for g in r.gpus)
+    states = max(sum(g.breakdown.get(k, 0) for k in ("params", "grads", "optimizer")) for g in r.gpus)
+    return Tried(point, job.layout_name, r.fits, iteration_s, samples_per_s, peak, r.gpus[0].capacity_bytes, states)
+
+
+def server_counts(cluster: Cluster, least: int = 1) -> list[int]:
+    top = cluster.spec.max_servers
+    return [2**k for k in range(int(math.log2(top)) + 1) if least <= 2**k <= top]
+
+
+def scale(model: str | Trace, clusters: Sequence[str], tokens: float, days: float | None = None,
+          budget_usd: float | None = None, batch_tokens: int = DEFAULT_BATCH_TOKENS,
+          microbatch_sizes: Sequence[int] = (1,), discount: float = 0.0, backend: Backend | None = None,
+          on_point: Callable[[Tried], None] | None = None, min_servers: int = 1,
+          max_servers: int | None = None) -> ScaleReport:
+    """How many servers of each cluster train ``model`` on ``tokens`` (module doc)."""
+    _check(tokens, days, budget_usd, batch_tokens, discount)
+    trace = load_trace(model) if isinstance(model, str) else model
+    seq = seq_len_of(trace)
+    batch = max(1, batch_tokens // seq)
+    report = ScaleReport(trace.name, tokens, batch * seq, seq, days, budget_usd, discount)
+    for name in clusters:
+        cluster = load_cluster(name)
+        counts = [n for n in server_counts(cluster, min_servers) if max_servers is None or n <= max_servers]
+        points = [Point(name, trace.source or trace.name, n, s, batch) for n in counts
+                  for s in shapes(cluster, trace, microbatch_sizes)]
+        points = [p for p in points if job_of_point(p, cluster, trace) is not None]
+        tried = _search(points, backend, on_point)
+        report.answers.append(_answer(cluster, name, tried, report))
+    return report
+
+
+def _check(tokens: float, days: float | None, budget: float | None, batch_tokens: int, discount: float) -> None:
+    if not 0 < tokens < 1e16:
+        raise MpsimError(f"--tokens must be a positive count below 1e16, got {tokens:g}")
+    if days is not None and not 0 < days <= 3650:
+        raise MpsimError(f"--days must be between 0 and 3650, got {days:g}")
+    if budget is not None and not 0 < budget < 1e12:
+        raise MpsimError(f"--budget must be a positive number of USD, got {budget:g}")
+    if not 1 <= batch_tokens <= 2**30:
+        raise MpsimError(f"--batch-tokens must be 1 to 2^30, got {batch_tokens}")
+    if not 0 <= discount < 1:
+        raise MpsimError(f"--discount is a fraction off the list price, 0 to below 1, got {discount:g}")
+
+
+def _search(points: list[Point], backend: Backend | None, on_point: Callable[[Tried], None] | None) -> list[Tried]:
+    """Every point with ``none``; what does not fit again with the next strategy, unless
+    its model states alone overflow the GPU."""
+    done: list[Tried] = []
+    todo = points
+    for strategy in STRATEGIES:
+        todo = [replace(p, strategy=strategy) for p in todo]
+        failed = []
+        for outcome in run_points(todo, simulate_point, backend):
+            if outcome.value is None:
+                continue
+            tried: Tried = outcome.value
+            done.append(tried)
+            if on_point:
+                on_point(tried)
+            if not tried.fits and tried.states_bytes < tried.capacity_bytes:
+                failed.append(tried.point)
+        todo = failed
+    return done
+
+
+def _answer(cluster: Cluster, name: str, tried: Sequence[Tried], report: ScaleReport) -> ClusterAnswer:
+    price = cluster.price
+    hourly = price.on_demand.usd_per_hour * (1 - report.discount) if price and price.on_demand else None
+    source = price.on_demand.source if price and price.on_demand else ""
+    best: dict[int, Tried] = {}
+    for t in tried:
+        if t.fits and (t.point.servers not in best or t.samples_per_s > best[t.point.servers].samples_per_s):
+            best[t.point.servers] = t
+    rows = []
+    for n, t in sorted(best.items()):
+        tokens_per_s = t.samples_per_s * report.seq_len
+        days = report.tokens / tokens_per_s / 86400
+        usd = None if hourly is None else hourly * n * days * HOURS_PER_DAY
+        within = (report.days is None or days <= report.days) and (
+            report.budget_usd is None or (usd is not None and usd <= report.budget_usd))
+        rows.append(ScaleRow(name, n, n * cluster.gpus_per_server, t, tokens_per_s, days, usd, within))
+    _mark_pareto(rows)
+    pick = next((r for r in rows if r.within), None)
+    return ClusterAnswer(cluster.name, cluster.describe(), hourly, source, rows, len(tried), pick)
+
+
+def _mark_pareto(rows: list[ScaleRow]) -> None:
+    """A row is on the front when no other is both faster and cheaper (or as fast and cheaper)."""
+    priced = [(r.days, r.usd) for r in rows if r.usd is not None]
+    for r in rows:
+        r.pareto = r.usd is not None and not any(
+            d <= r.days and u <= r.usd and (d, u) != (r.days, r.usd) for d, u in priced)
+
+
+def days_text(days: float) -> str:
+    """Days with one decimal, or three significant digits under a day."""
+    return f"{days:.1f}" if days >= 1 else f"{days:.3g}"
+
+
+def recommendation(report: ScaleReport) -> str:
+    """One line: the cheapest pick over the clusters, or why there is none."""
+    picks = [a.pick for a in report.answers if a.pick is not None]
+    goal = " and ".join(x for x in (f"within {report.days:g} days" if report.days else "",
+                                    f"within ${report.budget_usd:,.0f}" if report.budget_usd else "") if x)
+    if not picks:
+        fits = [r for a in report.answers for r in a.rows]
+        if not fits:
+            return f"{report.model} fits on none of the clusters searched"
+        fastest = min(fits, key=lambda r: r.days)
+        return (f"no cluster trains {report.model} on {report.tokens:.3g} tokens {goal}; the fastest is "
+                f"{fastest.servers} x {fastest.cluster} ({fastest.tried.layout}) in {days_text(fastest.days)} days")
+    best = min(picks, key=lambda r: (math.inf if r.usd is None else r.usd, r.days))
+    cost = "" if best.usd is None else f" for ${best.usd:,.0f}"
+    servers = f"{best.servers} server" + ("s" if best.servers != 1 else "")
+    return (f"{servers} of {best.cluster} ({best.gpus} GPUs), {best.tried.layout} with "
+            f"{best.tried.point.strategy}, microbatch {best.tried.point.shape.microbatch}: {report.tokens:.3g} tokens "
+            f"in {days_text(best.days)} days{cost}" + (f" ({goal})" if goal else ""))

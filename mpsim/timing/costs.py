@@ -1,0 +1,187 @@
+"""The cost model: the one place that turns a trace's per-layer FLOPs and bytes and a GPU
+spec into seconds.
+
+``cost_model(trace, gpu)`` gives a ``CostModel`` with, for every layer of the trace on that
+GPU: its forward and backward seconds (``layer_times``), the forward seconds of its
+attention core when selective recompute re-runs it (``attention_core_s``), and the
+optimizer update seconds of any set of layers (``update_s``). Every memory-bound term of
+the layer times and of the attention core runs at one rate, ``memory_rate``: the memory
+bandwidth at the GPU's memory efficiency for the trace's rate datatype
+(``GpuSpec.op_efficiency``). The optimizer update runs at ``update_rate`` (the GPU-wide
+``memory_efficiency``; see there).
+
+Models are cached by content: the trace's ``content_hash`` and the GPU spec's fields, so
+equal contents give the same object however many traces or topologies were loaded
+(``COST_MODELS`` are remembered per process). The arrays are read-only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from mpsim.errors import MpsimError
+from mpsim.hardware.topology import Dtype, GpuSpec, OpEfficiency
+from mpsim.timing.kernel_time import ITEMSIZE, KernelRates, can_time, pass_seconds
+
+if TYPE_CHECKING:
+    from mpsim.models.trace import LayerRow, Trace
+
+__all__ = ["COST_MODELS", "CostModel", "LayerTimes", "attention_core_seconds", "cost_model", "peak_rates"]
+
+UNCHECKED_TIME_BAND_PCT = 13.0
+"""The band of a time prediction on a GPU whose time model has not been checked against
+measurements of that GPU: the rms error of the unfitted H100 kernel table on our measured
+H100 transformer-layer and head passes (bf16, ``reports/kernel_time.md``)."""
+
+COST_MODELS = 64
+"""Cost models remembered per process (``cost_model``)."""
+_MODELS: OrderedDict[tuple[str, str], CostModel] = OrderedDict()
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Per-layer forward and backward seconds on one GPU model."""
+
+    fwd_s: np.ndarray
+    bwd_s: np.ndarray
+
+
+def peak_rates(gpu: GpuSpec, dtype: Dtype) -> tuple[float, float]:
+    """The GPU's peak FLOP/s at ``dtype`` (datasheet ``peak_tflops``) and its peak memory
+    bytes/s (``memory_bandwidth_gbps``): the rates every efficiency is a fraction of."""
+    return gpu.peak_tflops[dtype] * 1e12, gpu.memory_bandwidth_gbps * 1e9
+
+
+@dataclass(frozen=True, eq=False)
+class CostModel:
+    """Seconds for one trace on one GPU model (build with ``cost_model``)."""
+
+    dtype: Dtype
+    """The datatype whose peak and efficiencies apply (``Trace.rate_dtype``)."""
+    efficiency: OpEfficiency
+    """The GPU's efficiencies at ``dtype`` (``GpuSpec.op_efficiency``)."""
+    memory_rate: float
+    """Bytes/s of memory-bound work in a layer: bandwidth x ``efficiency.memory``."""
+    update_rate: float
+    """Bytes/s of the optimizer update: bandwidth x the GPU-wide ``memory_efficiency``
+    (``GpuSpec.memory_efficiency`` names the update as its use): Adam reads and writes
+    fp32 master weights and moments whatever the layers' compute datatype, so the
+    compute datatype's efficiency block does not apply to it."""
+    layer_times: LayerTimes
+    """Per-layer forward and backward seconds (``_layer_times``)."""
+    kernel_rates: KernelRates | None
+    """What timed the layers kernel by kernel (``mpsim.timing.kernel_time``); None: the roofline."""
+    attention_core_s: np.ndarray
+    """Per layer, the attention core's forward seconds (``attention_core_seconds`` at
+    ``memory_rate``); 0 where the layer has no attention core."""
+
+    def time_band(self) -> tuple[float, str]:
+        """The relative error band of times made with this model, % (either side), and why:
+        a checked kernel table's own residual, else ``UNCHECKED_TIME_BAND_PCT``."""
+        table = self.kernel_rates.table if self.kernel_rates else None
+        if table is not None and table.checked and table.residual_pct is not None:
+            return table.residual_pct, f"rms error of its kernel table against {table.checked}"
+        return UNCHECKED_TIME_BAND_PCT, ("time model not checked on this GPU: the rms error of the unfitted H100 "
+                                         "kernel table on measured H100 layers, likely a floor on other GPUs")
+
+    def update_s(self, rows: list[LayerRow]) -> float:
+        """Adam step of ``rows``, memory bound: read gradients, read and write master
+        weights and moments, write the working weights, at ``update_rate``."""
+        n_bytes = sum(r.grad_bytes + 2 * r.optimizer_bytes + r.param_bytes for r in rows)
+        return n_bytes / self.update_rate
+
+
+def cost_model(trace: Trace, gpu: GpuSpec) -> CostModel:
+    """The cost model of ``trace`` on ``gpu``: the one made before for equal contents, else
+    a new one (remembered, the least recently used forgotten past ``COST_MODELS``)."""
+    key = (trace.content_hash, gpu.model_dump_json())
+    model = _MODELS.get(key)
+    if model is not None:
+        _MODELS.move_to_end(key)
+        return model
+    model = _MODELS[key] = _build(trace, gpu)
+    if len(_MODELS) > COST_MODELS:
+        _MODELS.popitem(last=False)
+    return model
+
+
+def kernel_rates(trace: Trace, gpu: GpuSpec) -> KernelRates | None:
+    """What times ``trace``'s kernels on ``gpu``: None where the trace records no kernels or
+    the GPU has no table for its rate dtype (``GpuSpec.kernel_table``)."""
+    dtype = trace.rate_dtype(gpu)
+    table = gpu.kernel_table()
+    if table is None or not can_time(table, dtype) or not any(r.fwd_kernels for r in trace.layers):
+        return None
+    peak_flops_per_s, peak_bytes_per_s = peak_rates(gpu, dtype)
+    return KernelRates(table, dtype, peak_flops_per_s, peak_bytes_per_s,
+                       ITEMSIZE[trace.spec.precision.compute_dtype])
+
+
+def _build(trace: Trace, gpu: GpuSpec) -> CostModel:
+    dtype = trace.rate_dtype(gpu)
+    eff = gpu.op_efficiency(dtype)
+    peak_flops_per_s, peak_bytes_per_s = peak_rates(gpu, dtype)
+    rates = kernel_rates(trace, gpu)
+    memory_rate = rates.stream_bytes_per_s if rates else peak_bytes_per_s * eff.memory
+    times = _layer_times(trace, gpu, peak_flops_per_s * eff.matmul, peak_flops_per_s * eff.attention, memory_rate,
+                         rates)
+    core_s = attention_core_seconds(trace.layers, times.fwd_s, memory_rate)
+    core_s.setflags(write=False)
+    update_rate = rates.stream_bytes_per_s if rates else peak_bytes_per_s * gpu.memory_efficiency
+    return CostModel(dtype, eff, memory_rate, update_rate, times, rates, core_s)
+
+
+def _layer_times(trace: Trace, gpu: GpuSpec, matmul_rate: float, attention_rate: float,
+                 mem_rate: float, rates: KernelRates | None = None) -> LayerTimes:
+    """Seconds per layer: measured times where the trace has them, else the layer's kernels
+    each timed from its shape (``mpsim.timing.kernel_time``, with ``rates``), else a roofline by op
+    class, summed because a layer's ops run one after another:
+    t = (FLOPs - attention FLOPs) / (peak x e_matmul) + attention FLOPs / (peak x e_attention)
+    + bytes / (bandwidth x e_memory), with peak the rate datatype's (``Trace.rate_dtype``)
+    and the efficiencies the GPU's for that datatype (``GpuSpec.op_efficiency``); backward
+    likewise with the backward FLOPs (about twice the forward) and bytes."""
+
+    def derived_s(flops: float, attention_flops: float, mem_bytes: float, kernels: list) -> float:
+        if rates is not None and kernels:
+            return pass_seconds(kernels, rates)
+        return (flops - attention_flops) / matmul_rate + attention_flops / attention_rate + mem_bytes / mem_rate
+
+    rows = trace.layers
+    fwd = np.array([r.fwd_ms * 1e-3 if r.fwd_ms is not None
+                    else derived_s(r.fwd_flops, r.fwd_attention_flops, r.fwd_mem_bytes, r.fwd_kernels) for r in rows])
+    bwd = np.array([r.bwd_ms * 1e-3 if r.bwd_ms is not None
+                    else derived_s(r.bwd_flops, r.bwd_attention_flops, r.bwd_mem_bytes, r.bwd_kernels) for r in rows])
+    if not (np.isfinite(fwd).all() and np.isfinite(bwd).all()):
+        raise MpsimError(f"{trace.name}: layer times on a {gpu.model} are not finite numbers")
+    fwd.setflags(write=False)
+    bwd.setflags(write=False)
+    return LayerTimes(fwd, bwd)
+
+
+def attention_core_seconds(rows: list[LayerRow], fwd_s: np.ndarray, memory_rate: float) -> np.ndarray:
+    """Per layer, seconds the attention core's forward takes when selective recompute
+    re-runs it (Korthikanti et al. 2022, section 4.2), as a share of the layer's own
+    forward time ``fwd_s`` so that it follows however that time was made (roofline or
+    measured). The layer's time splits into a memory part, its non-matmul bytes at
+    ``memory_rate`` (the cost model's ``memory_rate``, the one its layer times use; at
+    most the whole time), and a compute part, the rest; the core takes its bytes' share of
+    the first and its FLOPs' share of the second. On a roofline time this is exactly
+    attention_core_flops / flop rate + attention_core_mem_bytes / memory_rate; with
+    per-op-class efficiencies the core's FLOPs run at the layer's blended rate."""
+    out = np.zeros(len(rows))
+    for k, r in enumerate(rows):
+        if not r.attention_core_bytes:
+            continue
+        t = float(fwd_s[k])
+        mem_s = min(t, r.fwd_mem_bytes / memory_rate)
+        out[k] = (_share(r.attention_core_mem_bytes, r.fwd_mem_bytes) * mem_s
+                  + _share(r.attention_core_flops, r.fwd_flops) * (t - mem_s))
+    return out
+
+
+def _share(part: float, whole: float) -> float:
+    return min(1.0, part / whole) if whole > 0 else 0.0

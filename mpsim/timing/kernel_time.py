@@ -1,0 +1,146 @@
+"""Kernel-shape time: each GPU kernel's seconds from its shape and the GPU's kernel table.
+
+One efficiency per operation class, fitted near one shape, is wrong away from it: a GEMM
+whose tiles fill 1.1 waves of the GPU's SMs takes as long as one filling 2; FlashAttention
+on short sequences runs well below its long-sequence rate; a thousand small element-wise
+kernels cost their launches, not their bytes. Here each kernel of a trace
+(``mpsim.hardware.kernel_records``) is timed on its own:
+
+- **GEMM** (NVIDIA, "Matrix Multiplication Background User's Guide": tile and wave
+  quantization): for each tile the table lists, the output splits into
+  ceil(m / rows) x ceil(n / cols) x batch tiles, run in ceil(tiles / SMs) waves, each as
+  long as one tile's 2 rows cols k FLOPs at the SM's share of the dtype's peak
+  (peak / SMs x fraction x the tile's relative rate); cuBLAS's choice is the fastest tile.
+  At least the time to read A and B and write C at the streaming rate.
+- **Attention** (FlashAttention-2, Dao 2023): the kernel's FLOPs at its share of peak,
+  which rises with the key length as a fixed per-block cost is amortised
+  (e(s) = fraction x s / (s + half_seq)); thread blocks of ``block_rows`` query rows per
+  batch and head, in waves over the SMs. The memory-efficient kernel runs at
+  ``mem_efficient_relative`` of that.
+- **Convolution** (NVIDIA, "Convolutional Layers User's Guide"): the pass's implicit GEMM
+  (``ConvKernel.gemm_shape``), ``groups`` of them; where cuDNN runs 3x3 stride-1 passes as
+  Winograd (the table's ``winograd`` dtypes), their FLOPs divided by its reduction
+  (F(2x2,3x3): 2.25, Lavin and Gray 2016) when that is faster.
+- **Memory-bound kernels** (element-wise, norms, softmax, dropout, casts; the optimizer
+  step): bytes at the streaming share of bandwidth.
+
+Every kernel takes at least the launch floor. A layer's pass is the sum of its kernels: on
+one stream they run one after another.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mpsim.hardware.gpu_tables import AttentionRate, GemmRate, KernelTable
+from mpsim.hardware.kernel_records import AttentionKernel, ConvKernel, GemmKernel, Kernel, MemoryKernel
+from mpsim.hardware.topology import Dtype
+
+ITEMSIZE: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4, "tf32": 4, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class KernelRates:
+    """What times kernels on one GPU at one precision."""
+
+    table: KernelTable
+    dtype: Dtype
+    peak_flops_per_s: float
+    """The dtype's dense peak (the topology's ``peak_tflops``)."""
+    bandwidth_bytes_per_s: float
+    """Peak memory bandwidth (the topology's ``memory_bandwidth_gbps``)."""
+    itemsize: int
+    """Bytes per element of the layers' tensors (the trace's compute dtype)."""
+
+    @property
+    def floor_s(self) -> float:
+        return self.table.launch_floor_us * 1e-6
+
+    @property
+    def stream_bytes_per_s(self) -> float:
+        return self.bandwidth_bytes_per_s * self.table.memory_fraction
+
+    @property
+    def gemm_rate(self) -> GemmRate:
+        rate = self.table.gemm.get(self.dtype)
+        if rate is None:
+            raise KeyError(self.dtype)
+        return rate
+
+
+def gemm_seconds(m: int, n: int, k: int, batch: int, rates: KernelRates) -> float:
+    """Seconds of C[batch, m, n] = A[batch, m, k] @ B[batch, k, n] (module doc)."""
+    rate = rates.gemm_rate
+    sms = rates.table.sms
+    per_sm_flops = rates.peak_flops_per_s / sms * rate.fraction
+    compute_s = min(_waves(math.ceil(m / t.rows) * math.ceil(n / t.cols) * batch, sms)
+                    * 2.0 * t.rows * t.cols * k / (per_sm_flops * t.relative) for t in rate.tiles)
+    io_s = (m * k + k * n + m * n) * batch * rates.itemsize / rates.stream_bytes_per_s
+    return max(compute_s, io_s, rates.floor_s)
+
+
+def _waves(blocks: int, sms: int) -> int:
+    return max(1, math.ceil(blocks / sms))
+
+
+def attention_rate(rates: KernelRates) -> AttentionRate | None:
+    return rates.table.attention.get(rates.dtype)
+
+
+def attention_seconds(kernel: AttentionKernel, rates: KernelRates) -> float:
+    """Seconds of one fused attention kernel (module doc). A dtype the table has no
+    attention rate for (fp32's memory-efficient kernel) runs at the GEMM rate times
+    ``mem_efficient_relative``."""
+    rate = attention_rate(rates)
+    if rate is None:
+        efficiency = rates.gemm_rate.fraction * rates.table.mem_efficient_relative
+    else:
+        fraction, half = ((rate.bwd_fraction, rate.bwd_half_seq) if kernel.backward
+                          else (rate.fwd_fraction, rate.fwd_half_seq))
+        efficiency = fraction * kernel.s_k / (kernel.s_k + half)
+        if kernel.backend == "mem-efficient":
+            efficiency *= rates.table.mem_efficient_relative
+    rows = rate.block_rows if rate else 128
+    blocks = kernel.batch * kernel.heads * math.ceil(kernel.s_q / rows)
+    quantization = _waves(blocks, rates.table.sms) * rates.table.sms / blocks
+    compute_s = kernel.flops / (rates.peak_flops_per_s * efficiency) * quantization
+    elements = kernel.batch * kernel.head_dim * (2 * kernel.heads * kernel.s_q + 2 * kernel.kv_heads * kernel.s_k)
+    io_s = elements * rates.itemsize * (2 if kernel.backward else 1) / rates.stream_bytes_per_s
+    return max(compute_s, io_s, rates.floor_s)
+
+
+def conv_seconds(kernel: ConvKernel, rates: KernelRates) -> float:
+    """Seconds of one convolution pass: its implicit GEMM, or Winograd where cuDNN picks it."""
+    m, n, k = kernel.gemm_shape()
+    implicit_s = gemm_seconds(m, n, k, kernel.groups, rates)
+    reduction = rates.table.winograd.get(rates.dtype)
+    if reduction and kernel.winograd_eligible and kernel.pass_ != "wgrad":
+        return max(rates.floor_s, min(implicit_s, implicit_s / reduction))
+    return implicit_s
+
+
+def memory_seconds(n_bytes: float, rates: KernelRates) -> float:
+    return max(n_bytes / rates.stream_bytes_per_s, rates.floor_s)
+
+
+def kernel_seconds(kernel: Kernel, rates: KernelRates) -> float:
+    """Seconds of one launch of ``kernel``."""
+    if isinstance(kernel, GemmKernel):
+        return gemm_seconds(kernel.m, kernel.n, kernel.k, kernel.batch, rates)
+    if isinstance(kernel, AttentionKernel):
+        return attention_seconds(kernel, rates)
+    if isinstance(kernel, ConvKernel):
+        return conv_seconds(kernel, rates)
+    assert isinstance(kernel, MemoryKernel)
+    return memory_seconds(kernel.bytes_, rates)
+
+
+def pass_seconds(kernels: list[Kernel], rates: KernelRates) -> float:
+    """Seconds of a layer's forward or backward: its kernels one after another."""
+    return sum(kernel_seconds(k, rates) * k.count for k in kernels)
+
+
+def can_time(table: KernelTable | None, dtype: Dtype) -> bool:
+    """Whether ``table`` times kernels at ``dtype`` (it has that dtype's GEMM rate)."""
+    return table is not None and dtype in table.gemm
