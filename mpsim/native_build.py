@@ -9,6 +9,11 @@ through setuptools in a child process (its output goes to ``build.log`` beside t
 build), writes the manifest (each compiled module, and the SHA-256 of every mpsim source
 file that importing ``mpsim.sim`` reads) and swaps the new build in whole, so that a
 failed or interrupted build leaves the last good one in place.
+
+Ctrl-C or SIGTERM stops the build at once: the child runs in a process group of its own
+(with ``TMPDIR`` inside the scratch directory, so the compiler's temporary files land
+there), which is sent SIGTERM, then SIGKILL; the scratch directory and the unfinished
+build are removed, and ``BuildInterrupted`` says so in one line.
 """
 
 from __future__ import annotations
@@ -17,14 +22,19 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import IO
 
 from mpsim import native
 
@@ -59,6 +69,119 @@ print(f"mpsim: mypyc and the C compiler took {time.perf_counter() - start:.1f} s
 os._exit(0)  # freeing mypy's graph object by object at exit takes as long again
 """
 """What the child process runs in the scratch copy: mypyc, then setuptools' ``build_ext``."""
+
+
+STOP_GRACE_S = 5.0
+"""How long the child's process group has to end on SIGTERM before it is sent SIGKILL."""
+
+
+class BuildInterrupted(native.EngineError):
+    """A build stopped by SIGINT (Ctrl-C) or SIGTERM, its child processes ended and its
+    scratch folders removed; the last good build is left as it was."""
+
+    def __init__(self, signum: int, where: Path) -> None:
+        self.signum = signum
+        name = signal.Signals(signum).name
+        super().__init__(f"engine build interrupted by {name}: the compiler was stopped and its scratch folders "
+                         f"removed; {where} is as it was before")
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number, as a shell reports a process ended by it (130, 143)."""
+        return 128 + self.signum
+
+
+class _Stopped(BaseException):
+    """Raised in the main thread by the first SIGINT or SIGTERM during a build."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Signals:
+    """The build's SIGINT and SIGTERM handler: the first signal raises ``_Stopped``, later
+    ones are ignored (they cannot cut the cleanup short). Inside ``held()`` (while a child
+    process is being started, before there is a handle to end it by) a signal is kept and
+    raised as the block ends."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+        self.holding = False
+        self.pending: int | None = None
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.stopped:
+            return
+        if self.holding:
+            self.pending = signum
+            return
+        self.stopped = True
+        raise _Stopped(signum)
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        outer, self.holding = self.holding, True
+        try:
+            yield
+        finally:
+            self.holding = outer
+            if not outer and self.pending is not None and not self.stopped:
+                self.stopped = True
+                raise _Stopped(self.pending)
+
+
+_signals = _Signals()
+"""The handler ``_stop_on_signals`` installs; ``held()`` works whether or not it is."""
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise ``_Stopped`` in the main thread (``_Signals``) inside the
+    block; the previous handlers come back after. Off the main thread (where handlers
+    cannot be set) nothing changes."""
+    global _signals
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _signals = _Signals()
+    previous = {sig: signal.signal(sig, _signals.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        _signals.stopped = True  # a signal from here on comes too late to stop anything
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _end_group(proc: subprocess.Popen[bytes]) -> None:
+    """End ``proc`` and every process of its group (the C compiler it started): SIGTERM,
+    then SIGKILL for what is left after ``STOP_GRACE_S``; ``proc`` is reaped."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the whole group has ended
+            break
+        if sig == signal.SIGTERM:
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=STOP_GRACE_S)
+    proc.wait()
+
+
+def _run_child(args: list[str], cwd: Path, env: dict[str, str], sink: IO[str]) -> int:
+    """Run ``args`` in a process group of its own, output to ``sink``; its exit status.
+    Anything raised while it runs (``_Stopped``, KeyboardInterrupt) ends the whole group
+    first."""
+    proc = None
+    try:
+        with _signals.held():
+            proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        return proc.wait()
+    except BaseException:
+        if proc is not None:
+            _end_group(proc)
+        raise
 
 
 @dataclass(frozen=True)
@@ -106,7 +229,8 @@ def imported_sources(src: Path) -> dict[str, str]:
              "print(json.dumps(sorted({m.__file__ for n, m in sys.modules.items()"
              " if n.split('.')[0] == 'mpsim' and getattr(m, '__file__', None)})))")
     env = {**os.environ, "MPSIM_ENGINE": "python", "PYTHONPATH": str(src)}
-    done = subprocess.run([sys.executable, "-c", probe], cwd=src, env=env, capture_output=True, text=True)
+    with _signals.held():  # a second or two; a signal meanwhile stops the build after it
+        done = subprocess.run([sys.executable, "-c", probe], cwd=src, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise native.EngineError(f"importing the copied sources failed: {done.stderr.strip().splitlines()[-1:]}")
     package = (src / "mpsim").resolve()
@@ -120,23 +244,36 @@ def compile_into(src: Path, out: Path, modules: Sequence[str], opt_level: str, l
     (src / "mypy.ini").write_text(MYPY_CONFIG.format(python=f"{sys.version_info[0]}.{sys.version_info[1]}"))
     args = [sys.executable, "-c", CHILD, str(out), str(src / "build"), opt_level, native.GROUP,
             *(module_path(m) for m in modules)]
-    env = {**os.environ, "MPSIM_ENGINE": "python", "PYTHONPATH": str(src)}
+    tmp = src / "tmp"  # the compiler's temporary files, removed with the scratch directory
+    tmp.mkdir(exist_ok=True)
+    env = {**os.environ, "MPSIM_ENGINE": "python", "PYTHONPATH": str(src), "TMPDIR": str(tmp)}
     with log.open("w") as sink:
-        done = subprocess.run(args, cwd=src, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        raise native.EngineError(f"mypyc or the C compiler failed (exit {done.returncode}); its output is in {log}")
+        code = _run_child(args, src, env, sink)
+    if code != 0:
+        raise native.EngineError(f"mypyc or the C compiler failed (exit {code}); its output is in {log}")
 
 
 def build_engine(modules: Sequence[str] = native.MODULES, where: Path | None = None,
                  opt_level: str = OPT_LEVEL) -> BuildReport:
     """Compile ``modules`` into ``where`` (default ``native.build_dir()``), replacing what
-    is there only once the new build is complete."""
+    is there only once the new build is complete. Ctrl-C or SIGTERM ends the child
+    processes, removes the scratch folders and raises ``BuildInterrupted``."""
     unknown = [m for m in modules if m not in native.MODULES]
     if unknown or not modules:
         raise native.EngineError(f"cannot compile {', '.join(unknown) or 'nothing'}: "
                                  f"the compiled engine's modules are {', '.join(native.MODULES)}")
     check_toolchain()
     where = native.build_dir() if where is None else where
+    with _stop_on_signals():
+        try:
+            return _build(modules, where, opt_level)
+        except _Stopped as exc:
+            raise BuildInterrupted(exc.signum, where) from None
+        except KeyboardInterrupt:  # raised some other way (this handler turns SIGINT into _Stopped)
+            raise BuildInterrupted(signal.SIGINT, where) from None
+
+
+def _build(modules: Sequence[str], where: Path, opt_level: str) -> BuildReport:
     where.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     out = where.with_name(f".{where.name}.new-{os.getpid()}")  # beside the build: renamed in place at the end
