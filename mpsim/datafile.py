@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mpsim.errors import MpsimError, SchemaError, from_pydantic
 from mpsim.limits import check_trace_text
@@ -63,6 +63,13 @@ def read_bounded(path: Path, what: str, limit: int | None = None) -> bytes:
         raise MpsimError(f"{path}: {what} file is over {limit:,} bytes; mpsim reads at most {limit:,} "
                          "(see MAX_FILE_BYTES in mpsim/datafile.py)")
     return raw
+
+
+class FileModel(BaseModel):
+    """The base of every file format's models (servers, clusters, traces, plans, kernel
+    tables): an unknown key is refused, a loaded value never changes, numbers are finite."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

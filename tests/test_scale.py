@@ -11,11 +11,11 @@ from mpsim.errors import MpsimError
 from mpsim.planners.registry import plan_job
 from mpsim.plans.job import JobSpec, Parallelism
 from mpsim.studies.scale import (
-    Point,
+    ClusterPoint,
+    ClusterTried,
     ScaleReport,
     ScaleRow,
     Shape,
-    Tried,
     _check,
     _mark_pareto,
     recommendation,
@@ -46,8 +46,8 @@ def test_a_long_iteration_extends_along_the_line_of_two_shorter_ones(par):
 
 
 def _row(servers: int, days: float, usd: float | None) -> ScaleRow:
-    point = Point("c", "m", servers, Shape(8, 1, 1, False, 1), 512)
-    tried = Tried(point, "ZeRO-1 x8", True, 1.0, 1.0, 1, 2)
+    point = ClusterPoint("c", "m", servers, Shape(8, 1, 1, False, 1), 512)
+    tried = ClusterTried(point, "ZeRO-1 x8", True, 1.0, 1.0, 1, 2)
     return ScaleRow("c", servers, 8 * servers, tried, 1.0, days, usd)
 
 

@@ -6,7 +6,7 @@ from helpers import layer, tiny_topology, tiny_trace
 from mpsim.data.catalog import load_topology, load_trace
 from mpsim.planners import plan_job
 from mpsim.planners.context import make_context
-from mpsim.planners.tsplit import _Stage, split_saving, swap_cost_s
+from mpsim.planners.tsplit import _StageSplits, split_saving, swap_cost_s
 from mpsim.plans.job import JobSpec, pipeline
 
 MB = 10**6
@@ -31,7 +31,7 @@ def test_algorithm_2_takes_the_least_time_per_byte_first():
     topo = tiny_topology(n_gpus=1, memory_mib=1024, pcie_gbps=1.0)
     trace = tiny_trace([layer("a", fwd_ms=1, bwd_ms=1, act=400 * MB, out=1),
                         layer("b", fwd_ms=10, bwd_ms=1, act=400 * MB, out=1)])
-    st = _Stage(make_context(JobSpec(topo, trace, "1f1b", 1, pipeline(1))), 0)
+    st = _StageSplits(make_context(JobSpec(topo, trace, "1f1b", 1, pipeline(1))), 0)
     best = min(st.candidates(), key=lambda c: c.ratio)
     assert (best.layer, best.action) == (0, "recompute")
     assert st.reduce(300 * MB)

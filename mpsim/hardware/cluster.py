@@ -31,9 +31,8 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from mpsim.datafile import validate
+from mpsim.datafile import FileModel, validate
 from mpsim.errors import MpsimError, SchemaError
-from mpsim.hardware.schema1 import _Strict
 from mpsim.hardware.topology import (
     HOST,
     MAX_GBPS,
@@ -56,7 +55,7 @@ MAX_SERVERS = 65536
 FabricKind = Literal["rail-optimized", "fat-tree", "single-switch"]
 
 
-class NicGroup(_Strict):
+class NicGroup(FileModel):
     """NICs that a set of GPUs share: each GPU's traffic across servers leaves through its
     group's NICs, which the group's GPUs share."""
 
@@ -64,7 +63,7 @@ class NicGroup(_Strict):
     nics: int = Field(gt=0, le=64, description="NICs in the group")
 
 
-class FabricSpec(_Strict):
+class FabricSpec(FileModel):
     kind: FabricKind = Field(description="rail-optimized, fat-tree or single-switch")
     nics_per_server: int = Field(gt=0, le=64, description="NICs per server that carry training traffic")
     nic_gbit: float = Field(ge=MIN_GBPS, le=MAX_GBPS * 8, description="line rate of one NIC per direction, Gb/s")
@@ -82,7 +81,7 @@ class FabricSpec(_Strict):
         return gbps_to_bytes_per_s(self.nic_gbit / 8 * self.efficiency)
 
 
-class ClusterFile(_Strict):
+class ClusterFile(FileModel):
     """The on-disk schema of a cluster file."""
 
     schema_: int = Field(alias="schema", description="format version, currently 1")

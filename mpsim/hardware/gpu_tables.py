@@ -16,16 +16,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from mpsim.datafile import FileModel
 
 TableDtype = Literal["fp16", "bf16", "fp32", "tf32", "fp8"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-
-class GemmTile(_Strict):
+class GemmTile(FileModel):
     """An output tile one thread block computes, and its throughput per SM relative to the
     largest tile's (smaller tiles reuse less data; cuBLAS takes them when they quantize
     better)."""
@@ -35,13 +34,13 @@ class GemmTile(_Strict):
     relative: float = Field(gt=0, le=1)
 
 
-class GemmRate(_Strict):
+class GemmRate(FileModel):
     fraction: float = Field(gt=0, le=1, description="share of the dtype's dense peak that full waves of the "
                                                      "first tile reach")
     tiles: list[GemmTile] = Field(min_length=1)
 
 
-class AttentionRate(_Strict):
+class AttentionRate(FileModel):
     """A fused attention kernel's share of the dtype's peak on long sequences, and the key
     length at which it reaches half of that (per thread block, a fixed cost is amortised
     over the key blocks: e(s) = fraction x s / (s + half_seq))."""
@@ -53,7 +52,7 @@ class AttentionRate(_Strict):
     block_rows: int = Field(default=128, ge=1, le=1024, description="query rows per thread block")
 
 
-class KernelTable(_Strict):
+class KernelTable(FileModel):
     sms: int = Field(ge=1, le=1024, description="streaming multiprocessors")
     launch_floor_us: float = Field(ge=0, le=1e4, description="least time one kernel occupies its stream")
     memory_fraction: float = Field(gt=0, le=1, description="share of memory bandwidth a streaming kernel reaches")

@@ -13,8 +13,9 @@ import datetime
 import re
 from typing import Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from mpsim.datafile import FileModel
 from mpsim.errors import SchemaError
 from mpsim.hardware.gpu_tables import KernelTable, shipped_table
 from mpsim.hardware.tiers import (
@@ -43,14 +44,11 @@ MIN_TFLOPS, MAX_TFLOPS = 1e-6, 1e6
 MAX_LATENCY_US = 1e6
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
 
 Dtype = Literal["fp16", "bf16", "fp32", "tf32", "fp8"]
 
 
-class OpEfficiency(_Strict):
+class OpEfficiency(FileModel):
     """Fractions of peak that one operation class reaches at one precision, and where the
     figures come from. A layer's time is the sum over classes (``mpsim.timing.costs``):
     matmul FLOPs at ``matmul`` x peak, FLOPs inside a fused attention kernel (flash,
@@ -69,7 +67,7 @@ class OpEfficiency(_Strict):
         return self
 
 
-class GpuSpec(_Strict):
+class GpuSpec(FileModel):
     model: str = Field(description="GPU model name, e.g. V100-SXM2-32GB")
     count: int = Field(gt=0, le=MAX_GPUS, description="number of GPUs in the server")
     memory_mib: float = Field(gt=0, le=MAX_MEMORY_MIB, description="device memory as nvidia-smi reports it, MiB")
@@ -145,7 +143,7 @@ CPU_STREAM_EFFICIENCY: Final = 0.6
 (STREAM-like triad on two-socket servers); an estimate, not measured here."""
 
 
-class HostSpec(_Strict):
+class HostSpec(FileModel):
     memory_gib: float = Field(gt=0, le=MAX_BYTES // GiB, description="host DRAM, GiB")
     sockets: int = Field(gt=0, le=8, description="CPU sockets")
     memory_bandwidth_gbps: float | None = Field(
@@ -166,7 +164,7 @@ class HostSpec(_Strict):
         return self.memory_bandwidth_gbps * 1e9 * CPU_STREAM_EFFICIENCY / CPU_ADAM_BYTES_PER_PARAM
 
 
-class NvmeSpec(_Strict):
+class NvmeSpec(FileModel):
     """Local NVMe drives, all together: where ZeRO-Infinity keeps what host memory cannot."""
 
     capacity_gib: float = Field(gt=0, le=MAX_BYTES // GiB, description="usable NVMe capacity, GiB")
@@ -175,12 +173,12 @@ class NvmeSpec(_Strict):
     source: str = Field(default="", description="where the figures come from")
 
 
-class NvlinkPair(_Strict):
+class NvlinkPair(FileModel):
     gpus: tuple[int, int] = Field(description="the two GPU indices this bundle joins")
     links: int = Field(gt=0, le=18, description="number of NVLinks in the bundle")
 
 
-class NvlinkSpec(_Strict):
+class NvlinkSpec(FileModel):
     link_bandwidth_gbps: float = Field(
         ge=MIN_GBPS, le=MAX_GBPS, description="effective bandwidth of one link per direction, GB/s")
     latency_us: float = Field(
@@ -188,7 +186,7 @@ class NvlinkSpec(_Strict):
     pairs: list[NvlinkPair] = Field(min_length=1, description="point-to-point NVLink bundles")
 
 
-class NvswitchSpec(_Strict):
+class NvswitchSpec(FileModel):
     gpu_bandwidth_gbps: float = Field(
         ge=MIN_GBPS, le=MAX_GBPS, description="effective bandwidth of each GPU into the fabric per direction, GB/s")
     links_per_gpu: int = Field(gt=0, le=64, description="NVLinks from each GPU to the switches (shown as NV<n>)")
@@ -196,7 +194,7 @@ class NvswitchSpec(_Strict):
         ge=0, le=MAX_LATENCY_US, default=10.0, description="per-transfer setup latency, microseconds")
 
 
-class PcieSwitch(_Strict):
+class PcieSwitch(FileModel):
     name: str
     socket: int = Field(ge=0, le=7, description="CPU socket the switch's uplink goes to")
     gpus: list[int] = Field(min_length=1, max_length=64, description="GPU indices below this switch")
@@ -204,7 +202,7 @@ class PcieSwitch(_Strict):
         ge=MIN_GBPS, le=MAX_GBPS, description="effective switch-to-CPU bandwidth per direction, GB/s")
 
 
-class PcieSpec(_Strict):
+class PcieSpec(FileModel):
     gpu_link_gbps: float = Field(
         ge=MIN_GBPS, le=MAX_GBPS, description="effective GPU-to-switch bandwidth per direction, GB/s")
     latency_us: float = Field(
@@ -212,7 +210,7 @@ class PcieSpec(_Strict):
     switches: list[PcieSwitch] = Field(min_length=1)
 
 
-class SocketLinkSpec(_Strict):
+class SocketLinkSpec(FileModel):
     name: str = Field(default="QPI", description="QPI, UPI, Infinity Fabric ...")
     bandwidth_gbps: float = Field(
         ge=MIN_GBPS, le=MAX_GBPS, description="effective socket-to-socket bandwidth per direction, GB/s")
@@ -223,7 +221,7 @@ MAX_USD = 1e9
 """The most any one price may be: a server bought for a billion dollars is a typo."""
 
 
-class _PriceBase(_Strict):
+class _PriceBase(FileModel):
     source: str = Field(min_length=1, description="where the figure comes from (provider, list, region)")
     date: str = Field(description="when it was listed: YYYY, YYYY-MM or YYYY-MM-DD")
 
@@ -255,7 +253,7 @@ class PurchasePrice(_PriceBase):
     usd: float = Field(gt=0, le=MAX_USD, description="purchase price of the whole server, USD")
 
 
-class PriceSpec(_Strict):
+class PriceSpec(FileModel):
     """What the server costs: an on-demand hourly rent and/or a purchase price, each with
     its source and date (prices change; `mpsim choose --price` overrides)."""
 
@@ -269,7 +267,7 @@ class PriceSpec(_Strict):
         return self
 
 
-class TopologyFile(_Strict):
+class TopologyFile(FileModel):
     """The on-disk schema of a topology file."""
 
     schema_: int = Field(alias="schema", description="format version, currently 1")

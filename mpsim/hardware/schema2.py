@@ -28,6 +28,7 @@ from typing import Any, Final, Literal
 
 from pydantic import ConfigDict, Field
 
+from mpsim.datafile import FileModel
 from mpsim.errors import SchemaError
 from mpsim.hardware.schema1 import (
     CPU_ADAM_BYTES_PER_PARAM,
@@ -41,7 +42,6 @@ from mpsim.hardware.schema1 import (
     NvmeSpec,
     PriceSpec,
     TopologyFile,
-    _Strict,
 )
 from mpsim.hardware.tiers import CpuLink, HostPort, PeerBundle, ScaleUp, Tiers
 from mpsim.units import MAX_BYTES, GiB
@@ -64,12 +64,12 @@ class TieredGpuSpec(GpuSpec):
                         description="who makes the GPU, lower case: nvidia, amd, intel, ...")
 
 
-class MeshPair(_Strict):
+class MeshPair(FileModel):
     gpus: tuple[int, int] = Field(description="the two GPU indices this bundle joins")
     links: int = Field(default=1, gt=0, le=64, description="point-to-point links in the bundle")
 
 
-class ScaleUpSpec(_Strict):
+class ScaleUpSpec(FileModel):
     """The GPUs' own fabric; which fields apply depends on ``kind`` (``_check_scale_up``)."""
 
     kind: Literal["switch", "mesh", "none"] = Field(
@@ -97,14 +97,14 @@ class ScaleUpSpec(_Strict):
         default=None, min_length=1, description="mesh: the GPU pairs joined and their links (a partial mesh)")
 
 
-class PcieSwitchSpec(_Strict):
+class PcieSwitchSpec(FileModel):
     name: str = Field(pattern=NAME_PATTERN, description="the switch's name, unique in the server")
     gpus: list[int] = Field(min_length=1, max_length=MAX_GPUS, description="GPU indices below this switch")
     uplink_gbps: float = Field(
         ge=MIN_GBPS, le=MAX_GBPS, description="effective switch-to-CPU bandwidth per direction, GB/s")
 
 
-class CpuSpec(_Strict):
+class CpuSpec(FileModel):
     """One host CPU (socket) and the GPUs whose host it is (their host buffers live in its
     memory, NUMA-local)."""
 
@@ -124,7 +124,7 @@ class CpuSpec(_Strict):
                                           "of this CPU below none links straight to the CPU")
 
 
-class CpuLinkSpec(_Strict):
+class CpuLinkSpec(FileModel):
     name: str = Field(pattern=NAME_PATTERN, description="UPI, QPI, xGMI, ...; lower-cased, it starts its links' names")
     bandwidth_gbps: float = Field(
         ge=MIN_GBPS, le=MAX_GBPS, description="effective bandwidth between two CPUs per direction, GB/s")
@@ -132,7 +132,7 @@ class CpuLinkSpec(_Strict):
                               description="per-transfer setup latency, microseconds")
 
 
-class HostTierSpec(_Strict):
+class HostTierSpec(FileModel):
     """The host side: memory of all CPUs together, the CPUs, and the link between them."""
 
     memory_gib: float = Field(gt=0, le=MAX_MEMORY_GIB, description="host DRAM of all CPUs together, GiB")
@@ -161,7 +161,7 @@ class HostTierSpec(_Strict):
         return self.memory_bandwidth_gbps * 1e9 * CPU_STREAM_EFFICIENCY / CPU_ADAM_BYTES_PER_PARAM
 
 
-class ServerFile(_Strict):
+class ServerFile(FileModel):
     """The on-disk schema 2 of a topology file (module doc)."""
 
     schema_: int = Field(alias="schema", description="format version: 2")

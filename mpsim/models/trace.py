@@ -20,9 +20,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from mpsim.datafile import read_data_file, validate
+from mpsim.datafile import FileModel, read_data_file, validate
 from mpsim.errors import MpsimError, SchemaError
 from mpsim.hardware.kernel_records import Kernel, rescale_kernel
 from mpsim.hardware.topology import Dtype, GpuSpec
@@ -42,11 +42,8 @@ MAX_MS = 1e7
 MAX_PARAMS = 2**50
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-
-class Precision(_Strict):
+class Precision(FileModel):
     """Bytes per parameter of a training recipe. Mixed-precision Adam (the default) keeps
     fp16 weights (2) and gradients (2), an fp32 master copy (4) and two fp32 Adam moments
     (8): 16 bytes per parameter."""
@@ -78,14 +75,14 @@ _RATE_FALLBACK = {"tf32": ("tf32", "fp32"), "bf16": ("bf16", "fp16", "fp32"), "f
                   "fp32": ("fp32",)}
 
 
-class Source(_Strict):
+class Source(FileModel):
     kind: Literal["derived", "measured"]
     tool: str = ""
     torch_version: str = ""
     device: str | None = Field(default=None, description="device the times were measured on")
 
 
-class Scaling(_Strict):
+class Scaling(FileModel):
     rule: Literal["linear-microbatch"] = "linear-microbatch"
 
 
@@ -99,7 +96,7 @@ bottleneck (the embedding's input is only token ids; the head runs the loss)."""
 CollectiveOp = Literal["all-reduce", "reduce-scatter", "all-gather"]
 
 
-class Collective(_Strict):
+class Collective(FileModel):
     """One collective a tensor-parallel shard runs over its group, on the critical path:
     ``n_bytes`` as nccl-tests counts them (all-reduce: the buffer; all-gather: the gathered
     output; reduce-scatter: the input)."""
@@ -108,7 +105,7 @@ class Collective(_Strict):
     n_bytes: int = Field(ge=0, le=MAX_BYTES)
 
 
-class LayerRow(_Strict):
+class LayerRow(FileModel):
     name: str
     kind: LayerKind
     params: int = Field(ge=0, le=MAX_PARAMS)
@@ -178,7 +175,7 @@ class LayerRow(_Strict):
         return self.act_bytes - (self.input_bytes if self.saves_input else 0)
 
 
-class TraceFile(_Strict):
+class TraceFile(FileModel):
     schema_: int = Field(alias="schema")
     name: str
     model: dict = Field(description="family and shape: family, layers, hidden, heads, seq_len, vocab ...")

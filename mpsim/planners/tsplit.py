@@ -73,7 +73,7 @@ def split_saving(input_bytes: int, output_bytes: int, p: int) -> float:
     return (p - 1) / p * min(input_bytes, output_bytes)
 
 
-class _Stage:
+class _StageSplits:
     def __init__(self, ctx: Ctx, s: int) -> None:
         self.ctx, self.s = ctx, s
         a, b = ctx.stages[s]
@@ -223,7 +223,7 @@ def plan_tsplit(ctx: Ctx) -> Planned:
     if planned.result.fits:
         return planned
     result, plan, sims = planned.result, planned.plan, 1
-    stages = [_Stage(ctx, s) for s in range(len(ctx.stages))]
+    stages = [_StageSplits(ctx, s) for s in range(len(ctx.stages))]
     for _ in range(MAX_ROUNDS):
         moved = stuck = False
         for st, g in zip(stages, ctx.gpus):

@@ -1,6 +1,6 @@
 """A parallel layout laid onto a cluster of servers: the mesh's ranks in Megatron-LM's
 order, the innermost axis (tensor) inside a server, as the engine simulates it
-(``Placement``, ``place_on_cluster``). One server's GPUs are chosen by
+(``ClusterPlacement``, ``place_on_cluster``). One server's GPUs are chosen by
 ``mpsim.sim.placement``, which searches them."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from mpsim.plans.mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
-class Placement:
+class ClusterPlacement:
     """Where a job's GPUs sit in a cluster, in Megatron-LM's order (rank = tensor rank +
     t x (replica + d x stage); server = rank // G), as the engine simulates it: the view's
     servers are those of replica 0's stages; ``replicas`` and ``groups`` list, in view GPU
@@ -27,7 +27,7 @@ class Placement:
     groups: tuple[tuple[tuple[int, ...], ...], ...]
 
 
-def place_on_cluster(gpus_per_server: int, mesh: DeviceMesh) -> Placement:
+def place_on_cluster(gpus_per_server: int, mesh: DeviceMesh) -> ClusterPlacement:
     """The placement of ``mesh``'s GPUs filling whole servers of ``gpus_per_server`` (class
     doc): rank r on GPU r, the mesh's innermost axis (tensor) inside a server; a stage's
     replicas are its GPUs' coordinates on every axis but tensor and pipeline. One line
@@ -55,4 +55,4 @@ def place_on_cluster(gpus_per_server: int, mesh: DeviceMesh) -> Placement:
 
     groups = tuple(tuple(tuple(gpu(r, s, i) for i in range(tensor)) for s in range(stages)) for r in range(local))
     replicas = tuple(tuple(group[0] for group in replica) for replica in groups)
-    return Placement(len(first), local, data // local, replicas, groups)
+    return ClusterPlacement(len(first), local, data // local, replicas, groups)

@@ -41,9 +41,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import ConfigDict, Field, StrictBool, StrictInt
 
-from mpsim.datafile import read_data_file, validate
+from mpsim.datafile import FileModel, read_data_file, validate
 from mpsim.errors import MpsimError, SchemaError
 from mpsim.hardware.topology import Topology
 from mpsim.models.trace import LayerRow, Trace
@@ -67,16 +67,13 @@ MAX_SPLIT = 1024
 """The most micro-ops a layer may be split into."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-
-class Stripe(_Strict):
+class Stripe(FileModel):
     gpu: int = Field(description="peer GPU that holds this part")
     fraction: float = Field(gt=0, le=1, description="share of the tensor's bytes on this peer")
 
 
-class LayerAction(_Strict):
+class LayerAction(FileModel):
     layer: int = Field(description="layer index in the trace (0-based)")
     action: Literal["keep", "recompute", "selective", "host", "peer"] = "keep"
     peers: list[Stripe] = Field(default_factory=list, description="stripes of a peer swap; fractions sum to 1")
@@ -95,7 +92,7 @@ class LayerAction(_Strict):
         return 1.0 + DEFAULT_SPLIT_SLOWDOWN_PER_EXTRA_OP * (self.split - 1)
 
 
-class StagePlan(_Strict):
+class StagePlan(FileModel):
     gpu: int = Field(description="GPU the stage runs on")
     layers: tuple[int, int] = Field(description="first layer and one past the last")
     optimizer: Literal["gpu", "host-update", "host-stream"] = "gpu"
@@ -106,7 +103,7 @@ class StagePlan(_Strict):
     actions: list[LayerAction] = Field(default_factory=list, description="layers not listed are kept")
 
 
-class DataParallelPlan(_Strict):
+class DataParallelPlan(FileModel):
     """Data-parallel replicas of the plan's pipeline (schema 2)."""
 
     degree: int = Field(ge=1, le=1024, description="replicas of the pipeline")
@@ -128,7 +125,7 @@ class DataParallelPlan(_Strict):
         return tuple(r[stage] for r in self.replicas)
 
 
-class TensorParallelPlan(_Strict):
+class TensorParallelPlan(FileModel):
     """Each stage of each replica run by a tensor-parallel group (schema 3): Megatron-LM's
     column- and row-parallel layers (Shoeybi et al. 2019, section 3), with sequence
     parallelism on the rest (Korthikanti et al. 2022, section 4.2.2)."""
@@ -146,7 +143,7 @@ class TensorParallelPlan(_Strict):
         return tuple(self.groups[replica][stage])
 
 
-class MeshPlan(_Strict):
+class MeshPlan(FileModel):
     """The layout as a device mesh (schema 4, ``mpsim.plans.mesh``): its name, and its axes
     with their sizes in rank order. Written where schemas 2 and 3 cannot say the layout
     (HSDP, axes beyond data, tensor and pipeline); the data and tensor blocks still place
@@ -164,7 +161,7 @@ Checkpoints = Literal["layer", "segment"]
 """What a recomputed layer keeps as checkpoint: ``PlanFile.recompute_checkpoints``."""
 
 
-class PlanFile(_Strict):
+class PlanFile(FileModel):
     """The on-disk schema of a plan."""
 
     schema_: int = Field(alias="schema", description="format version, currently 3 (1 and 2 still read)")

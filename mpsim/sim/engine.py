@@ -43,7 +43,7 @@ _PROGRAMS: OrderedDict[tuple[object, ...], StageProgram] = OrderedDict()
 
 
 @dataclass
-class _Stage:
+class _StageRun:
     program: StageProgram
     stream: ComputeStream
     updater: Updater
@@ -133,7 +133,7 @@ def sharding_of(layout: Layout) -> Sharding | None:
 
 
 def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostModel,
-                 sharding: Sharding | None, turns: GpuTurns | None = None) -> _Stage:
+                 sharding: Sharding | None, turns: GpuTurns | None = None) -> _StageRun:
     """A stage's program, its static memory (allocated before the first task) and its
     components."""
     layout = run.layout
@@ -155,7 +155,7 @@ def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostMod
     dp = DataParallel(run, s, sharding) if sharding is not None else None
     tp = TensorGroup(run, layout.tensor_group(s)) if layout.parallelism.tensor > 1 else None
     stream = ComputeStream(run, s, program, swapper, updater, channels, stash_in, dp, tp, turns)
-    return _Stage(program, stream, updater)
+    return _StageRun(program, stream, updater)
 
 
 def _allocate_static(run: RunContext, s: int, static: dict[str, int], sharding: Sharding | None) -> None:
@@ -185,7 +185,7 @@ def _allocate_static(run: RunContext, s: int, static: dict[str, int], sharding: 
             run.memory[g].change([(n - on_host, cat, f"stage {s} {cat} (allocated before the first task)")])
 
 
-def _result(run: RunContext, stages: list[_Stage], iteration_s: float) -> SimResult:
+def _result(run: RunContext, stages: list[_StageRun], iteration_s: float) -> SimResult:
     layout, topo, trace, m = run.layout, run.topo, run.layout.job.trace, run.layout.microbatches
     replicas = layout.parallelism.replicas
     analyses = [run.log.analyse(g, topo.capacity_bytes) for g in range(topo.n_gpus)]
@@ -228,7 +228,7 @@ def _replicated(gpus: list[GpuResult], layout: Layout) -> list[GpuResult]:
     return gpus
 
 
-def _gpu_result(run: RunContext, stages: list[_Stage], g: int, analysis: GpuMemory) -> GpuResult:
+def _gpu_result(run: RunContext, stages: list[_StageRun], g: int, analysis: GpuMemory) -> GpuResult:
     """One GPU's peak, breakdown and series, and its costs and compute-stream busy time
     per iteration (PipeDream: those its stage paid within its own measured iteration).
     Under interleaved 1F1B the GPU runs several virtual stages: it is reported as its

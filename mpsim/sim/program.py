@@ -254,7 +254,7 @@ def received_bytes(rows: list[LayerRow], is_first_stage: bool, is_last_stage: bo
 
 
 @dataclass(frozen=True)
-class _Stage:
+class _StageRows:
     rows: list[LayerRow]
     first: int
     is_first: bool
@@ -315,7 +315,7 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
     layers share the first one's checkpoint and re-run together (module doc). ``sharding``:
     the data-parallel group's (None: one GPU), see ``Sharding`` and the module doc.
     ``tensor_parallel``: the rows are a tensor-parallel shard's (``Piece.collectives``)."""
-    st = _Stage(rows, first, is_first_stage, is_last_stage, actions, keep_received and not is_first_stage,
+    st = _StageRows(rows, first, is_first_stage, is_last_stage, actions, keep_received and not is_first_stage,
                 keep_received and not is_last_stage, segments, sharding, tensor_parallel)
     forward, forward_s, split_forward_s, forward_ends = _forward(st, fwd_s)
     redo_s = {"recompute": fwd_s, "selective": np.zeros(len(rows)) if core_s is None else core_s}
@@ -328,7 +328,7 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
 
 
 # ---- forward ---------------------------------------------------------------------------
-def _forward(st: _Stage, fwd_s: np.ndarray) -> tuple[list[Piece], float, float, list[tuple[float, int]]]:
+def _forward(st: _StageRows, fwd_s: np.ndarray) -> tuple[list[Piece], float, float, list[tuple[float, int]]]:
     """The forward's pieces, its length, the extra time of its split micro-ops, and (end
     time, layer) of each layer's forward in order."""
     ev: list[Event] = []
@@ -362,7 +362,7 @@ def _forward(st: _Stage, fwd_s: np.ndarray) -> tuple[list[Piece], float, float, 
     return forward, t, split_s, ends
 
 
-def _forward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event],
+def _forward_layer(st: _StageRows, lay: _Layer, t: float, dur: float, ev: list[Event],
                    cuts: list[tuple[int, float, SwapOut | None, int | None]]) -> None:
     """Events of one layer's forward from ``t``; a swapped micro-tensor cuts the piece."""
     r, act, p, name = lay.row, lay.act, lay.p, lay.name
@@ -406,7 +406,7 @@ def _forward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event
 
 
 # ---- backward --------------------------------------------------------------------------
-def _backward(st: _Stage, redo_s: dict[str, np.ndarray], bwd_s: np.ndarray
+def _backward(st: _StageRows, redo_s: dict[str, np.ndarray], bwd_s: np.ndarray
               ) -> tuple[list[Piece], list[SwapIn], float, dict[str, float], float, list[tuple[float, int]]]:
     """The backward's pieces (cut before every layer whose swap-in it waits for, and under
     ZeRO-3 before every layer), its swap-ins, length, re-run time per action in
@@ -437,7 +437,7 @@ def _backward(st: _Stage, redo_s: dict[str, np.ndarray], bwd_s: np.ndarray
     return _backward_pieces(st, ev, cuts, grads_done, t), swap_ins, t, remat_s, split_s, grads_done
 
 
-def _remat_before(st: _Stage, lay: _Layer, k: int, redo_s: dict[str, np.ndarray], t: float, ev: list[Event],
+def _remat_before(st: _StageRows, lay: _Layer, k: int, redo_s: dict[str, np.ndarray], t: float, ev: list[Event],
                   remat_s: dict[str, float]) -> tuple[float, float]:
     """The re-run before layer k's backward (a whole recompute segment before its last
     layer's), from ``t``; returns the time after it and the extra time of its split."""
@@ -456,7 +456,7 @@ def _remat_before(st: _Stage, lay: _Layer, k: int, redo_s: dict[str, np.ndarray]
     return t + dur, dur - base
 
 
-def _gradient_events(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event]) -> None:
+def _gradient_events(st: _StageRows, lay: _Layer, t: float, dur: float, ev: list[Event]) -> None:
     """ZeRO-2/3: the layer's full gradient exists from its backward's start until its
     reduce-scatter lands (``DataParallel`` frees it); ZeRO-3 reshards the layer's
     gathered parameters when its backward ends (all stay gathered until the iteration's
@@ -470,7 +470,7 @@ def _gradient_events(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Eve
         ev.append((t + dur, -sh.gathered(lay.row), "params", f"{lay.name} parameters resharded after the backward"))
 
 
-def _backward_pieces(st: _Stage, ev: list[Event], cuts: list[tuple[int, float, int | None, int | None]],
+def _backward_pieces(st: _StageRows, ev: list[Event], cuts: list[tuple[int, float, int | None, int | None]],
                      grads_done: list[tuple[float, int]], end_s: float) -> list[Piece]:
     """The backward cut at ``cuts`` (event index, time, swap-in waited for, layer
     gathered first); with data parallelism each piece lists the layers whose backward
@@ -495,7 +495,7 @@ def _backward_pieces(st: _Stage, ev: list[Event], cuts: list[tuple[int, float, i
     return pieces
 
 
-def _layer_collectives(st: _Stage, ends: list[tuple[float, int]],
+def _layer_collectives(st: _StageRows, ends: list[tuple[float, int]],
                        backward: bool) -> list[tuple[float, list[tuple[str, int]]]]:
     """(end time, collectives) of each layer in ``ends`` (``_forward``'s or ``_backward``'s):
     its forward's, or in the backward a fully recomputed layer's forward ones (its re-run)
@@ -540,7 +540,7 @@ def _recompute_layer(lay: _Layer, t: float, dur: float, ev: list[Event]) -> None
                    (c1, -ws - out_c, "workspace", f"{name} recompute workspace freed")]
 
 
-def _recompute_segment(st: _Stage, members: range, fwd_s: np.ndarray, t: float, ev: list[Event]) -> float:
+def _recompute_segment(st: _StageRows, members: range, fwd_s: np.ndarray, t: float, ev: list[Event]) -> float:
     """The re-run of a recompute segment before its last layer's backward, from ``t``:
     each member's forward in order (its dropped activations, its workspace), each output
     but the last kept as the next member's input until that member's backward frees it
@@ -565,7 +565,7 @@ def _recompute_segment(st: _Stage, members: range, fwd_s: np.ndarray, t: float, 
     return t - start
 
 
-def _backward_layer(st: _Stage, lay: _Layer, t: float, dur: float, ev: list[Event]) -> None:
+def _backward_layer(st: _StageRows, lay: _Layer, t: float, dur: float, ev: list[Event]) -> None:
     """Events of one layer's backward from ``t``."""
     r, k, p, name = lay.row, lay.k, lay.p, lay.name
     grad_out_cat = "buffers" if (k == st.last and not st.is_last) else "activations"

@@ -58,7 +58,7 @@ class Shape:
 
 
 @dataclass(frozen=True)
-class Point:
+class ClusterPoint:
     """One configuration to simulate (picklable: runs on worker processes or Ray)."""
 
     cluster: str
@@ -70,10 +70,10 @@ class Point:
 
 
 @dataclass(frozen=True)
-class Tried:
+class ClusterTried:
     """What one configuration gave."""
 
-    point: Point
+    point: ClusterPoint
     layout: str
     fits: bool
     iteration_s: float
@@ -92,7 +92,7 @@ class ScaleRow:
     cluster: str
     servers: int
     gpus: int
-    tried: Tried
+    tried: ClusterTried
     tokens_per_s: float
     days: float
     usd: float | None
@@ -173,7 +173,7 @@ def shapes(cluster: Cluster, trace: Trace, microbatch_sizes: Sequence[int]) -> l
     return out
 
 
-def job_of_point(point: Point, cluster: Cluster | None = None, trace: Trace | None = None) -> JobSpec | None:
+def job_of_point(point: ClusterPoint, cluster: Cluster | None = None, trace: Trace | None = None) -> JobSpec | None:
     """The job a point describes, or None when its layout does not split the batch or the
     servers (replicas must divide the global batch, stages need microbatches)."""
     cluster = cluster or load_cluster(point.cluster)
@@ -201,7 +201,7 @@ def simulated_microbatches(stages: int) -> tuple[int, int]:
     return max(2 * stages, 4), max(3 * stages, 6)
 
 
-def simulate_point(point: Point) -> Tried:
+def simulate_point(point: ClusterPoint) -> ClusterTried:
     """One configuration simulated (runs on a worker). An iteration of m microbatches,
     more than the two counts of ``simulated_microbatches`` (m1 < m2) together, is
     simulated at both and extended along the line through them: past 1F1B's warm-up
@@ -224,7 +224,8 @@ def simulate_point(point: Point) -> Tried:
     samples_per_s = job.samples_per_iteration / iteration_s
     peak = max(g.peak_bytes for g in r.gpus)
     states = max(sum(g.breakdown.get(k, 0) for k in ("params", "grads", "optimizer")) for g in r.gpus)
-    return Tried(point, job.layout_name, r.fits, iteration_s, samples_per_s, peak, r.gpus[0].capacity_bytes, states)
+    return ClusterTried(point, job.layout_name, r.fits, iteration_s, samples_per_s, peak, r.gpus[0].capacity_bytes,
+                        states)
 
 
 def server_counts(cluster: Cluster, least: int = 1) -> list[int]:
@@ -235,7 +236,7 @@ def server_counts(cluster: Cluster, least: int = 1) -> list[int]:
 def scale(model: str | Trace, clusters: Sequence[str], tokens: float, days: float | None = None,
           budget_usd: float | None = None, batch_tokens: int = DEFAULT_BATCH_TOKENS,
           microbatch_sizes: Sequence[int] = (1,), discount: float = 0.0, backend: Backend | None = None,
-          on_point: Callable[[Tried], None] | None = None, min_servers: int = 1,
+          on_point: Callable[[ClusterTried], None] | None = None, min_servers: int = 1,
           max_servers: int | None = None) -> ScaleReport:
     """How many servers of each cluster train ``model`` on ``tokens`` (module doc)."""
     _check(tokens, days, budget_usd, batch_tokens, discount)
@@ -246,7 +247,7 @@ def scale(model: str | Trace, clusters: Sequence[str], tokens: float, days: floa
     for name in clusters:
         cluster = load_cluster(name)
         counts = [n for n in server_counts(cluster, min_servers) if max_servers is None or n <= max_servers]
-        points = [Point(name, trace.source or trace.name, n, s, batch) for n in counts
+        points = [ClusterPoint(name, trace.source or trace.name, n, s, batch) for n in counts
                   for s in shapes(cluster, trace, microbatch_sizes)]
         points = [p for p in points if job_of_point(p, cluster, trace) is not None]
         tried = _search(points, backend, on_point)
@@ -267,10 +268,11 @@ def _check(tokens: float, days: float | None, budget: float | None, batch_tokens
         raise MpsimError(f"--discount is a fraction off the list price, 0 to below 1, got {discount:g}")
 
 
-def _search(points: list[Point], backend: Backend | None, on_point: Callable[[Tried], None] | None) -> list[Tried]:
+def _search(points: list[ClusterPoint], backend: Backend | None,
+            on_point: Callable[[ClusterTried], None] | None) -> list[ClusterTried]:
     """Every point with ``none``; what does not fit again with the next strategy, unless
     its model states alone overflow the GPU."""
-    done: list[Tried] = []
+    done: list[ClusterTried] = []
     todo = points
     for strategy in STRATEGIES:
         todo = [replace(p, strategy=strategy) for p in todo]
@@ -278,7 +280,7 @@ def _search(points: list[Point], backend: Backend | None, on_point: Callable[[Tr
         for outcome in run_points(todo, simulate_point, backend):
             if outcome.value is None:
                 continue
-            tried: Tried = outcome.value
+            tried: ClusterTried = outcome.value
             done.append(tried)
             if on_point:
                 on_point(tried)
@@ -288,11 +290,11 @@ def _search(points: list[Point], backend: Backend | None, on_point: Callable[[Tr
     return done
 
 
-def _answer(cluster: Cluster, name: str, tried: Sequence[Tried], report: ScaleReport) -> ClusterAnswer:
+def _answer(cluster: Cluster, name: str, tried: Sequence[ClusterTried], report: ScaleReport) -> ClusterAnswer:
     price = cluster.price
     hourly = price.on_demand.usd_per_hour * (1 - report.discount) if price and price.on_demand else None
     source = price.on_demand.source if price and price.on_demand else ""
-    best: dict[int, Tried] = {}
+    best: dict[int, ClusterTried] = {}
     for t in tried:
         if t.fits and (t.point.servers not in best or t.samples_per_s > best[t.point.servers].samples_per_s):
             best[t.point.servers] = t

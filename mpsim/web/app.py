@@ -46,7 +46,7 @@ from mpsim import api
 from mpsim.errors import MpsimError
 from mpsim.web import charts
 from mpsim.web.inputs import MAX_UPLOAD_BYTES, UPLOAD_KINDS, JobInputs, UploadStore, check_size, from_query
-from mpsim.web.jobs import Busy, Job, JobRunner
+from mpsim.web.jobs import Busy, JobRunner, PageRun
 from mpsim.web.work import WORKS, JobOutcome, job_payload, request_of
 
 #: The page's files: URL path to (file in ``mpsim/web/static``, content type). Nothing
@@ -101,18 +101,18 @@ class App:
                 "labels": _labels()}
 
 
-    def start(self, inputs: JobInputs) -> Job:
+    def start(self, inputs: JobInputs) -> PageRun:
         work = WORKS[inputs.view]
         return self.jobs.start(inputs, lambda job: self.jobs.worker.run(work, request_of(inputs, self.uploads),
                                                                         job.set_tasks, job.cancel))
 
-    def job(self, job_id: str) -> Job:
+    def job(self, job_id: str) -> PageRun:
         job = self.jobs.get(job_id)
         if job is None:
             raise HttpError(HTTPStatus.NOT_FOUND, "no such run (the server keeps the last 32)")
         return job
 
-    def status(self, job: Job) -> dict:
+    def status(self, job: PageRun) -> dict:
         out = job.status()
         inputs: JobInputs = job.inputs
         out.update(view=inputs.view, inputs=inputs.to_dict(), bookmark=inputs.query(),
@@ -124,7 +124,7 @@ class App:
             out.update(job.cache["payload"])
         return out
 
-    def chart(self, job: Job, name: str, fmt: str) -> bytes:
+    def chart(self, job: PageRun, name: str, fmt: str) -> bytes:
         if not isinstance(job.outcome, JobOutcome) or name not in charts.CHARTS or fmt not in charts.FORMATS:
             raise HttpError(HTTPStatus.NOT_FOUND, f"no chart {name}.{fmt} for this run")
         key = f"chart:{name}.{fmt}"

@@ -30,7 +30,7 @@ class Busy(Exception):
 
 
 @dataclass
-class Job:
+class PageRun:
     id: str
     inputs: Any
     state: str = "waiting"
@@ -60,7 +60,7 @@ class JobRunner:
     and hands it the run; ``work(job)`` calls ``self.worker.run``."""
 
     def __init__(self) -> None:
-        self._jobs: OrderedDict[str, Job] = OrderedDict()
+        self._jobs: OrderedDict[str, PageRun] = OrderedDict()
         self._lock = threading.Lock()
         self.compute_lock = threading.Lock()
         self.worker = RunWorker()
@@ -72,12 +72,12 @@ class JobRunner:
                 job.cancel.set()
         self.worker.stop()
 
-    def start(self, inputs: Any, work: Callable[[Job], Any]) -> Job:
+    def start(self, inputs: Any, work: Callable[[PageRun], Any]) -> PageRun:
         with self._lock:
             waiting = sum(1 for j in self._jobs.values() if not j.finished)
             if waiting > MAX_WAITING:
                 raise Busy(f"{waiting} runs are waiting or running; cancel one or wait")
-            job = Job(uuid.uuid4().hex, inputs)
+            job = PageRun(uuid.uuid4().hex, inputs)
             self._jobs[job.id] = job
             self._drop_old()
         threading.Thread(target=self._run, args=(job, work), name=f"mpsim-job-{job.id[:8]}", daemon=True).start()
@@ -88,11 +88,11 @@ class JobRunner:
         for key in finished[: max(0, len(self._jobs) - MAX_JOBS)]:
             del self._jobs[key]
 
-    def get(self, job_id: str) -> Job | None:
+    def get(self, job_id: str) -> PageRun | None:
         with self._lock:
             return self._jobs.get(job_id)
 
-    def _run(self, job: Job, work: Callable[[Job], Any]) -> None:
+    def _run(self, job: PageRun, work: Callable[[PageRun], Any]) -> None:
         with self.compute_lock:
             if job.cancel.is_set():
                 job.state = "cancelled"
