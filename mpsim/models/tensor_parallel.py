@@ -26,10 +26,10 @@ layer's FLOPs, an estimate. Shards are traced once per process and kept (``SHARD
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from mpsim.caches import Lru
 from mpsim.errors import MpsimError
 from mpsim.models.trace import LayerRow, Trace
 
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 SHARDS = 64
 """Shard traces remembered per process."""
-_SHARDS: OrderedDict[tuple[object, ...], Trace] = OrderedDict()
+_SHARDS: Lru[tuple[object, ...], Trace] = Lru(SHARDS)
 _ROW_OF_KIND = {"embedding": 0, "transformer": 1, "head": 2}
 """Which row of a traced shard (embedding, one layer, head) stands for a row of each kind."""
 _CONFIG_KEYS = ("family", "layers", "hidden", "heads", "seq_len", "vocab")
@@ -77,7 +77,6 @@ def shard_trace(trace: Trace, degree: int, sequence_parallel: bool = False, save
     key = (trace.content_hash, degree, sequence_parallel, saves_gathered and sequence_parallel)
     found = _SHARDS.get(key)
     if found is not None:
-        _SHARDS.move_to_end(key)
         return found
     check_shardable(trace, degree, sequence_parallel)
     model = {k: v for k, v in trace.spec.model.items() if k != "layers"}
@@ -86,10 +85,7 @@ def shard_trace(trace: Trace, degree: int, sequence_parallel: bool = False, save
     rows = [_shard_row(r, traced.layers[_ROW_OF_KIND[r.kind]]) for r in trace.layers]
     model = dict(trace.spec.model, tensor_parallel=traced.spec.model["tensor_parallel"])
     shard = Trace(trace.spec.model_copy(update={"layers": rows, "model": model}), trace.source)
-    _SHARDS[key] = shard
-    if len(_SHARDS) > SHARDS:
-        _SHARDS.popitem(last=False)
-    return shard
+    return _SHARDS.put(key, shard)
 
 
 def _config(model: dict) -> ModelConfig:

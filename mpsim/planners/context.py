@@ -3,10 +3,10 @@ the first step of the swap planners (simulate keeping everything, read live inte
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from mpsim.caches import Lru
 from mpsim.hardware.topology import Topology
 from mpsim.models.trace import LayerRow, Trace
 from mpsim.planners.liveness import live_intervals
@@ -31,7 +31,7 @@ SIMULATIONS = 64
 """Simulated plans remembered per process (``Ctx.simulate``): ``best`` runs every planner
 under both partitions, and they simulate many of the same plans (keep everything first,
 the same swaps); a run is deterministic, so a plan's result is reused, not recomputed."""
-_SIMULATED: OrderedDict[tuple[object, ...], SimResult] = OrderedDict()
+_SIMULATED: Lru[tuple[object, ...], SimResult] = Lru(SIMULATIONS)
 
 
 @dataclass
@@ -125,14 +125,7 @@ class Ctx(OfJob):
         so it is not checked again). A plan simulated before in this process, by any
         planner, is not simulated again (``SIMULATIONS``)."""
         key = self.simulation_key(plan)
-        result = _SIMULATED.get(key)
-        if result is None:
-            result = simulate_layout(layout_of_plan(plan, self.job, checked=True))
-            _SIMULATED[key] = result
-            if len(_SIMULATED) > SIMULATIONS:
-                _SIMULATED.popitem(last=False)
-        else:
-            _SIMULATED.move_to_end(key)
+        result = _SIMULATED.remember(key, lambda: simulate_layout(layout_of_plan(plan, self.job, checked=True)))
         return result if result.strategy == plan.strategy else replace(result, strategy=plan.strategy)
 
     def optimizer_bytes(self, row: LayerRow) -> int:

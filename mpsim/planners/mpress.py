@@ -33,15 +33,15 @@ striping (each swap to its one fastest neighbour), and D2D swap only.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from mpsim.caches import Lru
 from mpsim.models.trace import RECOMPUTABLE, LayerRow
 from mpsim.planners.baselines import BASELINES
-from mpsim.planners.cache import cached_plan, remembered
+from mpsim.planners.cache import CACHE_SIZE, cached_plan
 from mpsim.planners.context import MAX_ROUNDS, Ctx, Planned, keep_first, over
 from mpsim.planners.liveness import end_slack
 from mpsim.planners.mapping import Mapping, search_mapping
@@ -624,7 +624,7 @@ def mpress_fits(ctx: Ctx, opts: Options, name: str) -> bool:
                _variants_to_try(ctx, opts, name, planned, intervals))
 
 
-_MAPPINGS: OrderedDict[tuple[object, ...], Mapping] = OrderedDict()
+_MAPPINGS: Lru[tuple[object, ...], Mapping] = Lru(CACHE_SIZE)
 """Step 2's maps by (server contents, demand, spare): ``mpress_fits`` and ``plan_mpress`` ask
 for the same job's (``search_mapping`` is a function of these alone)."""
 
@@ -691,8 +691,8 @@ def _mapping(planner: _Planner, keep: SimResult) -> Mapping:
     need = [over(keep, g) - planner.optimizer_bytes(s, free.get(s, [])) for s, g in enumerate(planner.ctx.gpus)]
     topo = planner.ctx.topo
     demand, spare = tuple(max(0, x) for x in need), tuple(max(0, -x) for x in need)
-    return remembered(_MAPPINGS, (topo.content_hash, demand, spare),
-                       lambda: search_mapping(topo, list(demand), list(spare)))
+    return _MAPPINGS.remember((topo.content_hash, demand, spare), lambda: search_mapping(topo, list(demand),
+                                                                                       list(spare)))
 
 
 def _recompute_first_if_faster(ctx: Ctx, opts: Options, name: str, planner: _Planner, result: SimResult,

@@ -16,9 +16,9 @@ resolves a ``Job`` first.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 
+from mpsim.caches import Lru
 from mpsim.plans.schedule import PIPEDREAM_MEASURED, interleaved_turn_orders, weight_versions
 from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
@@ -39,7 +39,7 @@ __all__ = ["Job", "Layout", "simulate_job", "simulate_layout"]
 
 PROGRAMS = 256
 """Stage programs remembered per process (``_stage_program``)."""
-_PROGRAMS: OrderedDict[tuple[object, ...], StageProgram] = OrderedDict()
+_PROGRAMS: Lru[tuple[object, ...], StageProgram] = Lru(PROGRAMS)
 
 
 @dataclass
@@ -107,16 +107,11 @@ def _stage_program(run: RunContext, s: int, costs: CostModel, sharding: Sharding
            sharding, tensor_parallel, tuple((j, actions[j].model_dump_json()) for j in sorted(actions)))
     program = _PROGRAMS.get(key)
     if program is not None:
-        _PROGRAMS.move_to_end(key)
         return program
-    rows = layout.trace.layers[a:b]
-    times = costs.layer_times
-    program = _PROGRAMS[key] = build_program(rows, times.fwd_s[a:b], times.bwd_s[a:b], a, first, last, actions,
-                                             run.torch_pipelining, costs.attention_core_s[a:b], segments, sharding,
-                                             tensor_parallel)
-    if len(_PROGRAMS) > PROGRAMS:
-        _PROGRAMS.popitem(last=False)
-    return program
+    rows, times = layout.trace.layers[a:b], costs.layer_times
+    return _PROGRAMS.put(key, build_program(rows, times.fwd_s[a:b], times.bwd_s[a:b], a, first, last, actions,
+                                            run.torch_pipelining, costs.attention_core_s[a:b], segments, sharding,
+                                            tensor_parallel))
 
 
 def sharding_of(layout: Layout) -> Sharding | None:

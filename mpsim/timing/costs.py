@@ -17,12 +17,12 @@ equal contents give the same object however many traces or topologies were loade
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mpsim.caches import Lru
 from mpsim.errors import MpsimError
 from mpsim.hardware.topology import Dtype, GpuSpec, OpEfficiency
 from mpsim.timing.kernel_time import ITEMSIZE, KernelRates, can_time, pass_seconds
@@ -39,7 +39,7 @@ H100 transformer-layer and head passes (bf16, ``reports/kernel_time.md``)."""
 
 COST_MODELS = 64
 """Cost models remembered per process (``cost_model``)."""
-_MODELS: OrderedDict[tuple[str, str], CostModel] = OrderedDict()
+_MODELS: Lru[tuple[str, str], CostModel] = Lru(COST_MODELS)
 
 
 @dataclass(frozen=True)
@@ -98,15 +98,7 @@ class CostModel:
 def cost_model(trace: Trace, gpu: GpuSpec) -> CostModel:
     """The cost model of ``trace`` on ``gpu``: the one made before for equal contents, else
     a new one (remembered, the least recently used forgotten past ``COST_MODELS``)."""
-    key = (trace.content_hash, gpu.model_dump_json())
-    model = _MODELS.get(key)
-    if model is not None:
-        _MODELS.move_to_end(key)
-        return model
-    model = _MODELS[key] = _build(trace, gpu)
-    if len(_MODELS) > COST_MODELS:
-        _MODELS.popitem(last=False)
-    return model
+    return _MODELS.remember((trace.content_hash, gpu.model_dump_json()), lambda: _build(trace, gpu))
 
 
 def kernel_rates(trace: Trace, gpu: GpuSpec) -> KernelRates | None:
