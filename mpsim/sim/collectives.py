@@ -36,6 +36,12 @@ carries half the buffer each way at once, fused like the ring's hops, after 2 x 
 steps of latency. Inside a server the ring is faster (each edge of a tree carries more
 than a ring hop), which is why NCCL picks rings there; trees pay off across servers.
 
+Over several tiers (a server's ring, then rails across servers, then further tiers) a
+collective runs NCCL's hierarchical algorithm, every level's flows fused at once
+(:func:`tiered_transfer` over a :class:`Level` each; :func:`two_level_transfer` is the
+server-and-fabric case the engine runs): the latency steps of every level plus the
+slowest level's bytes over its bandwidth on an idle fabric.
+
 Algorithm bandwidth is n_bytes / time; bus bandwidth is algbw x 2(n-1)/n for all-reduce,
 x (n-1)/n for reduce-scatter and all-gather, x 1 for broadcast (nccl-tests'
 PERFORMANCE notes): on an idle ring it equals the ring's bottleneck link bandwidth, less
@@ -211,35 +217,139 @@ def inter_server_steps(op: str, servers: int) -> int:
     return min(ring, 2 * max(1, math.ceil(math.log2(servers)))) if op == "all-reduce" else ring
 
 
-def two_level_transfer(network: Network, view: ClusterView, ring: Sequence[int], intra_op: str | None,
-                       across: int, inter_op: str | None, n_bytes: int) -> simpy.Event:
-    """A collective over a group of ``len(ring)`` GPUs on each of ``across`` identical
-    servers, started now: ``intra_op`` over the server's ring on the whole buffer and
-    ``inter_op`` across servers on each GPU's 1/n share of it, every GPU of the ring
-    running its own inter-server ring through its own NIC (one ring per rail, as NCCL's
-    channels cross servers), over ``ClusterView.mirror_route`` (the other servers are
-    symmetric). NCCL pipelines both levels chunk by chunk, so the flows of both run at
-    once (fused, as ``ring_transfer``): on an idle fabric the time is the latency steps of
-    both levels plus the slower level's bytes over its bandwidth. All-reduce is
-    reduce-scatter inside, all-reduce across, all-gather inside (``intra_op`` and
-    ``inter_op`` ``all-reduce``); ZeRO's reduce-scatter and all-gather are the same op at
-    both levels; HSDP reduces gradients with a reduce-scatter inside and an all-reduce
-    across, and gathers parameters inside only (``inter_op`` None)."""
-    n = len(ring)
+StepRule = Literal["ring", "ring-or-tree"]
+"""How a level counts its latency steps: ``ring`` (:func:`ring_steps`), or ``ring-or-tree``
+(:func:`inter_server_steps`: all-reduce's double binary tree when it has fewer steps)."""
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level of a hierarchical collective (:func:`tiered_transfer`), innermost first.
+
+    ``size`` GPUs form each of the level's groups (a server's ring, the servers of a rail,
+    the racks of a pod); ``routes`` are the flows the simulated GPUs send at this level,
+    one each (a ring's hops, or ``ClusterView.mirror_route`` standing for a rail's hop by
+    symmetry); each carries what one member of an n-GPU ring sends over all its steps. A
+    level without an op moves nothing, but its groups still cut the buffer for the levels
+    outside it: every GPU of the group holds its 1/n share of them."""
+
+    op: str | None
+    """all-reduce, reduce-scatter or all-gather at this level, or None: nothing moves."""
+    size: int
+    """n_k: GPUs in each of the level's groups."""
+    routes: tuple[Route, ...]
+    """The flow of each simulated GPU at this level."""
+    step_latency_s: float
+    """Latency of one step of the level (its routes' largest setup latency)."""
+    steps: StepRule = "ring"
+    """How the level counts its latency steps (``StepRule``): across servers NCCL's tuner
+    may run all-reduce's latency on a double binary tree."""
+
+    def __post_init__(self) -> None:
+        if self.op is not None:
+            check_op(self.op)
+            if self.op == "broadcast":
+                raise MpsimError("a level of a hierarchical collective runs all-reduce, reduce-scatter or "
+                                 "all-gather, not broadcast")
+        if self.size < 1:
+            raise MpsimError(f"a level's group has at least one GPU, got {self.size}")
+        if self.step_latency_s < 0 or not math.isfinite(self.step_latency_s):
+            raise MpsimError(f"a level's step latency is a finite number of seconds >= 0, got {self.step_latency_s}")
+
+    @property
+    def moves(self) -> bool:
+        """Whether the level sends anything: an op on a group of two or more."""
+        return self.op is not None and self.size > 1
+
+    def latency_steps(self) -> int:
+        """Steps of the level's op on its group (0 when it does not move)."""
+        if self.op is None or self.size <= 1:
+            return 0
+        if self.steps == "ring-or-tree":
+            return inter_server_steps(self.op, self.size)
+        return ring_steps(self.op, self.size)
+
+
+def level_shares(levels: Sequence[Level], n_bytes: int) -> list[int]:
+    """The buffer each level works on: the whole for the innermost, then at level k what
+    each GPU holds after the levels inside it, ceil(n_bytes / (n_0 x ... x n_{k-1}))."""
+    shares: list[int] = []
+    share = n_bytes
+    for level in levels:
+        shares.append(share)
+        share = -(-share // level.size)
+    return shares
+
+
+def tiered_transfer(network: Network, levels: Sequence[Level], n_bytes: int) -> simpy.Event:
+    """A hierarchical collective over every level of ``levels`` (innermost first), started
+    now: the event of the last flow's landing.
+
+    The hierarchical algorithm (NCCL's; the per-level sizes and bus-bandwidth factors as
+    nccl-tests' ``doc/PERFORMANCE.md`` defines them): an all-reduce reduce-scatters at each
+    level from the innermost out, so that level k works on the share the levels inside it
+    leave each GPU, S_k = S / (n_0 x ... x n_{k-1}), all-reduces that share at the
+    outermost level, and all-gathers back level by level inward; the reduce-scatter and
+    the all-gather of one level together move what its all-reduce moves. Each level's
+    flow per GPU therefore carries ``max_hop_bytes(op_k, S_k, n_k)``, about
+    2(n_k - 1)/n_k x S_k for all-reduce and (n_k - 1)/n_k x S_k for reduce-scatter and
+    all-gather. NCCL pipelines the levels chunk by chunk, so every level's flows start at
+    once (fused, as ``ring_transfer``) after the latency of all levels' steps: alone on
+    an idle fabric where each level has links of its own the time is that latency plus
+    the slowest level's bytes over its bandwidth; levels that share a link share it as
+    the ``Network`` shares any flows. A level of one GPU or without an op adds no flow
+    and no latency (its size still divides the share of the levels outside it)."""
     routes: list[Route] = []
     sizes: list[int] = []
     latency_s = 0.0
-    if intra_op is not None and n > 1:
-        hops, hop_latency_s = ring_routes(view, tuple(ring))
-        routes += hops
-        sizes += [max_hop_bytes(intra_op, n_bytes, n)] * n
-        latency_s += ring_steps(intra_op, n) * hop_latency_s
-    if inter_op is not None and across > 1:
-        mirrors = [view.mirror_route(g) for g in ring]
-        routes += mirrors
-        sizes += [max_hop_bytes(inter_op, -(-n_bytes // n), across)] * n
-        latency_s += inter_server_steps(inter_op, across) * max(r.latency_s for r in mirrors)
+    for level, share in zip(levels, level_shares(levels, n_bytes)):
+        op = level.op
+        if op is None or level.size <= 1:
+            continue
+        routes += level.routes
+        sizes += [max_hop_bytes(op, share, level.size)] * len(level.routes)
+        latency_s += level.latency_steps() * level.step_latency_s
     return network.transfer_all(routes, sizes, latency_s)
+
+
+@functools.lru_cache(maxsize=1024)
+def ring_level(topo: Topology, ring: tuple[int, ...], op: str | None) -> Level:
+    """The level of a ring inside one server: each GPU's hop to its successor (no route
+    worked out for a level that does not move)."""
+    if op is None or len(ring) <= 1:
+        return Level(op, len(ring), (), 0.0)
+    hops, hop_latency_s = ring_routes(topo, ring)
+    return Level(op, len(ring), tuple(hops), hop_latency_s)
+
+
+@functools.lru_cache(maxsize=1024)
+def mirror_level(view: ClusterView, ring: tuple[int, ...], op: str | None, across: int) -> Level:
+    """The level across ``across`` identical servers: every GPU of ``ring`` on its own
+    rail through its own NIC (``ClusterView.mirror_route``), latency steps as
+    :func:`inter_server_steps` counts them (no route worked out for a level that does
+    not move)."""
+    if op is None or across <= 1:
+        return Level(op, across, (), 0.0, "ring-or-tree")
+    mirrors = tuple(view.mirror_route(g) for g in ring)
+    return Level(op, across, mirrors, max(r.latency_s for r in mirrors), "ring-or-tree")
+
+
+def two_level_transfer(network: Network, view: ClusterView, ring: Sequence[int], intra_op: str | None,
+                       across: int, inter_op: str | None, n_bytes: int) -> simpy.Event:
+    """A collective over a group of ``len(ring)`` GPUs on each of ``across`` identical
+    servers, started now: :func:`tiered_transfer` over two levels, ``intra_op`` over the
+    server's ring on the whole buffer and ``inter_op`` across servers on each GPU's 1/n
+    share of it, every GPU of the ring running its own inter-server ring through its own
+    NIC (one ring per rail, as NCCL's channels cross servers), over
+    ``ClusterView.mirror_route`` (the other servers are symmetric). On an idle fabric the
+    time is the latency steps of both levels plus the slower level's bytes over its
+    bandwidth. All-reduce is reduce-scatter inside, all-reduce across, all-gather inside
+    (``intra_op`` and ``inter_op`` ``all-reduce``); ZeRO's reduce-scatter and all-gather
+    are the same op at both levels; HSDP reduces gradients with a reduce-scatter inside and
+    an all-reduce across, and gathers parameters inside only (``inter_op`` None)."""
+    group = tuple(ring)
+    levels = (ring_level(view, group, intra_op), mirror_level(view, group, inter_op, across))
+    return tiered_transfer(network, levels, n_bytes)
 
 
 def tree_edges(order: Sequence[int]) -> list[tuple[int, int]]:
