@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     from mpsim.limits import DEFAULT_HEADROOM_GIB, MAX_HEADROOM_GIB
     from mpsim.models.trace import RECIPE_HELP, Trace, read_trace_file
     from mpsim.native import EngineState, engine_status
-    from mpsim.native_build import BuildReport, build_engine, remove_engine
+    from mpsim.native_build import BuildInterrupted, BuildReport, build_engine, remove_engine
     from mpsim.planners import Planned, plan_job
     from mpsim.plans.job import (
         DEFAULT_MICROBATCHES,
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     )
     from mpsim.plans.layouts import CHOOSE_LAYOUTS, DEFAULT_LAYOUTS, LAYOUTS_HELP, candidate_layouts, parse_layout
     from mpsim.plans.plan import PlanFile, read_plan_file, write_plan_file
-    from mpsim.plans.strategies import STRATEGIES, STRATEGY_HELP, planner_runs
+    from mpsim.plans.strategies import STRATEGIES, STRATEGY_HELP, check_zero_stage, planner_runs
     from mpsim.sim import SimResult
     from mpsim.sim.progress import reporting
     from mpsim.studies.backends import backend_for, make_backend
@@ -93,14 +93,14 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.limits": ("DEFAULT_HEADROOM_GIB", "MAX_HEADROOM_GIB"),
     "mpsim.plans.layouts": ("CHOOSE_LAYOUTS", "DEFAULT_LAYOUTS", "LAYOUTS_HELP", "candidate_layouts", "parse_layout"),
     "mpsim.native": ("EngineState", "engine_status"),
-    "mpsim.native_build": ("BuildReport", "build_engine", "remove_engine"),
+    "mpsim.native_build": ("BuildInterrupted", "BuildReport", "build_engine", "remove_engine"),
     "mpsim.plans.plan": ("PlanFile", "read_plan_file", "write_plan_file"),
     "mpsim.planners": ("Planned", "plan_job"),
     "mpsim.hardware.cluster": ("DEFAULT_BATCH_TOKENS", "DEFAULT_CLUSTERS"),
     "mpsim.studies.scale": ("ScaleReport", "scale"),
     "mpsim.sim": ("SimResult",),
     "mpsim.sim.progress": ("reporting",),
-    "mpsim.plans.strategies": ("STRATEGIES", "STRATEGY_HELP", "planner_runs"),
+    "mpsim.plans.strategies": ("STRATEGIES", "STRATEGY_HELP", "check_zero_stage", "planner_runs"),
     "mpsim.studies.sweep": ("Point", "SweepInterrupted", "grid", "sweep"),
     "mpsim.hardware.topology": ("Topology", "read_topology_file"),
     "mpsim.models.trace": ("RECIPE_HELP", "Trace", "read_trace_file"),

@@ -22,6 +22,7 @@ from mpsim.plans.job import (
     pipeline,
 )
 from mpsim.plans.plan import PlanFile, check_plan, read_plan_file
+from mpsim.plans.strategies import check_zero_stage
 from mpsim.sim import SimResult, simulate_job
 from mpsim.sim.layout import job_of_plan
 
@@ -35,6 +36,8 @@ def plan(server: str | Topology | None, model: str | Trace, schedule: str = DEFA
     (``record_link_rates``: every change of link rates kept, for Chrome-trace counters;
     ``parallelism``: data-parallel replicas and ZeRO stage, ``mpsim.plans.job.data_parallel``;
     ``cluster`` and ``servers``: that many servers of a cluster, ``mpsim.hardware.cluster``)."""
+    if parallelism is not None:  # a stage other than 0 (the default) is asked for
+        check_zero_stage(strategy, parallelism.zero_stage, parallelism.hsdp, given=parallelism.zero_stage != 0)
     return plan_job(job_of(server, model, schedule=schedule, microbatch=microbatch, microbatches=microbatches,
                            n_stages=n_stages, strategy=strategy, partition=partition,
                            record_link_rates=record_link_rates, parallelism=parallelism, cluster=cluster,
@@ -110,10 +113,15 @@ def validate(model: str, plan_path: Path | None = None, server: str | None = Non
     (``oom`` set when a run ran out)."""
     from mpsim.models.probe import probe
     from mpsim.models.profiler import check_device
-    from mpsim.studies.hardware_check import RunSettings, validate_plan
+    from mpsim.studies.hardware_check import RunSettings, check_processes, rank_places, validate_plan
 
     check_device(device)
     plan_file = read_plan_file(plan_path) if plan_path else None
+    if parallelism is not None:
+        check_zero_stage(strategy, parallelism.zero_stage, parallelism.hsdp, given=parallelism.zero_stage != 0)
+    # before anything is measured or probed: the processes the run starts, against this machine
+    world = len(rank_places(plan_file)) if plan_file else stages * (parallelism.stage_gpus if parallelism else 1)
+    check_processes(world, device, threads, str(plan_path) if plan_path else "validate")
     trace = _measured_model(model, plan_file.microbatch if plan_file else None, device, threads)
     per_stage = parallelism.stage_gpus if parallelism is not None else 1
     n_devices = max(plan_file.gpus_used()) + 1 if plan_file else stages * per_stage

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 import click
@@ -57,7 +58,11 @@ def engine_build(json_out: str | None) -> None:
     """Compile the engine for this Python and these sources (replaces the last build
     once the new one is complete)."""
     click.echo("compiling the engine with mypyc ...", err=True)
-    report = api.build_engine()
+    try:
+        report = api.build_engine()
+    except api.BuildInterrupted as exc:  # one line, and the shell's code for the signal (130, 143)
+        click.echo(f"mpsim: {exc}", err=True)
+        sys.exit(exc.exit_code)
     state = api.engine_status()
     text = (f"built {len(report.modules)} modules in {report.seconds:.0f} s into {report.build_dir}\n"
             f"engine:    {state.describe()}")

@@ -11,6 +11,8 @@ import click
 from mpsim import api
 from mpsim.cli.options import (
     STRATEGY_HELP,
+    FiniteFloatRange,
+    check_strategy_layout,
     cluster_options,
     emit,
     headroom_option,
@@ -59,6 +61,7 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
     from mpsim.views.plots import plot_memory
     from mpsim.views.text import simulate_text
 
+    check_strategy_layout(strategy, layout)
     if plan_path is not None and layout != api.data_parallel(1, 0, None):
         raise click.UsageError("--dp, --zero, --tp, --sp, --virtual-stages and the bucket and reshard options: the "
                                "plan file fixes the layout; leave them out with --plan")
@@ -106,6 +109,7 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
     """
     from mpsim.views.text import plan_text, simulate_text
 
+    check_strategy_layout(strategy, layout)
     topo, trace, _ = api.load_job(server, model)
     warn(api.measured_warning(trace, topo))
     with tasks_progress("plan"):
@@ -138,7 +142,7 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
               help="without --plan: pipeline stages (processes)")
 @click.option("--device", default="cpu", show_default=True, help="cpu (gloo) or cuda (NCCL)")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="on CPU: threads per process")
-@click.option("--memory-mib", type=click.FloatRange(min=1),
+@click.option("--memory-mib", type=FiniteFloatRange(min=1),
               help="memory each stage may use, enforced  [default: the device's; on CPU RAM / stages]")
 @click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True, help="timed steps (median)")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="untimed steps before them")
@@ -159,6 +163,8 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
     """
     from mpsim.views.measured import validation_text
 
+    if plan_path is None:
+        check_strategy_layout(strategy, layout)
     report = api.validate(model, plan_path, server, strategy=strategy, schedule=schedule, microbatches=microbatches,
                           stages=stages, device=device, threads=threads, memory_mib=memory_mib, steps=steps,
                           warmup=warmup, parallelism=layout)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 
 from mpsim import api
 from mpsim.errors import MpsimError
@@ -55,6 +56,9 @@ def layout_options(f: F) -> F:
     @functools.wraps(f)
     def with_layout(*args: Any, dp: int, zero: int, bucket_mib: float, reshard: bool, tp: int, sp: bool,
                     virtual_stages: int, hsdp: bool, **kwargs: Any) -> Any:
+        if hsdp and given("zero") and zero != 3:
+            raise click.UsageError(f"--hsdp and --zero {zero}: HSDP shards the states inside each server as ZeRO-3 "
+                                   "does (it implies --zero 3); leave --zero out or give --zero 3")
         return f(*args, layout=api.data_parallel(dp, 3 if hsdp else zero, None, bucket_mib=bucket_mib,
                                                  reshard_after_forward=reshard, tensor=tp, sequence_parallel=sp,
                                                  virtual_stages=virtual_stages, hsdp=hsdp),
@@ -145,6 +149,27 @@ def html_option(f: F) -> F:
     return click.option("--html", "html_out", type=click.Path(dir_okay=False, path_type=Path),
                         help="write the same views as one self-contained HTML file (inline CSS and SVG charts, "
                              "nothing fetched)")(f)
+
+
+def given(name: str) -> bool:
+    """Whether the running command's parameter ``name`` was given (on the command line or
+    from the environment), not left at its default: a default is nobody's choice."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source is not None and source not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+
+
+def refuse_given(options: dict[str, str], message: Callable[[str], str]) -> None:
+    """Refuse, in one line (``message(option)``, naming it and what it clashes with), the
+    first of ``options`` (parameter name -> option) that was given where it is not used."""
+    for name, option in options.items():
+        if given(name):
+            raise click.UsageError(message(option))
+
+
+def check_strategy_layout(strategy: str, layout: api.Parallelism) -> None:
+    """Refuse --zero or --hsdp that contradict the strategy's own ZeRO stage (ZeRO-Offload
+    runs ZeRO-2, ZeRO-Infinity ZeRO-3) instead of letting the strategy override them."""
+    api.check_zero_stage(strategy, layout.zero_stage, layout.hsdp, given=given("zero"))
 
 
 def comma_list(text: str, option: str = "") -> list[str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from mpsim import api
-from mpsim.cli.options import SERVER_HELP, comma_list, emit, json_option
+from mpsim.cli.options import SERVER_HELP, FiniteFloatRange, comma_list, emit, json_option
 
 
 @click.group()
@@ -58,7 +58,7 @@ def topo_check(file: Path) -> None:
 @click.option("--devices", type=click.IntRange(min=1), default=1, show_default=True,
               help="on CPU: how many devices (one pipeline process each)")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="on CPU: threads per device")
-@click.option("--memory-mib", type=click.FloatRange(min=1),
+@click.option("--memory-mib", type=FiniteFloatRange(min=1),
               help="on CPU: memory of each device  [default: RAM / devices]")
 @click.option("--name", help="name stored in the file  [default: from what was found]")
 def topo_probe(output: Path | None, device: str, devices: int, threads: int, memory_mib: float | None,

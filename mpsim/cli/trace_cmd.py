@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from mpsim import api
+from mpsim.cli.options import FiniteFloatRange
 from mpsim.errors import MpsimError
 
 ATTENTION_HELP = ("attention kernel whose saved tensors and FLOPs the trace records: eager (written out), "
@@ -51,7 +52,7 @@ def _list_presets(ctx: click.Context, _param: click.Parameter, value: bool) -> N
 @click.option("--ffn-hidden", type=click.IntRange(min=1), help="MLP inner size  [default: 4 x hidden]")
 @click.option("--seq-len", type=click.IntRange(min=1), help="sequence length  [default: 1024]")
 @click.option("--vocab", type=click.IntRange(min=1), help="vocabulary size  [default: 50257]")
-@click.option("--dropout", type=click.FloatRange(min=0, max=1, max_open=True),
+@click.option("--dropout", type=FiniteFloatRange(min=0, max=1, max_open=True),
               help="dropout probability; 0 keeps no masks  [default: the preset's]")
 @click.option("--attention", type=click.Choice(["eager", "fused-softmax", "mem-efficient", "flash"]),
               help=ATTENTION_HELP)

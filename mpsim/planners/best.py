@@ -4,7 +4,9 @@ Each single planner is run under both partitions (compute-balanced as PipeDream 
 DAPPLE, memory-balanced as mCAP); MPress's includes the device-mapping search and a
 per-tensor choice among host swap, recomputation and D2D swap, TSPLIT's adds splits.
 Every candidate plan is simulated, and the fastest that fits on every GPU wins; when
-none fits, the one with the lowest highest per-GPU peak. So the combined planner is
+none fits, the offload systems (ZeRO-Offload, ZeRO-Infinity: ``Strategy.best_fallback``)
+are tried as a last resort, and the fastest of them that fits wins; when none of those
+fits either, the plan of the others with the lowest highest per-GPU peak. So the combined planner is
 never worse than any single one on the same job, by construction, and its plan names
 the planner and partition that produced it.
 """
@@ -18,10 +20,13 @@ from dataclasses import replace
 from mpsim.planners.cache import cached_plan
 from mpsim.planners.context import Ctx, Planned, make_context
 from mpsim.plans.job import PARTITIONS, partitions_of
-from mpsim.plans.strategies import IN_BEST, strategy_named
+from mpsim.plans.strategies import BEST_FALLBACK, IN_BEST, strategy_named
 
 SINGLE = IN_BEST
 """The single planners ``best`` tries (``Strategy.in_best``), in the registry's order."""
+FALLBACK = BEST_FALLBACK
+"""The planners ``best`` asks only when none of ``SINGLE`` fits under any partition
+(``Strategy.best_fallback``), after them."""
 
 
 Part = tuple[str, str]
@@ -48,8 +53,8 @@ def plan_part(ctx: Ctx, name: str, partition: str) -> Planned:
 
 def parts(known_not_fitting: Collection[Part] = (), partitions: tuple[str, ...] = PARTITIONS) -> list[Part]:
     """Every (planner, partition) the combined plan may run, in its order (``partitions``:
-    ``mpsim.plans.job.partitions_of`` the layout)."""
-    return [(name, partition) for partition in partitions for name in SINGLE
+    ``mpsim.plans.job.partitions_of`` the layout): ``SINGLE``'s, then ``FALLBACK``'s."""
+    return [(name, partition) for names in (SINGLE, FALLBACK) for partition in partitions for name in names
             if (name, partition) not in known_not_fitting]
 
 
@@ -57,13 +62,14 @@ def combine(plan_of: Callable[[str, str], Planned], known_not_fitting: Collectio
             partitions: tuple[str, ...] = PARTITIONS) -> Planned:
     """The combined plan from ``plan_of(planner, partition)``, asked in ``parts`` order;
     under a partition where keeping everything fits, the rest are not asked (nothing to
-    save: keeping everything is fastest). The fastest plan that fits wins, else the lowest
-    highest peak; ties go to the first asked. ``plan_of`` may look up plans made
+    save: keeping everything is fastest), and the ``FALLBACK`` planners are asked only when
+    nothing asked before fits. The fastest plan that fits wins, else the lowest highest
+    peak of those not in ``FALLBACK``; ties go to the first asked. ``plan_of`` may look up plans made
     elsewhere (``fits`` runs the parts in parallel): the answer is the same."""
     tried: list[tuple[str, str, Planned]] = []
     kept_all: set[str] = set()
     for name, partition in parts(known_not_fitting, partitions):
-        if partition in kept_all:
+        if partition in kept_all or (name in FALLBACK and any(t[2].result.fits for t in tried)):
             continue
         tried.append((name, partition, plan_of(name, partition)))
         if name == KEEP_ALL and tried[-1][2].result.fits:
@@ -73,7 +79,8 @@ def combine(plan_of: Callable[[str, str], Planned], known_not_fitting: Collectio
         r = t[2].result
         return (0, -r.samples_per_s) if r.fits else (1, r.max_peak_bytes)
 
-    name, partition, best = min(tried, key=key)
+    fitting_or_main = [t for t in tried if t[2].result.fits or t[0] not in FALLBACK]
+    name, partition, best = min(fitting_or_main or tried, key=key)
     label = label_of((name, partition))
     plan = best.plan.model_copy(update={"strategy": label})
     result = replace(best.result, strategy=label)

@@ -37,7 +37,8 @@ class Strategy:
     a stage's peak: kept, every recomputable layer checkpointed, or every attention core
     recomputed (``mpsim.planners.context.make_context``)."""
     in_best: bool = False
-    """Whether the combined planner (``best``) tries it, under both partitions."""
+    """Whether the combined planner (``best``) tries it, under both partitions (see also
+    ``best_fallback``)."""
     combines: bool = False
     """A planner that combines the single ones (``best``): it runs them under both
     partitions itself, so studies do not vary its partition; ``fits`` runs it last and
@@ -54,6 +55,13 @@ class Strategy:
     offloads_model_states: bool = False
     """Whether its plans may keep weights or gradients off the GPU (ZeRO-Offload and
     ZeRO-Infinity): the memory floor of ``mpsim.studies.bounds`` does not hold for it."""
+    zero_stage: int | None = None
+    """The ZeRO stage its plans run whatever the job's (ZeRO-Offload 2, ZeRO-Infinity 3):
+    a job that asks for another contradicts it (``check_zero_stage``); None: the job's."""
+    best_fallback: bool = False
+    """Whether ``best`` tries it when none of the ``in_best`` planners fits (the offload
+    systems: slow, so only as a last resort, which keeps ``best``'s cost where it was
+    whenever something else fits)."""
     optimizer_on_gpu: bool = False
     """Whether every plan of it keeps the optimizer states on the GPU (none streams them to
     the host, as the swap planners and MPress may): the memory floor of ``mpsim.studies.bounds``
@@ -113,18 +121,22 @@ STRATEGIES: dict[str, Strategy] = _table(
              word="TSPLIT: swap, recompute, split tensors",
              help="swap, recompute and tensor splitting by TSPLIT's cost model"),
     Strategy("zero-offload", "mpsim.planners.offload:PLANNERS", word="ZeRO-Offload: optimizer on the host CPU",
-             offloads_model_states=True,
+             offloads_model_states=True, zero_stage=2, best_fallback=True,
              help="ZeRO-Offload: ZeRO-2 over the replicas, optimizer states and Adam on the host CPU"),
     Strategy("zero-infinity", "mpsim.planners.offload:PLANNERS", word="ZeRO-Infinity: states in host memory",
-             offloads_model_states=True,
+             offloads_model_states=True, zero_stage=3, best_fallback=True,
              help="ZeRO-Infinity: ZeRO-3, parameter shards and optimizer states in host memory (NVMe when short)"),
     Strategy("best", "mpsim.planners.best:plan_best", combines=True, word="every planner, the fastest that fits",
+             offloads_model_states=True,  # its last resort is the offload systems (``best_fallback``)
              help="every planner under both partitions, the fastest that fits"),
 )
 """Every strategy, in the order ``--help``, the errors and ``best`` list them."""
 
 IN_BEST: tuple[str, ...] = tuple(name for name, s in STRATEGIES.items() if s.in_best)
 """The single planners ``best`` tries, in the registry's order (ties go to the first)."""
+
+BEST_FALLBACK: tuple[str, ...] = tuple(name for name, s in STRATEGIES.items() if s.best_fallback)
+"""The planners ``best`` tries only when none of ``IN_BEST`` fits (``Strategy.best_fallback``)."""
 
 
 STRATEGY_HELP = "memory-saving strategy: " + "; ".join(
@@ -140,6 +152,21 @@ def strategy_named(name: str) -> Strategy:
     return strategy
 
 
+def check_zero_stage(name: str, zero_stage: int, hsdp: bool = False, given: bool = True) -> None:
+    """Refuse, in one line naming both options, a ZeRO stage (``--zero``) or HSDP that
+    contradicts the strategy ``name``'s own (``Strategy.zero_stage``). ``given``: whether the
+    stage was asked for (a default stage of 0 is the strategy's to raise)."""
+    own = strategy_named(name).zero_stage
+    if own is None:
+        return
+    if hsdp and own != 3:
+        raise MpsimError(f"--hsdp and --strategy {name}: {name} runs ZeRO-{own}, HSDP is ZeRO-3 within a server; "
+                         "leave one out")
+    if given and zero_stage != own:
+        raise MpsimError(f"--zero {zero_stage} and --strategy {name}: {name} runs ZeRO-{own} over the replicas; "
+                         f"leave --zero out or give --zero {own}")
+
+
 def combines(name: str) -> bool:
     """Whether the strategy ``name`` combines the single planners (``Strategy.combines``)."""
     return strategy_named(name).combines
@@ -149,7 +176,7 @@ def planner_runs(name: str) -> int:
     """The most planner runs one job under ``name`` makes: every ``IN_BEST`` planner under
     both partitions for a combining one (fewer where the layout has one partition, or
     keeping everything fits), else one."""
-    return len(IN_BEST) * len(PARTITIONS) if combines(name) else 1
+    return (len(IN_BEST) + len(BEST_FALLBACK)) * len(PARTITIONS) if combines(name) else 1
 
 
 def base_name(label: str) -> str:

@@ -97,10 +97,39 @@ def executor_module() -> str:
     return EXECUTOR_MODULE
 
 
+RANKS_PER_CORE = 4
+"""On CPU, the most executor threads (processes x ``--threads``) a run may start per core
+of this machine (``os.cpu_count()``), and never fewer than ``MIN_CPU_RANKS``: gloo ranks
+oversubscribed beyond that only time each other out (``validate --dp 16 --stages 4``
+started 66 processes on two cores)."""
+MIN_CPU_RANKS = 8
+"""The processes x threads every machine may run, whatever its cores (the tests' worlds)."""
+
+
+def check_processes(world: int, device: str, threads: int = 1, source: str = "validate") -> None:
+    """Refuse, in one line before torchrun starts, a run of ``world`` processes this machine
+    cannot hold: more than its CUDA GPUs on ``cuda``, more threads than ``RANKS_PER_CORE``
+    per core (at least ``MIN_CPU_RANKS``) on CPU."""
+    dev = check_device(device)
+    if dev.type == "cuda":
+        have = torch.cuda.device_count()
+        if world > have:
+            raise MpsimError(f"{source}: the run needs {world} processes, one per GPU, but this machine has {have} "
+                             "CUDA GPU(s)")
+        return
+    cores = os.cpu_count() or 1
+    cap = max(MIN_CPU_RANKS, RANKS_PER_CORE * cores)
+    if world * threads > cap:
+        raise MpsimError(f"{source}: the run needs {world} processes x {threads} thread(s) but this machine has "
+                         f"{cores} CPU core(s); at most {cap} (RANKS_PER_CORE={RANKS_PER_CORE} per core, "
+                         "mpsim/studies/hardware_check.py): use fewer --dp, --stages, --tp or --threads")
+
+
 def check_runnable(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSettings, source: str = "<plan>") -> None:
     """Refuse, with one line, a plan the executor cannot run here (module doc)."""
     check_plan(plan, topo, trace, source)
     dev = check_device(settings.device)
+    check_processes(len(rank_places(plan)), settings.device, settings.threads, source)
     if plan.schedule == "pipedream":
         raise MpsimError(f"{source}: the executor runs gpipe and 1f1b; torch's pipelining has no asynchronous "
                          "PipeDream schedule")
