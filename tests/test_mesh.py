@@ -262,3 +262,29 @@ def test_hsdp_is_not_served_its_fsdp_twins_simulation() -> None:
     after_twin = plan_job(_hsdp_job(True)).result
     assert after_twin.iteration_s == alone.iteration_s and after_twin.layout == "HSDP x16"
     assert after_twin.iteration_s != plan_job(_hsdp_job(False)).result.iteration_s
+
+
+# -- one carrier from the planner to the engine --------------------------------------------------
+
+
+def test_a_planners_layouts_carry_its_placement_instead_of_deriving_it_again(monkeypatch) -> None:
+    """The job is laid on its hardware once (``lay``): the context holds it and every plan
+    it simulates runs on it, with no placement or shard worked out again."""
+    from mpsim.planners import context
+    from mpsim.sim import layout as layout_module
+
+    job = JobSpec(load_topology("dgx-a100-80gb"), load_trace("llama-3-8b").rescale(1), "1f1b", 4,
+                  parse_layout("fsdp2xtp2spxpp2"))
+    ctx = context.make_context(job)
+    assert ctx.laid == layout_module.lay(job)
+    assert len(ctx.replicas) == 2 and ctx.tp_groups and ctx.shard is not None
+
+    def again(*_: object) -> object:
+        raise AssertionError("derived again")
+
+    monkeypatch.setattr(layout_module, "place_job", again)
+    monkeypatch.setattr(layout_module, "stage_trace", again)
+    context._SIMULATED.clear()
+    layout = layout_module.layout_of_plan(ctx.plan("none"), job, checked=True, laid=ctx.laid)
+    assert layout.laid is ctx.laid and layout.replicas == ctx.replicas and layout.shard is ctx.shard
+    assert ctx.simulate(ctx.plan("none")).layout == "FSDP x2 x TP x2+SP x pipeline x2"

@@ -3,7 +3,7 @@ the first step of the swap planners (simulate keeping everything, read live inte
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from mpsim.caches import Lru
@@ -15,15 +15,8 @@ from mpsim.plans.job import JobSpec, OfJob
 from mpsim.plans.partition import Stages, compute_balanced
 from mpsim.plans.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, make_plan
 from mpsim.sim import SimResult, simulate_layout
-from mpsim.sim.layout import (
-    data_parallel_plan,
-    interleaved,
-    layout_of_plan,
-    mesh_plan,
-    stage_trace,
-    tensor_parallel_plan,
-)
-from mpsim.sim.placement import Groups, Replicas, place_job
+from mpsim.sim.layout import Laid, data_parallel_plan, lay, layout_of_plan, mesh_plan, tensor_parallel_plan
+from mpsim.sim.placement import Groups, Replicas
 from mpsim.timing.costs import cost_model
 
 MAX_ROUNDS = 64
@@ -49,17 +42,35 @@ class Ctx(OfJob):
     stages: Stages
     gpus: list[int]
     """The GPU of each stage (stage i on GPU i until a planner maps them)."""
-    replicas: Replicas = ()
-    """With data parallelism, the GPU of each stage per replica (``placement``; replica 0
-    is ``gpus``, and mappings are not searched); empty for one replica."""
-    tp_groups: Groups = ()
-    """With tensor parallelism, each stage's group per replica (``placement``); empty without."""
-    shard: Trace | None = None
-    """With tensor parallelism, what one GPU of a stage runs (``stage_trace``)."""
-    view: Topology | None = None
-    """On a cluster, the servers simulated (``placement.Placed``)."""
-    across: int = 1
-    """On a cluster, the servers each stage's data-parallel group spans (``placement.Placed``)."""
+    laid: Laid = field(default_factory=lambda: Laid())
+    """The job on its hardware (``sim.layout.lay``), handed to every layout this context
+    simulates (``simulate``): replicas, tensor groups, the shard, a cluster's view."""
+
+    @property
+    def replicas(self) -> Replicas:
+        """With data parallelism, the GPU of each stage per replica (``placement``; replica
+        0 is ``gpus``, and mappings are not searched); empty for one replica."""
+        return self.laid.replicas
+
+    @property
+    def tp_groups(self) -> Groups:
+        """With tensor parallelism, each stage's group per replica; empty without."""
+        return self.laid.tp_groups
+
+    @property
+    def shard(self) -> Trace | None:
+        """With tensor parallelism, what one GPU of a stage runs (``stage_trace``)."""
+        return self.laid.shard
+
+    @property
+    def view(self) -> Topology | None:
+        """On a cluster, the servers simulated (``placement.Placed``)."""
+        return self.laid.view
+
+    @property
+    def across(self) -> int:
+        """On a cluster, the servers each stage's data-parallel group spans."""
+        return self.laid.across
 
     @property
     def topo(self) -> Topology:
@@ -125,7 +136,8 @@ class Ctx(OfJob):
         so it is not checked again). A plan simulated before in this process, by any
         planner, is not simulated again (``SIMULATIONS``)."""
         key = self.simulation_key(plan)
-        result = _SIMULATED.remember(key, lambda: simulate_layout(layout_of_plan(plan, self.job, checked=True)))
+        result = _SIMULATED.remember(key, lambda: simulate_layout(
+            layout_of_plan(plan, self.job, checked=True, laid=self.laid)))
         return result if result.strategy == plan.strategy else replace(result, strategy=plan.strategy)
 
     def optimizer_bytes(self, row: LayerRow) -> int:
@@ -144,22 +156,16 @@ def make_context(job: JobSpec, keeps: str = "keep") -> Ctx:
     ``keeps`` its activations (``recompute``: every recomputable layer checkpointed,
     ``trace.RECOMPUTABLE``; ``selective``: every attention core recomputed). Stage i on GPU i,
     or with data parallelism where ``place_replicas`` puts replica 0."""
-    p, v = job.model_stages, job.parallelism.virtual_stages
-    shard = stage_trace(job, "mpress")
-    trace = shard or job.trace
+    p = job.model_stages
+    laid = lay(job)
+    trace = laid.shard or job.trace
     if job.partition == "compute":
         times = cost_model(trace, job.topology.spec.gpu).layer_times
         stages = compute_balanced(times.fwd_s + times.bwd_s, p)
     else:
         stages = mcap_partition(trace, job.schedule, p, job.microbatches, keeps == "recompute",
                                 keeps == "selective")
-    par = job.parallelism
-    placed = place_job(job, p // v)
-    replicas, groups = interleaved(placed.replicas, v), interleaved(placed.groups, v)
-    on_cluster = job.cluster is not None
-    return Ctx(job, list(stages), list(replicas[0]), replicas if len(replicas) > 1 else (),
-               groups if par.tensor > 1 else (), shard, placed.topology if on_cluster else None,
-               placed.across if on_cluster else 1)
+    return Ctx(job, list(stages), list(laid.first), laid)
 
 
 def over(result: SimResult, gpu: int) -> int:

@@ -10,7 +10,7 @@ simulates thousands of plans does not re-validate each one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 import numpy as np
@@ -33,7 +33,7 @@ from mpsim.plans.plan import (
     check_plan,
     host_optimizer_layers,
 )
-from mpsim.sim.placement import Groups, Placed, Replicas, place_job
+from mpsim.sim.placement import Groups, Replicas, place_job
 from mpsim.timing.costs import cost_model
 
 Runtime = Literal["mpress", "torch-pipelining"]
@@ -129,6 +129,40 @@ def stage_trace(job: JobSpec, runtime: Runtime) -> Trace | None:
 
 
 @dataclass(frozen=True)
+class Laid:
+    """A job laid on its hardware: what is derived from the job once (``lay``) and carried
+    from the planner's context (``Ctx.laid``) to the engine's layout (``Layout.laid``). It
+    depends on the mesh's sizes, the cluster and the runtime, not on the plan's actions or
+    the ZeRO stage."""
+
+    replicas: Replicas = ()
+    """Per data-parallel replica, the GPU of each model stage (virtual stages repeated);
+    empty for one replica."""
+    tp_groups: Groups = ()
+    """Per replica, per model stage, its tensor-parallel group in ring order; empty without."""
+    shard: Trace | None = None
+    """With tensor parallelism, one GPU's shard of the job's trace (``stage_trace``)."""
+    view: Topology | None = None
+    """On a cluster, the servers the engine simulates (``ClusterView``); None: the job's server."""
+    across: int = 1
+    """Servers each stage's data-parallel group spans (``placement.Placed``)."""
+    first: tuple[int, ...] = ()
+    """Replica 0's GPU of each model stage (the stages' own GPUs)."""
+
+
+def lay(job: JobSpec, runtime: Runtime = "mpress") -> Laid:
+    """``job`` laid on its server or cluster (``placement.place_job``), its stages'
+    placements repeated for every virtual stage, with the trace one GPU runs."""
+    v = job.parallelism.virtual_stages
+    placed = place_job(job, job.n_stages)
+    replicas, groups = interleaved(placed.replicas, v), interleaved(placed.groups, v)
+    on_cluster = job.cluster is not None
+    return Laid(replicas if len(replicas) > 1 else (), groups if job.parallelism.tensor > 1 else (),
+                stage_trace(job, runtime), placed.topology if on_cluster else None,
+                placed.across if on_cluster else 1, replicas[0])
+
+
+@dataclass(frozen=True)
 class Layout(OfJob):
     """A job resolved and checked: the engine's only input. ``job`` says the server, the
     trace, the schedule and the microbatches; the rest is the plan, resolved per stage."""
@@ -149,22 +183,35 @@ class Layout(OfJob):
     """``PlanFile.swap_timing``."""
     recompute_checkpoints: Checkpoints = "layer"
     """``PlanFile.recompute_checkpoints``."""
-    replicas: Replicas = ()
-    """Per data-parallel replica, the GPU of each stage (``placement``); replica 0 is
-    ``gpu_of``, the one simulated. Empty means one replica."""
     offload_params: bool = False
     """ZeRO-Infinity: parameter shards live on ``offload_device`` (``DataParallelPlan``)."""
     offload_device: str = "host"
     """Where offloaded parameters and optimizer states live: ``host`` or ``nvme``."""
-    tp_groups: Groups = ()
-    """Per replica, per stage, its tensor-parallel group in ring order (``placement``);
-    empty without tensor parallelism."""
-    shard: Trace | None = None
-    """With tensor parallelism, one GPU's shard of the job's trace (``stage_trace``)."""
-    view: Topology | None = None
-    """On a cluster, the servers the engine simulates (``ClusterView``); None: the job's server."""
-    across: int = 1
-    """Servers each stage's data-parallel group spans (``placement.Placed``)."""
+    laid: Laid = field(default_factory=lambda: Laid())
+    """The job on its hardware (``lay``): replicas, tensor groups, the shard, the view."""
+
+    @property
+    def replicas(self) -> Replicas:
+        """Per data-parallel replica, the GPU of each stage (``placement``); replica 0 is
+        ``gpu_of``, the one simulated. Empty means one replica."""
+        return self.laid.replicas
+
+    @property
+    def tp_groups(self) -> Groups:
+        """Per replica, per stage, its tensor-parallel group in ring order; empty without."""
+        return self.laid.tp_groups
+
+    @property
+    def shard(self) -> Trace | None:
+        return self.laid.shard
+
+    @property
+    def view(self) -> Topology | None:
+        return self.laid.view
+
+    @property
+    def across(self) -> int:
+        return self.laid.across
 
     @property
     def topology(self) -> Topology:
@@ -222,11 +269,10 @@ def _keep_everything(job: Job) -> Layout:
                          "parallelism mpsim places the GPUs")
     v = par.virtual_stages
     n_stages = len(job.stages) if job.stages and par.pipeline is None and v == 1 else spec.model_stages
-    shard = stage_trace(spec, job.runtime)
     if job.stages:
         stages = list(job.stages)
     else:
-        times = cost_model(shard or spec.trace, topo.spec.gpu).layer_times
+        times = cost_model(stage_trace(spec, job.runtime) or spec.trace, topo.spec.gpu).layer_times
         stages = compute_balanced(np.asarray(times.fwd_s + times.bwd_s), n_stages)
     validate_stages(stages, spec.trace.n_layers)
     if len(stages) != n_stages:
@@ -234,23 +280,14 @@ def _keep_everything(job: Job) -> Layout:
     p = n_stages // v
     if par.pipeline != p:
         spec = spec.but(parallelism=par.model_copy(update={"pipeline": p}))
-    placed = place_job(spec, p)
-    topo = placed.topology
-    replicas, groups = interleaved(placed.replicas, v), interleaved(placed.groups, v)
-    gpus = job.gpu_of_stage or replicas[0]
-    if len(gpus) != n_stages or len(set(gpus)) != p or any(not 0 <= g < topo.n_gpus for g in gpus):
+    laid = lay(spec, job.runtime)
+    n_gpus = (laid.view or topo).n_gpus
+    gpus = job.gpu_of_stage or laid.first
+    if len(gpus) != n_stages or len(set(gpus)) != p or any(not 0 <= g < n_gpus for g in gpus):
         raise MpsimError(f"the stage-to-GPU map {list(gpus)} must name {n_stages} distinct GPUs of "
-                         f"0..{topo.n_gpus - 1}")
+                         f"0..{n_gpus - 1}")
     return Layout(spec, stages, tuple(gpus), tuple({} for _ in stages), ("gpu",) * n_stages, ("gpu",) * n_stages,
-                  ((),) * n_stages, spec.strategy, job.runtime, replicas=replicas if len(replicas) > 1 else (),
-                  tp_groups=groups if par.tensor > 1 else (), shard=shard, **_cluster_fields(placed, spec))
-
-
-def _cluster_fields(placed: Placed, job: JobSpec) -> dict:
-    """A cluster layout's view and span (``Layout.view``, ``Layout.across``); none on one server."""
-    if job.cluster is None:
-        return {}
-    return {"view": placed.topology, "across": placed.across}
+                  ((),) * n_stages, spec.strategy, job.runtime, laid=laid)
 
 
 def interleaved(per_replica: tuple[tuple[T, ...], ...], v: int) -> tuple[tuple[T, ...], ...]:
@@ -259,10 +296,13 @@ def interleaved(per_replica: tuple[tuple[T, ...], ...], v: int) -> tuple[tuple[T
     return tuple(tuple(stages[s % len(stages)] for s in range(len(stages) * v)) for stages in per_replica)
 
 
-def layout_of_plan(plan: PlanFile, job: JobSpec, *, checked: bool = False, runtime: Runtime = "mpress") -> Layout:
+def layout_of_plan(plan: PlanFile, job: JobSpec, *, checked: bool = False, runtime: Runtime = "mpress",
+                   laid: Laid | None = None) -> Layout:
     """The layout a plan describes for ``job`` (its server, trace, schedule and
     microbatches: the plan's); ``checked`` says the plan is known valid for them (made by
-    ``make_plan``), otherwise its rules are checked here."""
+    ``make_plan``), otherwise its rules are checked here. ``laid``: the job as its planner
+    laid it (``Ctx.laid``), which a plan the planner made keeps, so nothing is derived again;
+    otherwise the replicas and groups are the plan's own."""
     if not checked:
         if plan.microbatch != job.trace.microbatch:
             raise MpsimError(f"the plan is for microbatch {plan.microbatch} but the trace is at "
@@ -276,17 +316,27 @@ def layout_of_plan(plan: PlanFile, job: JobSpec, *, checked: bool = False, runti
         if parallelism_of_plan(plan) != job.parallelism.model_copy(update={"pipeline": job.n_stages}):
             raise MpsimError(f"the plan's layout is {parallelism_of_plan(plan).describe(len(plan.stages))} but "
                              f"the job's is {job.layout_name}")
-    dp, tp = plan.data_parallel, plan.tensor_parallel
-    replicas = tuple(tuple(r) for r in dp.replicas) if dp is not None and dp.degree > 1 else ()
-    groups = tuple(tuple(tuple(g) for g in r) for r in tp.groups) if tp is not None else ()
+    dp = plan.data_parallel
     return Layout(job, [st.layers for st in plan.stages], tuple(st.gpu for st in plan.stages),
                   tuple(plan.action_of(s) for s in range(len(plan.stages))),
                   tuple(st.optimizer for st in plan.stages), tuple(st.stash for st in plan.stages),
                   tuple(host_optimizer_layers(st) for st in plan.stages),
-                  plan.strategy, runtime, plan.swap_timing,
-                  plan.recompute_checkpoints, replicas, dp is not None and dp.offload_params,
-                  dp.offload_device if dp is not None else "host", groups, stage_trace(job, runtime),
-                  **_cluster_fields(place_job(job, job.n_stages), job) if job.cluster is not None else {})
+                  plan.strategy, runtime, plan.swap_timing, plan.recompute_checkpoints,
+                  dp is not None and dp.offload_params, dp.offload_device if dp is not None else "host",
+                  laid if laid is not None else _laid_by_plan(plan, job, runtime))
+
+
+def _laid_by_plan(plan: PlanFile, job: JobSpec, runtime: Runtime) -> Laid:
+    """The replicas and tensor groups a plan file names, with the job's shard and, on a
+    cluster, its view."""
+    dp, tp = plan.data_parallel, plan.tensor_parallel
+    replicas = tuple(tuple(r) for r in dp.replicas) if dp is not None and dp.degree > 1 else ()
+    groups = tuple(tuple(tuple(g) for g in r) for r in tp.groups) if tp is not None else ()
+    view, across = None, 1
+    if job.cluster is not None:
+        placed = place_job(job, job.n_stages)
+        view, across = placed.topology, placed.across
+    return Laid(replicas, groups, stage_trace(job, runtime), view, across, tuple(st.gpu for st in plan.stages))
 
 
 def resolve(job: Job) -> Layout:
