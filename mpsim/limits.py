@@ -28,6 +28,10 @@ reserved estimate (``mpsim.sim.reserved``) comes closer is reported at risk."""
 MAX_HEADROOM_GIB = 1024.0
 """The largest ``--headroom`` taken (more than any GPU's memory)."""
 
+MAX_REPLICAS = 65536
+"""The most data-parallel replicas of a job's pipeline: what a job (``Parallelism.data``)
+takes and what a plan file's ``data_parallel`` block holds, one limit for both."""
+
 MAX_LAYERS = 10_000
 """The most layers (trace rows) a trace may have: see the module docstring."""
 

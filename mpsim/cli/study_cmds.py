@@ -22,6 +22,7 @@ from mpsim.cli.options import (
     int_list,
     json_option,
     layouts_option,
+    refuse_given,
     warn,
     write_json,
 )
@@ -256,7 +257,7 @@ def _calibrate_profile(path: Path, dtype: str, topo: api.Topology, output: Path 
 @click.option("--max-servers", type=click.IntRange(min=1),
               help="with --tokens: the most servers tried  [default: each cluster's max_servers]")
 @click.option("--workers", "-j", type=click.IntRange(min=1), default=1, show_default=True,
-              help="with --tokens: worker processes (or Ray CPUs) the configurations run on")
+              help="worker processes (or Ray CPUs) the servers (with --tokens: the configurations) run on")
 @backend_options
 @headroom_option
 @json_option
@@ -296,6 +297,8 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
     if tokens is not None:
         if servers != "all":
             raise click.UsageError("--tokens searches clusters (--clusters); --servers is for one server")
+        refuse_given(_NOT_WITH_TOKENS, lambda option: f"{option} and --tokens: {_NOT_WITH_TOKENS_WHY[option]}; "
+                                                      f"leave {option} out")
         runner = api.backend_for(backend, workers, address)
         try:
             with steps_progress("choose") as step:
@@ -306,22 +309,52 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
         finally:
             if runner is not None:
                 runner.close()
+        for answer in scaled.answers:  # what each search left out, and why
+            if answer.skipped or answer.failed or not answer.simulated:
+                warn(answer.searched())
         _show(json_out, scale_text(scaled), scaled.to_dict(), (lambda: plot_scale(scaled, plot)) if plot else None,
               html_out, lambda: scale_page(scaled))
         if not any(a.rows for a in scaled.answers):
             sys.exit(1)
         return
 
+    refuse_given(_ONLY_WITH_TOKENS, lambda option: f"{option} goes with --tokens (the search over clusters); "
+                                                   f"give --tokens or leave {option} out")
     prices = dict(api.parse_price(p) for p in price_overrides)
     names = api.parse_servers(servers, schedule, microbatches)
     mb_sizes = int_list(sizes, "--microbatch") if sizes else None
-    with steps_progress("choose") as step:
-        report = api.choose(model, names, schedule, mb_sizes, tuple(comma_list(strategies, "--strategy")),
-                            microbatches, prices, rank_by, on_point=step, layouts=layouts, headroom_gib=headroom_gib)
+    runner = api.backend_for(backend, workers, address)
+    try:
+        with steps_progress("choose") as step:
+            report = api.choose(model, names, schedule, mb_sizes, tuple(comma_list(strategies, "--strategy")),
+                                microbatches, prices, rank_by, on_point=step, layouts=layouts,
+                                headroom_gib=headroom_gib, backend=runner)
+    finally:
+        if runner is not None:
+            runner.close()
     _show(json_out, choose_text(report), report.to_dict(), (lambda: plot_choose(report, plot)) if plot else None,
           html_out, lambda: choose_page(report))
     if not any(r.fits for r in report.rows):
         sys.exit(1)
+
+
+_NOT_WITH_TOKENS = {"schedule": "--schedule", "strategies": "--strategy", "layouts": "--layouts",
+                    "rank_by": "--rank-by", "headroom_gib": "--headroom", "price_overrides": "--price",
+                    "microbatches": "--microbatches"}
+"""``choose`` options (parameter -> option) the search over clusters does not use."""
+_NOT_WITH_TOKENS_WHY = {
+    "--schedule": "the search over clusters runs 1f1b",
+    "--strategy": "the search over clusters tries none, then selective, then full recomputation",
+    "--layouts": "the search over clusters tries its own layouts (tensor parallel inside a server; pipeline and "
+                 "ZeRO-1, FSDP or HSDP across)",
+    "--rank-by": "the search over clusters picks the fewest servers within --days and --budget",
+    "--headroom": "the search over clusters marks no plan at risk",
+    "--price": "the search over clusters prices each cluster from its file (--discount takes a fraction off)",
+    "--microbatches": "the search over clusters derives each replica's microbatches from --batch-tokens",
+}
+_ONLY_WITH_TOKENS = {"clusters": "--clusters", "batch_tokens": "--batch-tokens", "discount": "--discount",
+                     "min_servers": "--min-servers", "max_servers": "--max-servers"}
+"""``choose`` options only the search over clusters (``--tokens``) uses."""
 
 
 def _show(json_out: str | None, text: str, data: dict, draw: Callable[[], None] | None, html_out: Path | None,

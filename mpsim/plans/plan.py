@@ -46,6 +46,7 @@ from pydantic import ConfigDict, Field, StrictBool, StrictInt
 from mpsim.datafile import FileModel, read_data_file, validate
 from mpsim.errors import MpsimError, SchemaError
 from mpsim.hardware.topology import Topology
+from mpsim.limits import MAX_REPLICAS
 from mpsim.models.trace import LayerRow, Trace
 from mpsim.plans.mesh import parse_layout
 from mpsim.plans.schedule import MAX_MICROBATCH, MAX_MICROBATCHES, SCHEDULES, check_schedule
@@ -106,13 +107,13 @@ class StagePlan(FileModel):
 class DataParallelPlan(FileModel):
     """Data-parallel replicas of the plan's pipeline (schema 2)."""
 
-    degree: int = Field(ge=1, le=1024, description="replicas of the pipeline")
+    degree: int = Field(ge=1, le=MAX_REPLICAS, description="replicas of the pipeline")
     zero_stage: Literal[0, 1, 2, 3] = Field(default=0, description="0: DDP; 1: optimizer states sharded; "
                                                                    "2: and gradients; 3 (FSDP): and parameters")
     bucket_mib: float = Field(default=25.0, gt=0, le=65536, description="gradient bucket, MiB (ZeRO 0-2)")
     reshard_after_forward: bool = Field(default=True, description="ZeRO-3: free gathered parameters after "
                                                                   "each layer's forward")
-    replicas: list[list[int]] = Field(min_length=1, max_length=1024,
+    replicas: list[list[int]] = Field(min_length=1, max_length=MAX_REPLICAS,
                                       description="per replica, the GPU of each stage; replica 0 is the stages' own")
     offload_params: bool = Field(default=False, description="ZeRO-3: parameter shards live off the GPU and are "
                                                             "fetched before each gather (ZeRO-Infinity)")

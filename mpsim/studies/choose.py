@@ -14,7 +14,7 @@ trains; per million tokens for language models (``seq_len`` in the trace's ``mod
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mpsim.data.catalog import load_topology, load_trace, shipped_topologies
@@ -29,6 +29,7 @@ from mpsim.plans.layouts import CHOOSE_LAYOUTS, candidate_layouts, on_layout
 from mpsim.plans.strategies import combines
 from mpsim.sim import SimResult
 from mpsim.studies import bounds
+from mpsim.studies.backends import Backend, run_points
 from mpsim.units import GiB
 
 RANK_BY: tuple[str, ...] = ("cost", "throughput")
@@ -382,7 +383,8 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
            microbatch_sizes: Sequence[int] | None = None, strategies: Sequence[str] = ("best",),
            microbatches: int = DEFAULT_MICROBATCHES, prices: Mapping[str, float] | None = None,
            rank_by: str = "cost", on_point: Callable[[str], None] | None = None,
-           layouts: str = CHOOSE_LAYOUTS, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> ChooseReport:
+           layouts: str = CHOOSE_LAYOUTS, headroom_gib: float = DEFAULT_HEADROOM_GIB,
+           backend: Backend | None = None) -> ChooseReport:
     """Rank ``servers`` for training ``model``: per server the fastest plan that fits over
     ``layouts`` (``mpsim.plans.layouts.candidate_layouts``: words and names), ``strategies``
     (each single planner under both partitions; ``best`` tries them all) and
@@ -391,7 +393,8 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
     ``prices`` maps a server (as given, or its name) to USD per hour and overrides its
     file's ``price``. ``on_point`` hears a line after each plan. A plan that fits with
     less than ``headroom_gib`` to spare is at risk: a safe one stands for its server when
-    there is one."""
+    there is one. ``backend``: the servers searched on its workers, one task each (None:
+    in this process, ``on_point`` hearing each plan; on a backend it hears each server)."""
     if rank_by not in RANK_BY:
         raise MpsimError(f"--rank-by: expected one of {', '.join(RANK_BY)}, got {rank_by!r}")
     if not isinstance(microbatches, int):
@@ -411,8 +414,7 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
     jobs = [(key, topo, _jobs_on(topo, trace, schedule, microbatches, strategies, layouts)) for key, topo in topos]
     seq_len = trace.seq_len
     rows = []
-    for key, topo, on_topo in jobs:
-        tried, decided = _server_plans(on_topo, scaled, strategies, on_point, headroom_gib)
+    for key, topo, (tried, decided) in _searched(jobs, scaled, strategies, on_point, headroom_gib, backend):
         standing = _standing(tried, headroom_gib)
         rows.append(ChooseRow(topo.name, topo.source or key, topo.n_gpus, topo.spec.gpu.model, topo.capacity_bytes,
                               standing, [t for t, _ in tried], _price_of(topo, key, overrides), seq_len,
@@ -424,6 +426,48 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
     _mark_pareto(rows)
     return ChooseReport(trace.name, schedule, microbatches, sizes, tuple(strategies), rank_by, seq_len, rows, layouts,
                         headroom_gib)
+
+
+@dataclass(frozen=True)
+class _ServerSearch:
+    """One server's search (picklable: runs on a worker process or Ray)."""
+
+    index: int
+    """Its place among the servers."""
+    jobs: tuple[JobSpec, ...]
+    scaled: tuple[Trace, ...]
+    strategies: tuple[str, ...]
+    headroom_gib: float
+
+
+def _search_server(work: _ServerSearch) -> tuple[list[tuple[Tried, SimResult]], int]:
+    """On a worker: ``_server_plans`` of one server."""
+    return _server_plans(work.jobs, work.scaled, work.strategies, None, work.headroom_gib)
+
+
+def _searched(jobs: list[tuple[str, Topology, list[JobSpec]]], scaled: Sequence[Trace], strategies: Sequence[str],
+              on_point: Callable[[str], None] | None, headroom_gib: float, backend: Backend | None
+              ) -> Iterator[tuple[str, Topology, tuple[list[tuple[Tried, SimResult]], int]]]:
+    """Each server's plans (``_server_plans``), in the order of ``jobs``: here one after
+    another, or every server at once on ``backend`` (the same answers: each server's search
+    is its own)."""
+    if backend is None:
+        for key, topo, on_topo in jobs:
+            yield key, topo, _server_plans(on_topo, scaled, strategies, on_point, headroom_gib)
+        return
+    work = [_ServerSearch(k, tuple(on_topo), tuple(scaled), tuple(strategies), headroom_gib)
+            for k, (_, _, on_topo) in enumerate(jobs)]
+    found: dict[int, tuple[list[tuple[Tried, SimResult]], int]] = {}
+    for outcome in run_points(work, _search_server, backend, batch=1):
+        k = outcome.point.index
+        key, topo, _ = jobs[k]
+        if outcome.value is None:
+            raise MpsimError(f"choose on {key}: {outcome.error}")
+        found[k] = outcome.value
+        if on_point:
+            on_point(f"{topo.name}: {len(outcome.value[0])} plans tried")
+    for k, (key, topo, _) in enumerate(jobs):
+        yield key, topo, found[k]
 
 
 def _jobs_on(topo: Topology, trace: Trace, schedule: str, microbatches: int, strategies: Sequence[str],

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from mpsim.data.catalog import load_cluster, load_trace
 from mpsim.errors import MpsimError
 from mpsim.hardware.cluster import DEFAULT_BATCH_TOKENS, Cluster
+from mpsim.limits import check_microbatch
 from mpsim.models.trace import Trace
 from mpsim.plans.job import JobSpec, Parallelism
 from mpsim.studies.backends import Backend, run_points
@@ -120,12 +121,32 @@ class ClusterAnswer:
     """Configurations simulated for this cluster."""
     pick: ScaleRow | None = None
     """The fewest servers within the deadline and budget (None: none is)."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Configurations left out before simulating, by why (``skip_reason``)."""
+    failed: dict[str, int] = field(default_factory=dict)
+    """Configurations whose simulation failed, by the error's line."""
+    counts: tuple[int, ...] = ()
+    """The server counts searched (``server_counts`` within --min-servers and --max-servers)."""
 
     def to_dict(self) -> dict:
         return {"cluster": self.cluster, "description": self.description,
                 "usd_per_server_hour": self.usd_per_server_hour, "price_source": self.price_source,
                 "simulated": self.simulated, "pick": None if self.pick is None else self.pick.servers,
+                "skipped": dict(self.skipped), "failed": dict(self.failed),
                 "rows": [r.to_dict() for r in self.rows]}
+
+    def searched(self) -> str:
+        """What the search of this cluster tried and left out, in one line."""
+        counts = (f"{len(self.counts)} server count(s) ({', '.join(map(str, self.counts))})" if self.counts
+                  else "no server count")
+        line = f"{self.cluster}: {self.simulated} configuration(s) simulated on {counts}"
+        left = sum(self.skipped.values())
+        if left:
+            line += f"; {left} left out: " + ", ".join(f"{k} ({v})" for k, v in
+                                                        sorted(self.skipped.items(), key=lambda kv: -kv[1]))
+        if self.failed:
+            line += f"; {sum(self.failed.values())} failed: " + ", ".join(f"{k} ({v})" for k, v in self.failed.items())
+        return line
 
 
 @dataclass
@@ -175,25 +196,47 @@ def shapes(cluster: Cluster, trace: Trace, microbatch_sizes: Sequence[int]) -> l
 
 def job_of_point(point: ClusterPoint, cluster: Cluster | None = None, trace: Trace | None = None) -> JobSpec | None:
     """The job a point describes, or None when its layout does not split the batch or the
-    servers (replicas must divide the global batch, stages need microbatches)."""
+    servers (replicas must divide the global batch, stages need microbatches): why, in
+    ``skip_reason``."""
+    job = _job_or_reason(point, cluster, trace)
+    return job if isinstance(job, JobSpec) else None
+
+
+def skip_reason(point: ClusterPoint, cluster: Cluster | None = None, trace: Trace | None = None) -> str | None:
+    """Why ``job_of_point`` has no job for ``point`` (None: it has one). ``NOT_A_LAYOUT`` when
+    the shape is no layout of the point's servers (its tensor x pipeline GPUs do not divide
+    theirs, HSDP on one server, or a single replica under another kind than ZeRO-1's, which
+    is searched once as ZeRO-1's row): not a configuration left out."""
+    job = _job_or_reason(point, cluster, trace)
+    return None if isinstance(job, JobSpec) else job
+
+
+NOT_A_LAYOUT = "not a layout of these servers"
+"""``skip_reason`` of a shape that is no layout of the point's servers."""
+
+
+def _job_or_reason(point: ClusterPoint, cluster: Cluster | None, trace: Trace | None) -> JobSpec | str:
     cluster = cluster or load_cluster(point.cluster)
     shape, n = point.shape, point.servers
     per_replica = shape.tensor * shape.pipeline
     gpus = n * cluster.gpus_per_server
-    if gpus % per_replica:
-        return None
+    if gpus % per_replica or (shape.hsdp and n == 1):
+        return NOT_A_LAYOUT
     data = gpus // per_replica
     if point.batch_samples % (data * shape.microbatch):
-        return None
+        return (f"replicas x microbatch do not divide the batch of {point.batch_samples} samples "
+                "(--batch-tokens over the sequence length)")
     m = point.batch_samples // (data * shape.microbatch)
-    if m < shape.pipeline or (data == 1 and (shape.zero_stage, shape.hsdp) != LAYOUT_KINDS[0][1:]):
-        return None  # a single replica is searched once, as ZeRO-1's row (it has nothing to shard)
+    if m < shape.pipeline:
+        return "fewer microbatches per replica than pipeline stages"
+    if data == 1 and (shape.zero_stage, shape.hsdp) != LAYOUT_KINDS[0][1:]:
+        return NOT_A_LAYOUT  # searched once, as ZeRO-1's row: it has nothing to shard
     trace = (trace or load_trace(point.model)).rescale(shape.microbatch)
     try:
         return JobSpec(cluster.server, trace, "1f1b", m, shape.parallelism(data), strategy=point.strategy,
                        cluster=cluster, servers=n)
-    except MpsimError:
-        return None
+    except MpsimError as exc:
+        return str(exc)
 
 
 def simulated_microbatches(stages: int) -> tuple[int, int]:
@@ -240,6 +283,7 @@ def scale(model: str | Trace, clusters: Sequence[str], tokens: float, days: floa
           max_servers: int | None = None) -> ScaleReport:
     """How many servers of each cluster train ``model`` on ``tokens`` (module doc)."""
     _check(tokens, days, budget_usd, batch_tokens, discount)
+    _check_search(microbatch_sizes, min_servers, max_servers)
     trace = load_trace(model) if isinstance(model, str) else model
     seq = seq_len_of(trace)
     batch = max(1, batch_tokens // seq)
@@ -249,10 +293,36 @@ def scale(model: str | Trace, clusters: Sequence[str], tokens: float, days: floa
         counts = [n for n in server_counts(cluster, min_servers) if max_servers is None or n <= max_servers]
         points = [ClusterPoint(name, trace.source or trace.name, n, s, batch) for n in counts
                   for s in shapes(cluster, trace, microbatch_sizes)]
-        points = [p for p in points if job_of_point(p, cluster, trace) is not None]
-        tried = _search(points, backend, on_point)
-        report.answers.append(_answer(cluster, name, tried, report))
+        kept: list[ClusterPoint] = []
+        skipped: dict[str, int] = {}
+        for p in points:
+            why = skip_reason(p, cluster, trace)
+            if why is None:
+                kept.append(p)
+            elif why != NOT_A_LAYOUT:
+                skipped[why] = skipped.get(why, 0) + 1
+        failed: dict[str, int] = {}
+        tried = _search(kept, backend, on_point, failed)
+        answer = _answer(cluster, name, tried, report)
+        answer.skipped, answer.failed, answer.counts = skipped, failed, tuple(counts)
+        report.answers.append(answer)
     return report
+
+
+def _check_search(microbatch_sizes: Sequence[int], min_servers: int, max_servers: int | None) -> None:
+    """The search's own bounds, refused in one line before anything is simulated."""
+    if not microbatch_sizes:
+        raise MpsimError("--microbatch needs at least one size")
+    for mb in microbatch_sizes:
+        try:
+            check_microbatch(mb)
+        except MpsimError as exc:
+            raise MpsimError(f"--microbatch: {exc}") from None
+    if min_servers < 1:
+        raise MpsimError(f"--min-servers must be at least 1, got {min_servers}")
+    if max_servers is not None and max_servers < min_servers:
+        raise MpsimError(f"--min-servers {min_servers} is above --max-servers {max_servers}: no server count "
+                         "to search")
 
 
 def _check(tokens: float, days: float | None, budget: float | None, batch_tokens: int, discount: float) -> None:
@@ -269,9 +339,11 @@ def _check(tokens: float, days: float | None, budget: float | None, batch_tokens
 
 
 def _search(points: list[ClusterPoint], backend: Backend | None,
-            on_point: Callable[[ClusterTried], None] | None) -> list[ClusterTried]:
+            on_point: Callable[[ClusterTried], None] | None,
+            errors: dict[str, int] | None = None) -> list[ClusterTried]:
     """Every point with ``none``; what does not fit again with the next strategy, unless
-    its model states alone overflow the GPU."""
+    its model states alone overflow the GPU. ``errors`` counts the points whose simulation
+    failed, by the error's last line."""
     done: list[ClusterTried] = []
     todo = points
     for strategy in STRATEGIES:
@@ -279,6 +351,9 @@ def _search(points: list[ClusterPoint], backend: Backend | None,
         failed = []
         for outcome in run_points(todo, simulate_point, backend):
             if outcome.value is None:
+                if errors is not None:
+                    why = ((outcome.error or "").strip().splitlines() or ["no result"])[-1]
+                    errors[why] = errors.get(why, 0) + 1
                 continue
             tried: ClusterTried = outcome.value
             done.append(tried)
@@ -332,6 +407,8 @@ def recommendation(report: ScaleReport) -> str:
     if not picks:
         fits = [r for a in report.answers for r in a.rows]
         if not fits:
+            if not any(a.simulated for a in report.answers):
+                return f"{report.model}: nothing was tried: " + "; ".join(a.searched() for a in report.answers)
             return f"{report.model} fits on none of the clusters searched"
         fastest = min(fits, key=lambda r: r.days)
         return (f"no cluster trains {report.model} on {report.tokens:.3g} tokens {goal}; the fastest is "
