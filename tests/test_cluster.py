@@ -10,7 +10,7 @@ import pytest
 import simpy
 from helpers import layer, tiny_trace, topology_dict
 
-from mpsim.data.catalog import cluster_from_data, load_cluster, shipped_clusters
+from mpsim.data.catalog import cluster_from_data, load_cluster, load_trace, shipped_clusters
 from mpsim.errors import MpsimError
 from mpsim.hardware.cluster import Cluster, ClusterFile
 from mpsim.hardware.topology import parse_topology
@@ -321,3 +321,19 @@ def test_text_of_a_deep_pipeline_across_servers_shows_each_stages_own_gpu():
     rows = [line for line in text.split("(breakdown")[0].splitlines() if line[:1].isdigit()]
     assert [int(line.split()[0]) for line in rows] == list(result.gpu_of_stage)
     assert "the other 16 GPUs of the simulated servers replicate them" in text
+
+
+def test_a_cluster_of_nvl72_racks_is_a_cluster_of_72_gpu_scale_up_domains():
+    """A GB200 NVL72 rack is one server of the cluster (its 72 GPUs one NVLink domain,
+    schema 2), with one 400 Gb/s NIC per GPU; a job's tensor groups stay in a rack and its
+    replicas span racks."""
+    cluster = load_cluster("gb200-nvl72-pod")
+    assert cluster.gpus_per_server == 72 and cluster.spec.fabric.nics_per_server == 72
+    assert cluster.nic_bytes_per_s(71) == pytest.approx(400e9 / 8 * 0.9)
+    trace = load_trace("llama-3-8b").rescale(1)
+    job = JobSpec(cluster.server, trace, "1f1b", 2, Parallelism(data=18, zero_stage=1, tensor=8, pipeline=1),
+                  cluster=cluster, servers=2)
+    r = simulate_job(Job(job))
+    assert r.fits and r.replicas == 18 and (r.gpus_used, r.gpus_available) == (144, 144)
+    nic = [name for name in r.links if "/nic" in name]  # the replicas' gradients cross racks through NICs
+    assert nic and all(r.links[name]["bytes"] > 0 for name in nic)

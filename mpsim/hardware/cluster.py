@@ -36,6 +36,7 @@ from mpsim.errors import MpsimError, SchemaError
 from mpsim.hardware.topology import (
     HOST,
     MAX_GBPS,
+    MAX_GPUS,
     MAX_LATENCY_US,
     MIN_GBPS,
     Endpoint,
@@ -65,7 +66,7 @@ class NicGroup(FileModel):
 
 class FabricSpec(FileModel):
     kind: FabricKind = Field(description="rail-optimized, fat-tree or single-switch")
-    nics_per_server: int = Field(gt=0, le=64, description="NICs per server that carry training traffic")
+    nics_per_server: int = Field(gt=0, le=MAX_GPUS, description="NICs per server that carry training traffic")
     nic_gbit: float = Field(ge=MIN_GBPS, le=MAX_GBPS * 8, description="line rate of one NIC per direction, Gb/s")
     efficiency: float = Field(gt=0, le=1, description="share of the line rate a collective reaches")
     latency_us: float = Field(ge=0, le=MAX_LATENCY_US, description="latency of one step across the network, us")
