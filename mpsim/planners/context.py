@@ -15,8 +15,7 @@ from mpsim.plans.job import JobSpec, OfJob
 from mpsim.plans.partition import Stages, compute_balanced
 from mpsim.plans.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, make_plan
 from mpsim.sim import SimResult, simulate_layout
-from mpsim.sim.layout import Laid, data_parallel_plan, lay, layout_of_plan, mesh_plan, tensor_parallel_plan
-from mpsim.sim.placement import Groups, Replicas
+from mpsim.sim.layout import Laid, OnLaid, data_parallel_plan, lay, layout_of_plan, mesh_plan, tensor_parallel_plan
 from mpsim.timing.costs import cost_model
 
 MAX_ROUNDS = 64
@@ -35,7 +34,7 @@ class Planned:
 
 
 @dataclass(frozen=True)
-class Ctx(OfJob):
+class Ctx(OfJob, OnLaid):
     """A job with its partition made: what a planner plans."""
 
     job: JobSpec
@@ -45,32 +44,6 @@ class Ctx(OfJob):
     laid: Laid = field(default_factory=lambda: Laid())
     """The job on its hardware (``sim.layout.lay``), handed to every layout this context
     simulates (``simulate``): replicas, tensor groups, the shard, a cluster's view."""
-
-    @property
-    def replicas(self) -> Replicas:
-        """With data parallelism, the GPU of each stage per replica (``placement``; replica
-        0 is ``gpus``, and mappings are not searched); empty for one replica."""
-        return self.laid.replicas
-
-    @property
-    def tp_groups(self) -> Groups:
-        """With tensor parallelism, each stage's group per replica; empty without."""
-        return self.laid.tp_groups
-
-    @property
-    def shard(self) -> Trace | None:
-        """With tensor parallelism, what one GPU of a stage runs (``stage_trace``)."""
-        return self.laid.shard
-
-    @property
-    def view(self) -> Topology | None:
-        """On a cluster, the servers simulated (``placement.Placed``)."""
-        return self.laid.view
-
-    @property
-    def across(self) -> int:
-        """On a cluster, the servers each stage's data-parallel group spans."""
-        return self.laid.across
 
     @property
     def topo(self) -> Topology:

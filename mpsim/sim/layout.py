@@ -162,8 +162,41 @@ def lay(job: JobSpec, runtime: Runtime = "mpress") -> Laid:
                 placed.across if on_cluster else 1, replicas[0])
 
 
+class OnLaid:
+    """Read-through fields for a type that holds a ``laid`` (the planner's context, the
+    engine's layout): the placement and shard derived once from the job (``lay``)."""
+
+    laid: Laid
+
+    @property
+    def replicas(self) -> Replicas:
+        """Per data-parallel replica, the GPU of each model stage; replica 0 is the stages'
+        own GPUs, the one simulated. Empty means one replica."""
+        return self.laid.replicas
+
+    @property
+    def tp_groups(self) -> Groups:
+        """Per replica, per model stage, its tensor-parallel group in ring order; empty without."""
+        return self.laid.tp_groups
+
+    @property
+    def shard(self) -> Trace | None:
+        """With tensor parallelism, what one GPU of a stage runs (``stage_trace``)."""
+        return self.laid.shard
+
+    @property
+    def view(self) -> Topology | None:
+        """On a cluster, the servers simulated (``ClusterView``); None: the job's server."""
+        return self.laid.view
+
+    @property
+    def across(self) -> int:
+        """On a cluster, the servers each stage's data-parallel group spans."""
+        return self.laid.across
+
+
 @dataclass(frozen=True)
-class Layout(OfJob):
+class Layout(OfJob, OnLaid):
     """A job resolved and checked: the engine's only input. ``job`` says the server, the
     trace, the schedule and the microbatches; the rest is the plan, resolved per stage."""
 
@@ -189,29 +222,6 @@ class Layout(OfJob):
     """Where offloaded parameters and optimizer states live: ``host`` or ``nvme``."""
     laid: Laid = field(default_factory=lambda: Laid())
     """The job on its hardware (``lay``): replicas, tensor groups, the shard, the view."""
-
-    @property
-    def replicas(self) -> Replicas:
-        """Per data-parallel replica, the GPU of each stage (``placement``); replica 0 is
-        ``gpu_of``, the one simulated. Empty means one replica."""
-        return self.laid.replicas
-
-    @property
-    def tp_groups(self) -> Groups:
-        """Per replica, per stage, its tensor-parallel group in ring order; empty without."""
-        return self.laid.tp_groups
-
-    @property
-    def shard(self) -> Trace | None:
-        return self.laid.shard
-
-    @property
-    def view(self) -> Topology | None:
-        return self.laid.view
-
-    @property
-    def across(self) -> int:
-        return self.laid.across
 
     @property
     def topology(self) -> Topology:
