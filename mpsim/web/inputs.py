@@ -8,6 +8,7 @@ a plain base name and only ever used inside the store's folder.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import tempfile
@@ -193,6 +194,8 @@ def check_cost(inputs: JobInputs) -> None:
                          "(the command line takes up to 4096)")
     if inputs.microbatch is not None and inputs.microbatch > PAGE_MAX_MICROBATCH:
         raise MpsimError(f"microbatch: at most {PAGE_MAX_MICROBATCH} samples on the page, got {inputs.microbatch}")
+    if inputs.microbatch == 0:  # every view: the choose and scale views once ran it as "the trace's" or 1
+        raise MpsimError("microbatch: expected at least 1 sample (leave it empty for the trace's own), got 0")
 
 
 def check_shipped(inputs: JobInputs) -> None:
@@ -290,10 +293,35 @@ def check_size(name: str, n_bytes: int) -> None:
                          f"{MAX_UPLOAD_BYTES / 2**20:.0f} MiB")
 
 
+HF_UPLOAD_LABEL = "or a Hugging Face config.json"
+"""The words of the page's Hugging Face upload field (static/index.html), named in the hint
+a config uploaded as a trace gets."""
+
+
+def _refuse_hf_config_as_trace(path: Path) -> None:
+    """A Hugging Face config uploaded as a trace: the CLI's hint names ``mpsim trace --hf``
+    on the upload's own file; the page's answer is its Hugging Face upload, which traces it.
+    Called only once the trace reader refused the file (so the file is JSON, or nothing is said)."""
+    try:
+        data = json.loads(path.read_bytes())
+    except ValueError:
+        return
+    if not isinstance(data, dict) or "schema" in data:
+        return
+    key = next((k for k in ("model_type", "architectures") if k in data), None)
+    if key is not None:
+        raise MpsimError(f"{path.name}: a Hugging Face config.json (it has {key}), not an mpsim trace: upload it "
+                         f"under Model, \"{HF_UPLOAD_LABEL}\", which traces it as `mpsim trace --hf` does")
+
+
 def _read_upload(kind: str, path: Path) -> Topology | Trace | Path:
     if kind == "server":
         return api.read_topology_file(path)
     if kind == "trace":
-        return api.read_trace_file(path)
+        try:
+            return api.read_trace_file(path)
+        except MpsimError:
+            _refuse_hf_config_as_trace(path)
+            raise
     api.hf_config(str(path))  # the checks of `mpsim trace --hf`; tracing is the job's work
     return path

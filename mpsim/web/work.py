@@ -9,6 +9,9 @@ server by pickle."""
 from __future__ import annotations
 
 import json
+import math
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,9 @@ class RunRequest:
     """The uploaded server, if one is named."""
     model: Trace | Path | None = None
     """The uploaded trace, or the checked file of an uploaded Hugging Face config."""
+    scratch: Path | None = None
+    """A folder the server owns and removes when it stops, where a run may keep files
+    (``run_scale``: its model as a trace file); a run removes its own when it ends."""
 
 
 def request_of(inputs: JobInputs, uploads: UploadStore) -> RunRequest:
@@ -44,7 +50,7 @@ def request_of(inputs: JobInputs, uploads: UploadStore) -> RunRequest:
     model = uploads.get(inputs.model_upload, ("trace", "hf")).value if inputs.model_upload is not None else None
     assert server is None or isinstance(server, Topology)
     assert model is None or isinstance(model, Trace | Path)
-    return RunRequest(inputs, server, model)
+    return RunRequest(inputs, server, model, uploads.root)
 
 
 def server_of(request: RunRequest) -> Topology:
@@ -103,18 +109,107 @@ def run_choose(request: RunRequest) -> dict[str, Any]:
     uploaded = [request.server] if request.server is not None else []
     servers: list[str | Topology] = [*inputs.servers, *uploaded]
     report = api.choose(model_of(request), servers or "all", schedule=inputs.schedule,
-                        microbatch_sizes=[inputs.microbatch] if inputs.microbatch else None,
+                        microbatch_sizes=[inputs.microbatch] if inputs.microbatch is not None else None,
                         microbatches=inputs.microbatches, headroom_gib=inputs.headroom)
     return {"report": report.to_dict(), "html": choose_html(report)}
 
 
+SCALE_STRATEGIES = 3
+"""Memory strategies the scale search tries a configuration with, at most (``none``, then
+``selective``, then ``recompute`` while it does not fit: ``mpsim.studies.scale.STRATEGIES``)."""
+SCALE_MAX_PIPELINE = 16
+"""The deepest pipeline the scale search tries (``mpsim.studies.scale.MAX_PIPELINE``)."""
+
+
+def scale_work(trace: Trace, inputs: JobInputs) -> tuple[int, int]:
+    """The configurations the scale search would simulate and its work, at most: layers x
+    microbatches simulated x ``SCALE_STRATEGIES``, summed over them (the job view's measure,
+    ``check_work``). The configurations are those of ``mpsim.studies.scale`` (powers of
+    two of servers within the cluster's and the page's range; tensor degrees dividing a
+    server's GPUs; pipelines of 1 to 16; ZeRO-1, FSDP and HSDP; replicas dividing the
+    global batch, each with at least as many microbatches as stages), counted without
+    simulating; a long iteration is simulated at two short counts, 2p and 3p (at least 4
+    and 6), as there. An upper bound: heads that do not split count as if they did."""
+    seq = trace.seq_len
+    if not seq:
+        return 0, 0  # the search refuses it in one line (no sequence length)
+    batch = max(1, api.DEFAULT_BATCH_TOKENS // seq)
+    microbatch = inputs.microbatch or 1
+    pipelines = [p for p in (1, 2, 4, 8, 16) if p <= min(trace.n_layers, SCALE_MAX_PIPELINE)]
+    configurations = work = 0
+    for name in inputs.clusters:
+        cluster = api.load_cluster(name)
+        g, top = cluster.gpus_per_server, cluster.spec.max_servers
+        counts = [2**k for k in range(int(math.log2(top)) + 1)
+                  if inputs.min_servers <= 2**k <= min(top, inputs.max_servers)]
+        tensors = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= g and g % t == 0 and _splits(trace, t)]
+        for n in counts:
+            for t in tensors:
+                for p in pipelines:
+                    if (n * g) % (t * p):
+                        continue
+                    data = n * g // (t * p)
+                    if batch % (data * microbatch) or batch // (data * microbatch) < p:
+                        continue
+                    m = batch // (data * microbatch)
+                    simulated = m if m <= max(2 * p, 4) + max(3 * p, 6) else max(2 * p, 4) + max(3 * p, 6)
+                    kinds = 1 if data == 1 else 3  # one replica: searched once (nothing to shard)
+                    configurations += kinds
+                    work += kinds * trace.n_layers * simulated * SCALE_STRATEGIES
+    return configurations, work
+
+
+def _splits(trace: Trace, degree: int) -> bool:
+    """Whether the scale search may split ``trace`` over ``degree`` tensor-parallel GPUs, as
+    far as its model block tells (``mpsim.models.tensor_parallel.check_shardable`` decides;
+    this may say yes where it says no, never the other way)."""
+    if degree == 1:
+        return True
+    model = trace.spec.model
+    if "tensor_parallel" in model or model.get("family") not in ("gpt", "bert", "llama"):
+        return False
+    widths = (model.get("heads"), model.get("kv_heads") or model.get("heads"),
+              model.get("ffn_hidden") or 4 * (model.get("hidden") or 0), model.get("seq_len"))
+    return all(isinstance(n, int) and n > 0 and n % degree == 0 for n in widths)
+
+
+def check_scale_work(trace: Trace, inputs: JobInputs) -> None:
+    """Refuse a scale search whose work (``scale_work``) is past ``PAGE_MAX_WORK``, the job
+    view's bound, in one line, before anything is simulated."""
+    configurations, work = scale_work(trace, inputs)
+    if work > PAGE_MAX_WORK:
+        raise MpsimError(f"this search would simulate up to {work:,} layer-microbatches ({configurations:,} "
+                         f"configurations of {trace.n_layers:,} layers, each with up to {SCALE_STRATEGIES} memory "
+                         f"strategies); the page takes at most {PAGE_MAX_WORK:,} (fewer clusters or server counts, "
+                         "a larger microbatch, or the command line: mpsim choose --tokens)")
+
+
 def run_scale(request: RunRequest) -> dict[str, Any]:
     """The "how many servers" view: ``mpsim.api.scale`` (``mpsim choose --tokens``) over
-    the chosen clusters and server counts, shown as ``scale_html``."""
+    the chosen clusters and server counts, shown as ``scale_html``.
+
+    The search simulates each configuration from its model's name or file (as
+    ``mpsim choose --tokens --model FILE`` does), so an uploaded model, a traced Hugging
+    Face config above all (which has neither), is written as a trace file in the run's own
+    scratch folder first, as ``mpsim trace --hf CONFIG -o FILE`` writes it."""
     inputs = request.inputs
-    report = api.scale(model_of(request), list(inputs.clusters), inputs.tokens, inputs.days, inputs.budget,
-                       microbatch_sizes=(inputs.microbatch or 1,), min_servers=inputs.min_servers,
-                       max_servers=inputs.max_servers)
+    trace = model_of(request)
+    check_scale_work(trace, inputs)
+    sizes = (inputs.microbatch if inputs.microbatch is not None else 1,)
+    if request.model is None:  # a shipped name
+        return _scale(trace, inputs, sizes)
+    folder = Path(tempfile.mkdtemp(prefix="run-", dir=request.scratch))
+    try:
+        path = folder / "model-trace.json"
+        path.write_text(trace.to_json())
+        return _scale(str(path), inputs, sizes)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _scale(model: str | Trace, inputs: JobInputs, sizes: tuple[int, ...]) -> dict[str, Any]:
+    report = api.scale(model, list(inputs.clusters), inputs.tokens, inputs.days, inputs.budget,
+                       microbatch_sizes=sizes, min_servers=inputs.min_servers, max_servers=inputs.max_servers)
     return {"report": report.to_dict(), "html": scale_html(report)}
 
 
@@ -122,12 +217,25 @@ WORKS = {"job": run_job, "choose": run_choose, "scale": run_scale}
 """The worker's function for each view."""
 
 
+VERDICT_CLASSES = ("fits", "at-risk", "oom")
+"""How the page styles a job's verdict (``#verdict``'s class in static/app.css)."""
+
+
+def verdict_class(fits: bool, at_risk: str) -> str:
+    """``fits``, ``at-risk`` (it fits, but closer to the memory than the headroom) or ``oom``."""
+    if not fits:
+        return "oom"
+    return "at-risk" if at_risk else "fits"
+
+
 def job_payload(outcome: JobOutcome) -> dict:
     """What the page shows of a finished job: the verdict first, the CLI's text, the
     result and plan as their JSON files."""
     r, plan_file = outcome.planned.result, outcome.planned.plan
     text = simulate_text(r, outcome.headroom_gib)
+    at_risk = r.at_risk(outcome.headroom_gib)
     return {"verdict": text.splitlines()[0], "oom": text.splitlines()[1].strip() if r.oom else None,
-            "fits": r.fits, "at_risk": r.at_risk(outcome.headroom_gib), "warning": outcome.warning,
+            "verdict_class": verdict_class(r.fits, at_risk),
+            "fits": r.fits, "at_risk": at_risk, "warning": outcome.warning,
             "text": text, "plan_text": plan_text(plan_file),
             "result": r.to_dict(), "plan": json.loads(plan_file.to_json())}

@@ -11,7 +11,7 @@ const SCALE_FIELDS = ["tokens", "days", "budget", "min_servers", "max_servers"];
 // This server's token, put in the page by the server: sent on every request that changes
 // anything, so that no other site's page can (it cannot read this page to learn it).
 const TOKEN = document.querySelector('meta[name="mpsim-token"]').content;
-const state = { view: "job", job: null, timer: null, started: 0, maxUploadBytes: 0,
+const state = { view: "job", job: null, timer: null, started: 0, maxUploadBytes: 0, uploading: 0,
   uploads: { server: null, servers: null, model: null } };
 
 async function api(method, url, body) {
@@ -103,36 +103,82 @@ function toQuery(withUploads) {
   return q;
 }
 
+// An upload as XMLHttpRequest (fetch reports no upload progress), with this server's token;
+// onProgress(fraction sent) while the bytes go. Resolves to the answer's JSON; rejects with
+// the server's one-line error.
+function sendUpload(url, file, onProgress) {
+  return new Promise((resolve, reject) => {
+    const xhr = new XMLHttpRequest();
+    xhr.open("POST", url);
+    xhr.setRequestHeader("X-Mpsim-Token", TOKEN);
+    xhr.upload.onprogress = (event) => { if (event.lengthComputable) onProgress(event.loaded / event.total); };
+    xhr.upload.onload = () => onProgress(1);
+    xhr.onerror = () => reject(new Error("no answer from the mpsim server (is it still running?)"));
+    xhr.onload = () => {
+      let data;
+      try { data = JSON.parse(xhr.responseText); } catch (err) { data = { error: `HTTP ${xhr.status}` }; }
+      if (xhr.status >= 200 && xhr.status < 300) resolve(data);
+      else reject(new Error(data.error || `HTTP ${xhr.status}`));
+    };
+    xhr.send(file);
+  });
+}
+
+// Run waits for the uploads in flight (a Run meanwhile would run the model or server
+// selected before) and for the run in progress.
+function updateRun() {
+  $("run").disabled = state.uploading > 0 || state.timer !== null;
+  $("run").title = state.uploading > 0 ? "waiting for the upload to finish" : "";
+}
+
+function hideResults() {
+  $("result").hidden = true;
+  $("choose-result").hidden = true;
+}
+
 async function upload(kind, input, slot) {
   const file = input.files[0];
   if (!file) return;
   showError("");
   const select = $(slot);
+  const kb = (file.size / 1024).toFixed(file.size < 10240 ? 1 : 0);
+  const say = (text) => { $("progress").hidden = false; $("progress").textContent = text; };
+  state.uploading += 1;
+  updateRun();
   try {
     const url = `/api/upload?kind=${kind}&name=${encodeURIComponent(file.name)}`;
     if (file.size > 16 * state.maxUploadBytes) {
       throw new Error(`${file.name}: ${(file.size / 2 ** 20).toFixed(1)} MiB is over the upload limit of ` +
                       `${state.maxUploadBytes / 2 ** 20} MiB`);
     }
-    const up = await api("POST", url, file);
+    say(`uploading ${file.name} (${kb} kB): 0%`);
+    const up = await sendUpload(url, file, (sent) => {
+      say(sent < 1 ? `uploading ${file.name} (${kb} kB): ${Math.floor(sent * 100)}%`
+        : `uploaded ${file.name}; the server is reading it`);
+    });
     state.uploads[slot] = up;
     select.querySelector(`option[value="${UPLOADED}"]`)?.remove();
     const option = new Option(`uploaded: ${up.name}`, UPLOADED);
     select.prepend(option);
     if (select.multiple) option.selected = true;  // Choose: compared beside the shipped ones picked
     else select.value = UPLOADED;
+    say(`uploaded ${up.name}: ready to run`);
   } catch (err) {
+    hideResults();  // a result on the screen would pass for this file's
+    say(`upload of ${file.name} failed`);
     showError(err.message);
   } finally {
     input.value = "";
+    state.uploading -= 1;
+    updateRun();
   }
 }
 
 async function run() {
+  if (state.uploading > 0) return;  // Run is disabled too; this covers a submit by Enter
   showError("");
   stopPolling();
-  $("result").hidden = true;
-  $("choose-result").hidden = true;
+  hideResults();
   try {
     const job = await api("POST", `/api/jobs?${toQuery(true)}`);
     state.job = job.id;
@@ -142,9 +188,9 @@ async function run() {
     $("bookmark-note").textContent = job.bookmarkable ? "This page's address reruns this view: bookmark it."
       : "Uploads cannot be bookmarked: the address keeps the shipped choices and settings only.";
     $("cancel").hidden = false;
-    $("run").disabled = true;
     showProgress(job);
     state.timer = setInterval(poll, 250);
+    updateRun();
   } catch (err) {
     showError(err.message);
   }
@@ -154,7 +200,7 @@ function stopPolling() {
   if (state.timer !== null) clearInterval(state.timer);
   state.timer = null;
   $("cancel").hidden = true;
-  $("run").disabled = false;
+  updateRun();
 }
 
 function showProgress(job) {
@@ -199,7 +245,8 @@ function showResult(job) {
   const base = `/api/jobs/${job.id}`;
   const r = job.result;
   $("verdict").textContent = job.verdict;
-  $("verdict").className = job.fits ? "fits" : "oom";
+  // fits, at-risk (fits, closer to the memory than the headroom) or oom: three looks
+  $("verdict").className = job.verdict_class || (job.fits ? (job.at_risk ? "at-risk" : "fits") : "oom");
   $("oom").textContent = job.oom || (job.at_risk ? `at risk: ${job.at_risk}` : "");
   $("warning").textContent = job.warning ? `warning: ${job.warning}` : "";
   const peakGiB = Math.max(...r.gpus.map((g) => g.peak_bytes)) / 2 ** 30;
