@@ -406,9 +406,9 @@ def test_simulate_ends_a_run_that_does_not_fit_with_what_to_try_and_gives_tokens
     code, out, _ = run(capsys, "simulate", "--model", "gpt-10.3b", "--microbatch", "2")
     assert code == 1
     assert out.splitlines()[-1] == (
-        "hint: --strategy best tries every memory-saving plan (recompute, swaps, MPress, TSPLIT); --dp N --zero 3 "
-        "shards the model states (FSDP); `mpsim fits --model gpt-10.3b --server dgx1-v100` tries every layout, "
-        "`mpsim choose --model gpt-10.3b` other servers")
+        "hint: --strategy best tries every memory-saving plan (recompute, swaps, MPress, TSPLIT, offload); --dp 8 "
+        "--zero 3 shards the model states (FSDP); `mpsim fits --model gpt-10.3b --server dgx1-v100` tries every "
+        "layout, `mpsim choose --model gpt-10.3b` other servers")
     throughput = next(line for line in out.splitlines() if line.startswith("throughput"))
     found = re.match(r"throughput +([\d.]+) ± [\d.]+ samples/s, ([\d,]+) tokens/s", throughput)
     assert found is not None

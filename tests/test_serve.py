@@ -147,13 +147,13 @@ def test_choose_compares_an_uploaded_server_beside_the_shipped_ones(server):
 
 
 def test_a_run_past_the_pages_work_bound_is_refused_before_planning(server):
-    big = load_trace("gpt-5.3b").with_layers(800)  # 802 layers x 256 microbatches x best's 16 plans
+    big = load_trace("gpt-5.3b").with_layers(800)  # 802 layers x 256 microbatches x best's 20 plans (offload too)
     compact = json.dumps(json.loads(big.to_json()), separators=(",", ":")).encode()  # under the 4 MiB upload limit
     _, up = call_json(server, "POST", "/api/upload?kind=trace&name=big.json", compact)
     job = run_job(server, server="dgx1-v100", model_upload=up["upload"], microbatch=2, microbatches=256,
                   strategy="best")
     assert job["state"] == "failed" and job["tasks"] == 0
-    assert job["error"] == ("this run would simulate 802 layers x 256 microbatches x 16 plan(s) = 3,284,992; the page "
+    assert job["error"] == ("this run would simulate 802 layers x 256 microbatches x 20 plan(s) = 4,106,240; the page "
                             "takes at most 2,000,000 (fewer microbatches, one strategy, or the command line)")
 
 

@@ -59,7 +59,7 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
     from mpsim.views.chrome import write_chrome_trace
     from mpsim.views.html import simulate_page
     from mpsim.views.plots import plot_memory
-    from mpsim.views.text import simulate_text
+    from mpsim.views.text import Asked, simulate_text
 
     check_strategy_layout(strategy, layout)
     if plan_path is not None and layout != api.data_parallel(1, 0, None):
@@ -82,7 +82,7 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
     data = result.to_dict()
     for g, d in zip(result.gpus, data["gpus"], strict=True):
         d["reserved"] = g.reserved(expandable=True).to_dict(headroom_gib)  # to_dict's at the default headroom
-    emit(json_out, simulate_text(result, headroom_gib), data)
+    emit(json_out, simulate_text(result, headroom_gib, Asked(model, server, cluster)), data)
     if chrome_trace:
         write_chrome_trace(result, chrome_trace)
     if plot:

@@ -3,7 +3,9 @@ formatter; every command's text goes through it."""
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mpsim.hardware.cluster import Cluster
@@ -97,10 +99,21 @@ def _reserved_cells(g: GpuResult) -> list[str]:
     return [gib(e.reserved_peak_bytes), gib(e.expandable_peak_bytes or 0)]
 
 
-def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> str:
+@dataclass(frozen=True)
+class Asked:
+    """What the user named a job's model and server by (a shipped name or a file path, as
+    typed), so a hint names commands that run; None: the result's own names."""
+
+    model: str | None = None
+    server: str | None = None
+    cluster: str | None = None
+
+
+def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB, asked: Asked = Asked()) -> str:
     """The verdict first (fits, or where it ran out), then the per-GPU table (peak
     allocated and the allocator's reserved estimate, ``mpsim.sim.reserved``), the
-    techniques, iteration time and throughput."""
+    techniques, iteration time and throughput; where the job does not fit, what to try
+    next (``oom_hint``)."""
     cats = ["params", "grads", "optimizer", "activations", "stash", "buffers", "workspace"]
     header = ["gpu", "stage", "layers", "peak GiB", "reserved GiB", "expandable GiB", "capacity GiB", "fits"] + cats
     shown = shown_gpus(r)
@@ -135,20 +148,29 @@ def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> s
         lines.append(f"busiest link  {name}: busy {100 * utilization[name]:.1f}% of the run, "
                      f"{r.links[name]['bytes'] / 1e9:.2f} GB (10^9 bytes) carried")
     if r.oom:
-        lines += ["", _oom_hint(r)]
+        lines += ["", oom_hint(r, asked)]
     return "\n".join(lines)
 
 
-def _oom_hint(r: SimResult) -> str:
-    """What to try when a job does not fit: the strategies that search, a sharded layout,
-    other servers."""
+def oom_hint(r: SimResult, asked: Asked = Asked()) -> str:
+    """What to try when a job does not fit, as commands that run: the strategies that
+    search, a sharded layout where the server has GPUs to shard over, every layout on this
+    server, other servers (on a cluster: other server counts and layouts)."""
     name = base_name(r.strategy)
     tried_all = name in STRATEGIES and combines(name)
     first = ("nothing mpsim plans fits this layout" if tried_all
-             else "--strategy best tries every memory-saving plan (recompute, swaps, MPress, TSPLIT)")
-    layout = "" if r.data_parallel else "; --dp N --zero 3 shards the model states (FSDP)"
-    return (f"hint: {first}{layout}; `mpsim fits --model {r.model} --server {r.server}` tries every layout, "
-            f"`mpsim choose --model {r.model}` other servers")
+             else "--strategy best tries every memory-saving plan (recompute, swaps, MPress, TSPLIT, offload)")
+    gpus = r.gpus_available or len(r.gpus)
+    layout = "" if r.data_parallel or gpus < 2 else f"; --dp {gpus} --zero 3 shards the model states (FSDP)"
+    model = shlex.quote(asked.model or r.model)
+    if asked.cluster is not None:
+        where = (f"`mpsim choose --model {model} --clusters {shlex.quote(asked.cluster)} --tokens 1e12` other "
+                 "server counts and layouts (give the tokens you train on)")
+    else:
+        server = shlex.quote(asked.server or r.server)
+        where = (f"`mpsim fits --model {model} --server {server}` tries every layout, "
+                 f"`mpsim choose --model {model}` other servers")
+    return f"hint: {first}{layout}; {where}"
 
 
 TECHNIQUES_TITLE = "what each technique saved at the GPU's peak, and what it cost per iteration"
