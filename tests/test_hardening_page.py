@@ -27,7 +27,7 @@ from mpsim import api
 from mpsim.cli import main
 from mpsim.web.app import MpsimServer
 from mpsim.web.inputs import HF_UPLOAD_LABEL, JobInputs
-from mpsim.web.work import PAGE_MAX_WORK, SCALE_STRATEGIES, scale_work
+from mpsim.web.work import PAGE_MAX_WORK, scale_work
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,9 +68,17 @@ def test_a_scale_search_past_the_pages_work_bound_is_refused_before_simulating(s
 @pytest.mark.parametrize("model, low, high", [("llama-3-70b", 16, 256), ("gpt-5.3b", 16, 256), ("gpt2-xl", 1, 4096),
                                               ("bert-0.35b", 1, 4096), ("qwen2.5-7b", 4, 64)])
 def test_the_scale_bound_counts_at_least_what_the_search_simulates(model, low, high):
-    """``scale_work`` counts the study's configurations without importing it (the page
-    imports the facade only): never fewer than the search runs, and not far above."""
-    from mpsim.studies.scale import ClusterPoint, job_of_point, server_counts, shapes, simulated_microbatches
+    """``scale_work`` is the study's own count (``mpsim.studies.scale.search_work``): every
+    configuration the search simulates, each at the microbatches it simulates, under every
+    strategy it may try."""
+    from mpsim.studies.scale import (
+        STRATEGIES,
+        ClusterPoint,
+        job_of_point,
+        server_counts,
+        shapes,
+        simulated_microbatches,
+    )
 
     trace = api.load_trace(model)
     assert trace.seq_len is not None
@@ -87,8 +95,7 @@ def test_the_scale_bound_counts_at_least_what_the_search_simulates(model, low, h
             work += trace.n_layers * (job.microbatches if job.microbatches <= m1 + m2 else m1 + m2)
     inputs = JobInputs(view="scale", model=model, clusters=("dgx-h100-superpod",), min_servers=low, max_servers=high)
     configurations, bound = scale_work(trace, inputs)
-    assert points <= configurations <= 1.25 * points
-    assert work * SCALE_STRATEGIES <= bound <= 1.25 * work * SCALE_STRATEGIES
+    assert (configurations, bound) == (points, work * len(STRATEGIES))
 
 
 def test_the_pages_default_scale_searches_stay_within_the_bound():

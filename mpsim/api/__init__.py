@@ -69,7 +69,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     from mpsim.studies.backends import backend_for, make_backend
     from mpsim.studies.capacity import FitsReport, LayoutFits, fits
     from mpsim.studies.choose import ChooseReport, choose, parse_price, parse_servers
-    from mpsim.studies.scale import ScaleReport, scale
+    from mpsim.studies.scale import ScaleReport, scale, search_work
     from mpsim.studies.sweep import Point, SweepInterrupted, grid, sweep
     from mpsim.timing.calibrate import Calibration, calibrate, calibrated_yaml
     from mpsim.timing.calibrate_kernels import calibrate_profile_file, kernel_table_yaml
@@ -97,7 +97,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.plans.plan": ("PlanFile", "read_plan_file", "write_plan_file"),
     "mpsim.planners": ("Planned", "plan_job"),
     "mpsim.hardware.cluster": ("DEFAULT_BATCH_TOKENS", "DEFAULT_CLUSTERS"),
-    "mpsim.studies.scale": ("ScaleReport", "scale"),
+    "mpsim.studies.scale": ("ScaleReport", "scale", "search_work"),
     "mpsim.sim": ("SimResult",),
     "mpsim.sim.progress": ("reporting",),
     "mpsim.plans.strategies": ("STRATEGIES", "STRATEGY_HELP", "check_zero_stage", "planner_runs"),

@@ -290,23 +290,55 @@ def scale(model: str | Trace, clusters: Sequence[str], tokens: float, days: floa
     report = ScaleReport(trace.name, tokens, batch * seq, seq, days, budget_usd, discount)
     for name in clusters:
         cluster = load_cluster(name)
-        counts = [n for n in server_counts(cluster, min_servers) if max_servers is None or n <= max_servers]
-        points = [ClusterPoint(name, trace.source or trace.name, n, s, batch) for n in counts
-                  for s in shapes(cluster, trace, microbatch_sizes)]
-        kept: list[ClusterPoint] = []
-        skipped: dict[str, int] = {}
-        for p in points:
-            why = skip_reason(p, cluster, trace)
-            if why is None:
-                kept.append(p)
-            elif why != NOT_A_LAYOUT:
-                skipped[why] = skipped.get(why, 0) + 1
+        counts, kept, skipped = _points(name, cluster, trace, batch, microbatch_sizes, min_servers, max_servers)
         failed: dict[str, int] = {}
         tried = _search(kept, backend, on_point, failed)
         answer = _answer(cluster, name, tried, report)
         answer.skipped, answer.failed, answer.counts = skipped, failed, tuple(counts)
         report.answers.append(answer)
     return report
+
+
+def _points(name: str, cluster: Cluster, trace: Trace, batch: int, microbatch_sizes: Sequence[int],
+            min_servers: int, max_servers: int | None) -> tuple[list[int], list[ClusterPoint], dict[str, int]]:
+    """The server counts searched on ``cluster``, the configurations simulated there, and
+    how many were left out and why (``skip_reason``; shapes that are no layout of the
+    servers are not counted)."""
+    counts = [n for n in server_counts(cluster, min_servers) if max_servers is None or n <= max_servers]
+    kept: list[ClusterPoint] = []
+    skipped: dict[str, int] = {}
+    every = shapes(cluster, trace, microbatch_sizes)
+    for n in counts:
+        for shape in every:
+            point = ClusterPoint(name, trace.source or trace.name, n, shape, batch)
+            why = skip_reason(point, cluster, trace)
+            if why is None:
+                kept.append(point)
+            elif why != NOT_A_LAYOUT:
+                skipped[why] = skipped.get(why, 0) + 1
+    return counts, kept, skipped
+
+
+def search_work(model: str | Trace, clusters: Sequence[str], batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                microbatch_sizes: Sequence[int] = (1,), min_servers: int = 1,
+                max_servers: int | None = None) -> tuple[int, int]:
+    """The configurations ``scale`` would simulate with these bounds and its work at most
+    (layers x microbatches simulated x every strategy of ``STRATEGIES``, summed: the
+    measure a caller bounds a run by), counted before anything is simulated."""
+    _check_search(microbatch_sizes, min_servers, max_servers)
+    trace = load_trace(model) if isinstance(model, str) else model
+    batch = max(1, batch_tokens // seq_len_of(trace))
+    configurations = work = 0
+    for name in clusters:
+        cluster = load_cluster(name)
+        for point in _points(name, cluster, trace, batch, microbatch_sizes, min_servers, max_servers)[1]:
+            per_replica = point.shape.tensor * point.shape.pipeline
+            data = point.servers * cluster.gpus_per_server // per_replica
+            m = batch // (data * point.shape.microbatch)
+            m1, m2 = simulated_microbatches(point.shape.pipeline)
+            configurations += 1
+            work += trace.n_layers * (m if m <= m1 + m2 else m1 + m2) * len(STRATEGIES)
+    return configurations, work
 
 
 def _check_search(microbatch_sizes: Sequence[int], min_servers: int, max_servers: int | None) -> None:

@@ -9,7 +9,6 @@ server by pickle."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -114,63 +113,15 @@ def run_choose(request: RunRequest) -> dict[str, Any]:
     return {"report": report.to_dict(), "html": choose_html(report)}
 
 
-SCALE_STRATEGIES = 3
-"""Memory strategies the scale search tries a configuration with, at most (``none``, then
-``selective``, then ``recompute`` while it does not fit: ``mpsim.studies.scale.STRATEGIES``)."""
-SCALE_MAX_PIPELINE = 16
-"""The deepest pipeline the scale search tries (``mpsim.studies.scale.MAX_PIPELINE``)."""
-
-
 def scale_work(trace: Trace, inputs: JobInputs) -> tuple[int, int]:
-    """The configurations the scale search would simulate and its work, at most: layers x
-    microbatches simulated x ``SCALE_STRATEGIES``, summed over them (the job view's measure,
-    ``check_work``). The configurations are those of ``mpsim.studies.scale`` (powers of
-    two of servers within the cluster's and the page's range; tensor degrees dividing a
-    server's GPUs; pipelines of 1 to 16; ZeRO-1, FSDP and HSDP; replicas dividing the
-    global batch, each with at least as many microbatches as stages), counted without
-    simulating; a long iteration is simulated at two short counts, 2p and 3p (at least 4
-    and 6), as there. An upper bound: heads that do not split count as if they did."""
-    seq = trace.seq_len
-    if not seq:
+    """The configurations the scale search would simulate and its work, at most
+    (``mpsim.api.search_work``: layers x microbatches simulated x memory strategies, the
+    job view's measure, ``check_work``), counted before anything runs."""
+    if not trace.seq_len:
         return 0, 0  # the search refuses it in one line (no sequence length)
-    batch = max(1, api.DEFAULT_BATCH_TOKENS // seq)
-    microbatch = inputs.microbatch or 1
-    pipelines = [p for p in (1, 2, 4, 8, 16) if p <= min(trace.n_layers, SCALE_MAX_PIPELINE)]
-    configurations = work = 0
-    for name in inputs.clusters:
-        cluster = api.load_cluster(name)
-        g, top = cluster.gpus_per_server, cluster.spec.max_servers
-        counts = [2**k for k in range(int(math.log2(top)) + 1)
-                  if inputs.min_servers <= 2**k <= min(top, inputs.max_servers)]
-        tensors = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= g and g % t == 0 and _splits(trace, t)]
-        for n in counts:
-            for t in tensors:
-                for p in pipelines:
-                    if (n * g) % (t * p):
-                        continue
-                    data = n * g // (t * p)
-                    if batch % (data * microbatch) or batch // (data * microbatch) < p:
-                        continue
-                    m = batch // (data * microbatch)
-                    simulated = m if m <= max(2 * p, 4) + max(3 * p, 6) else max(2 * p, 4) + max(3 * p, 6)
-                    kinds = 1 if data == 1 else 3  # one replica: searched once (nothing to shard)
-                    configurations += kinds
-                    work += kinds * trace.n_layers * simulated * SCALE_STRATEGIES
-    return configurations, work
-
-
-def _splits(trace: Trace, degree: int) -> bool:
-    """Whether the scale search may split ``trace`` over ``degree`` tensor-parallel GPUs, as
-    far as its model block tells (``mpsim.models.tensor_parallel.check_shardable`` decides;
-    this may say yes where it says no, never the other way)."""
-    if degree == 1:
-        return True
-    model = trace.spec.model
-    if "tensor_parallel" in model or model.get("family") not in ("gpt", "bert", "llama"):
-        return False
-    widths = (model.get("heads"), model.get("kv_heads") or model.get("heads"),
-              model.get("ffn_hidden") or 4 * (model.get("hidden") or 0), model.get("seq_len"))
-    return all(isinstance(n, int) and n > 0 and n % degree == 0 for n in widths)
+    sizes = (inputs.microbatch if inputs.microbatch is not None else 1,)
+    return api.search_work(trace, list(inputs.clusters), microbatch_sizes=sizes, min_servers=inputs.min_servers,
+                           max_servers=inputs.max_servers)
 
 
 def check_scale_work(trace: Trace, inputs: JobInputs) -> None:
@@ -179,8 +130,8 @@ def check_scale_work(trace: Trace, inputs: JobInputs) -> None:
     configurations, work = scale_work(trace, inputs)
     if work > PAGE_MAX_WORK:
         raise MpsimError(f"this search would simulate up to {work:,} layer-microbatches ({configurations:,} "
-                         f"configurations of {trace.n_layers:,} layers, each with up to {SCALE_STRATEGIES} memory "
-                         f"strategies); the page takes at most {PAGE_MAX_WORK:,} (fewer clusters or server counts, "
+                         f"configurations of {trace.n_layers:,} layers, each with every memory strategy it may "
+                         f"need); the page takes at most {PAGE_MAX_WORK:,} (fewer clusters or server counts, "
                          "a larger microbatch, or the command line: mpsim choose --tokens)")
 
 
