@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from mpsim import hf  # noqa: E402
+from mpsim.models import hf  # noqa: E402
 from mpsim.cli import main  # noqa: E402
 from mpsim.errors import MpsimError  # noqa: E402
 from mpsim.models.tracer import trace_model  # noqa: E402

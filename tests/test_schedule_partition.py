@@ -110,7 +110,7 @@ from unittest.mock import patch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from mpsim import partition  # noqa: E402
+from mpsim.plans import partition  # noqa: E402
 from mpsim.plans.partition import PeakCost, SpanCost, min_max_partition, stage_peak_table  # noqa: E402
 
 
