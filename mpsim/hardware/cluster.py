@@ -33,6 +33,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from mpsim.datafile import FileModel, validate
 from mpsim.errors import MpsimError, SchemaError
+from mpsim.hardware.schema1 import gpu_list
 from mpsim.hardware.topology import (
     HOST,
     MAX_GBPS,
@@ -60,8 +61,9 @@ class NicGroup(FileModel):
     """NICs that a set of GPUs share: each GPU's traffic across servers leaves through its
     group's NICs, which the group's GPUs share."""
 
-    gpus: list[int] = Field(min_length=1, max_length=64, description="GPU indices (in the server) these NICs serve")
-    nics: int = Field(gt=0, le=64, description="NICs in the group")
+    gpus: list[int] = Field(min_length=1, max_length=MAX_GPUS,
+                            description="GPU indices (in the server) these NICs serve")
+    nics: int = Field(gt=0, le=MAX_GPUS, description="NICs in the group")
 
 
 class FabricSpec(FileModel):
@@ -127,7 +129,7 @@ def _nic_groups(path: str, fabric: FabricSpec, n_gpus: int) -> tuple[NicGroup, .
             seen.add(g)
     if len(seen) != n_gpus:
         missing = sorted(set(range(n_gpus)) - seen)
-        raise SchemaError(path, "fabric.nic_groups", f"every GPU needs a NIC; missing {missing}")
+        raise SchemaError(path, "fabric.nic_groups", f"every GPU needs a NIC; missing {gpu_list(missing)}")
     total = sum(g.nics for g in fabric.nic_groups)
     if total != fabric.nics_per_server:
         raise SchemaError(path, "fabric.nic_groups", f"the groups have {total} NICs but nics_per_server is "

@@ -45,6 +45,15 @@ MAX_LATENCY_US = 1e6
 
 
 
+def gpu_list(gpus: list[int], show: int = 8) -> str:
+    """GPU indices as an error names them: the list, or beyond ``show`` its first few, the
+    last and the count (``[8, 9, 10, ..., 1023] (1016 GPUs)``), so that a file of many
+    GPUs still gets a short line."""
+    if len(gpus) <= show:
+        return str(gpus)
+    return f"[{', '.join(map(str, gpus[:show - 1]))}, ..., {gpus[-1]}] ({len(gpus)} GPUs)"
+
+
 Dtype = Literal["fp16", "bf16", "fp32", "tf32", "fp8"]
 
 
@@ -354,7 +363,8 @@ def _check_pcie(path: str, spec: TopologyFile) -> None:
             placed[g] = sw.name
     missing = sorted(set(range(n)) - set(placed))
     if missing:
-        raise SchemaError(path, "pcie.switches", f"every GPU must sit below a PCIe switch; missing {missing}")
+        raise SchemaError(path, "pcie.switches",
+                          f"every GPU must sit below a PCIe switch; missing {gpu_list(missing)}")
 
 
 def _tiers_of_schema1(spec: TopologyFile) -> Tiers:

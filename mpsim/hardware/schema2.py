@@ -42,6 +42,7 @@ from mpsim.hardware.schema1 import (
     NvmeSpec,
     PriceSpec,
     TopologyFile,
+    gpu_list,
 )
 from mpsim.hardware.tiers import CpuLink, HostPort, PeerBundle, ScaleUp, Tiers
 from mpsim.units import MAX_BYTES, GiB
@@ -265,7 +266,7 @@ def _check_cpus(path: str, cpus: list[CpuSpec], n: int) -> dict[int, int]:
         _check_switches(path, where, cpu, switch_names)
     missing = sorted(set(range(n)) - set(cpu_of))
     if missing:
-        raise SchemaError(path, "host.cpus", f"every GPU must be attached to a CPU; missing {missing}")
+        raise SchemaError(path, "host.cpus", f"every GPU must be attached to a CPU; missing {gpu_list(missing)}")
     return cpu_of
 
 

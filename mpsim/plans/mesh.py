@@ -37,6 +37,11 @@ from mpsim.hardware.topology import Topology
 
 DEFAULT_BUCKET_MIB = 25.0
 """DDP's default gradient bucket (``bucket_cap_mb``)."""
+MAX_STAGES = 1024
+"""The deepest pipeline: a layout's stages, given (``Parallelism.pipeline``) or derived from
+the GPUs (``Parallelism.stages_on``), as a plan file's ``stages`` list holds them."""
+MAX_AXIS_SIZE = 65536
+"""The largest size of a registered mesh axis, as of the data axis (``Parallelism.data``)."""
 DP_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}
 """How outputs name data parallelism by ZeRO stage (ZeRO-3 as PyTorch's FSDP runs it)."""
 
@@ -194,7 +199,7 @@ class Parallelism(BaseModel):
     tensor: int = Field(default=1, ge=1, le=64, description="tensor-parallel degree (Megatron-LM column/row split)")
     sequence_parallel: bool = Field(default=False, description="with tensor > 1: norms and dropout split "
                                                                "along the sequence (Korthikanti et al. 2022)")
-    pipeline: int | None = Field(default=None, ge=1, le=1024,
+    pipeline: int | None = Field(default=None, ge=1, le=MAX_STAGES,
                                  description="pipeline stages; None: one per GPU of the server")
     virtual_stages: int = Field(default=1, ge=1, le=64, description="model chunks per GPU (interleaved 1F1B)")
     zero_stage: Literal[0, 1, 2, 3] = Field(default=0, description="ZeRO stage: 1 shards optimizer states, "
@@ -216,6 +221,8 @@ class Parallelism(BaseModel):
                 raise ValueError(f"{name!r} is not a registered mesh axis (register_axis)")
             if size < 2:
                 raise ValueError(f"mesh axis {name} of size {size}: leave an axis of size 1 out")
+            if size > MAX_AXIS_SIZE:
+                raise ValueError(f"mesh axis {name} of size {size}: at most {MAX_AXIS_SIZE}")
         if len({n for n, _ in axes}) != len(axes):
             raise ValueError("each mesh axis once")
         return tuple(sorted(axes, key=lambda a: _KINDS[a[0]].name_position))
@@ -273,6 +280,9 @@ class Parallelism(BaseModel):
         n_gpus = topo.n_gpus * servers
         p = self.derived_stages(n_gpus) if self.pipeline is None else self.pipeline
         where = topo.name if servers == 1 else f"{servers} x {topo.name}"
+        if p > MAX_STAGES:
+            raise MpsimError(f"{describe(self, p)} on the {n_gpus} GPUs of {where}: a pipeline of {p} stages, at most "
+                             f"{MAX_STAGES}; give more replicas or tensor-parallel GPUs per stage")
         if p * per_stage > n_gpus:
             stages = f"{p} stage" + ("s" if p > 1 else "")
             what = stages if self.replicas == 1 else f"{self.replicas} replicas of {stages}"
@@ -321,14 +331,18 @@ def pipeline(n_stages: int | None) -> Parallelism:
 
 # --- names -----------------------------------------------------------------------------
 
-_DATA_PART = r"(?P<dkind>ddp|fsdp|hsdp)(?P<dn>\d+)|zero(?P<zero>[0-3])x(?P<zn>\d+)"
-_TENSOR_PART = r"tp(?P<tp>\d+)(?P<sp>sp)?"
-_PIPELINE_PART = r"pp(?P<pp>\d+)(?:v(?P<v>\d+))?"
+_DATA_PART = r"(?P<dkind>ddp|fsdp|hsdp)(?P<dn>[0-9]+)|zero(?P<zero>[0-3])x(?P<zn>[0-9]+)"
+_TENSOR_PART = r"tp(?P<tp>[0-9]+)(?P<sp>sp)?"
+_PIPELINE_PART = r"pp(?P<pp>[0-9]+)(?:v(?P<v>[0-9]+))?"
+MAX_NAME_DIGITS = 20
+"""The most digits a size in a layout's name may have: every size is checked against its
+range (at most 65,536), and a longer number is refused before it is read (Python refuses
+to read one of over 4,300 digits, and it would fill the message)."""
 
 
 def _parts() -> list[tuple[str, str]]:
     """(axis, regex of its name part) in names' order: data, registered kinds, tensor, pipeline."""
-    extra = [(k.name, rf"{k.token}(?P<ax_{k.name}>\d+)") for k in registered_axes()]
+    extra = [(k.name, rf"{k.token}(?P<ax_{k.name}>[0-9]+)") for k in registered_axes()]
     return [("data", _DATA_PART), *extra, ("tensor", _TENSOR_PART), ("pipeline", _PIPELINE_PART)]
 
 
@@ -352,17 +366,28 @@ def _split_parts(name: str) -> Iterator[tuple[str, re.Match[str]]]:
         raise ValueError(rest)
 
 
+def _shown(text: str) -> str:
+    """``text`` as an error quotes it: its repr (one line whatever it holds), cut to 60 characters."""
+    return repr(text) if len(text) <= 60 else repr(text[:60]) + f"... ({len(text)} characters)"
+
+
 def parse_layout(text: str) -> Parallelism:
     """A layout from its name (``pp8``, ``fsdp8``, ``zero2x4``, ``hsdp16``, ``ddp2xpp4``,
-    ``tp4spxpp2``, ``pp4v2``, and registered axes' parts); one-line ``MpsimError`` naming
-    the forms for anything else."""
+    ``tp4spxpp2``, ``pp4v2``, and registered axes' parts; ASCII digits, each size in its
+    range); one-line ``MpsimError`` naming the forms for anything else. Every layout it
+    returns is one ``layout_name`` writes back: sequence parallelism without a
+    tensor-parallel degree of 2 or more (``tp1sp``), which no name says, is refused."""
     name = text.strip().lower()
     try:
         found = dict(_split_parts(name)) if name and not name.endswith("x") else {}
     except ValueError:
         found = {}
     if not found:
-        raise MpsimError(f"unknown layout {text!r}: expected {layout_forms()}")
+        raise MpsimError(f"unknown layout {_shown(text)}: expected {layout_forms()}")
+    longest = max(re.findall(r"[0-9]+", name), key=len)
+    if len(longest) > MAX_NAME_DIGITS:
+        raise MpsimError(f"layout {_shown(text)}: a size of {len(longest)} digits; no size is above "
+                         f"{MAX_AXIS_SIZE}")
     fields: dict[str, object] = {}
     registered = []
     for axis, m in found.items():
@@ -375,9 +400,12 @@ def parse_layout(text: str) -> Parallelism:
     data, zero = int(fields.pop("data", 1)), int(fields.pop("zero_stage", 0))  # type: ignore[call-overload]
     n_stages = int(fields.pop("pipeline", 1))  # type: ignore[call-overload]
     try:
-        return data_parallel(data, zero, n_stages, **fields)
+        p = data_parallel(data, zero, n_stages, **fields)
     except MpsimError as exc:
-        raise MpsimError(f"layout {text!r}: {exc}") from None
+        raise MpsimError(f"layout {_shown(text)}: {exc}") from None
+    if p.sequence_parallel and p.tensor == 1:
+        raise MpsimError(f"layout {_shown(text)}: {p.unsupported()}")
+    return p
 
 
 def _parse_data(m: re.Match[str]) -> dict[str, object]:
@@ -412,7 +440,7 @@ def layout_name(p: Parallelism, n_stages: int) -> str:
     parts += [f"{axis_kind(n).token}{s}" for n, s in p.axes]
     if p.tensor > 1:
         parts.append(f"tp{p.tensor}" + ("sp" if p.sequence_parallel else ""))
-    if n_stages > 1 or not parts:
+    if n_stages > 1 or not parts or p.virtual_stages > 1:
         parts.append(f"pp{n_stages}" + (f"v{p.virtual_stages}" if p.virtual_stages > 1 else ""))
     return "x".join(parts)
 
@@ -428,7 +456,7 @@ def describe(p: Parallelism, n_stages: int) -> str:
     parts += [f"{axis_kind(n).label or n} x{s}" for n, s in p.axes]
     if p.tensor > 1:
         parts.append(f"TP x{p.tensor}" + ("+SP" if p.sequence_parallel else ""))
-    if n_stages > 1 or not parts:
+    if n_stages > 1 or not parts or p.virtual_stages > 1:
         parts.append(f"pipeline x{n_stages}" + (f" (interleaved x{p.virtual_stages})"
                                                 if p.virtual_stages > 1 else ""))
     return " x ".join(parts)
