@@ -288,3 +288,13 @@ def test_a_planners_layouts_carry_its_placement_instead_of_deriving_it_again(mon
     layout = layout_module.layout_of_plan(ctx.plan("none"), job, checked=True, laid=ctx.laid)
     assert layout.laid is ctx.laid and layout.replicas == ctx.replicas and layout.shard is ctx.shard
     assert ctx.simulate(ctx.plan("none")).layout == "FSDP x2 x TP x2+SP x pipeline x2"
+
+
+def test_more_stages_than_layers_is_refused_by_the_job_not_by_the_engine() -> None:
+    """Found by fuzzing (tests/test_fuzz_mesh_and_files.py): a job of 8 stages on a 6-layer
+    model was built and failed only when simulated."""
+    from helpers import layer, tiny_trace
+
+    trace = tiny_trace([layer() for _ in range(6)])
+    with pytest.raises(MpsimError, match="cannot split 6 layers into 8 non-empty stages: use at most 6 stages"):
+        JobSpec(load_topology("dgx1-v100"), trace, "1f1b", 8, Parallelism(pipeline=8))

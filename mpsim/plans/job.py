@@ -96,6 +96,9 @@ class JobSpec:
         par = self.parallelism
         if par.virtual_stages > 1:
             self._check_interleaved()
+        elif self.n_stages > self.trace.n_layers:  # a stage needs a layer (the partition's rule, said here once)
+            raise MpsimError(f"cannot split {self.trace.n_layers} layers into {self.n_stages} non-empty stages: use at "
+                             f"most {self.trace.n_layers} stages")
         if self.schedule == "pipedream" and (par.stage_gpus > 1 or par.zero_stage):
             raise MpsimError(f"{par.describe(self.n_stages)} with pipedream: not simulated yet (PipeDream updates "
                              "every microbatch); use gpipe or 1f1b")
