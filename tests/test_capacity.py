@@ -116,3 +116,15 @@ def test_a_search_from_a_known_fitting_size_probes_one_layer_more_first(monkeypa
         assert hinted.largest is not None and hinted.largest.layers == n
         assert hinted.largest.result.iteration_s == full.largest.result.iteration_s
         assert asked[0] == hint + 1 and len(set(asked)) <= most_probes and n + 1 in asked
+
+
+def test_fits_best_combines_the_planners_that_keep_states_on_the_gpus(capsys):
+    """``fits``'s best leaves the offload strategies (best's fallback) to their own columns
+    (``capacity.ON_GPU_ONLY``): where only ZeRO-Offload fits, best's cell is OOM beside it,
+    and the README's fits keeps its table and its time."""
+    from mpsim.cli import main
+
+    code = main(["fits", "--server", "titanrtx-x1", "--model", "gpt-10.3b", "--microbatch", "1", "--no-largest",
+                 "--strategy", "best,zero-offload"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("gpt-10.3b"))
+    assert code == 0 and row.split()[2:] == ["OOM", "41.24G", "0.38/s"]

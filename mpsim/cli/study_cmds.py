@@ -40,7 +40,9 @@ from mpsim.cli.progress import points_progress, steps_progress
 @click.option("--microbatches", type=int, default=api.DEFAULT_MICROBATCHES, show_default=True,
               help=MICROBATCHES_HELP)
 @click.option("--strategy", "strategies", default="none,recompute,cpu-swap,d2d,mpress,tsplit,best", show_default=True,
-              help="comma-separated strategies, one column each")
+              help="comma-separated strategies, one column each; here best combines the planners that keep "
+                   "model states on the GPUs, and the offload strategies (zero-offload, zero-infinity) are "
+                   "columns of their own")
 @click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP)
 @layouts_option(api.DEFAULT_LAYOUTS)
 @click.option("--workers", "-j", type=click.IntRange(min=1),
