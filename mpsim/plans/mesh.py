@@ -34,14 +34,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mpsim.errors import MpsimError
 from mpsim.hardware.topology import Topology
+from mpsim.limits import MAX_REPLICAS
 
 DEFAULT_BUCKET_MIB = 25.0
 """DDP's default gradient bucket (``bucket_cap_mb``)."""
 MAX_STAGES = 1024
 """The deepest pipeline: a layout's stages, given (``Parallelism.pipeline``) or derived from
 the GPUs (``Parallelism.stages_on``), as a plan file's ``stages`` list holds them."""
-MAX_AXIS_SIZE = 65536
-"""The largest size of a registered mesh axis, as of the data axis (``Parallelism.data``)."""
+MAX_AXIS_SIZE = MAX_REPLICAS
+"""The largest size of a registered mesh axis, as of the data axis (``Parallelism.data``:
+``mpsim.limits.MAX_REPLICAS``, the one limit plan files use too)."""
 DP_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}
 """How outputs name data parallelism by ZeRO stage (ZeRO-3 as PyTorch's FSDP runs it)."""
 
@@ -195,7 +197,7 @@ class Parallelism(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    data: int = Field(default=1, ge=1, le=65536, description="data-parallel replicas (DDP, ZeRO, FSDP)")
+    data: int = Field(default=1, ge=1, le=MAX_REPLICAS, description="data-parallel replicas (DDP, ZeRO, FSDP)")
     tensor: int = Field(default=1, ge=1, le=64, description="tensor-parallel degree (Megatron-LM column/row split)")
     sequence_parallel: bool = Field(default=False, description="with tensor > 1: norms and dropout split "
                                                                "along the sequence (Korthikanti et al. 2022)")

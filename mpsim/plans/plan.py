@@ -136,7 +136,7 @@ class TensorParallelPlan(FileModel):
                                                                      "all-gather and reduce-scatter instead of "
                                                                      "all-reduce")
     groups: list[list[list[StrictInt]]] = Field(
-        min_length=1, max_length=1024,
+        min_length=1, max_length=MAX_REPLICAS,
         description="per replica (as data_parallel.replicas), per stage, the GPUs of its tensor-parallel group, "
                     "the replica's stage GPU first")
 
@@ -268,7 +268,10 @@ def check_plan(plan: PlanFile, topo: Topology, trace: Trace, source: str = "") -
             _check_action(plan, topo, trace, s, st, k, act, seen, bad)
     if expected_first != L:
         raise bad("stages", f"the stages end at layer {expected_first} but {trace.name} has {L} layers")
-    check_schedule(plan.schedule, p, plan.microbatches)
+    try:
+        check_schedule(plan.schedule, p, plan.microbatches)
+    except MpsimError as exc:
+        raise bad("microbatches", str(exc)) from None
     _check_data_parallel(plan, topo, bad)
     _check_tensor_parallel(plan, topo, bad)
     _check_mesh(plan, bad)
