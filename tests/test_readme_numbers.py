@@ -160,6 +160,8 @@ def test_the_cluster_answer_in_the_readme_is_the_report():
     assert all(abs(p5_rows[n] / float(rows[n][4]) - 1) < 0.01 for n in (16, 32, 64, 128))
     p5_256 = re.search(r"^256\s+.*?\s([\d.]+)\s+[\d,]+\s+[\d.]+\s*pareto", p5, re.M)
     assert p5_256 is not None and f"256 take {p5_256[1]} days instead of {rows[256][4]}" in quote
+    price = re.search(r"^dgx-h100-superpod: .*?; \$([\d.]+) a server-hour", report, re.M)
+    assert price is not None and f"at the p5 list price of ${price[1]} a server-hour" in quote
     simulated = sum(int(n) for n in re.findall(r"(\d+) configurations simulated", report))
     assert f"{simulated} configurations" in quote
 
@@ -212,10 +214,14 @@ def test_the_resnet50_example_in_the_readme_is_what_the_commands_give(tmp_path):
     from helpers import run_cli
 
     quote = re.search(r"titanrtx-x1 +# fits: peak ([\d.]+) GiB, ([\d.]+) samples/s", (ROOT / "README.md").read_text())
-    assert quote is not None
+    layers = re.search(r"resnet50 -o resnet50\.json +# (\d+) layers", (ROOT / "README.md").read_text())
+    assert quote is not None and layers is not None
     trace = tmp_path / "resnet50.json"
     assert run_cli(300, "trace", "--module", "mpsim.models.cnn:resnet50", "-o", str(trace))[0] == 0
     from mpsim.api import plan
+    from mpsim.data.catalog import load_trace
+
+    assert len(load_trace(str(trace)).spec.layers) == int(layers[1])
 
     r = plan("titanrtx-x1", str(trace), "1f1b", None, 16).result
     assert r.fits and (f"{r.max_peak_bytes / 2**30:.2f}", f"{r.samples_per_s:.2f}") == quote.groups()
@@ -303,3 +309,229 @@ def _per_iteration(report: Path, engine: str) -> tuple[str, int]:
     events = re.search(r"simpy events\s+(\d+) per run", text)
     assert per_iteration and events and re.search(rf"^engine\s+{engine} ", text, re.M), report
     return per_iteration[1], int(events[1])
+
+
+def _choose_rows(name: str) -> dict[str, list[str]]:
+    """A choose report's rows by server: GPUs, fits, layout, plan, mb, samples/s, tokens/s,
+    max peak, capacity, USD/h, USD/M samples, USD/M tokens (columns are two spaces apart)."""
+    rows = {}
+    for line in (ROOT / "reports" / name).read_text().splitlines():
+        if re.match(r"^\d+\. ", line):
+            server, *cells = re.split(r"\s{2,}", line.strip())
+            rows[server.split(". ", 1)[1]] = cells
+    return rows
+
+
+def test_the_selective_recompute_figures_in_the_readme_are_what_the_simulator_gives():
+    """The `selective` strategy's example (gpt-5.3b, dgx1-v100, 1F1B, microbatch 2 x 16):
+    peak and samples/s under selective, none (kept) and recompute-all (fully recomputed)."""
+    from mpsim.api import plan
+
+    quote = _paragraph((ROOT / "README.md").read_text(), "Strategies (`--strategy`): `none`")
+    found = re.search(r"on gpt-5\.3b, dgx1-v100, 1F1B, peak ([\d.]+) GiB at ([\d.]+) samples/s against ([\d.]+) GiB "
+                      r"at ([\d.]+) kept and ([\d.]+) GiB at ([\d.]+) fully recomputed", quote)
+    assert found is not None
+    simulated = []
+    for strategy in ("selective", "none", "recompute-all"):
+        r = plan("dgx1-v100", "gpt-5.3b", "1f1b", 2, 16, strategy=strategy).result
+        assert r.fits
+        simulated += [f"{r.max_peak_bytes / 2**30:.1f}", f"{r.samples_per_s:.2f}"]
+    assert tuple(simulated) == found.groups()
+
+
+def test_the_servers_that_get_fsdp_x8_in_the_readme_are_those_of_reports_choose_llama_3_8b():
+    """The data-parallel section: on which 8-GPU servers `choose --model llama-3-8b` picks
+    FSDP x8, and what it picks on the others (the faster plan passed over being at risk)."""
+    quote = _paragraph((ROOT / "README.md").read_text(), "Yes: FSDP over the eight GPUs")
+    rows = _choose_rows("choose_llama-3-8b.txt")
+    names = {"dgx-a100-80gb": "the 80 GB A100s", "dgx-h100": "the H100s", "a100-40gb-nvswitch": "the 40 GB A100s",
+             "dgx1-v100": "the DGX-1"}
+    fsdp8 = [names[s] for s, cells in rows.items() if cells[2] == "FSDP x8"]
+    assert len(rows) == 4 and len(fsdp8) == 2
+    assert f"says the same on two of the four 8-GPU servers, {fsdp8[0]} and {fsdp8[1]} (the table below)" in quote
+    assert f"on the 40 GB A100s it picks {rows['a100-40gb-nvswitch'][2]} (" in quote
+    assert f"and on the DGX-1 {rows['dgx1-v100'][2]}." in quote
+    passed = re.search(r"a faster plan on a100-40gb-nvswitch \(([^,]+), [\d.]+ samples/s\) is at risk",
+                       (ROOT / "reports" / "choose_llama-3-8b.txt").read_text())
+    assert passed is not None and f"({passed[1]} is faster but at risk)" in quote
+
+
+def test_the_tie_in_the_readme_is_reports_choose_llama_3_8b():
+    quote = _paragraph((ROOT / "README.md").read_text(), "Every throughput carries a band")
+    rows = _choose_rows("choose_llama-3-8b.txt")
+    assert (f"Llama-3-8B costs USD {rows['dgx-a100-80gb'][11]} per million tokens on 8 x A100 80GB and "
+            f"{rows['dgx-h100'][11]} on 8 x H100, and the answer says the simulation cannot tell them apart") in quote
+    assert re.search(r"a tie within the time model's ±\d+% band with dgx-a100-80gb, dgx-h100: which is better, the "
+                     r"simulation cannot tell", (ROOT / "reports" / "choose_llama-3-8b.txt").read_text())
+    kernel = (ROOT / "reports" / "kernel_time.md").read_text()
+    bf16 = kernel[kernel.index("### bf16"):kernel.index("### fp32")]
+    rms = re.search(r"Unfitted table: rms error ([\d.]+)% over", bf16)
+    assert rms is not None
+    assert (f"else ±{float(rms[1]):.0f}%, the unfitted H100 kernel table's rms error on our measured H100 "
+            "layers") in quote
+
+
+def test_the_3d_rows_in_the_readme_prose_are_reports_choose_llama_3_70b():
+    prose = _paragraph((ROOT / "README.md").read_text(), "Each server's row is its best layout")
+    rows = _choose_rows("choose_llama-3-70b.txt")
+    h100, a100 = rows["dgx-h100"], rows["dgx-a100-80gb"]
+    assert (h100[1], a100[1], a100[2], a100[3]) == ("at risk", "yes", "TP x8+SP", "cpu-swap")
+    assert f"(`{h100[2]}`), swapping to host memory (`{h100[3]}`: the optimizer states first), at risk" in prose
+    assert "a safe plan stands instead: tensor parallel over all eight GPUs, swapping to host memory" in prose
+    assert f"On the 40 GB A100s the GPUs would fit (`{rows['a100-40gb-nvswitch'][1]}`)" in prose
+
+
+def test_the_presets_sentence_in_the_readme_is_reports_presets_8gpu():
+    """Seven presets; Llama-2-7B fits on both servers under every strategy, at most 35.0
+    GiB; Llama-3-70B fits only on the H100 server, and only under `best`."""
+    quote = _paragraph((ROOT / "README.md").read_text(), "`reports/presets_8gpu.md` has the")
+    cells: dict[tuple[str, str], list[str]] = {}
+    for section in (ROOT / "reports" / "presets_8gpu.md").read_text().split("### ")[1:]:
+        server = section.split(":", 1)[0]
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
+                if line.startswith("| ") and not line.startswith("| model") and "---" not in line]
+        assert len(rows) == 7 and "the seven public presets on 8 x A100 80GB and 8 x H100" in quote
+        cells.update({(server, row[0]): row[3:] for row in rows})
+    servers = ("dgx-a100-80gb", "dgx-h100")
+    assert sorted({s for s, _ in cells}) == list(servers)
+    small = [cells[(s, "llama-2-7b")] for s in servers]
+    assert not any(c.startswith("OOM") for row in small for c in row)
+    peak = max(float(c.split("G")[0]) for row in small for c in row)
+    assert f"Llama-2-7B fits on either with room to spare, {peak:.1f} GiB at most per GPU" in quote
+    big = {s: [not c.startswith("OOM") for c in cells[(s, "llama-3-70b")]] for s in servers}
+    assert big == {"dgx-a100-80gb": [False] * 4, "dgx-h100": [False, False, False, True]}  # best only
+    assert "Llama-3-70B needs `best`'s host offload and fits on the H100 box only" in quote
+
+
+def test_the_cpu_and_h100_validation_figures_in_the_readme_are_the_reports():
+    text = (ROOT / "README.md").read_text()
+    cpu = [(row[0], row[2:]) for row in _md_rows("validation_cpu.md")]
+    keep_recompute = [float(e.rstrip("%")) for name, r in cpu if name.startswith(("keep", "recompute every"))
+                      for e in r[:2]]
+    selective = [float(e.rstrip("%")) for name, r in cpu if name.startswith("selective") for e in r[:2]]
+    swap = next(r for name, r in cpu if name.startswith("host swap"))
+    swap0, swap1 = (float(e.strip("*").rstrip("%")) for e in swap[:2])
+    iteration = [float(r[2].rstrip("%")) for _, r in cpu]
+    assert len(keep_recompute) == 6 and len(selective) == 2 and all(e < 0 for e in iteration)
+    assert min(keep_recompute + selective) > 0 and swap0 > 0 > swap1
+    quote = _paragraph(text, "`reports/validation_cpu.md` has the tables")
+    assert (f"peak memory per stage within {min(keep_recompute):+.1f}% to {max(keep_recompute):+.1f}% for keep and "
+            f"recompute-all plans and {min(selective):+.1f}% to {max(selective):+.1f}% for selective recompute "
+            f"(never under), host swap over by {swap0:.1f}% on stage 0 and under by {-swap1:.1f}% on stage 1; "
+            f"iteration time under by {-max(iteration):.1f}% to {-min(iteration):.1f}%") in quote
+    h100 = {row[0].split()[0]: row for row in _md_rows("validation_h100.md")}
+    quote = _paragraph(text, "`reports/validation_h100.md`")
+    times = sorted(float(r[6].rstrip("%")) for r in h100.values())
+    assert (f"peak memory {h100['keep'][3]} (keep), {h100['recompute'][3]} (recompute), {h100['selective'][3]} "
+            f"(selective recompute), {h100['host'][3].strip('*')} (host swap); iteration time "
+            f"{times[0]:+.1f}% to {times[-1]:+.1f}%") in quote
+
+
+def _md_rows(name: str) -> list[list[str]]:
+    """The body rows of a report's first markdown table, cell by cell."""
+    lines = (ROOT / "reports" / name).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    table = lines[start:end]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
+
+
+def test_the_cpu_iteration_errors_of_data_and_tensor_parallel_runs_in_the_readme_are_the_reports():
+    quote = _paragraph((ROOT / "README.md").read_text(), "Collectives (`mpsim topo collective`) run as one")
+    dp = [-float(r[4].rstrip("%")) for r in _md_rows("validation_dp_cpu.md")]
+    assert len(dp) >= 7 and f"is under-predicted by {min(dp):.1f}% to {max(dp):.1f}% (gloo's" in quote
+    tp = [float(m[2]) / float(m[1]) for m in
+          (re.search(r"(\d+) / (\d+) ms", r[8]) for r in _md_rows("validation_tp_cpu.md")) if m]
+    assert len(tp) >= 10 and f"on CPU its iteration time is {min(tp):.1f}-{max(tp):.1f}x the prediction" in quote
+
+
+def test_the_hf_llama_extra_bytes_in_the_readme_are_what_the_tracers_give():
+    """A Llama-2-7B block of transformers' modules keeps 4*s*b*h - 8*s*d bytes more than
+    mpsim's own preset layer (tests/test_hf.py has the terms); the shares of both presets."""
+    pytest.importorskip("transformers")
+    from dataclasses import replace
+
+    from mpsim.models import hf
+    from mpsim.models.tracer import trace_model
+    from mpsim.models.workloads import PRESETS
+
+    quote = _paragraph((ROOT / "README.md").read_text(), "so a Llama-2-7B block keeps")
+    found = re.search(r"a Llama-2-7B block keeps 4\*s\*b\*h - 8\*s\*d bytes \((\d+)%\) more than mpsim's own `--preset "
+                      r"llama-2-7b` layer with its fused RMSNorm, Llama-3-70B's (\d+)% more", quote)
+    assert found is not None
+    shares = []
+    for preset in ("llama-2-7b", "llama-3-70b"):
+        cfg, mb, recipe = PRESETS[preset]
+        ours = trace_model(replace(cfg, layers=2), mb, recipe).spec.layers[1].act_bytes
+        theirs = hf.trace_hf(preset, overrides={"layers": 2}).spec.layers[1].act_bytes
+        if preset == "llama-2-7b":
+            assert theirs - ours == 4 * cfg.seq_len * mb * cfg.hidden - 8 * cfg.seq_len * cfg.head_dim
+        shares.append(f"{(theirs / ours - 1) * 100:.0f}")
+    assert tuple(shares) == found.groups()
+
+
+def test_the_mpress_fig9_figures_in_the_readme_are_reports_mpress():
+    quote = _paragraph((ROOT / "README.md").read_text(), "Fig. 9's")
+    report = (ROOT / "reports" / "mpress.md").read_text()
+    x100 = re.search(r"^\| dgx1-v100 \| 1\.000 \| 1\.000 \| 1\.000 \| [\d.]+ s / [\d.]+ s \(([\d.]+)\) \|$",
+                     report, re.M)
+    d2d = re.search(r"^\| dgx1-v100 \| [\d.]+ s \| [\d.]+ s \([\d.]+\) \| [\d.]+ s \(1\.000\) \| "
+                    r"[\d.]+ s \(([\d.]+)\) \| [\d.]+ s \(([\d.]+)\) \|$", report, re.M)
+    paper = re.search(r"The paper: on the DGX-1 mapping adds ([\d.]+)% and striping ([\d.]+)%", report)
+    assert x100 and d2d and paper and float(x100[1]) < 1.01
+    assert "our default plan for GPT-15.4B runs under 1% faster even with 100x faster NVLinks" in quote
+    gains = [f"{(float(g) - 1) * 100:.1f}%" for g in d2d.groups()]
+    assert (f"the fastest neighbour and striping gain {gains[0]} and {gains[1]} over the slowest neighbour, "
+            f"against the paper's {paper[1]}% and {paper[2]}% (`reports/mpress.md`)") in quote
+
+
+def test_the_planner_sweep_and_fits_figures_in_the_readme_are_the_benchmarks():
+    """The Speed section's planners table: reports/bench_planners.txt (the latest run),
+    bench_sweep.txt (its first, 1,000-point run) and bench_fits.txt."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    planners = (ROOT / "reports" / "bench_planners.txt").read_text()
+    mapping = re.search(r"^device-mapping search, dgx1-v100 \(8 GPUs, 40320 maps\): (\d+) ms", planners, re.M)
+    partition = re.search(r"^memory-balanced partition, 100 layers over 8 GPUs .*?: ([\d.]+) ms", planners, re.M)
+    mpress = re.search(r"^MPress plan, gpt-25\.5b on dgx1-v100: ([\d.]+) s, (\d+) simulations", planners, re.M)
+    assert mapping and partition and mpress
+    assert f"| 133 ms | 132 ms ({mapping[1]} ms in the latest run) |" in text
+    assert f"| 1.8 ms | 1.8 ms ({partition[1]} ms in the latest run) |" in text
+    assert f"{mpress[1]} s ({mpress[2]} simulations) in the latest run" in text
+    sweep = (ROOT / "reports" / "bench_sweep.txt").read_text().split("\n\n")[0]
+    one = re.search(r"1 worker \(in process\): 1000 points in ([\d.]+) s", sweep)
+    two = re.search(r"2 workers: 1000 points in ([\d.]+) s = [\d.]+ points/s, ([\d.]+)x", sweep)
+    ray = re.search(r"local Ray, 2 CPUs: 1000 points in ([\d.]+) s = [\d.]+ points/s, ([\d.]+)x", sweep)
+    init = re.search(r"ray\.init, local instance with 2 CPUs: ([\d.]+) s", sweep)
+    overhead = re.search(r"([\d.]+) ms per task of one trivial point; ([\d.]+) ms per trivial point in tasks of 8",
+                         sweep)
+    assert one and two and ray and init and overhead
+    assert (f"{one[1]} s on 1 worker, {two[1]} s on 2 ({two[2]}x), {ray[1]} s on local Ray with 2 CPUs ({ray[2]}x; "
+            f"`ray.init` {init[1]} s apart)") in text
+    assert (f"{overhead[1]} ms per task of one point; {float(overhead[2]):.2f} ms per point in tasks of 8") in text
+    loaded = re.search(r"^local Ray, 2 CPUs: 200 points in [\d.]+ s = [\d.]+ points/s, ([\d.]+)x",
+                       (ROOT / "reports" / "bench_sweep.txt").read_text(), re.M)
+    assert loaded and f"an earlier run under load had Ray at {loaded[1]}x" in text
+    fits_vs = re.search(r"^A wall s\s+[\d.]+\s+([\d.]+)", (ROOT / "reports" / "bench_fits_vs.txt").read_text(), re.M)
+    assert fits_vs and f"met since, {float(fits_vs[1]):.1f} s over five layouts" in text
+    fits = (ROOT / "reports" / "bench_fits.txt").read_text()
+    before = re.search(r"^before .*?:\s+([\d.]+) s wall", fits, re.M)
+    after = re.search(r"^\+ best's search probes one layer past .*?:\s+([\d.]+) s wall", fits, re.M)
+    ratio = re.search(r"^ratio: ([\d.]+)x faster", fits, re.M)
+    assert before and after and ratio
+    assert (f"then {float(before[1]):.0f} s before and {float(after[1]):.0f} s after `best`'s probes run their "
+            f"planners in parallel and its search probes one layer past the single planners' largest first "
+            f"({ratio[1]}x, same table; `reports/bench_fits.txt`)") in text
+
+
+def test_the_golden_job_count_in_the_readme_is_benchmarks_golden():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("golden", ROOT / "benchmarks" / "golden.py")
+    assert spec is not None and spec.loader is not None
+    golden = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(golden)
+    n = len(golden.TRACES) * len(golden.SERVERS) * len(golden.SCHEDULES) * len(golden.STRATEGIES)
+    words = {3: "three", 7: "seven"}
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"for {n:,} jobs, all shipped traces x {words[len(golden.SERVERS)]} servers x "
+            f"{words[len(golden.SCHEDULES)]} schedules x {words[len(golden.STRATEGIES)]} strategies") in text
