@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from mpsim.models import hf  # noqa: E402
 from mpsim.cli import main  # noqa: E402
 from mpsim.errors import MpsimError  # noqa: E402
+from mpsim.models import hf  # noqa: E402
 from mpsim.models.tracer import trace_model  # noqa: E402
 from mpsim.models.workloads import PRESETS  # noqa: E402
 
