@@ -23,7 +23,7 @@ from mpsim.cli.options import (
     warn,
     write_json,
 )
-from mpsim.cli.progress import tasks_progress
+from mpsim.cli.progress import stops_on_signals, tasks_progress
 
 
 @click.command()
@@ -159,15 +159,17 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
     and FSDP2 with --dp and --zero) and prints per GPU the predicted and measured peak
     memory with its breakdown, and the iteration time, with the errors in percent. An
     out-of-memory during the run is reported as a result (stage, step, phase) under either
-    schedule, and exits 1.
+    schedule, and exits 1. Ctrl-C or SIGTERM ends torchrun and its ranks and removes the
+    scratch folder (exit 130 or 143, one line).
     """
     from mpsim.views.measured import validation_text
 
     if plan_path is None:
         check_strategy_layout(strategy, layout)
-    report = api.validate(model, plan_path, server, strategy=strategy, schedule=schedule, microbatches=microbatches,
-                          stages=stages, device=device, threads=threads, memory_mib=memory_mib, steps=steps,
-                          warmup=warmup, parallelism=layout)
+    with stops_on_signals("validate", "no process of it was left running"):  # during the run: torchrun's own line
+        report = api.validate(model, plan_path, server, strategy=strategy, schedule=schedule,
+                              microbatches=microbatches, stages=stages, device=device, threads=threads,
+                              memory_mib=memory_mib, steps=steps, warmup=warmup, parallelism=layout)
     emit(json_out, validation_text(report), report)
     if report["oom"]:
         sys.exit(1)

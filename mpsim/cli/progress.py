@@ -1,18 +1,25 @@
 """Progress on standard error while a long command runs (rich): drawn on a terminal; in a
 log (standard error not a terminal) a search writes one line now and then instead
-(``LogLines``: every ``LOG_EVERY_S`` seconds, nothing for a search that ends sooner)."""
+(``LogLines``: every ``LOG_EVERY_S`` seconds, nothing for a search that ends sooner).
+Ctrl-C or SIGTERM ends such a command in one line (``stops_on_signals``)."""
 
 from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+import click
+
 from mpsim import api
+from mpsim.errors import MpsimError
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -105,8 +112,12 @@ def points_progress(what: str, total: int) -> Iterator[PointsBar]:
                TextColumn("done {task.fields[done]}, failed {task.fields[failed]}, left {task.fields[left]}"
                           "{task.fields[resumed]}"),
                TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(), TextColumn("{task.description}"))
+    log = LogLines(what, console.is_terminal)
     with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
-        yield PointsBar(bar, total, LogLines(what, console.is_terminal))
+        try:
+            yield PointsBar(bar, total, log)
+        finally:  # a search thread still winding down after an interruption writes no line after its last
+            log.active = False
 
 
 @contextmanager
@@ -140,4 +151,75 @@ def steps_progress(what: str) -> Iterator[Callable[[str], None]]:
             steps[0] += 1
             log.tick(lambda: f"{steps[0]} done, last {name}")
 
-        yield step
+        try:
+            yield step
+        finally:
+            log.active = False
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as KeyboardInterrupt is for SIGINT
+    (``stops_on_signals``)."""
+
+
+@contextmanager
+def stops_on_signals(command: str, what: str) -> Iterator[None]:
+    """Ctrl-C or SIGTERM inside ends ``command`` with one line on standard error, ``mpsim:
+    COMMAND interrupted by SIGNAL: WHAT``, and exit 128 + the signal (130, 143), once the
+    block's own cleanup has run (worker processes stopped, the progress bar gone). Only the
+    first signal raises (SIGTERM as ``Terminated``, SIGINT as KeyboardInterrupt); later ones
+    are ignored, so they cannot cut that cleanup short. A signal left ignored by whoever
+    started mpsim stays ignored. An ``MpsimError`` that carries the ``signum`` that stopped
+    it (``validate``'s run, which ends torchrun itself) ends the command with its own line."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if raised:
+            return
+        raised.append(signum)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated()
+
+    previous = _handle_signals(on_signal)
+    try:
+        yield
+    except BaseException as exc:
+        raised.append(0)  # from here on every signal is ignored until the line is out
+        signum, line = _stopped_by(exc)
+        if not signum:
+            _handle_signals(previous)
+            raise
+    else:
+        _handle_signals(previous)
+        return
+    click.echo(f"mpsim: {line or f'{command} interrupted by {signal.Signals(signum).name}: {what}'}", err=True)
+    _handle_signals(previous)
+    sys.exit(128 + signum)
+
+
+_Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+def _handle_signals(handler: _Handler | dict[int, _Handler]) -> dict[int, _Handler]:
+    """Set SIGINT's and SIGTERM's handler (one for both, or one each), leaving a signal that
+    is ignored as it is; the handlers they had."""
+    previous: dict[int, _Handler] = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig, was in previous.items():
+        now = handler.get(sig, was) if isinstance(handler, dict) else handler
+        if was != signal.SIG_IGN and now is not None:
+            signal.signal(sig, now)
+    return previous
+
+
+def _stopped_by(exc: BaseException) -> tuple[int, str]:
+    """The signal that raised ``exc`` (0 for none) and the line an error gives for it."""
+    if isinstance(exc, KeyboardInterrupt):
+        return signal.SIGINT, ""
+    if isinstance(exc, Terminated):
+        return signal.SIGTERM, ""
+    signum = getattr(exc, "signum", None)
+    if isinstance(exc, MpsimError) and isinstance(signum, int):
+        return signum, str(exc)
+    return 0, ""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 import click
 
@@ -26,7 +28,7 @@ from mpsim.cli.options import (
     warn,
     write_json,
 )
-from mpsim.cli.progress import points_progress, steps_progress
+from mpsim.cli.progress import points_progress, steps_progress, stops_on_signals
 
 
 @click.command()
@@ -70,7 +72,7 @@ def fits(server: str, family: str, models: str | None, schedule: str, microbatch
     chosen = comma_list(models, "--model") if models else []
     request = api.fits_request(server, family, chosen, schedule, microbatch, microbatches, names, partition,
                                workers, backend, address, layouts, search=not no_largest)
-    with points_progress(f"fits {request.family}", request.points) as bar:
+    with stops_on_signals("fits", STOPPED), points_progress(f"fits {request.family}", request.points) as bar:
         reps = request.run(on_point=bar.point_done)
     emit(json_out, fits_layouts_text(reps, headroom_gib),
          {"headroom_gib": headroom_gib, "reports": [r.to_dict(headroom_gib) for r in reps]})
@@ -302,15 +304,11 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
         refuse_given(_NOT_WITH_TOKENS, lambda option: f"{option} and --tokens: {_NOT_WITH_TOKENS_WHY[option]}; "
                                                       f"leave {option} out")
         runner = api.backend_for(backend, workers, address)
-        try:
-            with steps_progress("choose") as step:
-                scaled = api.scale(model, comma_list(clusters, "--clusters"), tokens, days, budget, batch_tokens,
-                                   tuple(int_list(sizes, "--microbatch")) if sizes else (1,), discount, runner,
-                                   on_point=lambda t: step(f"{t.point.servers} x {t.point.cluster}: {t.layout}"),
-                                   min_servers=min_servers, max_servers=max_servers)
-        finally:
-            if runner is not None:
-                runner.close()
+        with stops_on_signals("choose", STOPPED), _ending(runner), steps_progress("choose") as step:
+            scaled = api.scale(model, comma_list(clusters, "--clusters"), tokens, days, budget, batch_tokens,
+                               tuple(int_list(sizes, "--microbatch")) if sizes else (1,), discount, runner,
+                               on_point=lambda t: step(f"{t.point.servers} x {t.point.cluster}: {t.layout}"),
+                               min_servers=min_servers, max_servers=max_servers)
         for answer in scaled.answers:  # what each search left out, and why
             if answer.skipped or answer.failed or not answer.simulated:
                 warn(answer.searched())
@@ -326,14 +324,10 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
     names = api.parse_servers(servers, schedule, microbatches)
     mb_sizes = int_list(sizes, "--microbatch") if sizes else None
     runner = api.backend_for(backend, workers, address)
-    try:
-        with steps_progress("choose") as step:
-            report = api.choose(model, names, schedule, mb_sizes, tuple(comma_list(strategies, "--strategy")),
-                                microbatches, prices, rank_by, on_point=step, layouts=layouts,
-                                headroom_gib=headroom_gib, backend=runner)
-    finally:
-        if runner is not None:
-            runner.close()
+    with stops_on_signals("choose", STOPPED), _ending(runner), steps_progress("choose") as step:
+        report = api.choose(model, names, schedule, mb_sizes, tuple(comma_list(strategies, "--strategy")),
+                            microbatches, prices, rank_by, on_point=step, layouts=layouts,
+                            headroom_gib=headroom_gib, backend=runner)
     _show(json_out, choose_text(report), report.to_dict(), (lambda: plot_choose(report, plot)) if plot else None,
           html_out, lambda: choose_page(report))
     if not any(r.fits for r in report.rows):
@@ -357,6 +351,33 @@ _NOT_WITH_TOKENS_WHY = {
 _ONLY_WITH_TOKENS = {"clusters": "--clusters", "batch_tokens": "--batch-tokens", "discount": "--discount",
                      "min_servers": "--min-servers", "max_servers": "--max-servers"}
 """``choose`` options only the search over clusters (``--tokens``) uses."""
+
+
+STOPPED = "stopped with its worker processes, if any; nothing was written"
+"""What ``fits`` and ``choose`` say after Ctrl-C or SIGTERM (``stops_on_signals``)."""
+
+
+class _Runner(Protocol):
+    """What ``_ending`` needs of a backend (``mpsim.studies.backends.Backend``)."""
+
+    def abort(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@contextmanager
+def _ending(runner: _Runner | None) -> Iterator[None]:
+    """Close ``runner`` after the block; when the block raised (Ctrl-C, SIGTERM), stop its
+    work first (``Backend.abort``: a close alone waits for the batches under way)."""
+    try:
+        yield
+    except BaseException:
+        if runner is not None:
+            runner.abort()
+        raise
+    finally:
+        if runner is not None:
+            runner.close()
 
 
 def _show(json_out: str | None, text: str, data: dict, draw: Callable[[], None] | None, html_out: Path | None,

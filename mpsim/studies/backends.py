@@ -34,11 +34,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, Generic, Protocol, TypeVar
 
 from mpsim.errors import MpsimError
@@ -148,14 +149,26 @@ def _stop_pool(pool: ProcessPoolExecutor) -> None:
     flight are lost). The pool's own manager thread cancels the queued ones or, having seen
     its workers die, fails them: a future cancelled from here meanwhile made Python
     3.11's manager thread fail (``InvalidStateError`` in ``terminate_broken``) and could
-    leave the process hanging at its exit."""
+    leave the process hanging at its exit.
+
+    The pool's table of workers and its manager thread are taken before ``shutdown``, which
+    drops both (the manager thread was looked up after it, so never waited for): a worker
+    that another thread's ``submit`` starts meanwhile (fits' search threads submit while
+    the main thread stops the pool) lands in that table, and is terminated too once
+    ``shutdown`` has returned, after which no submit starts one. Left running, such a
+    worker would keep the pool's call queue open, and the interpreter's exit wait for it
+    (``_starting_workers``)."""
     main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
-        procs = list((getattr(pool, "_processes", None) or {}).values())
-        for proc in procs:
+        table: dict[int, Any] = getattr(pool, "_processes", None) or {}
+        manager = getattr(pool, "_executor_manager_thread", None)
+        for proc in list(table.values()):
             proc.terminate()
         pool.shutdown(wait=False, cancel_futures=True)
+        procs = list(table.values())  # those above, and any a submit started meanwhile
+        for proc in procs:
+            proc.terminate()
         deadline = time.monotonic() + 1.0
         for proc in procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -165,7 +178,6 @@ def _stop_pool(pool: ProcessPoolExecutor) -> None:
         # the pool's manager thread ends once it has seen its workers gone and closed its
         # wake-up pipe: wait for that here (seconds on a busy machine), since the
         # interpreter's exit writes to that pipe unguarded and fails if it closes meanwhile
-        manager = getattr(pool, "_executor_manager_thread", None)
         if manager is not None and manager is not threading.current_thread():
             manager.join(MANAGER_WAIT_S)
     finally:
@@ -287,17 +299,43 @@ class LocalBackend:
     @staticmethod
     def _submit(pool: ProcessPoolExecutor, batches: list[list[Any]],
                 fn: Callable[[Any], Any]) -> dict[Future, list[Any]]:
-        # the workers start at the first submit: SIGINT blocked meanwhile, so they start with
-        # it blocked (a Ctrl-C to the group cannot hit one still importing), and a Ctrl-C
-        # here reaches the caller as soon as they have started
-        blocked = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
-        if blocked:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
+        # the workers start at the first submit (``_starting_workers``)
+        with _starting_workers():
             return {pool.submit(run_batch, fn, batch): batch for batch in batches}
-        finally:
-            if blocked:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+@contextmanager
+def _starting_workers() -> Iterator[None]:
+    """Around the main thread's submits, which start the workers: SIGINT blocked, so the
+    workers start with it blocked (a Ctrl-C to the group cannot hit one still importing),
+    and SIGINT and SIGTERM only noted, then delivered to their handlers as the block ends.
+    A handler that raised in the middle of starting a worker left a worker that never got
+    its start-up data and was in no table: it held the pool's call queue open, and the
+    process hung at its exit. Blocking alone does not hold a signal off while other
+    threads run (fits' searches): the kernel hands it to a thread that does not block it,
+    and Python runs the handler in the main thread all the same."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[int] = []
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        noted.append(signum)
+
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(sig) not in (signal.SIG_IGN, None)}
+    masked = hasattr(signal, "pthread_sigmask")
+    if masked:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        if masked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if noted:
+            signal.raise_signal(noted[0])
 
 
 def _ray() -> Any:

@@ -28,6 +28,12 @@ shards offloaded too, FSDP2's ``CPUOffloadPolicy``), never one without the other
 never to NVMe. With tensor parallelism: BERT, a degree that does not divide the heads, KV
 heads, MLP, vocabulary (and, sequence-parallel, the sequence), data parallelism other than
 FSDP2 (ZeRO 3), an optimizer off the device, and swaps.
+
+Ctrl-C or SIGTERM during the run ends it whole (``_end_run``): torchrun runs in a process
+group of its own and starts each rank in a session of its own, so torchrun's group and
+every rank's group are sent SIGTERM, then SIGKILL after ``STOP_GRACE_S``; torchrun is
+reaped, the scratch folder (where torchrun's own temporary files go too, through
+``TMPDIR``) is removed, and ``ValidateInterrupted`` says so in one line.
 """
 
 from __future__ import annotations
@@ -38,11 +44,17 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 import torch
 
@@ -250,7 +262,18 @@ def run_executor(plan: PlanFile, cfg: ModelConfig, settings: RunSettings, capaci
     out = workdir / "ranks"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "-m", executor_module(), "--job", str(job_path), "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(settings.threads), PYTHONUNBUFFERED="1")
+    scratch = workdir / "tmp"  # torchrun's own temporary files (its log folders), removed below
+    scratch.mkdir(exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(settings.threads), PYTHONUNBUFFERED="1", TMPDIR=str(scratch))
+    try:
+        return _run_attempts(cmd, env, settings, workdir, out, world)
+    finally:
+        with _signals.held():
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_attempts(cmd: list[str], env: dict[str, str], settings: RunSettings, workdir: Path, out: Path,
+                  world: int) -> list[dict | None]:
     for attempt in range(LAUNCH_ATTEMPTS):
         shutil.rmtree(out, ignore_errors=True)  # a second attempt reads its own results only
         proc = _launch(cmd, env, settings, workdir)
@@ -284,13 +307,191 @@ rank wrote its result is taken even if a rank then crashed."""
 
 
 def _launch(cmd: list[str], env: dict[str, str], settings: RunSettings, workdir: Path) -> subprocess.CompletedProcess:
+    """Run torchrun in a process group of its own, its output in files of ``workdir`` (a
+    pipe left unread could block a dying torchrun); anything raised while it runs (a
+    signal's ``_Stopped``, KeyboardInterrupt) or its timeout ends it and its ranks first."""
+    logs = workdir / "torchrun.out", workdir / "torchrun.err"
+    with logs[0].open("w") as out, logs[1].open("w") as err:
+        with _signals.held():  # a signal now is raised once there is a handle to end the run by
+            # cwd: `python -m` puts the working directory first on sys.path, where a source checkout's
+            # mpsim/ (which has no executor: that is validate/) would hide the installed package
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True, env=env,
+                                    cwd=workdir, start_new_session=True)
+        try:
+            code = proc.wait(timeout=settings.timeout_s)
+        except subprocess.TimeoutExpired:
+            _end_run(proc)
+            raise MpsimError(f"the executor did not finish within {settings.timeout_s:.0f} s") from None
+        except BaseException:
+            _end_run(proc)
+            raise
+    return subprocess.CompletedProcess(cmd, code, logs[0].read_text(errors="replace"),
+                                       logs[1].read_text(errors="replace"))
+
+
+STOP_GRACE_S = 10.0
+"""How long torchrun and its ranks have to end on SIGTERM before they are sent SIGKILL
+(torchrun passes SIGTERM on to its ranks and waits for them)."""
+
+
+def _below(root: int) -> dict[int, tuple[int, str]]:
+    """Every process descended from ``root``, as pid -> (process group, start time), read
+    from Linux's ``/proc`` (empty elsewhere: torchrun's group is then all that is ended
+    directly, and torchrun ends its ranks on SIGTERM itself)."""
+    table: dict[int, tuple[int, int, str]] = {}
+    with suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    stat = f.read()
+            except OSError:  # ended meanwhile
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ..., starttime (the 20th)
+            table[int(entry.name)] = (int(fields[1]), int(fields[2]), fields[19])
+    found: dict[int, tuple[int, str]] = {}
+    frontier = {root}
+    while frontier:
+        children = {pid for pid, (ppid, _, _) in table.items() if ppid in frontier and pid not in found}
+        found.update({pid: (table[pid][1], table[pid][2]) for pid in children})
+        frontier = children
+    return found
+
+
+def _stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time) of ``pid`` from ``/proc``; None once it has gone."""
     try:
-        # cwd: `python -m` puts the working directory first on sys.path, where a source checkout's
-        # mpsim/ (which has no executor: that is validate/) would hide the installed package
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=settings.timeout_s, env=env, check=False,
-                              cwd=workdir)
-    except subprocess.TimeoutExpired:
-        raise MpsimError(f"the executor did not finish within {settings.timeout_s:.0f} s") from None
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return fields[0], fields[19]
+
+
+def _signal_run(proc: subprocess.Popen, below: dict[int, tuple[int, str]], sig: int) -> None:
+    """Send ``sig`` to torchrun's group (while torchrun is not reaped, its pid and group are
+    its own) and to the group of every process of ``below`` that is still the one seen
+    (same start time: a pid reused meanwhile is left alone)."""
+    mine = os.getpgrp()
+    if proc.returncode is None:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+    for pid, (group, started) in below.items():
+        stat = _stat(pid)
+        if group == proc.pid or stat is None or stat[1] != started:
+            continue
+        with suppress(ProcessLookupError, PermissionError):
+            if group == mine:  # not of a group of its own: the process alone
+                os.kill(pid, sig)
+            else:
+                os.killpg(group, sig)
+
+
+def _end_run(proc: subprocess.Popen) -> None:
+    """End torchrun and its ranks (each rank in a session of its own, as torch's elastic
+    agent starts them): SIGTERM to all their groups, SIGKILL after ``STOP_GRACE_S`` to
+    whatever is left; torchrun is reaped. A signal meanwhile is held till the end."""
+    with _signals.held():
+        _end_tree(proc)
+
+
+def _end_tree(proc: subprocess.Popen) -> None:
+    below = _below(proc.pid)
+    _signal_run(proc, below, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline:
+        if proc.poll() is None:  # not reaped: its pid is still its own
+            below.update(_below(proc.pid))  # a rank started meanwhile
+        elif not _alive(below):
+            break
+        time.sleep(0.05)
+    _signal_run(proc, below, signal.SIGKILL)
+    proc.wait()
+
+
+def _alive(below: dict[int, tuple[int, str]]) -> bool:
+    """Whether any process of ``below`` still runs (a zombie runs nothing)."""
+    return any((stat := _stat(pid)) is not None and stat[0] not in ("Z", "X") and stat[1] == started
+               for pid, (_, started) in below.items())
+
+
+class ValidateInterrupted(MpsimError):
+    """A run stopped by SIGINT (Ctrl-C) or SIGTERM: torchrun and its ranks ended, the
+    scratch folder removed."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"validate interrupted by {signal.Signals(signum).name}: torchrun and its ranks were "
+                         "stopped and the scratch folder removed")
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number, as a shell reports a process ended by it (130, 143)."""
+        return 128 + self.signum
+
+
+class _Stopped(BaseException):
+    """Raised in the main thread by the first SIGINT or SIGTERM while a plan runs."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Signals:
+    """SIGINT and SIGTERM while a plan runs: the first raises ``_Stopped``, later ones are
+    ignored (they cannot cut the cleanup short). Inside ``held()`` (torchrun being started,
+    before there is a handle to end it by; the scratch folder being removed) a signal is
+    kept and raised as the block ends."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+        self.holding = False
+        self.pending: int | None = None
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.stopped:
+            return
+        if self.holding:
+            self.pending = signum
+            return
+        self.stopped = True
+        raise _Stopped(signum)
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        outer, self.holding = self.holding, True
+        try:
+            yield
+        finally:
+            self.holding = outer
+            if not outer and self.pending is not None and not self.stopped:
+                self.stopped = True
+                raise _Stopped(self.pending)
+
+
+_signals = _Signals()
+"""The handler ``_stop_on_signals`` installs; ``held()`` works whether or not it is."""
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """Inside, SIGINT and SIGTERM raise ``_Stopped`` in the main thread (``_Signals``) and
+    the previous handlers come back after; off the main thread nothing changes."""
+    global _signals
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _signals = _Signals()
+    previous = {sig: signal.signal(sig, _signals.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        _signals.stopped = True  # a signal from here on comes too late to stop anything
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def failure_line(stderr: str) -> str:
@@ -394,10 +595,32 @@ def validate_plan(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSet
     cfg = model_config(trace)
     predicted = simulate_plan(plan, topo, trace)
     capacity = settings.capacity_bytes if settings.capacity_bytes is not None else topo.capacity_bytes
-    with tempfile.TemporaryDirectory(prefix="mpsim-validate-") as tmp:
-        measured = run_executor(plan, cfg, settings, capacity, workdir or Path(tmp))
+    with _stop_on_signals():
+        try:
+            measured = _run_in_scratch(plan, cfg, settings, capacity, workdir)
+        except _Stopped as exc:
+            raise ValidateInterrupted(exc.signum) from None
+        except KeyboardInterrupt:  # raised some other way (the handler turns SIGINT into _Stopped)
+            raise ValidateInterrupted(signal.SIGINT) from None
     report = compare(plan, predicted, measured)
     report["device"] = trace.spec.source.device or settings.device
     report["torch_version"] = torch.__version__
     report["cuda_version"] = torch.version.cuda
     return report
+
+
+def _run_in_scratch(plan: PlanFile, cfg: ModelConfig, settings: RunSettings, capacity: int | None,
+                    workdir: Path | None) -> list[dict | None]:
+    """``run_executor`` in ``workdir``, else in a scratch folder made here and removed after
+    (whatever ends the run)."""
+    if workdir is not None:
+        return run_executor(plan, cfg, settings, capacity, workdir)
+    scratch = None
+    try:
+        with _signals.held():
+            scratch = Path(tempfile.mkdtemp(prefix="mpsim-validate-"))
+        return run_executor(plan, cfg, settings, capacity, scratch)
+    finally:
+        if scratch is not None:
+            with _signals.held():
+                shutil.rmtree(scratch, ignore_errors=True)
