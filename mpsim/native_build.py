@@ -27,16 +27,15 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import IO
 
 from mpsim import native
+from mpsim.signals import Signals, Stopped
 
 OPT_LEVEL = "1"
 """mypyc's optimisation level: 1 compiles in seconds where 3 takes minutes on two cores,
@@ -91,67 +90,8 @@ class BuildInterrupted(native.EngineError):
         return 128 + self.signum
 
 
-class _Stopped(BaseException):
-    """Raised in the main thread by the first SIGINT or SIGTERM during a build."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-class _Signals:
-    """The build's SIGINT and SIGTERM handler: the first signal raises ``_Stopped``, later
-    ones are ignored (they cannot cut the cleanup short). Inside ``held()`` (while a child
-    process is being started, before there is a handle to end it by) a signal is kept and
-    raised as the block ends."""
-
-    def __init__(self) -> None:
-        self.stopped = False
-        self.holding = False
-        self.pending: int | None = None
-
-    def handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.stopped:
-            return
-        if self.holding:
-            self.pending = signum
-            return
-        self.stopped = True
-        raise _Stopped(signum)
-
-    @contextmanager
-    def held(self) -> Iterator[None]:
-        outer, self.holding = self.holding, True
-        try:
-            yield
-        finally:
-            self.holding = outer
-            if not outer and self.pending is not None and not self.stopped:
-                self.stopped = True
-                raise _Stopped(self.pending)
-
-
-_signals = _Signals()
-"""The handler ``_stop_on_signals`` installs; ``held()`` works whether or not it is."""
-
-
-@contextmanager
-def _stop_on_signals() -> Iterator[None]:
-    """SIGINT and SIGTERM raise ``_Stopped`` in the main thread (``_Signals``) inside the
-    block; the previous handlers come back after. Off the main thread (where handlers
-    cannot be set) nothing changes."""
-    global _signals
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    _signals = _Signals()
-    previous = {sig: signal.signal(sig, _signals.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        _signals.stopped = True  # a signal from here on comes too late to stop anything
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+_signals = Signals()
+"""The handler ``_signals.installed()`` sets while a run lasts; ``held()`` works whether or not it is."""
 
 
 def _end_group(proc: subprocess.Popen[bytes]) -> None:
@@ -170,7 +110,7 @@ def _end_group(proc: subprocess.Popen[bytes]) -> None:
 
 def _run_child(args: list[str], cwd: Path, env: dict[str, str], sink: IO[str]) -> int:
     """Run ``args`` in a process group of its own, output to ``sink``; its exit status.
-    Anything raised while it runs (``_Stopped``, KeyboardInterrupt) ends the whole group
+    Anything raised while it runs (``Stopped``, KeyboardInterrupt) ends the whole group
     first."""
     proc = None
     try:
@@ -264,12 +204,12 @@ def build_engine(modules: Sequence[str] = native.MODULES, where: Path | None = N
                                  f"the compiled engine's modules are {', '.join(native.MODULES)}")
     check_toolchain()
     where = native.build_dir() if where is None else where
-    with _stop_on_signals():
+    with _signals.installed():
         try:
             return _build(modules, where, opt_level)
-        except _Stopped as exc:
+        except Stopped as exc:
             raise BuildInterrupted(exc.signum, where) from None
-        except KeyboardInterrupt:  # raised some other way (this handler turns SIGINT into _Stopped)
+        except KeyboardInterrupt:  # raised some other way (this handler turns SIGINT into Stopped)
             raise BuildInterrupted(signal.SIGINT, where) from None
 
 

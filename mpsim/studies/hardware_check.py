@@ -48,13 +48,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 
 import torch
 
@@ -64,6 +61,7 @@ from mpsim.models.profiler import check_device
 from mpsim.models.trace import Trace
 from mpsim.models.workloads import FAMILIES, ModelConfig
 from mpsim.plans.plan import PlanFile, StagePlan, check_plan
+from mpsim.signals import Signals, Stopped
 from mpsim.sim import SimResult, simulate_job
 from mpsim.sim.layout import job_of_plan
 from mpsim.sim.memory import MODEL_STATES
@@ -309,7 +307,7 @@ rank wrote its result is taken even if a rank then crashed."""
 def _launch(cmd: list[str], env: dict[str, str], settings: RunSettings, workdir: Path) -> subprocess.CompletedProcess:
     """Run torchrun in a process group of its own, its output in files of ``workdir`` (a
     pipe left unread could block a dying torchrun); anything raised while it runs (a
-    signal's ``_Stopped``, KeyboardInterrupt) or its timeout ends it and its ranks first."""
+    signal's ``Stopped``, KeyboardInterrupt) or its timeout ends it and its ranks first."""
     logs = workdir / "torchrun.out", workdir / "torchrun.err"
     with logs[0].open("w") as out, logs[1].open("w") as err:
         with _signals.held():  # a signal now is raised once there is a handle to end the run by
@@ -432,66 +430,8 @@ class ValidateInterrupted(MpsimError):
         return 128 + self.signum
 
 
-class _Stopped(BaseException):
-    """Raised in the main thread by the first SIGINT or SIGTERM while a plan runs."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-class _Signals:
-    """SIGINT and SIGTERM while a plan runs: the first raises ``_Stopped``, later ones are
-    ignored (they cannot cut the cleanup short). Inside ``held()`` (torchrun being started,
-    before there is a handle to end it by; the scratch folder being removed) a signal is
-    kept and raised as the block ends."""
-
-    def __init__(self) -> None:
-        self.stopped = False
-        self.holding = False
-        self.pending: int | None = None
-
-    def handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.stopped:
-            return
-        if self.holding:
-            self.pending = signum
-            return
-        self.stopped = True
-        raise _Stopped(signum)
-
-    @contextmanager
-    def held(self) -> Iterator[None]:
-        outer, self.holding = self.holding, True
-        try:
-            yield
-        finally:
-            self.holding = outer
-            if not outer and self.pending is not None and not self.stopped:
-                self.stopped = True
-                raise _Stopped(self.pending)
-
-
-_signals = _Signals()
-"""The handler ``_stop_on_signals`` installs; ``held()`` works whether or not it is."""
-
-
-@contextmanager
-def _stop_on_signals() -> Iterator[None]:
-    """Inside, SIGINT and SIGTERM raise ``_Stopped`` in the main thread (``_Signals``) and
-    the previous handlers come back after; off the main thread nothing changes."""
-    global _signals
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    _signals = _Signals()
-    previous = {sig: signal.signal(sig, _signals.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        _signals.stopped = True  # a signal from here on comes too late to stop anything
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+_signals = Signals()
+"""The handler ``_signals.installed()`` sets while a run lasts; ``held()`` works whether or not it is."""
 
 
 def failure_line(stderr: str) -> str:
@@ -595,12 +535,12 @@ def validate_plan(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSet
     cfg = model_config(trace)
     predicted = simulate_plan(plan, topo, trace)
     capacity = settings.capacity_bytes if settings.capacity_bytes is not None else topo.capacity_bytes
-    with _stop_on_signals():
+    with _signals.installed():
         try:
             measured = _run_in_scratch(plan, cfg, settings, capacity, workdir)
-        except _Stopped as exc:
+        except Stopped as exc:
             raise ValidateInterrupted(exc.signum) from None
-        except KeyboardInterrupt:  # raised some other way (the handler turns SIGINT into _Stopped)
+        except KeyboardInterrupt:  # raised some other way (the handler turns SIGINT into Stopped)
             raise ValidateInterrupted(signal.SIGINT) from None
     report = compare(plan, predicted, measured)
     report["device"] = trace.spec.source.device or settings.device
