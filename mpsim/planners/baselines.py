@@ -81,19 +81,19 @@ def _none(ctx: Ctx) -> Planned:
     return Planned(plan, ctx.simulate(plan))
 
 
-def _every_transformer_layer(ctx: Ctx, action: Literal["recompute", "selective"]) -> Planned:
+def _every_transformer_layer(ctx: Ctx, action: Literal["recompute", "selective"], strategy: str) -> Planned:
     """``action`` on every transformer layer that allows it (``selective``: those whose
-    attention core keeps something)."""
+    attention core keeps something), the plan named by its ``strategy``."""
     rows = ctx.trace.layers
     actions = {s: [LayerAction(layer=j, action=action) for j in range(a, b)
                    if rows[j].kind in RECOMPUTABLE and (action != "selective" or rows[j].attention_core_bytes)]
                for s, (a, b) in enumerate(ctx.stages)}
-    plan = ctx.plan(action, actions)
+    plan = ctx.plan(strategy, actions)
     return Planned(plan, ctx.simulate(plan))
 
 
 def _recompute_all(ctx: Ctx) -> Planned:
-    return _every_transformer_layer(ctx, "recompute")
+    return _every_transformer_layer(ctx, "recompute", "recompute-all")
 
 
 def recompute_saves(r: LayerRow) -> int:
@@ -143,7 +143,7 @@ def _recompute_fewest(ctx: Ctx, name: str, checkpoints: Checkpoints) -> Planned:
 
 
 def _selective(ctx: Ctx) -> Planned:
-    return _every_transformer_layer(ctx, "selective")
+    return _every_transformer_layer(ctx, "selective", "selective")
 
 
 def _cpu_swap(ctx: Ctx) -> Planned:
