@@ -19,6 +19,7 @@ from mpsim.views.text import (
     UNITS_LEGEND,
     choose_header,
     choose_row,
+    format_rate,
     gib,
     layer_range,
     plan_counts,
@@ -113,7 +114,7 @@ def verdict_html(r: SimResult) -> str:
                   "of the whole demand, as if the GPUs had the memory.")
     else:
         head, detail = f"FITS on every GPU: {job}", ""
-    numbers = (f"iteration {r.iteration_s * 1e3:.1f} ms, {r.samples_per_s:.2f} samples/s, "
+    numbers = (f"iteration {r.iteration_s * 1e3:.1f} ms, {format_rate(r.samples_per_s)} samples/s, "
                f"{r.model_tflops:.1f} model TFLOP/s, highest peak {gib(r.max_peak_bytes)} GiB")
     return (f"<div class=\"verdict {'oom' if r.oom else 'fits'}\">{esc(head)}</div>\n"
             + (f"<p>{esc(detail)}</p>\n" if detail else "") + f"<p>{esc(numbers)}</p>")

@@ -3,6 +3,7 @@ formatter; every command's text goes through it."""
 
 from __future__ import annotations
 
+import math
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -58,9 +59,31 @@ def layer_range(layers: tuple[int, int] | list[int] | None) -> str:
 UNITS_LEGEND = "memory in GiB = 2^30 bytes; layers [a, b) = a to b - 1, as in plan and JSON files"
 
 
+def rate_decimals(per_s: float) -> int:
+    """Decimals that show a rate to three significant figures (none at 100 and above)."""
+    if not math.isfinite(per_s) or per_s == 0:
+        return 0
+    rounded = float(f"{abs(per_s):.3g}")  # 9.996 rounds to 10.0: three figures after rounding
+    return max(0, 2 - math.floor(math.log10(rounded)))
+
+
+def format_rate(per_s: float) -> str:
+    """A throughput to three significant figures, so two plans that differ print apart:
+    0.0912, 7.28, 12.3, 1234 (samples/s, tokens/s; the unit is the caller's)."""
+    return f"{per_s:.{rate_decimals(per_s)}f}"
+
+
+def format_rate_band(per_s: float, band_per_s: float) -> str:
+    """A rate and its band either side, the band to the rate's decimals: ``7.28 ± 0.36``."""
+    return f"{format_rate(per_s)} ± {band_per_s:.{rate_decimals(per_s)}f}"
+
+
 # -- one job ------------------------------------------------------------------------------------
 
-def _verdict_lines(r: SimResult, headroom_gib: float) -> list[str]:
+def verdict_lines(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> list[str]:
+    """The verdict: fits (AT RISK where the allocator's reserve comes within ``headroom_gib``
+    of a GPU's memory, ``SimResult.at_risk``) or where it ran out, naming the job (its
+    layout where it has replicas), then the line that says why, indented."""
     layout = f"{r.layout}, " if r.data_parallel else ""
     job = (f"{r.model} on {r.server}: {layout}{r.schedule}, microbatch {r.microbatch} x {r.microbatches}, "
            f"strategy {r.strategy}" + (f", {r.runs_on}" if r.runs_on else ""))
@@ -72,6 +95,18 @@ def _verdict_lines(r: SimResult, headroom_gib: float) -> list[str]:
     return [f"DOES NOT FIT: {job}",
             f"  GPU {o['gpu']} ran out at {o['time_s'] * 1e3:.1f} ms during {o['task']}: "
             f"needed {gib(o['need_bytes'])} GiB with {gib(o['free_bytes'])} GiB free"]
+
+
+def throughput_phrase(r: SimResult) -> str:
+    """Samples/s with the time model's band, tokens/s for a language model, model TFLOP/s."""
+    tokens = f", {r.tokens_per_s:,.0f} tokens/s" if r.tokens_per_s is not None else ""
+    return (f"{format_rate_band(r.samples_per_s, r.samples_per_s_band)} samples/s{tokens}, "
+            f"{r.model_tflops:.1f} model TFLOP/s")
+
+
+def band_phrase(r: SimResult) -> str:
+    """Where the ± band comes from (``± 5%: ...``), or "" without one."""
+    return f"± {r.time_band_pct:g}%: {r.time_band_source}" if r.time_band_pct else ""
 
 
 MAX_GPU_ROWS = 16
@@ -87,7 +122,8 @@ def shown_gpus(r: SimResult) -> list[GpuResult]:
     return [g for g in r.gpus if g.gpu in own]
 
 
-def _fits_word(g: GpuResult, headroom_gib: float) -> str:
+def fits_word(g: GpuResult, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> str:
+    """A GPU's cell in a ``fits`` column: yes, at risk (``GpuResult.reserved().at_risk``) or NO."""
     if not g.fits:
         return "NO"
     return "at risk" if g.reserved().at_risk(headroom_gib) else "yes"
@@ -118,7 +154,7 @@ def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB, aske
     header = ["gpu", "stage", "layers", "peak GiB", "reserved GiB", "expandable GiB", "capacity GiB", "fits"] + cats
     shown = shown_gpus(r)
     rows = [[str(g.gpu), "-" if g.stage is None else str(g.stage), layer_range(g.layers), gib(g.peak_bytes),
-             *_reserved_cells(g), gib(g.capacity_bytes), _fits_word(g, headroom_gib)]
+             *_reserved_cells(g), gib(g.capacity_bytes), fits_word(g, headroom_gib)]
             + [gib(g.breakdown[c]) for c in cats] for g in shown]
     legend = (f"(breakdown at each GPU's peak; reserved: the caching allocator's estimate, allocator model; "
               f"expandable: the same with expandable_segments:True; at risk: reserved + CUDA context + NCCL within "
@@ -126,7 +162,7 @@ def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB, aske
     if len(shown) < len(r.gpus):
         legend += (f"\n(each stage's own GPU; the other {len(r.gpus) - len(shown)} GPUs of the simulated servers "
                    "replicate them: tensor-parallel ranks and data-parallel replicas; --json lists every one)")
-    lines = _verdict_lines(r, headroom_gib) + [framework_line(r.framework, r.family), "", table_text(header, rows),
+    lines = verdict_lines(r, headroom_gib) + [framework_line(r.framework, r.family), "", table_text(header, rows),
                                                 legend, ""]
     technique = techniques_text(r)
     if technique:
@@ -137,11 +173,9 @@ def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB, aske
     if r.oom:
         lines.append("(time and throughput of the whole demand, as if the GPUs had the memory)")
     lines.append(f"iteration     {r.iteration_s * 1e3:.1f} ms")
-    tokens = f", {r.tokens_per_s:,.0f} tokens/s" if r.tokens_per_s is not None else ""
-    lines.append(f"throughput    {r.samples_per_s:.2f} ± {r.samples_per_s_band:.2f} samples/s{tokens}, "
-                 f"{r.model_tflops:.1f} model TFLOP/s")
-    if r.time_band_pct:
-        lines.append(f"              (± {r.time_band_pct:g}%: {r.time_band_source})")
+    lines.append(f"throughput    {throughput_phrase(r)}")
+    if band_phrase(r):
+        lines.append(f"              ({band_phrase(r)})")
     utilization = {k: u for k, u in r.link_utilization().items() if r.links[k]["bytes"]}
     if utilization:
         name = max(utilization, key=lambda k: (utilization[k], k))
@@ -236,7 +270,7 @@ def _framework_of(r: SimResult) -> str:
 def _fit_cell(res: SimResult, headroom_gib: float, layout: bool = False) -> str:
     """``fits``' cell: samples/s (``*`` when at risk) where it fits, else OOM and the highest
     peak; the layout after either when ``layout``."""
-    cell = (f"{res.samples_per_s:.2f}/s" + ("*" if res.at_risk(headroom_gib) else "") if res.fits
+    cell = (f"{format_rate(res.samples_per_s)}/s" + ("*" if res.at_risk(headroom_gib) else "") if res.fits
             else f"OOM {gib(res.max_peak_bytes)}G")
     return f"{cell} {res.layout}" if layout else cell
 
@@ -280,7 +314,7 @@ def fits_strategies_text(reports: list[FitsReport], headroom_gib: float = DEFAUL
             continue
         d = rep.largest.to_dict()
         lines.append(f"  {rep.strategy:10s} {d['params'] / 1e9:6.2f}B ({d['transformer_layers']} layers at the shape "
-                     f"of {rep.largest_template}), {d['samples_per_s']:.2f} samples/s, max peak "
+                     f"of {rep.largest_template}), {format_rate(d['samples_per_s'])} samples/s, max peak "
                      f"{gib(d['max_peak_bytes'])} GiB{_largest_risk(rep.largest.result, headroom_gib)}")
     return "\n".join(lines)
 
@@ -321,8 +355,8 @@ def fits_layouts_text(answers: list[LayoutFits], headroom_gib: float = DEFAULT_H
         rep, row = top
         d = row.to_dict()
         lines.append(f"  {a.strategy:10s} {d['params'] / 1e9:6.2f}B ({d['transformer_layers']} layers at the shape "
-                     f"of {rep.largest_template}), {d['layout']}, {d['samples_per_s']:.2f} samples/s, max peak "
-                     f"{gib(d['max_peak_bytes'])} GiB{_largest_risk(row.result, headroom_gib)}")
+                     f"of {rep.largest_template}), {d['layout']}, {format_rate(d['samples_per_s'])} samples/s, "
+                     f"max peak {gib(d['max_peak_bytes'])} GiB{_largest_risk(row.result, headroom_gib)}")
     return "\n".join(lines)
 
 
@@ -363,7 +397,7 @@ def _sweep_cell(part: pd.DataFrame, mb: int, strategy: str, layout: str) -> str:
         return ""
     row = r.iloc[0]
     if str(row["fits"]) == "True":
-        return f"{float(row['samples_per_s']):.2f}/s {float(row['max_peak_gib']):.1f}G"
+        return f"{format_rate(float(row['samples_per_s']))}/s {float(row['max_peak_gib']):.1f}G"
     return f"OOM {float(row['max_peak_gib']):.1f}G"
 
 
@@ -377,7 +411,7 @@ def choose_row(report: ChooseReport, r: ChooseRow) -> list[str]:
     """One server's cells under ``choose_header``."""
     lm = report.seq_len is not None
     fits = ("at risk" if r.at_risk else "yes") if r.fits else f"OOM +{r.shortfall_bytes / GiB:.2f}"
-    rate = [f"{r.samples_per_s:.2f} ± {r.result.samples_per_s_band:.2f}" if r.fits else "-"]
+    rate = [format_rate_band(r.samples_per_s, r.result.samples_per_s_band) if r.fits else "-"]
     if lm:
         rate.append(f"{r.tokens_per_s:,.0f}" if r.fits else "-")
     cost = [money(r.usd_per_million_samples)] + ([money(r.usd_per_million_tokens)] if lm else [])
