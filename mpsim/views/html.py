@@ -13,18 +13,22 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mpsim.limits import DEFAULT_HEADROOM_GIB
 from mpsim.views.plots import choose_figure, memory_figure, plot_sweep, scale_figure
 from mpsim.views.text import (
     TECHNIQUES_TITLE,
     UNITS_LEGEND,
+    band_phrase,
     choose_header,
     choose_row,
-    format_rate,
+    fits_word,
     gib,
     layer_range,
     plan_counts,
     sweep_text,
     techniques_table,
+    throughput_phrase,
+    verdict_lines,
 )
 
 if TYPE_CHECKING:
@@ -43,7 +47,8 @@ table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0; }
 th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: right; }
 th { background: #f0f0f0; } td:first-child, th:first-child { text-align: left; }
 .verdict { font-size: 1.1em; font-weight: bold; padding: 0.6em 1em; border-radius: 4px; }
-.fits { background: #e3f4e3; border: 1px solid #4a4; } .oom { background: #fbe3e3; border: 1px solid #c44; }
+.fits { background: #e3f4e3; border: 1px solid #4a4; } .risk { background: #fdf1d8; border: 1px solid #c90; }
+.oom { background: #fbe3e3; border: 1px solid #c44; }
 .note { color: #555; font-size: 0.85em; } pre { background: #f7f7f7; padding: 0.6em; overflow-x: auto; }
 svg { max-width: 100%; height: auto; }
 td.act { width: 14px; padding: 0; border: 1px solid #fff; }
@@ -102,25 +107,22 @@ def inline_svg(text: str) -> str:
 
 # -- one simulated job -----------------------------------------------------------------------------
 
-def verdict_html(r: SimResult) -> str:
-    """Fits or not, first; where it ran out; iteration time and throughput."""
-    job = (f"{r.model} on {r.server}: {r.schedule}, microbatch {r.microbatch} x {r.microbatches}, "
-           f"strategy {r.strategy}")
+def verdict_html(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> str:
+    """The text view's verdict (``verdict_lines``: fits, AT RISK or where it ran out, the
+    job with its layout), then iteration time and throughput with its band and tokens/s."""
+    head, *why = verdict_lines(r, headroom_gib)
+    detail = " ".join(x.strip() for x in why)
     if r.oom:
-        o = r.oom
-        head = f"DOES NOT FIT: {job}"
-        detail = (f"GPU {o['gpu']} ran out at {o['time_s'] * 1e3:.1f} ms during {o['task']}: needed "
-                  f"{gib(o['need_bytes'])} GiB with {gib(o['free_bytes'])} GiB free. Time and throughput below are "
-                  "of the whole demand, as if the GPUs had the memory.")
-    else:
-        head, detail = f"FITS on every GPU: {job}", ""
-    numbers = (f"iteration {r.iteration_s * 1e3:.1f} ms, {format_rate(r.samples_per_s)} samples/s, "
-               f"{r.model_tflops:.1f} model TFLOP/s, highest peak {gib(r.max_peak_bytes)} GiB")
-    return (f"<div class=\"verdict {'oom' if r.oom else 'fits'}\">{esc(head)}</div>\n"
-            + (f"<p>{esc(detail)}</p>\n" if detail else "") + f"<p>{esc(numbers)}</p>")
+        detail += ". Time and throughput below are of the whole demand, as if the GPUs had the memory."
+    kind = "oom" if r.oom else "risk" if r.at_risk(headroom_gib) else "fits"
+    numbers = (f"iteration {r.iteration_s * 1e3:.1f} ms, {throughput_phrase(r)}, "
+               f"highest peak {gib(r.max_peak_bytes)} GiB")
+    band = f"<p class=\"note\">{esc(band_phrase(r))}</p>\n" if band_phrase(r) else ""
+    return (f"<div class=\"verdict {kind}\">{esc(head)}</div>\n" + (f"<p>{esc(detail)}</p>\n" if detail else "")
+            + f"<p>{esc(numbers)}</p>\n" + band)
 
 
-def memory_bars_html(r: SimResult) -> str:
+def memory_bars_html(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> str:
     """Per GPU a bar of its peak split by category, against its capacity (dashed line), as
     inline SVG, with the numbers in a table below."""
     cats = [c for c in CATEGORY_COLOURS if any(g.breakdown.get(c) for g in r.gpus)]
@@ -153,10 +155,12 @@ def memory_bars_html(r: SimResult) -> str:
            f"role=\"img\" aria-label=\"peak memory per GPU\">{''.join(rows)}{legend}</svg>")
     header = ["GPU", "stage", "layers", "peak GiB", "capacity GiB", "fits"] + cats
     table = table_html(header, [[g.gpu, "-" if g.stage is None else g.stage, layer_range(g.layers),
-                                 gib(g.peak_bytes), gib(g.capacity_bytes), "yes" if g.fits else "NO"]
+                                 gib(g.peak_bytes), gib(g.capacity_bytes), fits_word(g, headroom_gib)]
                                 + [gib(g.breakdown.get(c, 0)) for c in cats] for g in r.gpus])
     note = ("<p class=\"note\">Bars: bytes per category at each GPU's peak; dashed line: capacity (memory less the "
-            f"reserved context), red where the peak is above it. {esc(UNITS_LEGEND)}.</p>")
+            "reserved context), red where the peak is above it; at risk: the caching allocator's reserve with "
+            f"the CUDA context and NCCL buffers within {headroom_gib:g} GiB of the GPU's memory. "
+            f"{esc(UNITS_LEGEND)}.</p>")
     return svg + "\n" + table + "\n" + note
 
 
@@ -228,10 +232,10 @@ def plan_html(plan: PlanFile) -> str:
                                      "split", "optimizer", "stash"], plan_counts(plan))
 
 
-def simulate_page(r: SimResult, plan: PlanFile | None = None) -> str:
+def simulate_page(r: SimResult, plan: PlanFile | None = None, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> str:
     """The HTML file of ``mpsim simulate --html``: verdict, memory per GPU, memory over
-    time, the pipeline, the techniques, and the plan."""
-    parts = [verdict_html(r), section("Peak memory per GPU", memory_bars_html(r)),
+    time, the pipeline, the techniques, and the plan; at risk as ``headroom_gib`` says."""
+    parts = [verdict_html(r, headroom_gib), section("Peak memory per GPU", memory_bars_html(r, headroom_gib)),
              section("Memory over time", memory_timeline_html(r)),
              section("Pipeline timeline", pipeline_timeline_html(r)),
              section("What each technique saved and cost", techniques_html(r))]
@@ -275,8 +279,8 @@ def choose_page(report: ChooseReport) -> str:
              section("Throughput against price", choose_chart_html(report))]
     if report.rows:
         top = report.rows[0]
-        parts.append(section(f"Peak memory per GPU on {top.server}", verdict_html(top.result),
-                             memory_bars_html(top.result)))
+        parts.append(section(f"Peak memory per GPU on {top.server}", verdict_html(top.result, report.headroom_gib),
+                             memory_bars_html(top.result, report.headroom_gib)))
     return page(f"mpsim choose: {report.model}", parts)
 
 
