@@ -20,7 +20,7 @@ from mpsim.web.app import make_server, serve_in_thread
 RUNS = (
     ("job, best, GPT-25.5B, 256 microbatches", {"server": "dgx1-v100", "model": "gpt-25.5b", "microbatch": 2,
                                                 "microbatches": 256, "strategy": "best"}, 3.0),
-    ("choose, Llama-3-70B, every server", {"view": "choose", "model": "llama-3-70b", "microbatches": 16}, 3.0),
+    ("choose, Llama-3-70B, every server", {"view": "choose", "model": "llama-3-70b", "global_microbatches": 16}, 3.0),
     ("job, mpress, GPT-25.5B, 256 microbatches", {"server": "dgx1-v100", "model": "gpt-25.5b", "microbatch": 2,
                                                   "microbatches": 256, "strategy": "mpress"}, 0.3),
 )

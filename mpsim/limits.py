@@ -87,3 +87,23 @@ def check_microbatch(microbatch: int) -> None:
         raise MpsimError(f"microbatch must be a positive integer, got {microbatch}")
     if microbatch > MAX_MICROBATCH:
         raise MpsimError(f"microbatch must be at most {MAX_MICROBATCH} samples, got {microbatch}")
+
+
+MAX_SEQ_LEN = 1 << 20
+"""The longest sequence (tokens per sample) a model is retraced at (``--seq-len``): 1,048,576,
+past the longest context of any shipped model's family (Llama 3's 128K) eight times over.
+Tracing runs under FakeTensor and allocates nothing, but an eager attention core's scores
+grow with its square and the simulated bytes with them."""
+
+
+def check_seq_len(seq_len: int, model: str, max_positions: int | None = None) -> None:
+    """The one check of a sequence length asked of ``model``: a positive integer, at most
+    the positions the model records (``max_positions``), else at most ``MAX_SEQ_LEN``."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, Integral) or seq_len < 1:
+        raise MpsimError(f"--seq-len must be a positive integer, got {seq_len}")
+    if max_positions is not None and seq_len > max_positions:
+        raise MpsimError(f"--seq-len {seq_len}: {model} has {max_positions} positions (max_position_embeddings); "
+                         f"give at most {max_positions}")
+    if seq_len > MAX_SEQ_LEN:
+        raise MpsimError(f"--seq-len {seq_len}: mpsim retraces {model} at most at {MAX_SEQ_LEN} tokens "
+                         "(see MAX_SEQ_LEN in mpsim/limits.py)")

@@ -50,7 +50,7 @@ SERVERS = {"fast": (100.0, 4096.0, 3.0), "slow": (0.1, 4096.0, 1.0), "small": (1
 def report():
     topos = [parse_topology(_server(n, *spec), f"{n}.yaml") for n, spec in SERVERS.items()]
     return choose(parse_trace(_trace_dict(), "toy.json"), topos, strategies=("none", "recompute"),
-                  microbatches=4, layouts="pipeline")  # a pipeline: the link between its stages sets the speed
+                  global_microbatches=4, layouts="pipeline")  # a pipeline: the link between its stages sets the speed
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_ranking_by_throughput_and_the_pareto_front(report):
     fast, slow, small = report.rows
     assert fast.pareto and slow.pareto and not small.pareto  # slow is the cheapest per hour
     topos = [parse_topology(_server(n, *spec), f"{n}.yaml") for n, spec in SERVERS.items() if n != "small"]
-    cheap_fast = choose(parse_trace(_trace_dict(), "toy.json"), topos, strategies=("none",), microbatches=4,
+    cheap_fast = choose(parse_trace(_trace_dict(), "toy.json"), topos, strategies=("none",), global_microbatches=4,
                         prices={"fast": 0.5}, rank_by="throughput")
     assert [r.server for r in cheap_fast.rows] == ["fast", "slow"]
     assert cheap_fast.rows[0].price.override and not cheap_fast.rows[1].pareto
@@ -110,7 +110,7 @@ def test_ranking_by_throughput_and_the_pareto_front(report):
 def test_every_microbatch_size_is_tried(report):
     topos = [parse_topology(_server("fast", *SERVERS["fast"]), "fast.yaml")]
     r = choose(parse_trace(_trace_dict(), "toy.json"), topos, strategies=("none",), microbatch_sizes=(1, 2),
-               microbatches=4)
+               global_microbatches=4)
     assert sorted({t.microbatch for t in r.rows[0].tried}) == [1, 2]
     assert r.rows[0].microbatch == max(r.rows[0].tried, key=lambda t: t.samples_per_s).microbatch
 
@@ -169,7 +169,7 @@ def test_price_override_parsing():
 
 def test_price_override_errors_on_the_command_line(capsys, files):
     base = ["choose", "--model", files["trace"], "--servers", files["fast"], "--strategy", "none",
-            "--microbatches", "4"]
+            "--global-microbatches", "4"]
     code, _, err = run(capsys, *base, "--price", "fast=abc")
     assert code == 2 and err.startswith("mpsim: error: --price") and err.count("\n") == 1
     code, _, err = run(capsys, *base, "--price", "nosuch=3")
@@ -189,12 +189,13 @@ def test_all_servers_have_a_pipeline_the_schedule_can_fill():
 
 def test_choose_json_structure(capsys, files):
     code, out, _ = run(capsys, "choose", "--model", files["trace"], "--servers",
-                       ",".join(files[n] for n in SERVERS), "--strategy", "none,recompute", "--microbatches", "4",
-                       "--price", "slow=2", "--json", "-")
+                       ",".join(files[n] for n in SERVERS), "--strategy", "none,recompute",
+                       "--global-microbatches", "4", "--price", "slow=2", "--json", "-")
     assert code == 0
     d = json.loads(out)
-    assert {"model", "schedule", "n_microbatches", "microbatches", "strategies", "rank_by", "seq_len",
+    assert {"model", "schedule", "global_microbatches", "microbatch_sizes", "strategies", "rank_by", "seq_len",
             "recommendation", "rows"} <= set(d)
+    assert d["global_microbatches"] == 4  # each row's "microbatches": its layout's replicas' share
     assert [r["server"] for r in d["rows"]] == ["fast", "slow", "small"]
     first = d["rows"][0]
     assert {"rank", "fits", "microbatch", "strategy", "technique", "samples_per_s", "tokens_per_s", "peak_bytes",
@@ -208,7 +209,7 @@ def test_choose_json_structure(capsys, files):
 
 def test_choose_exits_1_when_nothing_fits(capsys, files):
     code, out, _ = run(capsys, "choose", "--model", files["trace"], "--servers", files["small"], "--strategy", "none",
-                       "--microbatches", "4")
+                       "--global-microbatches", "4")
     assert code == 1 and "OOM +" in out and "nothing fits" in out and "small comes closest" in out
 
 
@@ -242,7 +243,7 @@ def _check_self_contained(path: Path) -> str:
 def test_choose_html_is_self_contained_with_the_verdict(capsys, files, tmp_path):
     page = tmp_path / "c.html"
     code, out, _ = run(capsys, "choose", "--model", files["trace"], "--servers", f"{files['fast']},{files['slow']}",
-                       "--strategy", "none", "--microbatches", "4", "--layouts", "pp2", "--html", str(page))
+                       "--strategy", "none", "--global-microbatches", "4", "--layouts", "pp2", "--html", str(page))
     assert code == 0
     text = _check_self_contained(page)
     recommendation = out.splitlines()[-1].removeprefix("recommendation: ")
@@ -269,8 +270,8 @@ def test_html_escapes_text(files, tmp_path):
 
 
 def test_the_count_of_microbatches_is_not_taken_for_their_sizes():
-    with pytest.raises(MpsimError, match="microbatches is the count per iteration"):
-        choose(parse_trace(_trace_dict(), "toy.json"), [], microbatches=[2])  # type: ignore[arg-type]
+    with pytest.raises(MpsimError, match="global_microbatches is the count per iteration"):
+        choose(parse_trace(_trace_dict(), "toy.json"), [], global_microbatches=[2])  # type: ignore[arg-type]
 
 
 def test_the_choose_plot_keeps_server_names_apart_and_draws_the_band(tmp_path):

@@ -274,10 +274,11 @@ BAD = [
      "--microbatches must be at most 4096 per iteration, got 100000"),
     ("absurd microbatch count in plan", lambda t: ["plan", "--microbatches", "5000", "-o", str(t / "p.json")],
      "--microbatches must be at most 4096 per iteration, got 5000"),
-    ("absurd microbatch count in fits", lambda t: ["fits", "--microbatches", "5000"],
-     "--microbatches must be at most 4096 per iteration, got 5000"),
-    ("absurd microbatch count in sweep", lambda t: ["sweep", "--microbatches", "5000", "--csv", str(t / "s.csv")],
-     "--microbatches must be at most 4096 per iteration, got 5000"),
+    ("absurd microbatch count in fits", lambda t: ["fits", "--global-microbatches", "5000"],
+     "--global-microbatches must be from 1 to 4096 per iteration, got 5000"),
+    ("absurd microbatch count in sweep",
+     lambda t: ["sweep", "--global-microbatches", "5000", "--csv", str(t / "s.csv")],
+     "--global-microbatches must be from 1 to 4096 per iteration, got 5000"),
     ("absurd microbatch size", lambda t: ["simulate", "--microbatch", str(10**30)],
      "microbatch must be at most 65536 samples"),
     ("transfer of an absurd size", lambda t: ["topo", "transfer", "--src", "0", "--dst", "host", "--size", "1e30"],
@@ -462,7 +463,7 @@ def test_errors_of_long_commands_are_one_line_without_a_blank_line_before(capsys
 def test_a_sweep_warns_once_per_server_of_a_trace_measured_elsewhere(capsys, tmp_path):
     trace = _measured_trace(tmp_path, "cpu (x86_64, 1 thread)")
     code, _, err = run(capsys, "sweep", "--server", "dgx1-v100,h100-x1", "--model", trace, "--microbatch", "1,2",
-                       "--microbatches", "8", "--csv", str(tmp_path / "s.csv"))
+                       "--global-microbatches", "8", "--csv", str(tmp_path / "s.csv"))
     assert code == 0
     warnings = [line for line in err.splitlines() if line.startswith("mpsim: warning: toy: times measured on cpu")]
     assert len(warnings) == 2 and "dgx1-v100" in warnings[0] and "h100-x1" in warnings[1]

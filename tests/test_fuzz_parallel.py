@@ -164,7 +164,7 @@ LAYOUT_CASES = {
     "sweep-tp4spxpp2-pipedream": (_sweep("tp4spxpp2", "--schedule", "pipedream", "--csv", "{tmp}/s.csv"),
                                   ("pipedream",)),
     "sweep-pp4v2-gpipe": (_sweep("pp4v2", "--schedule", "gpipe", "--csv", "{tmp}/s.csv"), ("interleaved 1F1B",)),
-    "sweep-pp4v2-6-microbatches": (_sweep("pp4v2", "--microbatches", "6", "--csv", "{tmp}/s.csv"),
+    "sweep-pp4v2-6-microbatches": (_sweep("pp4v2", "--global-microbatches", "6", "--csv", "{tmp}/s.csv"),
                                    ("multiple of the pipeline GPUs",)),
     "sweep-pp4v2-memory-partition": (_sweep("pp4v2", "--partition", "memory", "--csv", "{tmp}/s.csv"),
                                      ("memory-balanced partition",)),

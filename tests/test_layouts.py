@@ -120,7 +120,7 @@ def test_the_global_batch_is_held_fixed_across_layouts(name, schedule, global_m,
 
 
 def test_a_bad_count_of_microbatches_is_refused():
-    with pytest.raises(MpsimError, match="at least 1"):
+    with pytest.raises(MpsimError, match="--global-microbatches must be from 1"):
         microbatches_per_replica(0, data_parallel(8, 3, 1), 1, "1f1b")
 
 

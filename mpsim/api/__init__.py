@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     from mpsim.api.models import (
         DEFAULT_PRESET,
         Measure,
+        at_seq_len,
         check_hf,
         default_attention,
         hf_config,
@@ -77,8 +78,8 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
 #: Where each name lives (the same imports as above, made on first use).
 _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.api.jobs": ("load_job", "measured_warning", "plan", "simulate", "validate"),
-    "mpsim.api.models": ("DEFAULT_PRESET", "Measure", "check_hf", "default_attention", "hf_config", "model_config",
-                         "presets", "trace_hf", "trace_module", "trace_shape"),
+    "mpsim.api.models": ("DEFAULT_PRESET", "Measure", "at_seq_len", "check_hf", "default_attention", "hf_config",
+                         "model_config", "presets", "trace_hf", "trace_module", "trace_shape"),
     "mpsim.api.servers": ("collective", "probe_server", "shipped_servers", "transfer"),
     "mpsim.api.studies": ("FitsRequest", "fits_request", "reproduce", "sweep_warnings"),
     "mpsim.studies.backends": ("backend_for", "make_backend"),

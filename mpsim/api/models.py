@@ -120,3 +120,33 @@ def hf_config(source: str) -> Any:
     from mpsim.models.hf import load_config
 
     return load_config(source)
+
+
+def at_seq_len(trace: Trace, seq_len: int | None) -> Trace:
+    """``trace``'s model at ``seq_len`` tokens per sample (``--seq-len``; None or its own
+    length: ``trace`` itself), retraced under FakeTensor from the shape its ``model`` block
+    records, at its microbatch and recipe. Refused in one line, naming the model and the
+    flag, for a model without that shape (a CNN, a ``--module`` or Hugging Face trace), a
+    measured trace, or a length past its positions or ``mpsim.limits.MAX_SEQ_LEN``."""
+    from mpsim.limits import check_seq_len
+
+    if seq_len is None or seq_len == trace.seq_len:
+        return trace
+    positions = trace.spec.model.get("max_position_embeddings")
+    check_seq_len(seq_len, trace.name, positions if isinstance(positions, int) else None)
+    if trace.seq_len is None:
+        raise MpsimError(f"--seq-len: {trace.name} has no sequence length (a CNN or a --module trace); it cannot be "
+                         "retraced at one")
+    if trace.spec.source.kind == "measured":
+        raise MpsimError(f"--seq-len: {trace.name} holds times measured at {trace.seq_len} tokens; measure it at "
+                         f"{seq_len} (mpsim trace --measure --seq-len {seq_len}) instead")
+    from mpsim.models.workloads import shape_of
+
+    shape = shape_of(dict(trace.spec.model))
+    if isinstance(shape, str):
+        raise MpsimError(f"--seq-len: {trace.name} cannot be retraced at another sequence length: {shape}; trace it "
+                         f"at {seq_len} (mpsim trace ... --seq-len {seq_len} -o FILE) and give that file as --model")
+    from mpsim.models.tracer import trace_model
+
+    return trace_model(replace(shape, seq_len=seq_len), trace.microbatch, trace.spec.precision.recipe,
+                       f"{trace.name}-seq{seq_len}")

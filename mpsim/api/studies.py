@@ -14,7 +14,7 @@ from mpsim.data.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
 from mpsim.models.trace import Trace
 from mpsim.plans.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_strategy, pipeline
-from mpsim.plans.layouts import DEFAULT_LAYOUTS, candidate_layouts
+from mpsim.plans.layouts import DEFAULT_LAYOUTS, candidate_layouts, check_global_microbatches
 from mpsim.studies.backends import Backend, backend_for
 from mpsim.studies.capacity import LayoutFits, family_job, family_traces, fits_layouts, model_traces
 from mpsim.studies.sweep import Point
@@ -27,7 +27,8 @@ SEARCH_PROBES = 10
 class FitsRequest:
     """``fits`` under several strategies and layouts, checked before any simulation: the job
     at the family's smallest size, the family (the named models' own) and its traces, the
-    layouts (``mpsim.plans.layouts``) and the microbatches per iteration over all replicas, the
+    layouts (``mpsim.plans.layouts``) and the microbatches per iteration over all replicas
+    (``global_microbatches``), the
     backend the work runs on (None: this process), and how many points ``run``'s
     ``on_point`` hears."""
 
@@ -39,7 +40,7 @@ class FitsRequest:
     backend: Backend | None
     points: int
     layouts: str = DEFAULT_LAYOUTS
-    microbatches: int = DEFAULT_MICROBATCHES
+    global_microbatches: int = DEFAULT_MICROBATCHES
     search: bool = True
     """False: the shipped sizes only, no largest-size search (``--no-largest``)."""
 
@@ -48,22 +49,24 @@ class FitsRequest:
         (:func:`mpsim.studies.capacity.fits_layouts`)."""
         try:
             return fits_layouts(self.job, self.family, list(self.traces), self.strategies, self.layouts,
-                                self.microbatches, self.models, on_point, self.backend, self.search)
+                                self.global_microbatches, self.models, on_point, self.backend, self.search)
         finally:
             if self.backend is not None:
                 self.backend.close()
 
 
 def fits_request(server: str, family: str, models: Sequence[str] = (), schedule: str = DEFAULT_SCHEDULE,
-                 microbatch: int | None = None, microbatches: int = DEFAULT_MICROBATCHES,
+                 microbatch: int | None = None, global_microbatches: int = DEFAULT_MICROBATCHES,
                  strategies: Sequence[str] = ("none",),
                  partition: str = "compute", workers: int | None = None, backend: str = "local",
                  address: str | None = None, layouts: str = DEFAULT_LAYOUTS, search: bool = True) -> FitsRequest:
     """Check a ``fits`` over ``strategies`` and ``layouts`` of ``family``'s shipped sizes (or
-    of ``models``), ``microbatches`` per iteration over all replicas, and pick where it
+    of ``models``), ``global_microbatches`` per iteration over all replicas (each layout's
+    replicas run ``ceil(global_microbatches / replicas)``), and pick where it
     runs: one process when ``backend`` is local with one worker, else ``workers`` local
     processes (default: one per core) or a Ray cluster at ``address``. ``search=False``
     leaves out the largest-size search (``--no-largest``)."""
+    check_global_microbatches(global_microbatches)
     for name in strategies:
         check_strategy(name)
     if not strategies:
@@ -74,7 +77,7 @@ def fits_request(server: str, family: str, models: Sequence[str] = (), schedule:
     topo = load_topology(server)
     n_layouts = len(candidate_layouts(topo, layouts, schedule, traces[-1]))
     # one stage: the base job checks the schedule and count; each layout takes its share
-    job = family_job(topo, traces, schedule, microbatch, microbatches, "none", partition, pipeline(1))
+    job = family_job(topo, traces, schedule, microbatch, global_microbatches, "none", partition, pipeline(1))
     workers = workers or os.cpu_count() or 1
     runner = backend_for(backend, workers, address)
     # in one process a point is a simulated size (the searches' count estimated); in
@@ -82,7 +85,7 @@ def fits_request(server: str, family: str, models: Sequence[str] = (), schedule:
     probes = 0 if not search else SEARCH_PROBES if runner is None else 1
     points = (len(traces) + probes) * len(strategies) * n_layouts
     return FitsRequest(job, family, tuple(traces), tuple(models), tuple(strategies), runner, points, layouts,
-                       microbatches, search)
+                       global_microbatches, search)
 
 
 def sweep_warnings(points: Sequence[Point]) -> Iterator[str]:

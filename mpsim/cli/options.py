@@ -20,8 +20,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 SERVER_HELP = "shipped server name (see `mpsim topo list`) or a topology YAML file"
 SCHEDULE_HELP = "gpipe, 1f1b (DAPPLE, PipeDream-Flush) or pipedream (asynchronous, weight stashing)"
-MICROBATCHES_HELP = ("microbatches per iteration, at most 4096; 1f1b and pipedream need at least one per "
-                     "stage")
+MICROBATCHES_HELP = ("microbatches each replica (pipeline) runs per iteration, as Megatron-LM counts them; at "
+                     "most 4096; 1f1b and pipedream need at least one per stage")
+GLOBAL_MICROBATCHES_HELP = ("microbatches per iteration over all replicas (the global batch, held fixed across "
+                            "layouts): a layout of dp replicas runs ceil(N / dp) each, at least one per stage for "
+                            "1f1b and pipedream")
+SEQ_LEN_HELP = ("tokens per sample: retrace the model (a shipped transformer, or a trace file that records its "
+                "shape) at this sequence length under FakeTensor, at most its max positions if it records them  "
+                "[default: the trace's]")
 STRATEGY_HELP = api.STRATEGY_HELP
 PARTITION_HELP = ("layers to stages: compute (balance compute time, as PipeDream/DAPPLE) or memory "
                   "(balance predicted peak memory, mCAP)")
@@ -43,10 +49,35 @@ def job_options(f: F) -> F:
         click.option("--microbatch", type=int, help="samples per microbatch  [default: the trace's]"),
         click.option("--microbatches", type=int, default=api.DEFAULT_MICROBATCHES, show_default=True,
                      help=MICROBATCHES_HELP),
+        click.option("--seq-len", type=click.IntRange(min=1), help=SEQ_LEN_HELP),
         click.option("--stages", type=int, help="pipeline stages  [default: one per GPU of each replica]"),
         click.option("--strategy", default="none", show_default=True, help=STRATEGY_HELP),
         click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP),
     ])
+
+
+def global_microbatches_options(command: str, default: int | str, many: bool = False) -> Callable[[F], F]:
+    """``--global-microbatches`` (``many``: a comma-separated list), the count a study that
+    compares layouts at one global batch holds fixed, and ``--microbatches``, which such a
+    command refuses (``refuse_per_replica``): everywhere else it counts one replica's, and a
+    per-replica count would give each layout another global batch."""
+    return lambda f: _apply(f, [
+        click.option("--global-microbatches", "global_microbatches", type=str if many else int, default=default,
+                     show_default=True,
+                     help=("comma-separated counts, each " if many else "") + GLOBAL_MICROBATCHES_HELP),
+        click.option("--microbatches", "per_replica_microbatches", metavar="N",
+                     help=f"refused here: it counts one replica's microbatches (as in simulate and plan), and "
+                          f"{command} compares layouts at a fixed global batch; give --global-microbatches"),
+    ])
+
+
+def refuse_per_replica(command: str, given_value: str | None) -> None:
+    """Refuse ``--microbatches`` in a command that holds the global batch fixed, in one line
+    naming ``--global-microbatches``."""
+    if given_value is not None:
+        raise click.UsageError(f"--microbatches counts one replica's microbatches (as in simulate and plan); {command} "
+                               f"compares layouts at a fixed global batch: give --global-microbatches {given_value} "
+                               "(per iteration over all replicas) instead")
 
 
 def layout_options(f: F) -> F:

@@ -12,19 +12,21 @@ import click
 
 from mpsim import api
 from mpsim.cli.options import (
-    MICROBATCHES_HELP,
     PARTITION_HELP,
     SCHEDULE_HELP,
+    SEQ_LEN_HELP,
     SERVER_HELP,
     backend_options,
     comma_list,
     emit,
+    global_microbatches_options,
     headroom_option,
     html_option,
     int_list,
     json_option,
     layouts_option,
     refuse_given,
+    refuse_per_replica,
     warn,
     write_json,
 )
@@ -39,8 +41,7 @@ from mpsim.cli.progress import points_progress, steps_progress, stops_on_signals
               help="instead of a family: comma-separated shipped models or trace files (llama-3-8b,my.json)")
 @click.option("--schedule", default=api.DEFAULT_SCHEDULE, show_default=True, help=SCHEDULE_HELP)
 @click.option("--microbatch", type=int, help="samples per microbatch  [default: the traces']")
-@click.option("--microbatches", type=int, default=api.DEFAULT_MICROBATCHES, show_default=True,
-              help=MICROBATCHES_HELP)
+@global_microbatches_options("fits", api.DEFAULT_MICROBATCHES)
 @click.option("--strategy", "strategies", default="none,recompute,cpu-swap,d2d,mpress,tsplit,best", show_default=True,
               help="comma-separated strategies, one column each; here best combines the planners that keep "
                    "model states on the GPUs, and the offload strategies (zero-offload, zero-infinity) are "
@@ -55,22 +56,28 @@ from mpsim.cli.progress import points_progress, steps_progress, stops_on_signals
 @backend_options
 @headroom_option
 @json_option
-def fits(server: str, family: str, models: str | None, schedule: str, microbatch: int | None, microbatches: int,
-         strategies: str, partition: str, layouts: str, workers: int | None, no_largest: bool, backend: str,
+def fits(server: str, family: str, models: str | None, schedule: str, microbatch: int | None,
+         global_microbatches: int, per_replica_microbatches: str | None, strategies: str, partition: str,
+         layouts: str, workers: int | None, no_largest: bool, backend: str,
          address: str | None, headroom_gib: float, json_out: str | None) -> None:
     """Which shipped sizes of a family (or which --model) fit under each strategy, in which
     parallel layout, and the largest that does.
 
-    Per model and strategy the fastest of --layouts that fits answers (the global batch,
-    --microbatches, held fixed across layouts). The size knob is the number of
-    transformer layers at the shape of the largest size that fits; the search doubles,
-    then bisects; the largest is the largest any layout reaches.
+    Per model and strategy the fastest of --layouts that fits answers, at one global batch:
+    --global-microbatches per iteration over all replicas (a layout of dp replicas runs
+    ceil(N / dp) each). --microbatches, which counts one replica's microbatches in
+    simulate and plan, is refused here: a per-replica count would train each layout on
+    another global batch, and the layouts would no longer be compared on the same work.
+    The size knob is the number of transformer layers at the shape of the largest size
+    that fits; the search doubles, then bisects; the largest is the largest any layout
+    reaches.
     """
     from mpsim.views.text import fits_layouts_text
 
+    refuse_per_replica("fits", per_replica_microbatches)
     names = comma_list(strategies, "--strategy")
     chosen = comma_list(models, "--model") if models else []
-    request = api.fits_request(server, family, chosen, schedule, microbatch, microbatches, names, partition,
+    request = api.fits_request(server, family, chosen, schedule, microbatch, global_microbatches, names, partition,
                                workers, backend, address, layouts, search=not no_largest)
     with stops_on_signals("fits", STOPPED), points_progress(f"fits {request.family}", request.points) as bar:
         reps = request.run(on_point=bar.point_done)
@@ -102,8 +109,7 @@ def reproduce_cmd(out: Path, only: str, html_out: Path | None) -> None:
 @click.option("--model", "-m", "models", default=api.DEFAULT_MODEL, show_default=True, help="comma-separated models")
 @click.option("--schedule", default=api.DEFAULT_SCHEDULE, show_default=True, help=SCHEDULE_HELP)
 @click.option("--microbatch", "sizes", default="1,2,4,8", show_default=True, help="comma-separated microbatch sizes")
-@click.option("--microbatches", "counts", default="16", show_default=True,
-              help="comma-separated microbatches per iteration (each at most 4096)")
+@global_microbatches_options("sweep", "16", many=True)
 @click.option("--strategy", "strategies", default="none,recompute,cpu-swap,mpress,best", show_default=True,
               help="comma-separated strategies")
 @click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP)
@@ -120,11 +126,18 @@ def reproduce_cmd(out: Path, only: str, html_out: Path | None) -> None:
               help="points per task  [default: about four tasks per worker, at most 8 points each]")
 @json_option
 @html_option
-def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str, strategies: str, partition: str,
+def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, global_microbatches: str,
+              per_replica_microbatches: str | None, strategies: str, partition: str,
               layouts: str, workers: int, csv_path: Path, plot: Path | None, backend: str, address: str | None,
               batch: int | None, json_out: str | None, html_out: Path | None) -> None:
     """Throughput and peak memory over a grid of microbatch sizes, microbatch counts,
     strategies, parallel layouts, models and servers.
+
+    The counts are --global-microbatches, per iteration over all replicas, so every
+    layout of a point trains on the same global batch (a layout of dp replicas runs
+    ceil(N / dp) each; the CSV's microbatches column holds that global count).
+    --microbatches, which counts one replica's microbatches in simulate and plan, is
+    refused here.
 
     One row per point in the CSV, written as each point finishes, so an interrupted
     sweep run again with the same --csv resumes without redoing finished points. Ctrl-C
@@ -143,8 +156,9 @@ def sweep_cmd(servers: str, models: str, schedule: str, sizes: str, counts: str,
     from mpsim.views.plots import plot_sweep
     from mpsim.views.text import sweep_text
 
+    refuse_per_replica("sweep", per_replica_microbatches)
     points = api.grid(comma_list(servers, "--server"), comma_list(models, "--model"), schedule,
-                      int_list(sizes, "--microbatch"), int_list(counts, "--microbatches"),
+                      int_list(sizes, "--microbatch"), int_list(global_microbatches, "--global-microbatches"),
                       comma_list(strategies, "--strategy"), partition, layouts)
     for line in api.sweep_warnings(points):
         warn(line)
@@ -237,8 +251,8 @@ def _calibrate_profile(path: Path, dtype: str, topo: api.Topology, output: Path 
                    "two GPUs that the schedule can fill with one stage each")
 @click.option("--schedule", default=api.DEFAULT_SCHEDULE, show_default=True, help=SCHEDULE_HELP)
 @click.option("--microbatch", "sizes", help="comma-separated microbatch sizes to try  [default: the trace's]")
-@click.option("--microbatches", type=int, default=api.DEFAULT_MICROBATCHES, show_default=True,
-              help=MICROBATCHES_HELP)
+@global_microbatches_options("choose", api.DEFAULT_MICROBATCHES)
+@click.option("--seq-len", type=click.IntRange(min=1), help=SEQ_LEN_HELP)
 @click.option("--strategy", "strategies", default="best", show_default=True,
               help="comma-separated strategies allowed (each single one under both partitions; best: all of them)")
 @layouts_option(api.CHOOSE_LAYOUTS)
@@ -268,7 +282,8 @@ def _calibrate_profile(path: Path, dtype: str, topo: api.Topology, output: Path 
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="PNG of throughput against USD per hour, the Pareto front marked")
 @html_option
-def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, microbatches: int, strategies: str,
+def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, global_microbatches: int,
+               per_replica_microbatches: str | None, seq_len: int | None, strategies: str,
                layouts: str, price_overrides: tuple[str, ...], rank_by: str, tokens: float | None, days: float | None,
                budget: float | None, clusters: str, batch_tokens: int, discount: float, min_servers: int,
                max_servers: int | None, workers: int, backend: str, address: str | None, headroom_gib: float,
@@ -281,6 +296,12 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
     Prices come from each topology file's `price` block; --price overrides them. Where
     nothing fits, the row says by how much it falls short and which technique came
     closest. Exits 1 when the model fits on none of the servers.
+
+    Every layout trains on the same global batch, --global-microbatches per iteration over
+    all replicas (a layout of dp replicas runs ceil(N / dp) each), so the servers and
+    layouts are compared on the same work. --microbatches, which counts one replica's
+    microbatches in simulate and plan, is refused here; with --tokens the global batch is
+    --batch-tokens instead.
 
     With --tokens it answers "how many servers": per cluster (--clusters) and server count
     (powers of two) the fastest layout that fits (tensor parallel inside a server, pipeline
@@ -299,6 +320,7 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
     if tokens is None and (days is not None or budget is not None):
         raise click.UsageError("--days and --budget go with --tokens")
     if tokens is not None:
+        _refuse_with_tokens(per_replica_microbatches, seq_len)
         if servers != "all":
             raise click.UsageError("--tokens searches clusters (--clusters); --servers is for one server")
         refuse_given(_NOT_WITH_TOKENS, lambda option: f"{option} and --tokens: {_NOT_WITH_TOKENS_WHY[option]}; "
@@ -318,15 +340,17 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
             sys.exit(1)
         return
 
+    refuse_per_replica("choose", per_replica_microbatches)
     refuse_given(_ONLY_WITH_TOKENS, lambda option: f"{option} goes with --tokens (the search over clusters); "
                                                    f"give --tokens or leave {option} out")
     prices = dict(api.parse_price(p) for p in price_overrides)
-    names = api.parse_servers(servers, schedule, microbatches)
+    names = api.parse_servers(servers, schedule, global_microbatches)
     mb_sizes = int_list(sizes, "--microbatch") if sizes else None
+    chosen = model if seq_len is None else api.at_seq_len(api.load_trace(model), seq_len)
     runner = api.backend_for(backend, workers, address)
     with stops_on_signals("choose", STOPPED), _ending(runner), steps_progress("choose") as step:
-        report = api.choose(model, names, schedule, mb_sizes, tuple(comma_list(strategies, "--strategy")),
-                            microbatches, prices, rank_by, on_point=step, layouts=layouts,
+        report = api.choose(chosen, names, schedule, mb_sizes, tuple(comma_list(strategies, "--strategy")),
+                            global_microbatches, prices, rank_by, on_point=step, layouts=layouts,
                             headroom_gib=headroom_gib, backend=runner)
     _show(json_out, choose_text(report), report.to_dict(), (lambda: plot_choose(report, plot)) if plot else None,
           html_out, lambda: choose_page(report))
@@ -336,7 +360,7 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, micro
 
 _NOT_WITH_TOKENS = {"schedule": "--schedule", "strategies": "--strategy", "layouts": "--layouts",
                     "rank_by": "--rank-by", "headroom_gib": "--headroom", "price_overrides": "--price",
-                    "microbatches": "--microbatches"}
+                    "global_microbatches": "--global-microbatches"}
 """``choose`` options (parameter -> option) the search over clusters does not use."""
 _NOT_WITH_TOKENS_WHY = {
     "--schedule": "the search over clusters runs 1f1b",
@@ -346,11 +370,25 @@ _NOT_WITH_TOKENS_WHY = {
     "--rank-by": "the search over clusters picks the fewest servers within --days and --budget",
     "--headroom": "the search over clusters marks no plan at risk",
     "--price": "the search over clusters prices each cluster from its file (--discount takes a fraction off)",
-    "--microbatches": "the search over clusters derives each replica's microbatches from --batch-tokens",
+    "--global-microbatches": "the search over clusters holds --batch-tokens (tokens per iteration over all "
+                             "replicas) fixed instead",
 }
 _ONLY_WITH_TOKENS = {"clusters": "--clusters", "batch_tokens": "--batch-tokens", "discount": "--discount",
                      "min_servers": "--min-servers", "max_servers": "--max-servers"}
 """``choose`` options only the search over clusters (``--tokens``) uses."""
+
+
+def _refuse_with_tokens(per_replica_microbatches: str | None, seq_len: int | None) -> None:
+    """``choose --tokens``: --microbatches and --seq-len refused in one line naming what the
+    search over clusters takes instead."""
+    if per_replica_microbatches is not None:
+        raise click.UsageError("--microbatches and --tokens: the search over clusters derives each replica's "
+                               "microbatches from --batch-tokens (tokens per iteration over all replicas); give "
+                               "--batch-tokens or leave --microbatches out")
+    if seq_len is not None:
+        raise click.UsageError("--seq-len and --tokens: the search over clusters runs the model at its traced "
+                               "sequence length; trace it at another (mpsim trace --preset NAME --seq-len N -o "
+                               "FILE) and give that file as --model")
 
 
 STOPPED = "stopped with its worker processes, if any; nothing was written"

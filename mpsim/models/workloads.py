@@ -160,6 +160,23 @@ class ModelConfig:
         return self.embedding_params() + self.layers * self.layer_params() + self.head_params()
 
 
+def shape_of(model: dict) -> ModelConfig | str:
+    """The shape a trace's ``model`` block records, to build or retrace it with these
+    modules; else why it cannot be (a ``--module`` or ``--hf`` trace, a file without the
+    shape, a tensor-parallel shard)."""
+    if model.get("family") not in FAMILIES:
+        return f"its model block names no family of {', '.join(FAMILIES)} (a CNN or a --module trace)"
+    fields = set(ModelConfig.__dataclass_fields__)
+    extra = sorted(set(model) - fields)
+    if extra:
+        return (f"its model block has {', '.join(extra)}, which these modules do not build (a Hugging Face or "
+                "tensor-parallel trace)")
+    try:
+        return ModelConfig(**model)
+    except (TypeError, ValueError) as exc:
+        return f"its model block is not a whole shape ({exc})"
+
+
 class Embedding(nn.Module):
     """Word (and position, token type) embeddings. With a tensor-parallel ``shard`` the
     word table is 1/t of the vocabulary (Megatron-LM's vocabulary-parallel embedding),

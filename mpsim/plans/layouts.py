@@ -16,10 +16,12 @@ parallel first, then tensor, then pipeline: Megatron-LM's order read outward):
 Outputs name a layout as ``Parallelism.describe`` does (``pipeline x8``, ``FSDP x8``,
 ``ZeRO-2 x4 x pipeline x2``, ``TP x4+SP x pipeline x2``); ``short_name`` gives the name back.
 
-The studies (``choose``, ``fits``, ``sweep``) hold the global batch fixed across layouts:
-their microbatch count is per iteration over all replicas, so a layout of ``dp`` replicas
-runs ``ceil(M / dp)`` microbatches per replica, and at least one per stage where the
-schedule needs it (1f1b, pipedream): ``microbatches_per_replica``.
+A job's ``microbatches`` are those each replica (pipeline) runs per iteration, as
+Megatron-LM counts them (``--microbatches`` everywhere). The studies that compare layouts
+(``choose``, ``fits``, ``sweep``) hold the global batch fixed instead: their count is
+``global_microbatches`` (``--global-microbatches``), per iteration over all replicas, so a
+layout of ``dp`` replicas runs ``ceil(N / dp)`` microbatches per replica, and at least one
+per stage where the schedule needs it (1f1b, pipedream): ``microbatches_per_replica``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from mpsim.models.tensor_parallel import check_shardable
 from mpsim.models.trace import Trace
 from mpsim.plans import mesh
 from mpsim.plans.job import DP_NAMES, JobSpec, Parallelism, data_parallel
-from mpsim.plans.schedule import check_schedule, min_microbatches
+from mpsim.plans.schedule import MAX_MICROBATCHES, check_schedule, min_microbatches
 
 LAYOUT_FORMS = mesh.layout_forms()
 FILTERS: dict[str, str] = {
@@ -52,9 +54,9 @@ CHOOSE_LAYOUTS = "pipeline,data,3d"
 GPUs for a model whose heads divide by 8), so each server is ranked by its best layout."""
 LAYOUTS_HELP = ("comma-separated layouts: names " + LAYOUT_FORMS + "; or all, pipeline, data (one replica per "
                 "GPU, DDP and ZeRO-1/2/3), hybrid (replicas of a pipeline), 3d (tensor-parallel stages times "
-                "pipeline and replicas). --microbatches counts the whole "
-                "iteration over all replicas: a layout of dp replicas runs ceil(M/dp) per replica, at least "
-                "one per stage for 1f1b")
+                "pipeline and replicas). Every layout runs the same global batch, "
+                "--global-microbatches N: a layout of dp replicas runs ceil(N/dp) per replica, at least one per "
+                "stage for 1f1b")
 
 def parse_layout(text: str) -> Parallelism:
     """A layout from its name (``mpsim.plans.mesh.parse_layout``, the one grammar)."""
@@ -146,16 +148,29 @@ def _splits(trace: Trace, p: Parallelism) -> bool:
     return True
 
 
-def microbatches_per_replica(microbatches: int, p: Parallelism, n_stages: int, schedule: str) -> int:
-    """The global batch held fixed: ``microbatches`` per iteration over all replicas is
-    ``ceil(microbatches / data)`` per replica, and at least one per stage for 1f1b and
-    pipedream (their pipelines need it). The count itself is checked first."""
-    check_schedule(schedule, 1, microbatches)
-    return max(math.ceil(microbatches / p.replicas), min_microbatches(schedule, n_stages))
+def check_global_microbatches(global_microbatches: int) -> None:
+    """The one check of a global microbatch count (``--global-microbatches``): from 1 to
+    ``MAX_MICROBATCHES``, as a replica's count is (a pipeline of one replica runs them all)."""
+    if isinstance(global_microbatches, bool) or not isinstance(global_microbatches, int):
+        raise MpsimError(f"global_microbatches is the count per iteration over all replicas, got "
+                         f"{global_microbatches!r}; the sizes go in microbatch_sizes")
+    if not 1 <= global_microbatches <= MAX_MICROBATCHES:
+        raise MpsimError(f"--global-microbatches must be from 1 to {MAX_MICROBATCHES} per iteration, got "
+                         f"{global_microbatches}")
 
 
-def on_layout(job: JobSpec, p: Parallelism, microbatches: int) -> JobSpec:
-    """``job`` run as layout ``p``, its ``microbatches`` per iteration over all replicas
-    (``microbatches_per_replica``); checked again."""
+def microbatches_per_replica(global_microbatches: int, p: Parallelism, n_stages: int, schedule: str) -> int:
+    """The global batch held fixed: ``global_microbatches`` per iteration over all replicas
+    is ``ceil(global_microbatches / replicas)`` per replica, and at least one per stage for
+    1f1b and pipedream (their pipelines need it). The count and schedule are checked first."""
+    check_global_microbatches(global_microbatches)
+    check_schedule(schedule, 1, 1)
+    return max(math.ceil(global_microbatches / p.replicas), min_microbatches(schedule, n_stages))
+
+
+def on_layout(job: JobSpec, p: Parallelism, global_microbatches: int) -> JobSpec:
+    """``job`` run as layout ``p`` at ``global_microbatches`` per iteration over all replicas
+    (``microbatches_per_replica``: the job's own count is per replica); checked again."""
     n_stages = p.stages_on(job.topology)
-    return job.but(parallelism=p, microbatches=microbatches_per_replica(microbatches, p, n_stages, job.schedule))
+    per_replica = microbatches_per_replica(global_microbatches, p, n_stages, job.schedule)
+    return job.but(parallelism=p, microbatches=per_replica)

@@ -7,10 +7,11 @@ layers never lowers the highest per-GPU peak; it doubles until a size does not f
 then bisects, so it costs O(log n) simulations.
 
 Over several parallel layouts (``fits_layouts``, ``mpsim.plans.layouts``) each layout runs the
-same study with the global batch held fixed (``--microbatches`` per iteration over all
-replicas); per model the fastest layout that fits answers, and the largest size is the
-largest any layout reaches (each layout's search starts one layer above the largest an
-earlier layout reached, so a layout that cannot beat it costs one probe).
+same study with the global batch held fixed (``--global-microbatches`` per iteration over
+all replicas; each layout's jobs run their share per replica); per model the fastest
+layout that fits answers, and the largest size is the largest any layout reaches (each
+layout's search starts one layer above the largest an earlier layout reached, so a layout
+that cannot beat it costs one probe).
 """
 
 from __future__ import annotations
@@ -183,7 +184,8 @@ class LayoutFits:
     strategy: str
     reports: list[FitsReport]
     microbatches: int
-    """Per iteration over all replicas (each report's job runs its layout's share)."""
+    """The global batch: microbatches per iteration over all replicas (each report's job runs
+    its layout's share per replica); ``global_microbatches`` in ``to_dict``."""
 
     def best_row(self, i: int) -> FitRow:
         """The ``i``-th model in its fastest layout that fits, else where its peak is lowest."""
@@ -205,8 +207,8 @@ class LayoutFits:
         top = self.largest
         first = self.reports[0]
         return {"server": first.server, "family": first.family, "schedule": first.schedule,
-                "microbatch": first.microbatch, "microbatches": self.microbatches, "strategy": self.strategy,
-                "partition": first.partition,
+                "microbatch": first.microbatch, "global_microbatches": self.microbatches,
+                "strategy": self.strategy, "partition": first.partition,
                 "rows": [self.best_row(i).to_dict(headroom_gib) for i in range(len(self.reports[0].rows))],
                 "largest": (None if top is None
                             else dict(top[1].to_dict(headroom_gib), template=top[0].largest_template)),
@@ -214,20 +216,22 @@ class LayoutFits:
 
 
 def fits_layouts(job: JobSpec, family: str, traces: list[Trace], strategies: Sequence[str], layouts: str,
-                 microbatches: int, models: tuple[str, ...] = (), on_point: Callable[[str], None] | None = None,
+                 global_microbatches: int, models: tuple[str, ...] = (),
+                 on_point: Callable[[str], None] | None = None,
                  backend: Backend | None = None, search: bool = True) -> list[LayoutFits]:
     """``fits_all`` in each of ``layouts`` (``mpsim.plans.layouts.candidate_layouts`` on the job's
-    server), ``microbatches`` per iteration over all replicas; one ``LayoutFits`` per
+    server), ``global_microbatches`` per iteration over all replicas; one ``LayoutFits`` per
     strategy, in the order given. Every layout's job is checked before anything runs
     (``on_layout``; each strategy by ``fits_all`` before its first layout runs).
     ``search=False``: the shipped sizes only (``fits --no-largest``)."""
-    jobs = [on_layout(job, p, microbatches) for p in candidate_layouts(job.topology, layouts, job.schedule, job.trace)]
+    jobs = [on_layout(job, p, global_microbatches)
+            for p in candidate_layouts(job.topology, layouts, job.schedule, job.trace)]
     for j in jobs:  # each strategy checked before anything runs
         for st in strategies:
             j.but(strategy=st)
     if backend is not None:
         per_layout = _fits_on_backend(jobs, family, traces, strategies, models, backend, on_point, {}, search)
-        return [LayoutFits(s, [reps[k] for reps in per_layout], microbatches) for k, s in enumerate(strategies)]
+        return [LayoutFits(s, [reps[k] for reps in per_layout], global_microbatches) for k, s in enumerate(strategies)]
     reached: dict[str, dict[str, int]] = {}
     per_layout = []
     for j in jobs:
@@ -236,7 +240,7 @@ def fits_layouts(job: JobSpec, family: str, traces: list[Trace], strategies: Seq
         for rep in reps:
             _note_reached(reached.setdefault(rep.strategy, {}), rep)
         per_layout.append(reps)
-    return [LayoutFits(s, [reps[k] for reps in per_layout], microbatches) for k, s in enumerate(strategies)]
+    return [LayoutFits(s, [reps[k] for reps in per_layout], global_microbatches) for k, s in enumerate(strategies)]
 
 
 def _note_reached(reached: dict[str, int], rep: FitsReport) -> None:

@@ -5,7 +5,8 @@ For every server the allowed strategies (``best`` by default: every planner unde
 partitions) are tried at every allowed microbatch size in every allowed parallel layout
 (``mpsim.plans.layouts``: by default the pipeline over all GPUs and one data-parallel replica per
 GPU under DDP and ZeRO 1 to 3); the fastest plan that fits stands for the server. The global
-batch is the same in every layout: ``microbatches`` per iteration over all replicas. Where
+batch is the same in every layout: ``global_microbatches`` per iteration over all replicas
+(``--global-microbatches``; each replica runs its share, the job's ``microbatches``). Where
 nothing fits, the plan with the smallest shortfall (highest per-GPU peak above capacity) does, and names the technique
 that came closest. Cost per million samples is the hourly price over the samples an hour
 trains; per million tokens for language models (``seq_len`` in the trace's ``model``).
@@ -25,7 +26,7 @@ from mpsim.models.trace import Trace
 from mpsim.planners.best import part_of
 from mpsim.planners.registry import plan_job
 from mpsim.plans.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_strategy, partitions_of, pipeline
-from mpsim.plans.layouts import CHOOSE_LAYOUTS, candidate_layouts, on_layout
+from mpsim.plans.layouts import CHOOSE_LAYOUTS, candidate_layouts, check_global_microbatches, on_layout
 from mpsim.plans.strategies import combines
 from mpsim.sim import SimResult
 from mpsim.studies import bounds
@@ -186,7 +187,8 @@ class ChooseReport:
     model: str
     schedule: str
     microbatches: int
-    """Microbatches per iteration, as in every job."""
+    """The global batch: microbatches per iteration over all replicas (each layout's replicas
+    run their share, ``ChooseRow``'s per-replica count); ``global_microbatches`` in ``to_dict``."""
     microbatch_sizes: tuple[int, ...]
     strategies: tuple[str, ...]
     rank_by: str
@@ -212,8 +214,8 @@ class ChooseReport:
         return [r for r in self.rows[1:] if r.fits and _within_band(self, top, r)]
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "schedule": self.schedule, "n_microbatches": self.microbatches,
-                "microbatches": list(self.microbatch_sizes), "strategies": list(self.strategies),
+        return {"model": self.model, "schedule": self.schedule, "global_microbatches": self.microbatches,
+                "microbatch_sizes": list(self.microbatch_sizes), "strategies": list(self.strategies),
                 "layouts": self.layouts, "rank_by": self.rank_by, "seq_len": self.seq_len,
                 "headroom_gib": self.headroom_gib, "recommendation": self.recommendation,
                 "ties": [r.server for r in self.ties],
@@ -222,21 +224,23 @@ class ChooseReport:
 
 # -- inputs ---------------------------------------------------------------------------------
 
-def all_servers(schedule: str, microbatches: int) -> list[str]:
+def all_servers(schedule: str, global_microbatches: int) -> list[str]:
     """``--servers all``: every shipped server with at least two GPUs (a pipeline) whose
-    GPUs the schedule can fill with one stage each."""
+    GPUs the schedule can fill with one stage each at ``global_microbatches`` (a pipeline
+    over all GPUs is one replica: it runs them all)."""
     names = []
     for name in shipped_topologies():
         n = load_topology(name).n_gpus
-        if n >= 2 and (schedule == "gpipe" or microbatches >= n):
+        if n >= 2 and (schedule == "gpipe" or global_microbatches >= n):
             names.append(name)
     return names
 
 
-def parse_servers(text: str, schedule: str = DEFAULT_SCHEDULE, microbatches: int = DEFAULT_MICROBATCHES) -> list[str]:
+def parse_servers(text: str, schedule: str = DEFAULT_SCHEDULE,
+                  global_microbatches: int = DEFAULT_MICROBATCHES) -> list[str]:
     """``all`` or a comma-separated list of shipped names and topology files."""
     if text.strip() == "all":
-        return all_servers(schedule, microbatches)
+        return all_servers(schedule, global_microbatches)
     items = [x.strip() for x in text.split(",")]
     if not all(items):
         raise MpsimError(f"--servers: expected 'all' or a comma-separated list without empty items, got {text!r}")
@@ -381,15 +385,15 @@ def _mark_pareto(rows: list[ChooseRow]) -> None:
 
 def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", schedule: str = DEFAULT_SCHEDULE,
            microbatch_sizes: Sequence[int] | None = None, strategies: Sequence[str] = ("best",),
-           microbatches: int = DEFAULT_MICROBATCHES, prices: Mapping[str, float] | None = None,
+           global_microbatches: int = DEFAULT_MICROBATCHES, prices: Mapping[str, float] | None = None,
            rank_by: str = "cost", on_point: Callable[[str], None] | None = None,
            layouts: str = CHOOSE_LAYOUTS, headroom_gib: float = DEFAULT_HEADROOM_GIB,
            backend: Backend | None = None) -> ChooseReport:
     """Rank ``servers`` for training ``model``: per server the fastest plan that fits over
     ``layouts`` (``mpsim.plans.layouts.candidate_layouts``: words and names), ``strategies``
     (each single planner under both partitions; ``best`` tries them all) and
-    ``microbatch_sizes`` (None: the trace's own), ``microbatches`` per iteration over all
-    replicas (``ceil(microbatches / replicas)`` each, at least one per stage for 1f1b).
+    ``microbatch_sizes`` (None: the trace's own), ``global_microbatches`` per iteration over
+    all replicas (``ceil(global_microbatches / replicas)`` each, at least one per stage for 1f1b).
     ``prices`` maps a server (as given, or its name) to USD per hour and overrides its
     file's ``price``. ``on_point`` hears a line after each plan. A plan that fits with
     less than ``headroom_gib`` to spare is at risk: a safe one stands for its server when
@@ -397,11 +401,9 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
     in this process, ``on_point`` hearing each plan; on a backend it hears each server)."""
     if rank_by not in RANK_BY:
         raise MpsimError(f"--rank-by: expected one of {', '.join(RANK_BY)}, got {rank_by!r}")
-    if not isinstance(microbatches, int):
-        raise MpsimError(f"microbatches is the count per iteration, got {microbatches!r}; "
-                         "the sizes go in microbatch_sizes")
+    check_global_microbatches(global_microbatches)
     trace = load_trace(model) if isinstance(model, str) else model
-    server_list = (parse_servers(servers, schedule, microbatches) if isinstance(servers, str)
+    server_list = (parse_servers(servers, schedule, global_microbatches) if isinstance(servers, str)
                    else list({(s if isinstance(s, str) else id(s)): s for s in servers}.values()))  # each once
     sizes = tuple(microbatch_sizes) if microbatch_sizes else (trace.microbatch,)
     overrides = dict(prices or {})
@@ -411,7 +413,8 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
     unknown = set(overrides) - {k for k, _ in topos} - {t.name for _, t in topos}
     if unknown:
         raise MpsimError(f"--price: no server {sorted(unknown)[0]!r} among {', '.join(k for k, _ in topos)}")
-    jobs = [(key, topo, _jobs_on(topo, trace, schedule, microbatches, strategies, layouts)) for key, topo in topos]
+    jobs = [(key, topo, _jobs_on(topo, trace, schedule, global_microbatches, strategies, layouts))
+            for key, topo in topos]
     seq_len = trace.seq_len
     rows = []
     for key, topo, (tried, decided) in _searched(jobs, scaled, strategies, on_point, headroom_gib, backend):
@@ -424,8 +427,8 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
     for i, row in enumerate(rows, 1):
         row.rank = i
     _mark_pareto(rows)
-    return ChooseReport(trace.name, schedule, microbatches, sizes, tuple(strategies), rank_by, seq_len, rows, layouts,
-                        headroom_gib)
+    return ChooseReport(trace.name, schedule, global_microbatches, sizes, tuple(strategies), rank_by, seq_len, rows,
+                        layouts, headroom_gib)
 
 
 @dataclass(frozen=True)
@@ -470,15 +473,16 @@ def _searched(jobs: list[tuple[str, Topology, list[JobSpec]]], scaled: Sequence[
         yield key, topo, found[k]
 
 
-def _jobs_on(topo: Topology, trace: Trace, schedule: str, microbatches: int, strategies: Sequence[str],
+def _jobs_on(topo: Topology, trace: Trace, schedule: str, global_microbatches: int, strategies: Sequence[str],
              layouts: str) -> list[JobSpec]:
     """The job on one server in each layout (each checked), every strategy checked before
     any is planned. The base job is one stage on the server (its schedule and microbatch
-    count checked there); ``on_layout`` gives each layout its share of the microbatches."""
+    count checked there); ``on_layout`` gives each layout's replicas their share of the
+    ``global_microbatches``."""
     for strategy in strategies:
         check_strategy(strategy)
-    base = JobSpec(topo, trace, schedule, microbatches, pipeline(1))
-    return [on_layout(base, p, microbatches) for p in candidate_layouts(topo, layouts, schedule, trace)]
+    base = JobSpec(topo, trace, schedule, global_microbatches, pipeline(1))
+    return [on_layout(base, p, global_microbatches) for p in candidate_layouts(topo, layouts, schedule, trace)]
 
 
 # -- the answer in words: the report's one line (its tables and chart are in mpsim.views) -----

@@ -3,9 +3,10 @@ parallel layout).
 
 The layout axis (``mpsim.plans.layouts``: ``pipeline`` by default, ``all``, ``data`` or names such
 as ``fsdp8``) is expanded per server, and the CSV's ``layout`` column names each point's
-layout (``pp8``, ``fsdp8``, ``ddp2xpp4``). ``microbatches`` counts the whole iteration over
-all replicas: a layout of ``dp`` replicas runs ``ceil(microbatches / dp)`` per replica, at
-least one per stage for 1f1b and pipedream.
+layout (``pp8``, ``fsdp8``, ``ddp2xpp4``). A point's ``microbatches`` (the CSV column, as
+``--global-microbatches`` gives it) counts the whole iteration over all replicas, so every
+layout trains on the same global batch: a layout of ``dp`` replicas runs
+``ceil(microbatches / dp)`` per replica, at least one per stage for 1f1b and pipedream.
 
 Points run on a backend (:mod:`mpsim.studies.backends`: local worker processes, or Ray); each
 finished point is appended to the CSV at once, as one complete line in a single write, so
@@ -37,7 +38,13 @@ from mpsim.data.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
 from mpsim.planners import plan_job
 from mpsim.plans.job import PIPELINE_ONLY, JobSpec, job_of
-from mpsim.plans.layouts import candidate_layouts, microbatches_per_replica, parse_layout, short_name
+from mpsim.plans.layouts import (
+    candidate_layouts,
+    check_global_microbatches,
+    microbatches_per_replica,
+    parse_layout,
+    short_name,
+)
 from mpsim.studies.backends import Backend, LocalBackend, run_points
 
 KEY = ("server", "model", "schedule", "microbatch", "microbatches", "strategy", "partition", "layout")
@@ -55,6 +62,8 @@ class Point:
     schedule: str
     microbatch: int
     microbatches: int
+    """Per iteration over all replicas (``--global-microbatches``); each replica of the
+    layout runs its share (``microbatches_per_replica``)."""
     strategy: str
     partition: str = "compute"
     layout: str = ""
@@ -81,18 +90,20 @@ class Point:
 
 
 def grid(servers: list[str], models: list[str], schedule: str, microbatch_sizes: list[int],
-         microbatch_counts: list[int], strategies: list[str], partition: str = "compute",
+         global_microbatches: list[int], strategies: list[str], partition: str = "compute",
          layouts: str = "pipeline") -> list[Point]:
     """The points of the grid; ``layouts`` (``mpsim.plans.layouts.candidate_layouts``: words
     and names, expanded per server) is the layout axis (empty: no layout named, one
-    pipeline stage per GPU)."""
+    pipeline stage per GPU); ``global_microbatches``: the counts per iteration over all replicas."""
     for name, values in (("--server", servers), ("--model", models), ("--microbatch", microbatch_sizes),
-                         ("--microbatches", microbatch_counts), ("--strategy", strategies)):
+                         ("--global-microbatches", global_microbatches), ("--strategy", strategies)):
         if not values:
             raise MpsimError(f"{name} needs at least one value")
+    for count in global_microbatches:
+        check_global_microbatches(count)
     per_job = {(sv, md): _layout_names(sv, md, layouts, schedule) for sv in servers for md in models}
     return [Point(sv, md, schedule, mb, m, st, partition, lay)
-            for sv, md, m, st in itertools.product(servers, models, microbatch_counts, strategies)
+            for sv, md, m, st in itertools.product(servers, models, global_microbatches, strategies)
             for lay in per_job[(sv, md)] for mb in microbatch_sizes]
 
 

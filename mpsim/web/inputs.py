@@ -36,10 +36,10 @@ UPLOAD_KINDS = {"server": ((".yaml", ".yml"), "a topology file in YAML (.yaml or
                 "hf": ((".json",), "a Hugging Face config.json (.json)")}
 
 VIEWS = ("job", "choose", "scale")
-_INT_KEYS = ("microbatch", "microbatches", "stages", "min_servers", "max_servers")
+_INT_KEYS = ("microbatch", "microbatches", "global_microbatches", "stages", "min_servers", "max_servers")
 _FLOAT_KEYS = ("tokens", "days", "budget")
-_KEYS = ("view", "server", "model", "servers", "schedule", "microbatch", "microbatches", "stages", "layout",
-         "strategy", "partition",
+_KEYS = ("view", "server", "model", "servers", "schedule", "microbatch", "microbatches", "global_microbatches",
+         "stages", "layout", "strategy", "partition",
          "server_upload", "model_upload", "clusters", "tokens", "days", "budget", "min_servers", "max_servers",
          "headroom", "run")
 _NUMBER = re.compile(r"[0-9]{1,16}(\.[0-9]{0,16})?([eE]\+?[0-9]{1,2})?")
@@ -61,6 +61,11 @@ class JobInputs:
     schedule: str = api.DEFAULT_SCHEDULE
     microbatch: int | None = None
     microbatches: int = api.DEFAULT_MICROBATCHES
+    """Microbatches each replica (pipeline) runs per iteration: the job view's, as
+    ``--microbatches`` counts them."""
+    global_microbatches: int = api.DEFAULT_MICROBATCHES
+    """Microbatches per iteration over all replicas: the choose view compares layouts at this
+    global batch (``mpsim choose --global-microbatches``)."""
     stages: int | None = None
     """Pipeline stages of a job view (None: one per GPU)."""
     layout: str = ""
@@ -98,8 +103,12 @@ class JobInputs:
             pairs.append(("server", self.server))
         if self.model_upload is None:
             pairs.append(("model", self.model))
-        pairs += [("schedule", self.schedule), ("microbatches", str(self.microbatches)),
-                  ("strategy", self.strategy), ("partition", self.partition)]
+        pairs.append(("schedule", self.schedule))
+        if self.view == "job":
+            pairs.append(("microbatches", str(self.microbatches)))
+        elif self.view == "choose":
+            pairs.append(("global_microbatches", str(self.global_microbatches)))
+        pairs += [("strategy", self.strategy), ("partition", self.partition)]
         if self.microbatch is not None:
             pairs.append(("microbatch", str(self.microbatch)))
         if self.stages is not None and self.view == "job":
@@ -113,7 +122,7 @@ class JobInputs:
     def to_dict(self) -> dict:
         return {"view": self.view, "server": self.server, "model": self.model, "servers": list(self.servers),
                 "schedule": self.schedule, "microbatch": self.microbatch, "microbatches": self.microbatches,
-                "stages": self.stages, "layout": self.layout,
+                "global_microbatches": self.global_microbatches, "stages": self.stages, "layout": self.layout,
                 "strategy": self.strategy, "partition": self.partition, "server_upload": self.server_upload,
                 "model_upload": self.model_upload, "clusters": list(self.clusters), "tokens": self.tokens,
                 "days": self.days, "budget": self.budget, "min_servers": self.min_servers,
@@ -159,6 +168,7 @@ def from_query(query: Mapping[str, list[str]]) -> JobInputs:
     inputs = JobInputs()
     if "view" in given and given["view"] not in VIEWS:
         raise MpsimError(f"view: expected one of {', '.join(VIEWS)}, got {given['view']!r}")
+    _check_microbatch_keys(given.get("view", inputs.view), given)
     ints = {k: _whole_number(k, given.pop(k)) for k in _INT_KEYS if k in given}
     floats = {k: _number(k, given.pop(k)) for k in _FLOAT_KEYS if k in given}
     lists: dict[str, tuple[str, ...]] = {k: tuple(x for x in given.pop(k).split(",") if x)
@@ -180,7 +190,8 @@ def from_query(query: Mapping[str, list[str]]) -> JobInputs:
 
 
 PAGE_MAX_MICROBATCHES = 256
-"""Microbatches per iteration a run from the page may ask for (the command line: 4096)."""
+"""Microbatches per iteration a run from the page may ask for, per replica in the job view and
+over all replicas in the choose view (the command line: 4096)."""
 PAGE_MAX_MICROBATCH = 256
 """Samples per microbatch a run from the page may ask for."""
 
@@ -189,13 +200,33 @@ def check_cost(inputs: JobInputs) -> None:
     """The page's bounds on a run's work, stricter than the command line's: the simulator's
     events grow with the microbatches and their size, ``choose`` with the servers (each
     named once) and ``best``'s planners; the page serves one person at a time."""
-    if inputs.microbatches > PAGE_MAX_MICROBATCHES:
-        raise MpsimError(f"microbatches: at most {PAGE_MAX_MICROBATCHES} on the page, got {inputs.microbatches} "
-                         "(the command line takes up to 4096)")
+    for key, count in (("microbatches", inputs.microbatches), ("global_microbatches", inputs.global_microbatches)):
+        if count > PAGE_MAX_MICROBATCHES:
+            raise MpsimError(f"{key}: at most {PAGE_MAX_MICROBATCHES} on the page, got {count} "
+                             "(the command line takes up to 4096)")
     if inputs.microbatch is not None and inputs.microbatch > PAGE_MAX_MICROBATCH:
         raise MpsimError(f"microbatch: at most {PAGE_MAX_MICROBATCH} samples on the page, got {inputs.microbatch}")
     if inputs.microbatch == 0:  # every view: the choose and scale views once ran it as "the trace's" or 1
         raise MpsimError("microbatch: expected at least 1 sample (leave it empty for the trace's own), got 0")
+
+
+_MICROBATCH_KEY = {"job": "microbatches", "choose": "global_microbatches"}
+"""The microbatch count each view takes: the job view one replica's (``--microbatches``), the
+choose view the global batch its layouts share (``--global-microbatches``)."""
+
+
+_OTHER_COUNT = {"job": "the job view runs one layout, each replica its microbatches: give microbatches",
+                "choose": "the choose view compares layouts at a fixed global batch: give global_microbatches "
+                          "(per iteration over all replicas)"}
+
+
+def _check_microbatch_keys(view: str, given: Mapping[str, str]) -> None:
+    """Refuse, in one line naming both keys, the microbatch count the job or choose view does
+    not take (the scale view derives its own from the tokens per iteration and reads neither)."""
+    wanted = _MICROBATCH_KEY.get(view)
+    for key in ("microbatches", "global_microbatches"):
+        if wanted is not None and key in given and key != wanted:
+            raise MpsimError(f"{key}: {_OTHER_COUNT[view]}")
 
 
 def check_shipped(inputs: JobInputs) -> None:

@@ -109,7 +109,7 @@ def run_choose(request: RunRequest) -> dict[str, Any]:
     servers: list[str | Topology] = [*inputs.servers, *uploaded]
     report = api.choose(model_of(request), servers or "all", schedule=inputs.schedule,
                         microbatch_sizes=[inputs.microbatch] if inputs.microbatch is not None else None,
-                        microbatches=inputs.microbatches, headroom_gib=inputs.headroom)
+                        global_microbatches=inputs.global_microbatches, headroom_gib=inputs.headroom)
     return {"report": report.to_dict(), "html": choose_html(report)}
 
 

@@ -5,8 +5,8 @@
 
 const $ = (id) => document.getElementById(id);
 const UPLOADED = "__upload__";
-const FIELDS = ["server", "model", "schedule", "microbatch", "microbatches", "stages", "layout", "strategy",
-  "partition", "headroom"];
+const FIELDS = ["server", "model", "schedule", "microbatch", "microbatches", "global_microbatches", "stages", "layout",
+  "strategy", "partition", "headroom"];
 const SCALE_FIELDS = ["tokens", "days", "budget", "min_servers", "max_servers"];
 // This server's token, put in the page by the server: sent on every request that changes
 // anything, so that no other site's page can (it cannot read this page to learn it).
@@ -50,7 +50,8 @@ function setView(view) {
   $("stages-label").hidden = view !== "job";
   $("layout-label").hidden = view !== "job";
   $("schedule-label").hidden = view === "scale";  // choose --tokens: 1F1B at a fixed global batch
-  $("microbatches-label").hidden = view === "scale";
+  $("microbatches-label").hidden = view !== "job";  // per replica: one layout's count
+  $("global_microbatches-label").hidden = view !== "choose";  // the global batch the layouts share
   $("headroom-label").hidden = view === "scale";
 }
 
@@ -88,7 +89,8 @@ function toQuery(withUploads) {
   } else {
     q.set("model", $("model").value);
   }
-  for (const key of ["schedule", "microbatches", "microbatch"]) {
+  const count = { job: "microbatches", choose: "global_microbatches" }[state.view];
+  for (const key of ["schedule", "microbatch", ...(count ? [count] : [])]) {
     if ($(key).value !== "") q.set(key, $(key).value);
   }
   if (state.view !== "scale" && $("headroom").value !== "" && Number($("headroom").value) !== 1) {
