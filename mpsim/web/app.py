@@ -46,7 +46,7 @@ from mpsim import api
 from mpsim.errors import MpsimError
 from mpsim.web import charts
 from mpsim.web.inputs import MAX_UPLOAD_BYTES, UPLOAD_KINDS, JobInputs, UploadStore, check_size, from_query
-from mpsim.web.jobs import Busy, JobRunner, PageRun
+from mpsim.web.jobs import Busy, JobRunner, PageRun, short_message
 from mpsim.web.work import WORKS, JobOutcome, job_payload, request_of
 
 #: The page's files: URL path to (file in ``mpsim/web/static``, content type). Nothing
@@ -149,6 +149,21 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self._dispatch("POST")
 
+    def do_HEAD(self) -> None:
+        self._dispatch("HEAD")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    def do_PATCH(self) -> None:
+        self._dispatch("PATCH")
+
+    def do_OPTIONS(self) -> None:
+        self._dispatch("OPTIONS")
+
     def setup(self) -> None:
         super().setup()
         self.connection.settimeout(self.server.timeout_s)  # idle and short bodies: see CONNECTION_TIMEOUT_S
@@ -165,11 +180,11 @@ class Handler(BaseHTTPRequestHandler):
         except HttpError as exc:
             if exc.status in (HTTPStatus.BAD_REQUEST, HTTPStatus.FORBIDDEN):
                 self.close_connection = True  # refused before its body was read: no next request on it
-            self._send_json({"error": str(exc)}, exc.status)
+            self._send_json({"error": short_message(str(exc))}, exc.status)
         except MpsimError as exc:
-            self._send_json({"error": str(exc)}, HTTPStatus.BAD_REQUEST)
+            self._send_json({"error": short_message(str(exc))}, HTTPStatus.BAD_REQUEST)
         except Busy as exc:
-            self._send_json({"error": str(exc)}, HTTPStatus.TOO_MANY_REQUESTS)
+            self._send_json({"error": short_message(str(exc))}, HTTPStatus.TOO_MANY_REQUESTS)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
         except TimeoutError:  # a body that stopped short of its Content-Length
@@ -240,7 +255,11 @@ class Handler(BaseHTTPRequestHandler):
             match = re.fullmatch(pattern, path)
             if match and route_method == method:
                 return lambda query, h=handler, m=match: h(self, query, *m.groups())  # type: ignore[misc]
-        raise HttpError(HTTPStatus.NOT_FOUND, f"no page {path}")
+        allowed = sorted({m for m, pattern, _ in ROUTES if re.fullmatch(pattern, path)}
+                         | ({"GET"} if path in STATIC else set()))
+        if allowed:
+            raise HttpError(HTTPStatus.METHOD_NOT_ALLOWED, f"{method[:10]} {path[:100]}: use {' or '.join(allowed)}")
+        raise HttpError(HTTPStatus.NOT_FOUND, f"no page {path[:100]}")
 
     def _static(self, path: str) -> None:
         name, content_type = STATIC[path]
@@ -262,7 +281,8 @@ class Handler(BaseHTTPRequestHandler):
         if download:
             self.send_header("Content-Disposition", f'attachment; filename="{download}"')
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":  # a HEAD answer has the headers of the body it leaves out
+            self.wfile.write(body)
 
     def _send_json(self, data: object, status: HTTPStatus = HTTPStatus.OK, download: str | None = None) -> None:
         self._send((json.dumps(data, indent=1) + "\n").encode(), "application/json", status, download)

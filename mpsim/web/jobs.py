@@ -8,6 +8,7 @@ in any phase, with all of its memory) and marking the job cancelled.
 
 from __future__ import annotations
 
+import re
 import threading
 import traceback
 import uuid
@@ -23,6 +24,17 @@ MAX_JOBS = 32
 """Finished runs kept for their downloads; the oldest is dropped beyond this."""
 MAX_WAITING = 4
 """Runs that may wait for the one in progress before new ones are refused."""
+
+
+MAX_WORD_CHARS = 100
+"""A word of an error message longer than this (a value echoed back: a 20,000-character
+server name) is cut to its start and end, so the answer stays one short line."""
+
+
+def short_message(message: str) -> str:
+    """``message`` on one line, each overlong word cut (``MAX_WORD_CHARS``)."""
+    one_line = " ".join(message.split())
+    return re.sub(rf"\S{{{MAX_WORD_CHARS + 1},}}", lambda m: f"{m[0][:60]}...{m[0][-20:]}", one_line)
 
 
 class Busy(Exception):
@@ -104,7 +116,7 @@ class JobRunner:
             except Cancelled:
                 job.state = "cancelled"
             except (MpsimError, WorkerDied) as exc:
-                job.error, job.state = str(exc), "failed"
+                job.error, job.state = short_message(str(exc)), "failed"
             except Exception as exc:  # never let a run take the server down
                 traceback.print_exc()
                 job.error, job.state = f"internal error: {type(exc).__name__}: {exc}", "failed"
