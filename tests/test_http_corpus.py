@@ -209,3 +209,17 @@ def test_page_queries_are_answered_in_one_line(server, changes):
     target = "/api/jobs?" + urlencode({**JOB, **changes})
     _answered_in_one_line(server, "POST", target, b"")
     assert _running(server) == [] or all(j.cancel.is_set() for j in server.app.jobs._jobs.values() if not j.finished)
+
+
+def test_a_refused_method_with_a_body_closes_the_connection(server):
+    """POST / with a body: 405 before the body is read, so the connection closes rather than
+    reading the body as the next request (found by tests/test_fuzz_http.py)."""
+    port = server.server_address[1]
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", "/", body=b"name: x\ngpu: {count: -1}\n", headers={"Host": f"127.0.0.1:{port}"})
+        reply = conn.getresponse()
+        assert reply.status == 405 and reply.getheader("Connection") == "close"
+        _one_line(json.loads(reply.read())["error"])
+    finally:
+        conn.close()

@@ -178,7 +178,8 @@ class Handler(BaseHTTPRequestHandler):
             route = self._route(method, url.path)
             route(parse_qs(url.query, keep_blank_values=True))
         except HttpError as exc:
-            if exc.status in (HTTPStatus.BAD_REQUEST, HTTPStatus.FORBIDDEN):
+            if exc.status in (HTTPStatus.BAD_REQUEST, HTTPStatus.FORBIDDEN, HTTPStatus.NOT_FOUND,
+                              HTTPStatus.METHOD_NOT_ALLOWED):
                 self.close_connection = True  # refused before its body was read: no next request on it
             self._send_json({"error": short_message(str(exc))}, exc.status)
         except MpsimError as exc:
