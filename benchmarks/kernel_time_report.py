@@ -21,7 +21,7 @@ from mpsim.hardware.gpu_tables import shipped_table
 from mpsim.hardware.kernel_records import AttentionKernel
 from mpsim.models.trace import read_trace_file
 from mpsim.timing.calibrate_kernels import KERNEL_CLASSES, TimedPass, class_seconds, fit_kernel_table
-from mpsim.timing.costs import kernel_rates
+from mpsim.timing.costs import ESTIMATE_TIME_BAND_PCT, UNCHECKED_TIME_BAND_PCT, kernel_rates
 from mpsim.timing.kernel_time import KernelRates, attention_seconds, gemm_seconds
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -171,19 +171,147 @@ def held_out_rows() -> list[str]:
             pooled["kernels"] += kern
             roofline = f"{_rms(roof):.1f}%" if roof else f"no fit ({refused})"
             lines.append(f"| {dtype} | {stem} | {roofline} | {_rms(kern):.1f}% | {_rms(raw):.1f}% |")
-    lines += ["", f"Pooled over the held-out passes: roofline {_rms(pooled['roofline']):.1f}% rms where its fit stays "
-                  f"physical ({len(pooled['roofline'])} passes), kernel table {_rms(pooled['kernels']):.1f}% "
-                  f"({len(pooled['kernels'])} passes). Neither is checked on other GPUs; the default stays the "
-                  "roofline until the kernel tables are checked against profiles (`validate/gpu_checks.sh`)."]
+    roofline = (f"roofline {_rms(pooled['roofline']):.1f}% rms where its fit stays physical "
+                f"({len(pooled['roofline'])} passes)" if pooled["roofline"]
+                else "roofline: no split gives a physical fit (each puts matmul above the best lone GEMM)")
+    lines += ["", f"Pooled over the held-out passes: {roofline}, kernel table {_rms(pooled['kernels']):.1f}% "
+                  f"({len(pooled['kernels'])} passes). The H100 table is the default on H100s; the same "
+                  "check on other GPUs waits for their profiles (`validate/gpu_checks.sh`)."]
+    return lines
+
+
+FA2_A100_FWD_BWD = {"non-causal": (None, None, 187, 196, 201, 203), "causal": (99, 133, 155, 173, 182, 189)}
+"""FlashAttention-2 paper (arXiv 2307.08691) Fig. 4: A100 80GB, head dim 128, forward plus backward, TFLOP/s
+(batch x sequence = 16k tokens, 2048 hidden); None: the label is hidden by the figure's legend."""
+FA2_H100_FWD_BWD_CAUSAL = (163, 221, 265, 294, 308, 328)
+"""The FlashAttention repository's H100 benchmark (FlashAttention-2, head dim 128, causal, forward plus backward)."""
+PUBLISHED_GEMMS = (
+    ("A100-SXM4-80GB", "fp16", (8192, 8192, 8192), 230.0, 312.0,
+     "mli/transformers-benchmarks micro_bench (2022), torch.matmul, best square size"),
+    ("A100-SXM4-80GB", "bf16", (1024, 10240, 5120), 271.2, 312.0,
+     "stas00/ml-engineering MAMF table (torch 2.6), best shape of a sweep"),
+    ("H100-SXM5-80GB", "bf16", (8192, 8192, 8192), 769.0, 989.0, "our probe, validate/results/h100/probe.yaml"),
+    ("H100-SXM5-80GB", "fp16", (8192, 8192, 8192), 746.6, 989.0, "our probe, validate/results/h100/probe.yaml"),
+    ("V100-SXM2-32GB", "fp16", (8192, 8192, 8192), 95.0, 125.0,
+     "mli/transformers-benchmarks micro_bench (2022), torch.matmul, best square size"),
+)
+PUBLISHED_STREAMS = (
+    ("V100-SXM2-32GB", 900.0, 814.0, "te42kyfo/gpu-benches gpu-stream, triad"),
+    ("A100-SXM4-80GB", 2039.0, 0.85 * 2039.0, "te42kyfo/gpu-benches stream, A100 80GB, 85-93% (low end)"),
+    ("H100-SXM5-80GB", 3350.0, 2711.3, "our probe's device-to-device copy, validate/results/h100/probe.yaml"),
+)
+
+
+def _rates(model: str, dtype: str, peak_tflops: float, bandwidth_gbps: float = 1.0) -> KernelRates:
+    table = shipped_table(model)
+    assert table is not None
+    return KernelRates(table, dtype, peak_tflops * 1e12, bandwidth_gbps * 1e9, 2)
+
+
+def defaults_rows() -> list[str]:
+    """Which GPU families time layers by their kernel table by default, and why."""
+    from mpsim.hardware.gpu_tables import SHIPPED
+
+    lines = ["| GPU family | table's figures | used by default | band |", "|---|---|---|---|"]
+    for family, table in SHIPPED.items():
+        band = f"{table.residual_pct:g}% (checked)" if table.checked and table.residual_pct else (
+            f"{UNCHECKED_TIME_BAND_PCT:g}% (kernel data, unchecked)" if table.basis == "kernel data"
+            else f"{ESTIMATE_TIME_BAND_PCT:g}% (estimate)")
+        lines.append(f"| {family} | {table.basis} | {'yes' if table.by_default else 'no: roofline'} | {band} |")
+    return lines
+
+
+def _err(predicted: float, published: float) -> str:
+    return f"{100 * (predicted - published) / published:+.1f}%"
+
+
+def published_rows() -> tuple[list[str], dict[str, list[float]]]:
+    """Each GPU's table against published (or our) lone-kernel figures: GEMM, attention
+    (forward plus backward), streaming; and the errors per GPU."""
+    lines = ["| GPU | class | kernel | published | predicted | error | source |", "|---|---|---|---|---|---|---|"]
+    errors: dict[str, list[float]] = {}
+    for model, dtype, (m, n, k), published, peak, source in PUBLISHED_GEMMS:
+        rates = _rates(model, dtype, peak, 3350.0)
+        predicted = 2 * m * n * k / gemm_seconds(m, n, k, 1, rates) / 1e12
+        errors.setdefault(model, []).append(100 * (predicted - published) / published)
+        lines.append(f"| {model} | GEMM {dtype} | {m} x {n} x {k} | {published:g} | {predicted:.0f} | "
+                     f"{_err(predicted, published)} | {source} |")
+    for model, peak, rows, causal, source in (
+            ("A100-SXM4-80GB", 312.0, FA2_A100_FWD_BWD["non-causal"], False, "FlashAttention-2 paper Fig. 4"),
+            ("A100-SXM4-80GB", 312.0, FA2_A100_FWD_BWD["causal"], True, "FlashAttention-2 paper Fig. 4"),
+            ("H100-SXM5-80GB", 989.0, FA2_H100_FWD_BWD_CAUSAL, True, "FlashAttention repository, H100 benchmark")):
+        rates = _rates(model, "bf16", peak, 3350.0)
+        for s, published in zip(SEQS, rows, strict=True):
+            if published is None:
+                continue
+            kernels = [AttentionKernel(backward=b, batch=16384 // s, heads=16, kv_heads=16, s_q=s, s_k=s,
+                                       head_dim=128, causal=causal) for b in (False, True)]
+            predicted = sum(x.flops for x in kernels) / sum(attention_seconds(x, rates) for x in kernels) / 1e12
+            errors.setdefault(model, []).append(100 * (predicted - published) / published)
+            mask = "causal" if causal else "non-causal"
+            lines.append(f"| {model} | FlashAttention-2 fwd+bwd | seq {s}, d 128, {mask} | {published} | "
+                         f"{predicted:.0f} | {_err(predicted, published)} | {source} |")
+    for model, bandwidth, published, source in PUBLISHED_STREAMS:
+        table = shipped_table(model)
+        assert table is not None
+        predicted = bandwidth * table.memory_fraction
+        errors.setdefault(model, []).append(100 * (predicted - published) / published)
+        lines.append(f"| {model} | streaming | large copy or triad | {published:.0f} GB/s | {predicted:.0f} GB/s | "
+                     f"{_err(predicted, published)} | {source} |")
+    return lines, errors
+
+
+def h100_moved_rows() -> list[str]:
+    """The shipped traces on one H100: the old roofline fit (0.945 / 0.197 / 0.627, above the
+    GEMM ceiling) against today's default (the kernel table), as model FLOPs utilisation of
+    the layers' compute alone."""
+    from mpsim.data.catalog import load_trace
+    from mpsim.timing.costs import _layer_times, cost_model
+
+    gpu = load_topology("h100-x1").spec.gpu
+    lines = ["| trace | old fit, ms | old MFU | kernel table, ms | MFU | change |", "|---|---|---|---|---|---|"]
+    for name in ("gpt2-xl", "gpt-5.3b", "llama-3-8b", "llama-3-70b", "bert-1.67b"):
+        trace = load_trace(name)
+        dtype = trace.rate_dtype(gpu)
+        if dtype not in ("bf16", "fp16"):
+            continue
+        peak, bw = gpu.peak_tflops[dtype] * 1e12, gpu.memory_bandwidth_gbps * 1e9
+        old = _layer_times(trace, gpu, peak * 0.945, peak * 0.197, bw * 0.627)
+        new = cost_model(trace, gpu).layer_times
+        flops = sum(r.fwd_flops + r.bwd_flops for r in trace.layers)
+        t_old, t_new = float(old.fwd_s.sum() + old.bwd_s.sum()), float(new.fwd_s.sum() + new.bwd_s.sum())
+        lines.append(f"| {name} ({dtype}) | {t_old * 1e3:.1f} | {flops / t_old / peak:.0%} | {t_new * 1e3:.1f} | "
+                     f"{flops / t_new / peak:.0%} | {_err(t_new, t_old)} |")
     return lines
 
 
 def main() -> None:
     lines = ["# Kernel-shape time against kernel benchmarks and measured layers", "",
              "Made by `python benchmarks/kernel_time_report.py`; the model is `mpsim/timing/kernel_time.py`, the "
-             "tables `mpsim/hardware/gpu_tables.py`. Kernel tables are opt-in (`gpu.time_model: kernels` in a "
-             "topology file); under the default `auto` no shipped table is used yet, since none has been checked "
-             "against kernel-level profiles of its GPU.", "",
+             "tables `mpsim/hardware/gpu_tables.py`, their physical ceilings `mpsim/hardware/ceilings.py`. Under "
+             "the default `time_model: auto` a GPU's layers are timed kernel by kernel where its table rests on "
+             "kernel-level data of that GPU; elsewhere by the roofline of its topology's efficiencies.", ""]
+    lines += defaults_rows()
+    published, errors = published_rows()
+    lines += ["", "## Each GPU's table against published kernel figures", "",
+              "Predicted by the shipped table at the figure's shape; none of these rows was fitted except where the "
+              "source is the figure the table's fraction was taken from (A100 fp16 GEMM, H100 GEMMs, H100 copy).",
+              ""]
+    lines += published
+    lines += ["", "rms error per GPU over its rows: " + ", ".join(
+        f"{gpu} {_rms(e):.1f}% ({len(e)} rows)" for gpu, e in errors.items()) + ". The V100 table is not used "
+              "by default (its attention and launch figures are transferred from other GPUs).", "",
+              "## How the H100 moved: the old fit against the kernel table", "",
+              "The bf16 efficiencies mpsim calibrate fitted to our H100 layers (matmul 0.945, attention 0.197, "
+              "memory 0.627) put the matmul above what any lone GEMM reaches on an H100 (0.803); they are gone. "
+              "On the shipped traces' layers (one H100, compute alone) the kernel table that replaces them is "
+              "about as fast: the fit's high matmul rate and its low attention and memory rates cancelled. So the "
+              "fit alone does not explain end-to-end H100 runs being 1.4-1.9x faster in mpsim than measured: "
+              "what the kernels do on one GPU is pinned by our H100 layer records within 13% rms (below), and the "
+              "rest of that gap lies outside single-GPU kernels (clocks under sustained load with communication, "
+              "communication the framework leaves exposed, host overheads).", ""]
+    lines += h100_moved_rows()
+    lines += ["",
              "## Attention: FlashAttention-2 on H100 (bf16, head dim 128), TFLOP/s", "",
              "Published: FlashAttention-3 paper Fig. 5/6. The table's long-sequence fractions come from the 16k "
              "points and its half-length from the 512 points; 1k to 8k are out of sample.", ""]

@@ -6,6 +6,8 @@ bandwidths in files are GB/s (10**9 bytes per second), as vendors state them.
 
 from __future__ import annotations
 
+import math
+
 MiB = 1024**2
 GiB = 1024**3
 PiB = 1024**5
@@ -39,3 +41,22 @@ def parse_bytes(text: str) -> int:
     if n > MAX_BYTES:
         raise ValueError(f"a size must be at most 1 PiB ({MAX_BYTES} bytes): {text!r}")
     return int(round(n))
+
+
+def rate_decimals(per_s: float) -> int:
+    """Decimals that show a rate to three significant figures (none at 100 and above)."""
+    if not math.isfinite(per_s) or per_s == 0:
+        return 0
+    rounded = float(f"{abs(per_s):.3g}")  # 9.996 rounds to 10.0: three figures after rounding
+    return max(0, 2 - math.floor(math.log10(rounded)))
+
+
+def format_rate(per_s: float) -> str:
+    """A throughput to three significant figures, so two plans that differ print apart:
+    0.0912, 7.28, 12.3, 1234 (samples/s, tokens/s; the unit is the caller's)."""
+    return f"{per_s:.{rate_decimals(per_s)}f}"
+
+
+def format_rate_band(per_s: float, band_per_s: float) -> str:
+    """A rate and its band either side, the band to the rate's decimals: ``7.28 ± 0.36``."""
+    return f"{format_rate(per_s)} ± {band_per_s:.{rate_decimals(per_s)}f}"

@@ -14,7 +14,7 @@ from helpers import run_cli
 from mpsim.api import load_topology, load_trace, plan
 from mpsim.errors import MpsimError
 from mpsim.studies.choose import Tried, _standing, choose
-from mpsim.timing.costs import UNCHECKED_TIME_BAND_PCT, cost_model
+from mpsim.timing.costs import ESTIMATE_TIME_BAND_PCT, UNCHECKED_TIME_BAND_PCT, cost_model
 from mpsim.units import GiB
 from mpsim.web.inputs import JobInputs, from_query
 
@@ -74,7 +74,7 @@ def test_every_prediction_carries_the_time_band_of_its_model(llama_a100):
     r = llama_a100
     assert r.time_band_pct == UNCHECKED_TIME_BAND_PCT
     assert r.samples_per_s_band == pytest.approx(r.samples_per_s * UNCHECKED_TIME_BAND_PCT / 100)
-    assert "not checked on this GPU" in r.time_band_source
+    assert "kernel data of this GPU, not checked" in r.time_band_source
     d = r.to_dict()
     assert d["time_band_pct"] == UNCHECKED_TIME_BAND_PCT and d["samples_per_s_band"] == r.samples_per_s_band
 
@@ -87,6 +87,20 @@ def test_a_checked_kernel_table_gives_its_own_residual_as_the_band():
                                                                          "residual_pct": 4.25})})
     band, source = cost_model(load_trace("llama-3-8b"), checked).time_band()
     assert band == 4.25 and "test records" in source
+
+
+def test_the_band_follows_what_the_gpus_figures_rest_on():
+    """H100: its table was checked against our measured H100 layers (its residual); V100 and
+    TITAN RTX: no kernel data of their own in use, so twice the measured band, and the
+    source says so; MI300X: kernel data, unchecked."""
+    trace = load_trace("gpt-5.3b")
+    h100 = cost_model(trace, load_topology("dgx-h100").spec.gpu).time_band()
+    assert h100[0] == UNCHECKED_TIME_BAND_PCT and "measured H100 layer passes" in h100[1]
+    assert cost_model(trace, load_topology("mi300x-x8").spec.gpu).time_band()[0] == UNCHECKED_TIME_BAND_PCT
+    for server in ("dgx1-v100", "titanrtx-x1"):
+        band, source = cost_model(trace, load_topology(server).spec.gpu).time_band()
+        assert band == ESTIMATE_TIME_BAND_PCT == 2 * UNCHECKED_TIME_BAND_PCT
+        assert "no kernel-level data of this GPU" in source
 
 
 def test_the_unchecked_band_is_the_reports_unfitted_h100_error():
@@ -103,7 +117,7 @@ def test_choose_calls_servers_within_the_band_a_tie():
     DGX-1 for GPT-5.3B is 3.3x apart: no tie."""
     report = choose("llama-3-8b", ["dgx-a100-80gb", "dgx-h100"])
     assert [r.server for r in report.ties] == [report.rows[1].server]
-    assert "a tie within the time model's ±13% band" in report.recommendation
+    assert f"a tie within the time model's ±{UNCHECKED_TIME_BAND_PCT:g}% band" in report.recommendation
     assert report.to_dict()["ties"] == [report.rows[1].server]
     readme = " ".join((ROOT / "README.md").read_text().split())
     quoted = re.search(r"costs USD ([\d.]+) per million tokens on 8 x A100 80GB and ([\d.]+) on 8 x H100", readme)

@@ -130,11 +130,12 @@ def test_every_shipped_table_names_its_sources():
     for model, family in [("H100-SXM5-80GB", "hopper-sxm"), ("NVIDIA H100 80GB HBM3", "hopper-sxm"),
                           ("H100-PCIe-80GB", "hopper-pcie"), ("H200-SXM-141GB", "hopper-sxm"),
                           ("A100-SXM4-40GB", "ampere"), ("V100-SXM2-32GB", "volta"), ("TITAN-RTX", "turing"),
-                          ("GTX-1080-Ti", "pascal")]:
+                          ("GTX-1080-Ti", "pascal"), ("B200-GB200-186GB", "blackwell"),
+                          ("MI300X-OAM-192GB", "cdna3")]:
         assert family_of(model) == family
         t = shipped_table(model)
         assert t is not None and all(t.sources[k] for k in ("sms", "launch_floor_us", "memory_fraction"))
-    assert family_of("MI300X") is None
+    assert family_of("Gaudi3") is None
 
 
 def test_a_table_without_a_source_is_refused():

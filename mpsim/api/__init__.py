@@ -74,6 +74,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     from mpsim.studies.sweep import Point, SweepInterrupted, grid, sweep
     from mpsim.timing.calibrate import Calibration, calibrate, calibrated_yaml
     from mpsim.timing.calibrate_kernels import calibrate_profile_file, kernel_table_yaml
+    from mpsim.timing.runtime import DEFAULT_PROFILE, PROFILES
 
 #: Where each name lives (the same imports as above, made on first use).
 _HOMES: dict[str, tuple[str, ...]] = {
@@ -85,6 +86,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.studies.backends": ("backend_for", "make_backend"),
     "mpsim.timing.calibrate": ("Calibration", "calibrate", "calibrated_yaml"),
     "mpsim.timing.calibrate_kernels": ("calibrate_profile_file", "kernel_table_yaml"),
+    "mpsim.timing.runtime": ("DEFAULT_PROFILE", "PROFILES"),
     "mpsim.studies.capacity": ("FitsReport", "LayoutFits", "fits"),
     "mpsim.data.catalog": ("is_cluster", "load_cluster", "load_topology", "load_trace", "shipped_clusters",
                       "shipped_topologies", "shipped_traces"),

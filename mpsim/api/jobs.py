@@ -26,13 +26,15 @@ from mpsim.plans.plan import PlanFile, check_plan, read_plan_file
 from mpsim.plans.strategies import check_zero_stage
 from mpsim.sim import SimResult, simulate_job
 from mpsim.sim.layout import job_of_plan
+from mpsim.timing.runtime import DEFAULT_PROFILE
 
 
 def plan(server: str | Topology | None, model: str | Trace, schedule: str = DEFAULT_SCHEDULE,
          microbatch: int | None = None, microbatches: int = DEFAULT_MICROBATCHES, n_stages: int | None = None,
          strategy: str = "none",
          partition: str = "compute", record_link_rates: bool = False,
-         parallelism: Parallelism | None = None, cluster: str | Cluster | None = None, servers: int = 1) -> Planned:
+         parallelism: Parallelism | None = None, cluster: str | Cluster | None = None, servers: int = 1,
+         runtime_profile: str = DEFAULT_PROFILE) -> Planned:
     """Make a plan with a named strategy; returns it with its simulated result
     (``record_link_rates``: every change of link rates kept, for Chrome-trace counters;
     ``parallelism``: data-parallel replicas and ZeRO stage, ``mpsim.plans.job.data_parallel``;
@@ -42,14 +44,15 @@ def plan(server: str | Topology | None, model: str | Trace, schedule: str = DEFA
     return plan_job(job_of(server, model, schedule=schedule, microbatch=microbatch, microbatches=microbatches,
                            n_stages=n_stages, strategy=strategy, partition=partition,
                            record_link_rates=record_link_rates, parallelism=parallelism, cluster=cluster,
-                           servers=servers))
+                           servers=servers, runtime_profile=runtime_profile))
 
 
 def simulate(server: str | Topology, model: str | Trace, schedule: str = DEFAULT_SCHEDULE,
              microbatch: int | None = None, microbatches: int = DEFAULT_MICROBATCHES, n_stages: int | None = None,
              strategy: str = "none",
              plan_file: PlanFile | None = None, record_link_rates: bool = False,
-             partition: str = "compute", parallelism: Parallelism | None = None) -> SimResult:
+             partition: str = "compute", parallelism: Parallelism | None = None,
+             runtime_profile: str = DEFAULT_PROFILE) -> SimResult:
     """Simulate one training iteration of ``model`` on ``server``.
 
     With ``plan_file`` the plan says schedule, microbatches, partition, mapping and
@@ -61,9 +64,9 @@ def simulate(server: str | Topology, model: str | Trace, schedule: str = DEFAULT
     if plan_file is not None:
         topo = load_topology(server) if isinstance(server, str) else server
         trace = load_trace(model) if isinstance(model, str) else model
-        return simulate_job(job_of_plan(topo, trace, plan_file, record_link_rates))
+        return simulate_job(job_of_plan(topo, trace, plan_file, record_link_rates, runtime_profile=runtime_profile))
     return plan(server, model, schedule, microbatch, microbatches, n_stages, strategy, partition,
-                record_link_rates, parallelism).result
+                record_link_rates, parallelism, runtime_profile=runtime_profile).result
 
 
 def load_job(server: str | None, model: str | None, plan_path: Path | None = None, seq_len: int | None = None

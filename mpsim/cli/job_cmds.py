@@ -40,8 +40,8 @@ from mpsim.cli.progress import stops_on_signals, tasks_progress
 @html_option
 @headroom_option
 def simulate(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
-             seq_len: int | None, stages: int | None, strategy: str, partition: str, layout: api.Parallelism,
-             cluster: str | None, servers: int, plan_path: Path | None, json_out: str | None,
+             seq_len: int | None, stages: int | None, strategy: str, partition: str, runtime_profile: str,
+             layout: api.Parallelism, cluster: str | None, servers: int, plan_path: Path | None, json_out: str | None,
              chrome_trace: Path | None, plot: Path | None, html_out: Path | None, headroom_gib: float) -> None:
     """Simulate one training iteration: per-GPU peak memory, iteration time, throughput,
     and what each memory-saving technique saved and cost.
@@ -75,10 +75,11 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
         if plan_file is None:  # the plan too, for --html
             planned = api.plan(topo, trace, schedule, microbatch, microbatches, n_stages=stages, strategy=strategy,
                                partition=partition, record_link_rates=chrome_trace is not None, parallelism=layout,
-                               cluster=cluster, servers=servers)
+                               cluster=cluster, servers=servers, runtime_profile=runtime_profile)
             result, plan_file = planned.result, planned.plan
         else:
-            result = api.simulate(topo, trace, plan_file=plan_file, record_link_rates=chrome_trace is not None)
+            result = api.simulate(topo, trace, plan_file=plan_file, record_link_rates=chrome_trace is not None,
+                                  runtime_profile=runtime_profile)
     data = result.to_dict()
     for g, d in zip(result.gpus, data["gpus"], strict=True):
         d["reserved"] = g.reserved(expandable=True).to_dict(headroom_gib)  # to_dict's at the default headroom
@@ -100,8 +101,8 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
               help="plan JSON file to write")
 @json_option
 def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
-             seq_len: int | None, stages: int | None, strategy: str, partition: str, layout: api.Parallelism,
-             output: Path, json_out: str | None) -> None:
+             seq_len: int | None, stages: int | None, strategy: str, partition: str, runtime_profile: str,
+             layout: api.Parallelism, output: Path, json_out: str | None) -> None:
     """Make a memory-saving plan with a strategy and write it as a plan file.
 
     Prints the plan per stage and its simulated result; `mpsim simulate --plan FILE`
@@ -114,7 +115,8 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
     warn(api.measured_warning(trace, topo))
     with tasks_progress("plan"):
         planned = api.plan(topo, trace, schedule, microbatch, microbatches, n_stages=stages,
-                           strategy=strategy, partition=partition, parallelism=layout)
+                           strategy=strategy, partition=partition, parallelism=layout,
+                           runtime_profile=runtime_profile)
     api.write_plan_file(planned.plan, output)
     if json_out != "-":
         click.echo(plan_text(planned.plan))

@@ -29,6 +29,9 @@ SEQ_LEN_HELP = ("tokens per sample: retrace the model (a shipped transformer, or
                 "shape) at this sequence length under FakeTensor, at most its max positions if it records them  "
                 "[default: the trace's]")
 STRATEGY_HELP = api.STRATEGY_HELP
+RUNTIME_HELP = ("what the framework does at run time: megatron-lm (tensor-parallel collectives on the critical "
+                "path), megatron-core-tp-overlap and torchtitan-async-tp (hidden behind their layer's GEMMs), "
+                "eager (every kernel launched from Python, 8 us of host time each); with --plan it applies too")
 PARTITION_HELP = ("layers to stages: compute (balance compute time, as PipeDream/DAPPLE) or memory "
                   "(balance predicted peak memory, mCAP)")
 
@@ -53,6 +56,8 @@ def job_options(f: F) -> F:
         click.option("--stages", type=int, help="pipeline stages  [default: one per GPU of each replica]"),
         click.option("--strategy", default="none", show_default=True, help=STRATEGY_HELP),
         click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP),
+        click.option("--runtime", "runtime_profile", type=click.Choice(list(api.PROFILES)),
+                     default=api.DEFAULT_PROFILE, show_default=True, help=RUNTIME_HELP),
     ])
 
 

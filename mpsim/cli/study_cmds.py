@@ -13,6 +13,7 @@ import click
 from mpsim import api
 from mpsim.cli.options import (
     PARTITION_HELP,
+    RUNTIME_HELP,
     SCHEDULE_HELP,
     SEQ_LEN_HELP,
     SERVER_HELP,
@@ -260,6 +261,8 @@ def _calibrate_profile(path: Path, dtype: str, topo: api.Topology, output: Path 
               help="on-demand USD per hour of a server, instead of its file's price; repeat for several")
 @click.option("--rank-by", type=click.Choice(["cost", "throughput"]), default="cost", show_default=True,
               help="cost: USD per million samples, cheapest first; throughput: fastest first")
+@click.option("--runtime", "runtime_profile", type=click.Choice(list(api.PROFILES)), default=api.DEFAULT_PROFILE,
+              show_default=True, help=RUNTIME_HELP)
 @click.option("--tokens", type=float, help="train on this many tokens: answer how many servers of each cluster, "
                                            "with which layout, for how long and at what cost (e.g. 2e12)")
 @click.option("--days", type=float, help="with --tokens: the deadline; the pick is the fewest servers within it")
@@ -284,7 +287,8 @@ def _calibrate_profile(path: Path, dtype: str, topo: api.Topology, output: Path 
 @html_option
 def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, global_microbatches: int,
                per_replica_microbatches: str | None, seq_len: int | None, strategies: str,
-               layouts: str, price_overrides: tuple[str, ...], rank_by: str, tokens: float | None, days: float | None,
+               layouts: str, price_overrides: tuple[str, ...], rank_by: str, runtime_profile: str,
+               tokens: float | None, days: float | None,
                budget: float | None, clusters: str, batch_tokens: int, discount: float, min_servers: int,
                max_servers: int | None, workers: int, backend: str, address: str | None, headroom_gib: float,
                json_out: str | None, plot: Path | None, html_out: Path | None) -> None:
@@ -351,7 +355,7 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, globa
     with stops_on_signals("choose", STOPPED), _ending(runner), steps_progress("choose") as step:
         report = api.choose(chosen, names, schedule, mb_sizes, tuple(comma_list(strategies, "--strategy")),
                             global_microbatches, prices, rank_by, on_point=step, layouts=layouts,
-                            headroom_gib=headroom_gib, backend=runner)
+                            headroom_gib=headroom_gib, backend=runner, runtime_profile=runtime_profile)
     _show(json_out, choose_text(report), report.to_dict(), (lambda: plot_choose(report, plot)) if plot else None,
           html_out, lambda: choose_page(report))
     if not any(r.fits for r in report.rows):
@@ -360,7 +364,7 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, globa
 
 _NOT_WITH_TOKENS = {"schedule": "--schedule", "strategies": "--strategy", "layouts": "--layouts",
                     "rank_by": "--rank-by", "headroom_gib": "--headroom", "price_overrides": "--price",
-                    "global_microbatches": "--global-microbatches"}
+                    "global_microbatches": "--global-microbatches", "runtime_profile": "--runtime"}
 """``choose`` options (parameter -> option) the search over clusters does not use."""
 _NOT_WITH_TOKENS_WHY = {
     "--schedule": "the search over clusters runs 1f1b",
@@ -372,6 +376,7 @@ _NOT_WITH_TOKENS_WHY = {
     "--price": "the search over clusters prices each cluster from its file (--discount takes a fraction off)",
     "--global-microbatches": "the search over clusters holds --batch-tokens (tokens per iteration over all "
                              "replicas) fixed instead",
+    "--runtime": "the search over clusters runs the default runtime profile (megatron-lm)",
 }
 _ONLY_WITH_TOKENS = {"clusters": "--clusters", "batch_tokens": "--batch-tokens", "discount": "--discount",
                      "min_servers": "--min-servers", "max_servers": "--max-servers"}

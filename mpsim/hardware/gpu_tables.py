@@ -14,6 +14,7 @@ the GPU's family is used (``kernel_table``), found from the model name.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -71,6 +72,17 @@ class KernelTable(FileModel):
     residual_pct: float | None = Field(
         default=None, ge=0, le=1e4, description="rms relative error of the layer or kernel times it was checked "
                                                 "against, %: the band of its predictions")
+    basis: Literal["kernel data", "transferred"] = Field(
+        default="transferred", description="kernel data: its GEMM, attention and memory figures come from "
+                                           "kernel-level measurements of this GPU family (ours or published), so "
+                                           "it times layers by default; transferred: taken from another GPU's, "
+                                           "an estimate (opt-in with time_model: kernels)")
+
+    @property
+    def by_default(self) -> bool:
+        """Whether it times layers under ``time_model: auto``: it rests on kernel data of
+        its GPU, or has been checked against measurements of it."""
+        return self.basis == "kernel data" or self.checked is not None
 
     @model_validator(mode="after")
     def _sources_named(self) -> KernelTable:
@@ -100,26 +112,39 @@ _SIMT_TILES = [GemmTile(rows=128, cols=128, relative=1.0), GemmTile(rows=128, co
 # H100 probe: 8192^3 GEMMs, 128x256 tiles: 64 x 32 = 2048 tiles over 132 SMs = 16 waves for 15.52 of work,
 # so the full-wave fraction is the measured one x 16/15.52.
 _H100_WAVES = 16 / (2048 / 132)
+
+
+def _share(x: float) -> float:
+    """A share of peak to three places, rounded down (a table never above its measurement)."""
+    return math.floor(x * 1000) / 1000
+
 _FP32_SIMT = 51.35 / 67.0 * (32 / (4096 / 132))  # H100 fp32 probe, 128x128 tiles: 4096 tiles, 32 waves
+H100_LAYER_RMS_PCT = 12.6
+"""The unfitted H100 table's rms error on our measured H100 transformer-layer and head passes
+(bf16; reports/kernel_time.md, which benchmarks/kernel_time_report.py writes)."""
+_H100_LAYERS = ("our measured H100 layer passes (validate/results/h100/trace_bf16*.json; bf16 rms error of the "
+                "unfitted table over the transformer-layer and head passes, reports/kernel_time.md)")
 _FLASH_H100 = AttentionRate(fwd_fraction=0.374, bwd_fraction=0.326, fwd_half_seq=100.0, bwd_half_seq=260.0)
 
 
 def _hopper(sms: int) -> KernelTable:
     return KernelTable(
         sms=sms, launch_floor_us=4.0, memory_fraction=round(2711.3 / 3350, 3),
-        gemm={"bf16": GemmRate(fraction=round(769.0 / 989 * _H100_WAVES, 3), tiles=_HOPPER_TILES),
-              "fp16": GemmRate(fraction=round(746.6 / 989 * _H100_WAVES, 3), tiles=_HOPPER_TILES),
-              "tf32": GemmRate(fraction=round(769.0 / 989 * _H100_WAVES, 3), tiles=_HOPPER_TILES),
-              "fp8": GemmRate(fraction=round(769.0 / 989 * _H100_WAVES, 3), tiles=_HOPPER_TILES),
+        gemm={"bf16": GemmRate(fraction=_share(769.0 / 989 * _H100_WAVES), tiles=_HOPPER_TILES),
+              "fp16": GemmRate(fraction=_share(746.6 / 989 * _H100_WAVES), tiles=_HOPPER_TILES),
+              "tf32": GemmRate(fraction=_share(769.0 / 989 * _H100_WAVES), tiles=_HOPPER_TILES),
+              "fp8": GemmRate(fraction=_share(1402.6 / 1979), tiles=_HOPPER_TILES),
               "fp32": GemmRate(fraction=round(_FP32_SIMT, 3), tiles=_SIMT_TILES)},
-        attention={"bf16": _FLASH_H100, "fp16": _FLASH_H100},
+        attention={"bf16": _FLASH_H100, "fp16": _FLASH_H100}, basis="kernel data",
+        checked=_H100_LAYERS, residual_pct=H100_LAYER_RMS_PCT,
         sources={"sms": "NVIDIA H100 Tensor Core GPU Architecture whitepaper (132 SMs SXM5; 114 PCIe)",
                  "launch_floor_us": _FLOOR,
                  "memory_fraction": f"device-to-device copy 2711.3 GB/s of 3350 GB/s: {_OUR_H100}",
                  "gemm.bf16": f"8192^3 bf16 matmul 769.0 TFLOP/s: {_OUR_H100}; {_TILE_ESTIMATE}",
                  "gemm.fp16": f"8192^3 fp16 matmul 746.6 TFLOP/s: {_OUR_H100}",
                  "gemm.tf32": "estimate: taken as bf16's share of its own peak",
-                 "gemm.fp8": "estimate: taken as bf16's share of its own peak (Transformer Engine recipe)",
+                 "gemm.fp8": "stas00/ml-engineering MAMF table: H100 SXM fp8 1402.6 of 1979 TFLOP/s (best shape "
+                             "of a sweep, so a full-wave fraction at most that)",
                  "gemm.fp32": f"8192^3 fp32 (no TF32) matmul 51.35 TFLOP/s: {_OUR_H100}",
                  "attention.bf16": _FA3_PAPER + "; half_seq fitted to the 512 points",
                  "attention.fp16": _FA3_PAPER})
@@ -147,7 +172,7 @@ def _ampere() -> KernelTable:
         sms=108, launch_floor_us=4.0, memory_fraction=round(2711.3 / 3350, 3),
         gemm={"fp16": tc, "bf16": tc, "tf32": GemmRate(fraction=round(116 / 156, 3), tiles=_TC_TILES),
               "fp32": GemmRate(fraction=round(_FP32_SIMT, 3), tiles=_SIMT_TILES)},
-        attention={"fp16": _FLASH_A100, "bf16": _FLASH_A100}, sources=_A100_SOURCES)
+        attention={"fp16": _FLASH_A100, "bf16": _FLASH_A100}, sources=_A100_SOURCES, basis="kernel data")
 
 
 def _older(sms: int, name: str, tensor_cores: bool) -> KernelTable:
@@ -167,6 +192,48 @@ def _older(sms: int, name: str, tensor_cores: bool) -> KernelTable:
                                                   "multiplies for 4 outputs instead of 36, 2.25x fewer FLOPs"})
 
 
+_MAMF = "stas00/ml-engineering, Maximum Achievable Matmul FLOPS table (mamf-finder: best shape of a sweep)"
+_MEMORY_TRANSFER = ("transferred from our H100 copy probe (0.809 of peak; " + _OUR_H100 + "): no streaming "
+                    "benchmark of this GPU used")
+
+
+def _blackwell() -> KernelTable:
+    """GB200's B200 GPUs: GEMM shares from the MAMF table (per GB200 GPU, against its 2,500
+    TFLOP/s bf16 peak), attention from FlashAttention-4's B200 figure."""
+    flash = AttentionRate(fwd_fraction=round(1613 / 2250, 3), bwd_fraction=round(1613 / 2250 * 322 / 370, 3),
+                          fwd_half_seq=100.0, bwd_half_seq=260.0)
+    return KernelTable(
+        sms=148, launch_floor_us=4.0, memory_fraction=round(2711.3 / 3350, 3),
+        gemm={"bf16": GemmRate(fraction=_share(1822 / 2500), tiles=_HOPPER_TILES),
+              "fp16": GemmRate(fraction=_share(1822 / 2500), tiles=_HOPPER_TILES),
+              "fp8": GemmRate(fraction=_share(3615.6 / 5000), tiles=_HOPPER_TILES)},
+        attention={"bf16": flash, "fp16": flash}, basis="kernel data",
+        sources={"sms": "NVIDIA Blackwell architecture: 148 SMs per B200 (74 per die)",
+                 "launch_floor_us": _FLOOR, "memory_fraction": _MEMORY_TRANSFER,
+                 "gemm.bf16": f"{_MAMF}: GB200 bf16 1822 of 2500 TFLOP/s; {_TILE_ESTIMATE}",
+                 "gemm.fp16": "as bf16 (same tensor-core rate)",
+                 "gemm.fp8": f"{_MAMF}: GB200 fp8 3615.6 of 5000 TFLOP/s",
+                 "attention.bf16": "FlashAttention-4 (arXiv 2603.05451): 1613 TFLOP/s bf16 forward on B200, 71.7% "
+                                   "of 2250; backward x 322/370 and half_seq as FlashAttention-2 on H100 (estimate)",
+                 "attention.fp16": "as bf16"})
+
+
+def _cdna3() -> KernelTable:
+    """MI300X: GEMM shares from the MAMF table (PyTorch, hipBLASLt); no fused attention
+    figure, so attention runs as the memory-efficient kernel at the GEMM rate."""
+    return KernelTable(
+        sms=304, launch_floor_us=4.0, memory_fraction=round(2711.3 / 3350, 3),
+        gemm={"bf16": GemmRate(fraction=_share(668.4 / 1307.4), tiles=_HOPPER_TILES),
+              "fp16": GemmRate(fraction=_share(654 / 1307.4), tiles=_HOPPER_TILES),
+              "fp8": GemmRate(fraction=_share(1273 / 2614.9), tiles=_HOPPER_TILES)},
+        basis="kernel data",
+        sources={"sms": "AMD CDNA 3 white paper: 304 compute units on MI300X",
+                 "launch_floor_us": _FLOOR, "memory_fraction": _MEMORY_TRANSFER,
+                 "gemm.bf16": f"{_MAMF}: MI300X bf16 668.4 TFLOP/s with PyTorch (of 1307.4); {_TILE_ESTIMATE}",
+                 "gemm.fp16": "AMD ROCm blog (2025-02-28): MI300X fp16 GEMM 654 TFLOP/s",
+                 "gemm.fp8": "AMD ROCm blog (2025-02-28): MI300X fp8 GEMM 1273 TFLOP/s"})
+
+
 SHIPPED: dict[str, KernelTable] = {
     "hopper-sxm": _hopper(132),
     "hopper-pcie": _hopper(114),
@@ -174,12 +241,15 @@ SHIPPED: dict[str, KernelTable] = {
     "volta": _older(80, "V100", tensor_cores=True),
     "turing": _older(72, "TITAN RTX", tensor_cores=True),
     "pascal": _older(28, "GTX 1080 Ti", tensor_cores=False),
+    "blackwell": _blackwell(),
+    "cdna3": _cdna3(),
 }
 """Tables by GPU family; ``family_of`` maps a model name onto them."""
 
 _FAMILY_WORDS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("H100", "PCIE"), "hopper-pcie"),
     (("H100",), "hopper-sxm"), (("H200",), "hopper-sxm"), (("GH200",), "hopper-sxm"),
+    (("B200",), "blackwell"), (("GB200",), "blackwell"), (("MI300X",), "cdna3"), (("MI325X",), "cdna3"),
     (("A100",), "ampere"), (("V100",), "volta"), (("TITAN", "RTX"), "turing"), (("1080",), "pascal"),
 )
 

@@ -17,6 +17,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from mpsim.datafile import FileModel
 from mpsim.errors import SchemaError
+from mpsim.hardware.ceilings import check_efficiency, check_table
 from mpsim.hardware.gpu_tables import KernelTable, shipped_table
 from mpsim.hardware.tiers import (
     CpuLink,
@@ -110,8 +111,9 @@ class GpuSpec(FileModel):
     time_model: Literal["auto", "kernels", "roofline"] = Field(
         default="auto", description="kernels: each kernel timed from its shape (mpsim.timing.kernel_time) where the "
                                     "trace records kernels and a table exists; roofline: the per-class "
-                                    "efficiencies of `efficiency`; auto: kernels where the GPU's table has been "
-                                    "checked against measurements of that GPU (KernelTable.checked), else roofline")
+                                    "efficiencies of `efficiency`; auto: kernels where the GPU's table rests on "
+                                    "kernel-level data of that GPU or has been checked against its measurements "
+                                    "(KernelTable.by_default), else roofline")
 
     @model_validator(mode="after")
     def _reserved_below_memory(self) -> GpuSpec:
@@ -120,16 +122,21 @@ class GpuSpec(FileModel):
         for dtype, tflops in self.peak_tflops.items():
             if not MIN_TFLOPS <= tflops <= MAX_TFLOPS:
                 raise ValueError(f"peak_tflops.{dtype} must be between {MIN_TFLOPS:g} and {MAX_TFLOPS:g}")
-        for dtype in self.efficiency or {}:
+        for dtype, eff in (self.efficiency or {}).items():
             if dtype not in self.peak_tflops:
                 raise ValueError(f"efficiency.{dtype}: no peak_tflops.{dtype} to take a fraction of")
+            above = check_efficiency(self.model, dtype, eff.matmul, eff.attention, eff.memory)
+            if above:
+                raise ValueError(f"efficiency.{above[0]}")
+        if self.kernels is not None and (above := check_table(self.model, self.kernels)):
+            raise ValueError(f"kernels: {above[0]}")
         return self
 
     def kernel_table(self) -> KernelTable | None:
         """The table that times this GPU's kernels: its own, else the shipped one for its
         model (``mpsim.hardware.gpu_tables.shipped_table``); None under ``time_model: roofline``."""
         table = self.kernels or shipped_table(self.model)
-        if self.time_model == "roofline" or (self.time_model == "auto" and not (table and table.checked)):
+        if self.time_model == "roofline" or (self.time_model == "auto" and not (table and table.by_default)):
             return None
         return table
 

@@ -35,6 +35,7 @@ from mpsim.plans.mesh import (  # noqa: F401 - the layout's names, read from the
 from mpsim.plans.partition import PARTITIONS, check_partition
 from mpsim.plans.schedule import check_interleaved, check_schedule
 from mpsim.plans.strategies import strategy_named
+from mpsim.timing.runtime import DEFAULT_PROFILE, profile_named
 
 DEFAULT_SERVER = "dgx1-v100"
 """The server a command uses when none is named: MPress's DGX-1 (papers/mpress.txt IV-A)."""
@@ -81,8 +82,12 @@ class JobSpec:
     """Servers of ``topology``'s type joined by a fabric (``mpsim.hardware.cluster``); None: one server."""
     servers: int = 1
     """Servers the job fills, all of their GPUs (with a cluster)."""
+    runtime_profile: str = DEFAULT_PROFILE
+    """What the framework does at run time (``mpsim.timing.runtime``): which communication
+    hides behind which compute, and the host's dispatch of kernels."""
 
     def __post_init__(self) -> None:
+        profile_named(self.runtime_profile)
         why = self.parallelism.unsupported()
         if why is not None:
             raise MpsimError(why)
@@ -239,12 +244,13 @@ def job_of(server: str | Topology | None, model: str | Trace, *, schedule: str =
            microbatch: int | None = None, microbatches: int = DEFAULT_MICROBATCHES, n_stages: int | None = None,
            strategy: str = "none", partition: str = "compute", record_link_rates: bool = False,
            parallelism: Parallelism | None = None, cluster: str | Cluster | None = None,
-           servers: int = 1) -> JobSpec:
+           servers: int = 1, runtime_profile: str = DEFAULT_PROFILE) -> JobSpec:
     """A job from names or loaded objects: ``microbatch`` rescales the trace (None keeps the
     traced size); ``n_stages`` None means one stage per GPU of each replica;
     ``parallelism`` the layout (``n_stages`` sets its pipeline's depth where the layout
     leaves it open, and may not contradict it: ``with_stages``); ``cluster``
-    and ``servers``: that many of the cluster's servers (``server`` None: the cluster's)."""
+    and ``servers``: that many of the cluster's servers (``server`` None: the cluster's);
+    ``runtime_profile``: the framework's run-time rules (``mpsim.timing.runtime``)."""
     from mpsim.data.catalog import (  # here: `mpsim --help` reads the defaults only
         load_cluster,
         load_topology,
@@ -260,4 +266,4 @@ def job_of(server: str | Topology | None, model: str | Trace, *, schedule: str =
         trace = trace.rescale(microbatch)  # checks it (check_microbatch)
     layout = pipeline(n_stages) if parallelism is None else with_stages(parallelism, n_stages)
     return JobSpec(topo, trace, schedule, microbatches, layout, partition, strategy, record_link_rates, joined,
-                   servers)
+                   servers, runtime_profile)

@@ -34,6 +34,7 @@ from mpsim.sim.tensor_group import TensorGroup
 from mpsim.sim.turns import GpuTurns
 from mpsim.sim.update import Updater
 from mpsim.timing.costs import CostModel, cost_model
+from mpsim.timing.runtime import dispatch_bound, profile_named
 
 __all__ = ["Job", "Layout", "simulate_job", "simulate_layout"]
 
@@ -82,6 +83,7 @@ def _simulate(layout: Layout) -> SimResult:
     else:
         result = _result(run, stages, run.env.now)
     result.time_band_pct, result.time_band_source = costs.time_band()
+    result.runtime_profile = layout.job.runtime_profile
     return result
 
 
@@ -93,8 +95,10 @@ def _measured_window(updater: Updater, microbatches: int) -> tuple[float, float]
 
 
 def _stage_program(run: RunContext, s: int, costs: CostModel, sharding: Sharding | None) -> StageProgram:
-    """Stage ``s``'s program (``build_program``), or the one built before in this process
-    for the same trace, server, layers, place in the pipeline, runtime and actions: a
+    """Stage ``s``'s program (``build_program``) under the job's runtime profile (its host
+    dispatch bound on each pass, its overlap of tensor-parallel collectives), or the one
+    built before in this process for the same trace, server, layers, place in the
+    pipeline, runtime, profile and actions: a
     program depends on nothing else, and planners simulate many plans that change the
     actions of a few stages only (``PROGRAMS``)."""
     layout = run.layout
@@ -103,15 +107,19 @@ def _stage_program(run: RunContext, s: int, costs: CostModel, sharding: Sharding
     actions = layout.actions[s]
     segments = layout.recompute_checkpoints == "segment"
     tensor_parallel = layout.parallelism.tensor > 1
+    profile = profile_named(layout.job.runtime_profile)
     key = (layout.trace.content_hash, run.topo.content_hash, a, b, first, last, run.torch_pipelining, segments,
-           sharding, tensor_parallel, tuple((j, actions[j].model_dump_json()) for j in sorted(actions)))
+           sharding, tensor_parallel, profile.name, tuple((j, actions[j].model_dump_json()) for j in sorted(actions)))
     program = _PROGRAMS.get(key)
     if program is not None:
         return program
     rows, times = layout.trace.layers[a:b], costs.layer_times
-    return _PROGRAMS.put(key, build_program(rows, times.fwd_s[a:b], times.bwd_s[a:b], a, first, last, actions,
-                                            run.torch_pipelining, costs.attention_core_s[a:b], segments, sharding,
-                                            tensor_parallel))
+    fwd_s = dispatch_bound(times.fwd_s[a:b], times.launches_fwd[a:b], profile)
+    bwd_s = dispatch_bound(times.bwd_s[a:b], times.launches_bwd[a:b], profile)
+    overlap = (times.gemm_fwd_s[a:b], times.gemm_bwd_s[a:b]) if profile.tp_comm_overlap else None
+    return _PROGRAMS.put(key, build_program(rows, fwd_s, bwd_s, a, first, last, actions, run.torch_pipelining,
+                                            costs.attention_core_s[a:b], segments, sharding, tensor_parallel,
+                                            overlap))
 
 
 def sharding_of(layout: Layout) -> Sharding | None:

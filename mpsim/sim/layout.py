@@ -35,6 +35,7 @@ from mpsim.plans.plan import (
 )
 from mpsim.sim.placement import Groups, Replicas, place_job
 from mpsim.timing.costs import cost_model
+from mpsim.timing.runtime import DEFAULT_PROFILE
 
 Runtime = Literal["mpress", "torch-pipelining"]
 T = TypeVar("T")
@@ -66,11 +67,12 @@ class Job:
 
 
 def job_of_plan(topo: Topology, trace: Trace, plan: PlanFile, record_link_rates: bool = False,
-                runtime: Runtime = "mpress") -> Job:
+                runtime: Runtime = "mpress", runtime_profile: str = DEFAULT_PROFILE) -> Job:
     """The job a plan file describes on ``topo``, with ``trace`` rescaled to the plan's
-    microbatch; the plan's own rules are checked when it is resolved (``check_plan``)."""
+    microbatch, under ``runtime_profile`` (``mpsim.timing.runtime``); the plan's own rules
+    are checked when it is resolved (``check_plan``)."""
     spec = JobSpec(topo, trace.rescale(plan.microbatch), plan.schedule, plan.microbatches,
-                   parallelism_of_plan(plan), record_link_rates=record_link_rates)
+                   parallelism_of_plan(plan), record_link_rates=record_link_rates, runtime_profile=runtime_profile)
     return Job(spec, plan, runtime=runtime)
 
 

@@ -152,6 +152,10 @@ class Piece:
     tensor-parallel group once its compute is done, on the critical path (the trace's
     ``fwd_collectives``/``bwd_collectives``; a recomputed layer's forward ones again
     before its backward's)."""
+    overlap_s: float = 0.0
+    """Under a runtime that overlaps tensor-parallel communication with GEMMs
+    (``mpsim.timing.runtime``): the seconds of the piece's GEMMs, at its end, that its
+    collectives run beside; 0: they run after its compute."""
 
 
 @dataclass
@@ -305,7 +309,8 @@ class _StageRows:
 def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, first: int, is_first_stage: bool,
                   is_last_stage: bool, actions: dict[int, LayerAction], keep_received: bool = False,
                   core_s: np.ndarray | None = None, segments: bool = False,
-                  sharding: Sharding | None = None, tensor_parallel: bool = False) -> StageProgram:
+                  sharding: Sharding | None = None, tensor_parallel: bool = False,
+                  overlap: tuple[np.ndarray, np.ndarray] | None = None) -> StageProgram:
     """``rows`` are the stage's layers, ``first`` the index of rows[0] in the model,
     ``actions`` keyed by model layer index (missing: keep). With ``keep_received`` the
     received activation (input of the first layer) and gradient (of the last layer's
@@ -314,15 +319,17 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
     needed only by selective recompute, else zeros). ``segments``: consecutive recomputed
     layers share the first one's checkpoint and re-run together (module doc). ``sharding``:
     the data-parallel group's (None: one GPU), see ``Sharding`` and the module doc.
-    ``tensor_parallel``: the rows are a tensor-parallel shard's (``Piece.collectives``)."""
+    ``tensor_parallel``: the rows are a tensor-parallel shard's (``Piece.collectives``);
+    ``overlap``: per layer, the forward's and the backward's GEMM seconds that its
+    collectives hide behind (``Piece.overlap_s``; None: no overlap)."""
     st = _StageRows(rows, first, is_first_stage, is_last_stage, actions, keep_received and not is_first_stage,
                 keep_received and not is_last_stage, segments, sharding, tensor_parallel)
     forward, forward_s, split_forward_s, forward_ends = _forward(st, fwd_s)
     redo_s = {"recompute": fwd_s, "selective": np.zeros(len(rows)) if core_s is None else core_s}
     backward, swap_ins, backward_s, remat_s, split_backward_s, ends = _backward(st, redo_s, bwd_s)
     if tensor_parallel:
-        forward = _with_collectives(forward, _layer_collectives(st, forward_ends, backward=False))
-        backward = _with_collectives(backward, _layer_collectives(st, ends, backward=True))
+        forward = _with_collectives(forward, _layer_collectives(st, forward_ends, False, overlap))
+        backward = _with_collectives(backward, _layer_collectives(st, ends, True, overlap))
     return StageProgram(forward, backward, swap_ins, forward_s, backward_s, remat_s["recompute"],
                         remat_s["selective"], split_forward_s, split_backward_s, dict(actions))
 
@@ -495,31 +502,45 @@ def _backward_pieces(st: _StageRows, ev: list[Event], cuts: list[tuple[int, floa
     return pieces
 
 
-def _layer_collectives(st: _StageRows, ends: list[tuple[float, int]],
-                       backward: bool) -> list[tuple[float, list[tuple[str, int]]]]:
-    """(end time, collectives) of each layer in ``ends`` (``_forward``'s or ``_backward``'s):
-    its forward's, or in the backward a fully recomputed layer's forward ones (its re-run)
-    and then its backward's."""
-    out: list[tuple[float, list[tuple[str, int]]]] = []
+_LayerComm = tuple[float, list[tuple[str, int]], float]
+"""(end time, collectives, GEMM seconds they may hide behind) of one layer's pass."""
+
+
+def _layer_collectives(st: _StageRows, ends: list[tuple[float, int]], backward: bool,
+                       overlap: tuple[np.ndarray, np.ndarray] | None) -> list[_LayerComm]:
+    """(end time, collectives, overlap seconds) of each layer in ``ends`` (``_forward``'s or
+    ``_backward``'s): its forward's, or in the backward a fully recomputed layer's forward
+    ones (its re-run) and then its backward's; with ``overlap``, the GEMM seconds of the
+    same passes."""
+    out: list[_LayerComm] = []
     for t, j in ends:
-        row, act = st.rows[j - st.first], st.actions.get(j)
-        redo = row.fwd_collectives if backward and act is not None and act.action == "recompute" else []
-        run = (*redo, *row.bwd_collectives) if backward else row.fwd_collectives
-        out.append((t, [(c.op, c.n_bytes) for c in run]))
+        k = j - st.first
+        row, act = st.rows[k], st.actions.get(j)
+        redone = backward and act is not None and act.action == "recompute"
+        run = (*(row.fwd_collectives if redone else []), *row.bwd_collectives) if backward else row.fwd_collectives
+        gemm_s = 0.0
+        if overlap is not None:
+            gemm_s = float(overlap[1][k]) + (float(overlap[0][k]) if redone else 0.0) if backward else float(
+                overlap[0][k])
+        out.append((t, [(c.op, c.n_bytes) for c in run], gemm_s))
     return out
 
 
-def _with_collectives(pieces: list[Piece], ends: list[tuple[float, list[tuple[str, int]]]]) -> list[Piece]:
+def _with_collectives(pieces: list[Piece], ends: list[_LayerComm]) -> list[Piece]:
     """Each layer's collectives on the piece its compute ends in (the first piece that
-    ends at or after it: pieces are cut at every layer)."""
+    ends at or after it: pieces are cut at every layer), with the GEMM seconds they hide
+    behind (at most the piece's own length)."""
     per_piece: list[list[tuple[str, int]]] = [[] for _ in pieces]
+    hidden_s = [0.0] * len(pieces)
     i, end = 0, pieces[0].duration_s
-    for t, collectives in ends:
+    for t, collectives, gemm_s in ends:
         while end < t * (1 - 1e-12) and i < len(pieces) - 1:
             i += 1
             end += pieces[i].duration_s
         per_piece[i] += collectives
-    return [replace(p, collectives=tuple(c)) if c else p for p, c in zip(pieces, per_piece)]
+        hidden_s[i] += gemm_s
+    return [replace(p, collectives=tuple(c), overlap_s=min(h, p.duration_s)) if c else p
+            for p, c, h in zip(pieces, per_piece, hidden_s)]
 
 
 def _recompute_layer(lay: _Layer, t: float, dur: float, ev: list[Event]) -> None:

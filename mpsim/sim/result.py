@@ -141,6 +141,8 @@ class SimResult:
     time_band_pct: float = 0.0
     """The iteration time's error band, % either side (``CostModel.time_band``)."""
     time_band_source: str = ""
+    runtime_profile: str = ""
+    """The runtime profile the engine applied (``mpsim.timing.runtime``)."""
 
     @property
     def runs_on(self) -> str | None:
@@ -208,6 +210,7 @@ class SimResult:
             "fits": self.fits,
             "time_band_pct": self.time_band_pct,
             "time_band_source": self.time_band_source,
+            "runtime_profile": self.runtime_profile,
             "samples_per_s_band": self.samples_per_s_band,
             "tokens_per_s": self.tokens_per_s,
             "server": self.server,

@@ -179,13 +179,16 @@ class ComputeStream:
                 memory.start_piece(template, label, climb_running)
             else:  # a wait for room settles the step once its waiter is in line (DeviceMemory._until)
                 yield from self._start_piece(piece, label, climb_running, task, last_backward)
-            if piece.duration_s:
-                ends = sleep(env, piece.duration_s)
-                memory.settle()
-                yield ends
-                memory.defer_pokes(defer)  # from this piece's end to the next wait
-            if piece.collectives and self.tp is not None:
-                yield from self.tp.communicate(piece.collectives, f"{word} of microbatch {mb}")
+            if piece.overlap_s and self.tp is not None:  # collectives beside the piece's last GEMMs
+                yield from self._overlapped(piece, f"{word} of microbatch {mb}")
+            else:
+                if piece.duration_s:
+                    ends = sleep(env, piece.duration_s)
+                    memory.settle()
+                    yield ends
+                    memory.defer_pokes(defer)  # from this piece's end to the next wait
+                if piece.collectives and self.tp is not None:
+                    yield from self.tp.communicate(piece.collectives, f"{word} of microbatch {mb}")
             memory.end_piece(template, climb_after)
             if piece.swap_out is not None:
                 self.swapper.start_swap_out(mb, piece.swap_out)
@@ -194,6 +197,25 @@ class ComputeStream:
         memory.settle(last_act=False)  # the step goes on in process(): the recheck waits for it
         if dp is not None and last_backward:
             dp.after_last_backward()
+
+    def _overlapped(self, piece: Piece, label: str) -> Generator[simpy.Event, object, None]:
+        """A piece whose collectives run beside its last ``overlap_s`` seconds of GEMMs
+        (``mpsim.timing.runtime``): the compute up to them, then both; the stream goes on
+        when both are done."""
+        env, memory, tp = self.run.env, self.memory, self.tp
+        assert tp is not None
+        before_s = piece.duration_s - piece.overlap_s
+        if before_s > 0:
+            ends = sleep(env, before_s)
+            memory.settle()
+            yield ends
+        comm = env.process(tp.communicate(piece.collectives, label))
+        ends = sleep(env, piece.overlap_s)
+        memory.settle()
+        yield ends
+        if not comm.processed:
+            yield comm
+        memory.defer_pokes(False)
 
     def _start_piece(self, piece: Piece, label: str, climb_running: int, task: Task,
                      last_backward: bool) -> Generator[simpy.Event, object, None]:

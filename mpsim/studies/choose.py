@@ -31,7 +31,8 @@ from mpsim.plans.strategies import combines
 from mpsim.sim import SimResult
 from mpsim.studies import bounds
 from mpsim.studies.backends import Backend, run_points
-from mpsim.units import GiB
+from mpsim.timing.runtime import DEFAULT_PROFILE
+from mpsim.units import GiB, format_rate
 
 RANK_BY: tuple[str, ...] = ("cost", "throughput")
 """``cost``: USD per million samples, cheapest first (servers without a price after those
@@ -198,6 +199,8 @@ class ChooseReport:
     """The layouts searched (``--layouts``: words and names, ``mpsim.plans.layouts``)."""
     headroom_gib: float = DEFAULT_HEADROOM_GIB
     """The margin a plan should leave (``--headroom``): plans closer are at risk."""
+    runtime_profile: str = DEFAULT_PROFILE
+    """The framework's run-time rules every plan ran under (``--runtime``)."""
 
     @property
     def recommendation(self) -> str:
@@ -217,7 +220,8 @@ class ChooseReport:
         return {"model": self.model, "schedule": self.schedule, "global_microbatches": self.microbatches,
                 "microbatch_sizes": list(self.microbatch_sizes), "strategies": list(self.strategies),
                 "layouts": self.layouts, "rank_by": self.rank_by, "seq_len": self.seq_len,
-                "headroom_gib": self.headroom_gib, "recommendation": self.recommendation,
+                "headroom_gib": self.headroom_gib, "runtime_profile": self.runtime_profile,
+                "recommendation": self.recommendation,
                 "ties": [r.server for r in self.ties],
                 "rows": [r.to_dict() for r in self.rows]}
 
@@ -388,7 +392,7 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
            global_microbatches: int = DEFAULT_MICROBATCHES, prices: Mapping[str, float] | None = None,
            rank_by: str = "cost", on_point: Callable[[str], None] | None = None,
            layouts: str = CHOOSE_LAYOUTS, headroom_gib: float = DEFAULT_HEADROOM_GIB,
-           backend: Backend | None = None) -> ChooseReport:
+           backend: Backend | None = None, runtime_profile: str = DEFAULT_PROFILE) -> ChooseReport:
     """Rank ``servers`` for training ``model``: per server the fastest plan that fits over
     ``layouts`` (``mpsim.plans.layouts.candidate_layouts``: words and names), ``strategies``
     (each single planner under both partitions; ``best`` tries them all) and
@@ -398,7 +402,9 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
     file's ``price``. ``on_point`` hears a line after each plan. A plan that fits with
     less than ``headroom_gib`` to spare is at risk: a safe one stands for its server when
     there is one. ``backend``: the servers searched on its workers, one task each (None:
-    in this process, ``on_point`` hearing each plan; on a backend it hears each server)."""
+    in this process, ``on_point`` hearing each plan; on a backend it hears each server).
+    ``runtime_profile``: the framework's run-time rules every job runs under
+    (``mpsim.timing.runtime``)."""
     if rank_by not in RANK_BY:
         raise MpsimError(f"--rank-by: expected one of {', '.join(RANK_BY)}, got {rank_by!r}")
     check_global_microbatches(global_microbatches)
@@ -413,7 +419,7 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
     unknown = set(overrides) - {k for k, _ in topos} - {t.name for _, t in topos}
     if unknown:
         raise MpsimError(f"--price: no server {sorted(unknown)[0]!r} among {', '.join(k for k, _ in topos)}")
-    jobs = [(key, topo, _jobs_on(topo, trace, schedule, global_microbatches, strategies, layouts))
+    jobs = [(key, topo, _jobs_on(topo, trace, schedule, global_microbatches, strategies, layouts, runtime_profile))
             for key, topo in topos]
     seq_len = trace.seq_len
     rows = []
@@ -428,7 +434,7 @@ def choose(model: str | Trace, servers: Sequence[str | Topology] | str = "all", 
         row.rank = i
     _mark_pareto(rows)
     return ChooseReport(trace.name, schedule, global_microbatches, sizes, tuple(strategies), rank_by, seq_len, rows,
-                        layouts, headroom_gib)
+                        layouts, headroom_gib, runtime_profile)
 
 
 @dataclass(frozen=True)
@@ -474,14 +480,14 @@ def _searched(jobs: list[tuple[str, Topology, list[JobSpec]]], scaled: Sequence[
 
 
 def _jobs_on(topo: Topology, trace: Trace, schedule: str, global_microbatches: int, strategies: Sequence[str],
-             layouts: str) -> list[JobSpec]:
+             layouts: str, runtime_profile: str = DEFAULT_PROFILE) -> list[JobSpec]:
     """The job on one server in each layout (each checked), every strategy checked before
     any is planned. The base job is one stage on the server (its schedule and microbatch
     count checked there); ``on_layout`` gives each layout's replicas their share of the
     ``global_microbatches``."""
     for strategy in strategies:
         check_strategy(strategy)
-    base = JobSpec(topo, trace, schedule, global_microbatches, pipeline(1))
+    base = JobSpec(topo, trace, schedule, global_microbatches, pipeline(1), runtime_profile=runtime_profile)
     return [on_layout(base, p, global_microbatches) for p in candidate_layouts(topo, layouts, schedule, trace)]
 
 
@@ -542,7 +548,8 @@ def recommendation(report: ChooseReport) -> str:
     if top is cheapest:
         reasons.append(f"cheapest per {unit}")
     line = f"{top.server}: {' and '.join(reasons) or 'ranked first'}"
-    line += f" ({top.samples_per_s:.2f} samples/s, {top.layout}, plan {top.technique}, microbatch {top.microbatch}"
+    line += (f" ({format_rate(top.samples_per_s)} samples/s, {top.layout}, plan {top.technique}, "
+             f"microbatch {top.microbatch}")
     line += f", USD {money(_cost(report, top))} per {unit})" if _cost(report, top) is not None else ")"
     if top is not fastest:
         line += (f"; {fastest.server} is {fastest.samples_per_s / top.samples_per_s:.2f}x faster"
@@ -554,7 +561,7 @@ def recommendation(report: ChooseReport) -> str:
         line += f"; its plan is at risk ({top.at_risk})"
     elif top.faster_at_risk is not None:
         f = top.faster_at_risk
-        line += (f"; a faster plan on {top.server} ({f.layout}, {f.samples_per_s:.2f} samples/s) is at risk: "
+        line += (f"; a faster plan on {top.server} ({f.layout}, {format_rate(f.samples_per_s)} samples/s) is at risk: "
                  f"{f.at_risk(top.headroom_gib)}")
     misses = [r for r in report.rows if not r.fits]
     if misses:

@@ -38,6 +38,7 @@ import numpy as np
 import yaml
 
 from mpsim.errors import MpsimError
+from mpsim.hardware.ceilings import ceiling_for
 from mpsim.hardware.topology import Dtype, GpuSpec, OpEfficiency, Topology, parse_topology
 from mpsim.models.trace import Trace, measured_elsewhere
 from mpsim.timing.costs import peak_rates
@@ -184,10 +185,7 @@ def calibrate(traces: Trace | list[Trace], topo: Topology, force: bool = False) 
         if inv <= 0:
             raise MpsimError(f"{source}: the fit puts no time on {_EXPLAINS[name]} (efficiency unbounded); the "
                              f"rows cannot pin down {name}")
-        if 1.0 / inv > 1.0:
-            raise MpsimError(f"{source}: the fitted {name} efficiency is {1.0 / inv:.3g}, above 1: the trace runs "
-                             f"faster than {topo.name}'s peak for {dtype}; check its peak_tflops and "
-                             "memory_bandwidth_gbps")
+        _check_physical(name, 1.0 / inv, gpu, dtype, source, topo.name)
         values[name] = float(1.0 / inv)
     fitted = tuple(CLASSES[i] for i in used)
     kept = {c: values[c] for c in CLASSES if c not in fitted}
@@ -202,6 +200,21 @@ def calibrate(traces: Trace | list[Trace], topo: Topology, force: bool = False) 
     rows = tuple(RowFit(name, phase, float(tm * 1e3), float(xi @ inv_all * 1e3))
                  for (name, phase), xi, tm in zip(labels, x, t, strict=True))
     return Calibration(", ".join(tr.name for tr in traces), topo.name, dtype, eff, fitted, kept, rows)
+
+
+def _check_physical(name: str, fitted: float, gpu: GpuSpec, dtype: Dtype, source: str, server: str) -> None:
+    """Refuse a fitted efficiency above 1, or above the best lone kernel of its class on the
+    GPU (``mpsim.hardware.ceilings``): the additive model would be handing the class time
+    that other kernels overlap, and the figure would rank the GPU too fast elsewhere."""
+    if fitted > 1.0:
+        raise MpsimError(f"{source}: the fitted {name} efficiency is {fitted:.3g}, above 1: the trace runs "
+                         f"faster than {server}'s peak for {dtype}; check its peak_tflops and memory_bandwidth_gbps")
+    c = ceiling_for(gpu.model, dtype)
+    limit = {"matmul": c.gemm, "attention": c.attention, "memory": c.memory}[name]
+    if fitted > limit + 1e-9:
+        raise MpsimError(f"{source}: the fitted {name} efficiency is {fitted:.3g}, above {limit:g}, the best lone "
+                         f"kernel on {gpu.model}: the additive model is handing {name} time that other kernels "
+                         "overlap; fit the kernel table instead (mpsim calibrate --profile)")
 
 
 def calibrated_topology(topo: Topology, cal: Calibration) -> dict[str, Any]:

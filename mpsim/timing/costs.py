@@ -24,18 +24,25 @@ import numpy as np
 
 from mpsim.caches import Lru
 from mpsim.errors import MpsimError
+from mpsim.hardware.gpu_tables import H100_LAYER_RMS_PCT, shipped_table
 from mpsim.hardware.topology import Dtype, GpuSpec, OpEfficiency
-from mpsim.timing.kernel_time import ITEMSIZE, KernelRates, can_time, pass_seconds
+from mpsim.timing.kernel_time import ITEMSIZE, KernelRates, can_time, gemm_pass_seconds, launches, pass_seconds
 
 if TYPE_CHECKING:
     from mpsim.models.trace import LayerRow, Trace
 
-__all__ = ["COST_MODELS", "CostModel", "LayerTimes", "attention_core_seconds", "cost_model", "peak_rates"]
+__all__ = ["COST_MODELS", "ESTIMATE_TIME_BAND_PCT", "UNCHECKED_TIME_BAND_PCT", "CostModel", "LayerTimes",
+           "attention_core_seconds", "cost_model", "peak_rates"]
 
-UNCHECKED_TIME_BAND_PCT = 13.0
-"""The band of a time prediction on a GPU whose time model has not been checked against
-measurements of that GPU: the rms error of the unfitted H100 kernel table on our measured
-H100 transformer-layer and head passes (bf16, ``reports/kernel_time.md``)."""
+UNCHECKED_TIME_BAND_PCT = H100_LAYER_RMS_PCT
+"""The band of a time prediction on a GPU whose time model rests on kernel-level data of
+that GPU but has not been checked against measured layers of it: the rms error of the
+unfitted H100 kernel table on our measured H100 transformer-layer and head passes (bf16,
+``reports/kernel_time.md``)."""
+ESTIMATE_TIME_BAND_PCT = 2 * UNCHECKED_TIME_BAND_PCT
+"""The band on a GPU with no kernel-level data of its own (its table transferred from
+another GPU, or none): twice the measured band, a stated guess until kernel data of that
+GPU checks it."""
 
 COST_MODELS = 64
 """Cost models remembered per process (``cost_model``)."""
@@ -44,10 +51,16 @@ _MODELS: Lru[tuple[str, str], CostModel] = Lru(COST_MODELS)
 
 @dataclass(frozen=True)
 class LayerTimes:
-    """Per-layer forward and backward seconds on one GPU model."""
+    """Per-layer forward and backward seconds on one GPU model, and of each pass the seconds
+    its GEMMs take and the kernels it launches (what a runtime profile's overlap and host
+    dispatch act on, ``mpsim.timing.runtime``)."""
 
     fwd_s: np.ndarray
     bwd_s: np.ndarray
+    gemm_fwd_s: np.ndarray
+    gemm_bwd_s: np.ndarray
+    launches_fwd: np.ndarray
+    launches_bwd: np.ndarray
 
 
 def peak_rates(gpu: GpuSpec, dtype: Dtype) -> tuple[float, float]:
@@ -79,14 +92,23 @@ class CostModel:
     """Per layer, the attention core's forward seconds (``attention_core_seconds`` at
     ``memory_rate``); 0 where the layer has no attention core."""
 
+    gpu_model: str = ""
+    """The GPU's model name (which shipped kernel data stands behind its figures)."""
+
     def time_band(self) -> tuple[float, str]:
         """The relative error band of times made with this model, % (either side), and why:
-        a checked kernel table's own residual, else ``UNCHECKED_TIME_BAND_PCT``."""
+        a checked kernel table's own residual; ``UNCHECKED_TIME_BAND_PCT`` where the figures
+        rest on kernel data of the GPU; else ``ESTIMATE_TIME_BAND_PCT``."""
         table = self.kernel_rates.table if self.kernel_rates else None
         if table is not None and table.checked and table.residual_pct is not None:
             return table.residual_pct, f"rms error of its kernel table against {table.checked}"
-        return UNCHECKED_TIME_BAND_PCT, ("time model not checked on this GPU: the rms error of the unfitted H100 "
-                                         "kernel table on measured H100 layers, likely a floor on other GPUs")
+        shipped = table or shipped_table(self.gpu_model)
+        if shipped is not None and shipped.basis == "kernel data":
+            return UNCHECKED_TIME_BAND_PCT, ("time model from kernel data of this GPU, not checked against its "
+                                             "measured layers: the rms error of the unfitted H100 kernel table on "
+                                             "measured H100 layers, likely a floor")
+        return ESTIMATE_TIME_BAND_PCT, ("time model an estimate: no kernel-level data of this GPU; twice the band "
+                                        "measured on H100")
 
     def update_s(self, rows: list[LayerRow]) -> float:
         """Adam step of ``rows``, memory bound: read gradients, read and write master
@@ -124,7 +146,7 @@ def _build(trace: Trace, gpu: GpuSpec) -> CostModel:
     core_s = attention_core_seconds(trace.layers, times.fwd_s, memory_rate)
     core_s.setflags(write=False)
     update_rate = rates.stream_bytes_per_s if rates else peak_bytes_per_s * gpu.memory_efficiency
-    return CostModel(dtype, eff, memory_rate, update_rate, times, rates, core_s)
+    return CostModel(dtype, eff, memory_rate, update_rate, times, rates, core_s, gpu.model)
 
 
 def _layer_times(trace: Trace, gpu: GpuSpec, matmul_rate: float, attention_rate: float,
@@ -142,6 +164,11 @@ def _layer_times(trace: Trace, gpu: GpuSpec, matmul_rate: float, attention_rate:
             return pass_seconds(kernels, rates)
         return (flops - attention_flops) / matmul_rate + attention_flops / attention_rate + mem_bytes / mem_rate
 
+    def gemm_s(flops: float, attention_flops: float, kernels: list, whole_s: float) -> float:
+        if rates is not None and kernels:
+            return min(whole_s, gemm_pass_seconds(kernels, rates))
+        return min(whole_s, (flops - attention_flops) / matmul_rate)
+
     rows = trace.layers
     fwd = np.array([r.fwd_ms * 1e-3 if r.fwd_ms is not None
                     else derived_s(r.fwd_flops, r.fwd_attention_flops, r.fwd_mem_bytes, r.fwd_kernels) for r in rows])
@@ -149,9 +176,14 @@ def _layer_times(trace: Trace, gpu: GpuSpec, matmul_rate: float, attention_rate:
                     else derived_s(r.bwd_flops, r.bwd_attention_flops, r.bwd_mem_bytes, r.bwd_kernels) for r in rows])
     if not (np.isfinite(fwd).all() and np.isfinite(bwd).all()):
         raise MpsimError(f"{trace.name}: layer times on a {gpu.model} are not finite numbers")
-    fwd.setflags(write=False)
-    bwd.setflags(write=False)
-    return LayerTimes(fwd, bwd)
+    gemm_fwd = np.array([gemm_s(r.fwd_flops, r.fwd_attention_flops, r.fwd_kernels, t) for r, t in zip(rows, fwd)])
+    gemm_bwd = np.array([gemm_s(r.bwd_flops, r.bwd_attention_flops, r.bwd_kernels, t) for r, t in zip(rows, bwd)])
+    launches_fwd = np.array([launches(r.fwd_kernels) for r in rows], dtype=np.int64)
+    launches_bwd = np.array([launches(r.bwd_kernels) for r in rows], dtype=np.int64)
+    arrays = (fwd, bwd, gemm_fwd, gemm_bwd, launches_fwd, launches_bwd)
+    for a in arrays:
+        a.setflags(write=False)
+    return LayerTimes(*arrays)
 
 
 def attention_core_seconds(rows: list[LayerRow], fwd_s: np.ndarray, memory_rate: float) -> np.ndarray:

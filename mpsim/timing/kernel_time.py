@@ -14,7 +14,8 @@ kernels cost their launches, not their bytes. Here each kernel of a trace
   At least the time to read A and B and write C at the streaming rate.
 - **Attention** (FlashAttention-2, Dao 2023): the kernel's FLOPs at its share of peak,
   which rises with the key length as a fixed per-block cost is amortised
-  (e(s) = fraction x s / (s + half_seq)); thread blocks of ``block_rows`` query rows per
+  (e(s) = fraction x s / (s + half_seq), with s the keys a query block visits: all of them,
+  or under a causal mask its share of them); thread blocks of ``block_rows`` query rows per
   batch and head, in waves over the SMs. The memory-efficient kernel runs at
   ``mem_efficient_relative`` of that.
 - **Convolution** (NVIDIA, "Convolutional Layers User's Guide"): the pass's implicit GEMM
@@ -98,7 +99,8 @@ def attention_seconds(kernel: AttentionKernel, rates: KernelRates) -> float:
     else:
         fraction, half = ((rate.bwd_fraction, rate.bwd_half_seq) if kernel.backward
                           else (rate.fwd_fraction, rate.fwd_half_seq))
-        efficiency = fraction * kernel.s_k / (kernel.s_k + half)
+        keys = kernel.s_k * kernel.causal_share  # a causal block visits its share of the key blocks
+        efficiency = fraction * keys / (keys + half)
         if kernel.backend == "mem-efficient":
             efficiency *= rates.table.mem_efficient_relative
     rows = rate.block_rows if rate else 128
@@ -139,6 +141,16 @@ def kernel_seconds(kernel: Kernel, rates: KernelRates) -> float:
 def pass_seconds(kernels: list[Kernel], rates: KernelRates) -> float:
     """Seconds of a layer's forward or backward: its kernels one after another."""
     return sum(kernel_seconds(k, rates) * k.count for k in kernels)
+
+
+def gemm_pass_seconds(kernels: list[Kernel], rates: KernelRates) -> float:
+    """Seconds of a pass's GEMMs alone: what a collective overlapped with them can hide behind."""
+    return sum(kernel_seconds(k, rates) * k.count for k in kernels if isinstance(k, GemmKernel))
+
+
+def launches(kernels: list[Kernel]) -> int:
+    """Kernel launches of a pass (each record's ``count``)."""
+    return sum(k.count for k in kernels)
 
 
 def can_time(table: KernelTable | None, dtype: Dtype) -> bool:

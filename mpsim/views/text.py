@@ -3,7 +3,6 @@ formatter; every command's text goes through it."""
 
 from __future__ import annotations
 
-import math
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,7 +20,8 @@ from mpsim.sim.memory import TECHNIQUES
 from mpsim.sim.result import COSTS, GpuResult
 from mpsim.studies.choose import ChooseReport, ChooseRow, money
 from mpsim.studies.scale import ScaleReport
-from mpsim.units import GiB
+from mpsim.timing.runtime import profile_named
+from mpsim.units import GiB, format_rate, format_rate_band
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -59,25 +59,6 @@ def layer_range(layers: tuple[int, int] | list[int] | None) -> str:
 UNITS_LEGEND = "memory in GiB = 2^30 bytes; layers [a, b) = a to b - 1, as in plan and JSON files"
 
 
-def rate_decimals(per_s: float) -> int:
-    """Decimals that show a rate to three significant figures (none at 100 and above)."""
-    if not math.isfinite(per_s) or per_s == 0:
-        return 0
-    rounded = float(f"{abs(per_s):.3g}")  # 9.996 rounds to 10.0: three figures after rounding
-    return max(0, 2 - math.floor(math.log10(rounded)))
-
-
-def format_rate(per_s: float) -> str:
-    """A throughput to three significant figures, so two plans that differ print apart:
-    0.0912, 7.28, 12.3, 1234 (samples/s, tokens/s; the unit is the caller's)."""
-    return f"{per_s:.{rate_decimals(per_s)}f}"
-
-
-def format_rate_band(per_s: float, band_per_s: float) -> str:
-    """A rate and its band either side, the band to the rate's decimals: ``7.28 ± 0.36``."""
-    return f"{format_rate(per_s)} ± {band_per_s:.{rate_decimals(per_s)}f}"
-
-
 # -- one job ------------------------------------------------------------------------------------
 
 def verdict_lines(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> list[str]:
@@ -102,6 +83,11 @@ def throughput_phrase(r: SimResult) -> str:
     tokens = f", {r.tokens_per_s:,.0f} tokens/s" if r.tokens_per_s is not None else ""
     return (f"{format_rate_band(r.samples_per_s, r.samples_per_s_band)} samples/s{tokens}, "
             f"{r.model_tflops:.1f} model TFLOP/s")
+
+
+def runtime_line(name: str) -> str:
+    """The runtime profile a result assumed, and what it hides (``mpsim.timing.runtime``)."""
+    return f"{name}: {profile_named(name).summary} (--runtime)"
 
 
 def band_phrase(r: SimResult) -> str:
@@ -176,6 +162,8 @@ def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB, aske
     lines.append(f"throughput    {throughput_phrase(r)}")
     if band_phrase(r):
         lines.append(f"              ({band_phrase(r)})")
+    if r.runtime_profile:
+        lines.append(f"runtime       {runtime_line(r.runtime_profile)}")
     utilization = {k: u for k, u in r.link_utilization().items() if r.links[k]["bytes"]}
     if utilization:
         name = max(utilization, key=lambda k: (utilization[k], k))
@@ -428,7 +416,8 @@ def choose_text(report: ChooseReport) -> str:
     lines = [f"{report.model} on {len(report.rows)} server(s): {report.schedule}, {report.microbatches} "
              f"microbatches of {sizes} per iteration over all replicas, strategies {strategies}, layouts "
              f"{report.layouts}; ranked by {report.rank_by}",
-             *([_framework_of(report.rows[0].result)] if report.rows else []), "",
+             *([_framework_of(report.rows[0].result)] if report.rows else []),
+             f"runtime: {runtime_line(report.runtime_profile)}", "",
              table_text(choose_header(report.seq_len is not None), rows),
              "(layout and plan: the parallel layout and technique of the fastest plan that fits, else of the one "
              "that came closest; DDP, ZeRO-1/2 and FSDP (ZeRO-3) xN: N data-parallel replicas; TP xN: N-way "
