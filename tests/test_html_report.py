@@ -52,3 +52,17 @@ def test_a_job_that_does_not_fit_says_where_in_the_html():
     page = _text_of(verdict_html(r))
     assert not r.fits and "DOES NOT FIT" in page and f"GPU {r.oom['gpu']} ran out at" in page
     assert "as if the GPUs had the memory" in page and "AT RISK" not in page
+
+
+def test_simulate_html_takes_the_headroom_the_command_was_given(tmp_path):
+    """`simulate --html --headroom 80`: the page marks at risk what the text marks (the
+    command passed no headroom to the page before, so it judged at the default 1 GiB)."""
+    from helpers import run_cli
+
+    args = ["simulate", "-s", "dgx-a100-80gb", "-m", "llama-3-8b", "--dp", "8", "--zero", "3", "--microbatch", "1",
+            "--microbatches", "2"]
+    for headroom, marked in (("80", True), ("0", False)):
+        page = tmp_path / f"h{headroom}.html"
+        code, text, _ = run_cli(120, *args, "--headroom", headroom, "--html", str(page))
+        assert code == 0 and ("AT RISK" in text) == marked
+        assert ("AT RISK" in page.read_text()) == marked

@@ -89,7 +89,7 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
     if plot:
         plot_memory(result, plot)
     if html_out:
-        html_out.write_text(simulate_page(result, plan_file), encoding="utf-8")
+        html_out.write_text(simulate_page(result, plan_file, headroom_gib), encoding="utf-8")
     if not result.fits:
         sys.exit(1)
 
