@@ -90,3 +90,18 @@ def test_planner_answers_differ_by_layout_and_by_cluster() -> None:
     again = make_context(JobSpec(superpod.server, load_trace("gpt-5.3b").rescale(1), "1f1b", 2, fsdp,
                                  cluster=superpod, servers=2))
     assert planner_cache.job_key("none", again) == planner_cache.job_key("none", contexts[0])
+
+
+def test_every_cache_of_a_job_keys_its_runtime_profile() -> None:
+    """The same job under two runtime profiles: planner answers, simulated plans and stage
+    programs each kept apart (the planner cache once handed one profile's answer to the other)."""
+    topo, trace = load_topology("dgx-h100"), load_trace("llama-3-8b")
+    tp = Parallelism(tensor=8, sequence_parallel=True, pipeline=1)
+    base, overlap = (make_context(JobSpec(topo, trace, "1f1b", 2, tp, runtime_profile=p))
+                     for p in ("megatron-lm", "megatron-core-tp-overlap"))
+    assert planner_cache.job_key("none", base) != planner_cache.job_key("none", overlap)
+    plan = base.plan("none")
+    assert base.simulation_key(plan) != overlap.simulation_key(plan)
+    engine._PROGRAMS.clear()
+    r_base, r_overlap = base.simulate(plan), overlap.simulate(plan)
+    assert len(engine._PROGRAMS) == 2 and r_overlap.iteration_s < r_base.iteration_s
