@@ -7,7 +7,7 @@ change meant to make the engine or the planners faster can be checked to change 
 Jobs: every shipped trace x dgx1-v100, dgx-a100-80gb, titanrtx-x4-pcie x gpipe, 1f1b,
 pipedream x none, recompute, selective, cpu-swap, d2d, mpress, tsplit (traced microbatch,
 8 microbatches); and data-parallel layouts (``LAYOUTS``: DDP, ZeRO-1/2, FSDP over all GPUs and
-FSDP x2 x pipeline x4) x every trace x dgx1-v100, dgx-a100-80gb x 1f1b x none, recompute,
+FSDP x2 x pipeline x4) x every trace x dgx1-v100, dgx-a100-80gb, dgx-h100 x 1f1b x none, recompute,
 zero-offload, zero-infinity, 2 microbatches per replica. Recorded per job: iteration time,
 makespan, fits, the out-of-memory point, per-GPU peak, breakdown and costs, host peak, link
 bytes and busy time, and a hash of the plan the strategy made. Floats are written with ``repr`` (exact).
@@ -33,7 +33,7 @@ STRATEGIES = ("none", "recompute", "selective", "cpu-swap", "d2d", "mpress", "ts
 
 
 LAYOUTS = ("ddp8", "zero1x8", "zero2x8", "fsdp8", "fsdp2xpp4")
-LAYOUT_SERVERS = ("dgx1-v100", "dgx-a100-80gb")
+LAYOUT_SERVERS = ("dgx1-v100", "dgx-a100-80gb", "dgx-h100")
 LAYOUT_STRATEGIES = ("none", "recompute", "zero-offload", "zero-infinity")
 
 
