@@ -167,3 +167,21 @@ def test_a_replicated_plan_file_round_trips_and_a_schema_1_file_still_reads(tmp_
     assert [g.peak_bytes for g in result.gpus] == [g.peak_bytes for g in planned.result.gpus]
     v1 = planned.plan.model_copy(update={"schema_": 1, "data_parallel": None})
     assert simulate_job(job_of_plan(job.topology, job.trace, v1)).layout == "pipeline x4"
+
+
+def test_without_gradient_reduce_overlap_the_buckets_wait_for_the_backward():
+    """The profile of Megatron-Core's default DDP config (megatron-lm-sync-grads): the same
+    three buckets all-reduced one after another once the backward ends at 9 ms, in the order
+    they were ready, and the update runs from 10.5 ms instead of 9.5."""
+    topo, trace = tiny_topology(n_gpus=2, nvlink_gbps=1.0), _trace(3)
+    r = simulate_job(Job(JobSpec(topo, trace, "gpipe", 1, Parallelism(data=2, bucket_mib=0.4),
+                                 runtime_profile="megatron-lm-sync-grads")))
+    update_ms = cost_model(trace, topo.spec.gpu).update_s(trace.layers) / MS
+    assert _spans(r, "nccl") == [
+        ("all-reduce of layers 0-0 gradients, microbatch 0", 10.0, 10.5),
+        ("all-reduce of layers 1-1 gradients, microbatch 0", 9.5, 10.0),
+        ("all-reduce of layers 2-2 gradients, microbatch 0", 9.0, 9.5),
+    ]
+    assert _spans(r, "compute") == [("B0", 3.0, 9.0), ("F0", 0.0, 3.0),
+                                    ("U0", 9.0, pytest.approx(10.5 + update_ms, rel=1e-9))]
+    assert r.gpus[0].costs_s["dp_wait_s"] == pytest.approx(1.5 * MS)

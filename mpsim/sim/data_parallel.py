@@ -14,7 +14,9 @@ bucketed all-reduce, Li et al. 2020, section 3.2; FSDP2 for stage 3):
 - 0 (DDP): gradients are cut into buckets of ``bucket_mib`` in backward order; in the
   iteration's last backward of the stage each bucket's all-reduce starts as soon as its
   last layer's backward ends and overlaps the rest (earlier microbatches accumulate
-  locally, no synchronisation); the update waits until every bucket has landed.
+  locally, no synchronisation); the update waits until every bucket has landed. Under a
+  runtime profile without gradient-reduce overlap (Megatron-Core's default DDP config,
+  DeepSpeed's ZeRO-1) the buckets' reductions all start after the backward instead.
 - 1: the same buckets reduce-scattered instead; after the update (1/N of the states),
   the stage's updated parameters are all-gathered before the iteration ends.
 - 2: gradients are sharded too, so every microbatch's backward reduce-scatters each
@@ -43,6 +45,7 @@ from mpsim.sim.program import Piece, Sharding
 from mpsim.sim.result import Span
 from mpsim.sim.simpy_fast import call_in, sleep
 from mpsim.sim.spawn import spawn
+from mpsim.timing.runtime import profile_named
 from mpsim.units import MiB
 
 _LANES = ("gather", "reduce")
@@ -83,6 +86,12 @@ class DataParallel:
         """Microbatches whose backward is not the stage's last of the iteration."""
         self._buffer_layers: set[int] = set()
         """Layers whose HSDP all-reduce buffer is held."""
+        self.overlap_grads = profile_named(layout.job.runtime_profile).grad_reduce_overlap
+        """DDP's and ZeRO-1's bucket reductions start as each bucket is ready (overlapping the
+        rest of the backward); off: all of them after the backward, before the update
+        (``mpsim.timing.runtime``)."""
+        self._deferred: list[tuple[int, tuple[int, ...]]] = []
+        """(microbatch, layers) of the reductions held for the update (``overlap_grads`` off)."""
 
     @property
     def moves(self) -> bool:
@@ -124,8 +133,12 @@ class DataParallel:
         b = self.bucket_of[j]
         done = self._ready.get((mb, b), 0) + 1
         self._ready[(mb, b)] = done
-        if done == len(self.buckets[b]):
+        if done < len(self.buckets[b]):
+            return
+        if self.overlap_grads or self.sharding.zero_stage >= 2:
             self._reduce(mb, self.buckets[b])
+        else:
+            self._deferred.append((mb, self.buckets[b]))
 
     def _reduce(self, mb: int, layers: tuple[int, ...]) -> None:
         n_bytes = sum(self.rows[j].grad_bytes for j in layers)
@@ -227,7 +240,11 @@ class DataParallel:
 
     # -- the update ------------------------------------------------------------------------
     def before_update(self) -> Generator[simpy.Event, object, None]:
-        """The update waits for every reduction issued."""
+        """The reductions held for the update start (in the order their buckets were
+        ready), and the update waits for every reduction issued."""
+        for mb, layers in self._deferred:
+            self._reduce(mb, layers)
+        self._deferred.clear()
         for event in self._reductions:
             if not event.processed:
                 yield from self._wait(event)

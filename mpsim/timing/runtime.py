@@ -20,9 +20,12 @@ top of the kernels' own times:
   max(sum of kernel times, launches x host_dispatch_us): the producer's bound on a
   consumer fed through a queue. 0: the launches hide (CUDA graphs, or kernels long enough).
 
-Data-parallel gradient reduction is overlapped with the backward and ZeRO-3 gathers are
-prefetched in every profile (the engine's ``mpsim.sim.data_parallel``): every framework
-listed does that by default.
+- **Gradient-reduce overlap** (``grad_reduce_overlap``): DDP's and ZeRO-1's buckets are
+  reduced as each is ready, beside the rest of the backward (PyTorch DDP, Megatron-Core
+  with ``--overlap-grad-reduce``); off, they are all reduced after the backward, before the
+  update (Megatron-Core's default DDP config, DeepSpeed's ZeRO-1). ZeRO-2 and ZeRO-3 reduce
+  each microbatch's buckets as they are ready in every profile, and ZeRO-3's gathers are
+  prefetched (``mpsim.sim.data_parallel``).
 
 ``DEFAULT_PROFILE`` is the engine's model as it was before profiles were named: the
 defaults of the answers do not change until a kernel-level source says they should.
@@ -50,14 +53,29 @@ class RuntimeProfile:
     summary: str
     """One line: what it hides and what it adds, for every output that names it."""
     source: str
+    grad_reduce_overlap: bool = True
+    """DDP's and ZeRO-1's gradient buckets reduced as they are ready, beside the rest of the
+    backward; off: all after the backward (``mpsim.sim.data_parallel``)."""
 
+
+_EAGER_DISPATCH = ("host dispatch 8 us a kernel: about 5 us of dispatcher and autograd bookkeeping per op "
+                   "(pytorch/pytorch issue 41383, measured on CPU tensors, 2020) plus 3.0 us for cuLaunchKernel "
+                   "(meta-pytorch/tritonbench PR 1017, GB200, 2026); a sum of two kernel-level figures, not a "
+                   "profile of a training step")
 
 PROFILES: dict[str, RuntimeProfile] = {p.name: p for p in (
     RuntimeProfile(
         "megatron-lm", "Megatron-LM", tp_comm_overlap=False, host_dispatch_us=0.0,
-        summary="tensor-parallel collectives on the critical path; gradient reduce overlapped",
+        summary="tensor-parallel collectives on the critical path; gradient reduction overlapped with the "
+                "backward (--overlap-grad-reduce, as PyTorch DDP and FSDP do)",
         source="Shoeybi et al. 2019, section 3 (synchronous all-reduces in each layer's forward and backward); "
                "the engine's model before profiles were named"),
+    RuntimeProfile(
+        "megatron-lm-sync-grads", "Megatron-LM", tp_comm_overlap=False, host_dispatch_us=0.0,
+        grad_reduce_overlap=False,
+        summary="tensor-parallel collectives on the critical path; gradients reduced after the backward "
+                "(Megatron-Core's default DDP config, without --overlap-grad-reduce)",
+        source="Megatron-Core DistributedDataParallelConfig: overlap_grad_reduce defaults to False"),
     RuntimeProfile(
         "megatron-core-tp-overlap", "Megatron-Core", tp_comm_overlap=True, host_dispatch_us=0.0,
         summary="tensor-parallel collectives hidden behind their layer's GEMMs (--tp-comm-overlap)",
@@ -72,10 +90,13 @@ PROFILES: dict[str, RuntimeProfile] = {p.name: p for p in (
         "eager", "PyTorch eager (DeepSpeed, FSDP without compile)", tp_comm_overlap=False, host_dispatch_us=8.0,
         summary="tensor-parallel collectives on the critical path; every kernel launched from Python, "
                 "8 us of host time each",
-        source="host dispatch 8 us a kernel: about 5 us of dispatcher and autograd bookkeeping per op "
-               "(pytorch/pytorch issue 41383, measured on CPU tensors, 2020) plus 3.0 us for cuLaunchKernel "
-               "(meta-pytorch/tritonbench PR 1017, GB200, 2026); a sum of two kernel-level figures, not a profile "
-               "of a training step"),
+        source=_EAGER_DISPATCH),
+    RuntimeProfile(
+        "deepspeed", "DeepSpeed", tp_comm_overlap=False, host_dispatch_us=8.0, grad_reduce_overlap=False,
+        summary="every kernel launched from Python, 8 us of host time each; DDP and ZeRO-1 gradients reduced "
+                "after the backward (overlap_comm off)",
+        source=_EAGER_DISPATCH + "; gradients: DeepSpeed ZeRO-1 registered no hooks to overlap the backward with "
+                                 "the gradient all-reduce and ignored overlap_comm (DeepSpeed PR 4887, 2024)"),
 )}
 """Profiles by name (``--runtime``)."""
 
