@@ -50,7 +50,8 @@ def test_at_risk_is_marked_in_the_html_where_the_text_marks_it(fsdp):
 def test_a_job_that_does_not_fit_says_where_in_the_html():
     r = plan("dgx1-v100", "gpt-15.4b", "1f1b", 2, 16).result
     page = _text_of(verdict_html(r))
-    assert not r.fits and "DOES NOT FIT" in page and f"GPU {r.oom['gpu']} ran out at" in page
+    assert not r.fits and r.oom is not None
+    assert "DOES NOT FIT" in page and f"GPU {r.oom['gpu']} ran out at" in page
     assert "as if the GPUs had the memory" in page and "AT RISK" not in page
 
 

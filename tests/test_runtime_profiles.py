@@ -131,3 +131,21 @@ def test_choose_runs_every_plan_under_the_profile_and_says_so():
     assert speeds["eager"] < speeds["megatron-lm"]
     code, _, err = run_cli(60, "choose", "-m", "llama-3-70b", "--tokens", "1e12", "--runtime", "eager")
     assert code == 2 and "--runtime and --tokens:" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_fits_runs_under_the_profile_in_this_process_and_on_workers(workers):
+    """fits --runtime eager (GPT-2 XL, microbatch 1, one H100): every result, made here or
+    on workers, ran under the profile, and the header names it."""
+    import json
+
+    from helpers import run_cli
+
+    args = ["fits", "-s", "h100-x1", "-m", "gpt2-xl", "--strategy", "none", "--no-largest", "--layouts", "pipeline",
+            "--microbatch", "1", "-j", workers]
+    for profile in ("megatron-lm", "eager"):
+        code, text, _ = run_cli(300, *args, "--runtime", profile)
+        assert code == 0 and f"runtime: {profile}: " in text
+        code, out, _ = run_cli(300, *args, "--runtime", profile, "--json", "-")
+        rows = [row for rep in json.loads(out)["reports"] for row in rep["rows"]]
+        assert code == 0 and rows and {row["runtime_profile"] for row in rows} == {profile}

@@ -24,7 +24,7 @@ def _job(strategy: str) -> JobSpec:
     return JobSpec(tiny_topology(n_gpus=2), trace, "1f1b", 4, strategy=strategy)
 
 
-def _planned(strategy: str):  # type: ignore[no-untyped-def]
+def _planned(strategy: str):
     try:
         job = _job(strategy)
     except MpsimError as e:  # a strategy the toy job cannot take (a ZeRO stage without replicas)

@@ -18,6 +18,7 @@ from mpsim.plans.layouts import DEFAULT_LAYOUTS, candidate_layouts, check_global
 from mpsim.studies.backends import Backend, backend_for
 from mpsim.studies.capacity import LayoutFits, family_job, family_traces, fits_layouts, model_traces
 from mpsim.studies.sweep import Point
+from mpsim.timing.runtime import DEFAULT_PROFILE
 
 SEARCH_PROBES = 10
 """About how many sizes one strategy's largest-size search simulates in one process."""
@@ -59,13 +60,15 @@ def fits_request(server: str, family: str, models: Sequence[str] = (), schedule:
                  microbatch: int | None = None, global_microbatches: int = DEFAULT_MICROBATCHES,
                  strategies: Sequence[str] = ("none",),
                  partition: str = "compute", workers: int | None = None, backend: str = "local",
-                 address: str | None = None, layouts: str = DEFAULT_LAYOUTS, search: bool = True) -> FitsRequest:
+                 address: str | None = None, layouts: str = DEFAULT_LAYOUTS, search: bool = True,
+                 runtime_profile: str = DEFAULT_PROFILE) -> FitsRequest:
     """Check a ``fits`` over ``strategies`` and ``layouts`` of ``family``'s shipped sizes (or
     of ``models``), ``global_microbatches`` per iteration over all replicas (each layout's
     replicas run ``ceil(global_microbatches / replicas)``), and pick where it
     runs: one process when ``backend`` is local with one worker, else ``workers`` local
     processes (default: one per core) or a Ray cluster at ``address``. ``search=False``
-    leaves out the largest-size search (``--no-largest``)."""
+    leaves out the largest-size search (``--no-largest``); ``runtime_profile``: the
+    framework's run-time rules (``mpsim.timing.runtime``)."""
     check_global_microbatches(global_microbatches)
     for name in strategies:
         check_strategy(name)
@@ -77,7 +80,8 @@ def fits_request(server: str, family: str, models: Sequence[str] = (), schedule:
     topo = load_topology(server)
     n_layouts = len(candidate_layouts(topo, layouts, schedule, traces[-1]))
     # one stage: the base job checks the schedule and count; each layout takes its share
-    job = family_job(topo, traces, schedule, microbatch, global_microbatches, "none", partition, pipeline(1))
+    job = family_job(topo, traces, schedule, microbatch, global_microbatches, "none", partition, pipeline(1),
+                     runtime_profile)
     workers = workers or os.cpu_count() or 1
     runner = backend_for(backend, workers, address)
     # in one process a point is a simulated size (the searches' count estimated); in

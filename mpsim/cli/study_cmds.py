@@ -48,6 +48,8 @@ from mpsim.cli.progress import points_progress, steps_progress, stops_on_signals
                    "model states on the GPUs, and the offload strategies (zero-offload, zero-infinity) are "
                    "columns of their own")
 @click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP)
+@click.option("--runtime", "runtime_profile", type=click.Choice(list(api.PROFILES)), default=api.DEFAULT_PROFILE,
+              show_default=True, help=RUNTIME_HELP)
 @layouts_option(api.DEFAULT_LAYOUTS)
 @click.option("--workers", "-j", type=click.IntRange(min=1),
               help="worker processes (sizes and strategies in parallel; 1: all in this process)  "
@@ -59,7 +61,7 @@ from mpsim.cli.progress import points_progress, steps_progress, stops_on_signals
 @json_option
 def fits(server: str, family: str, models: str | None, schedule: str, microbatch: int | None,
          global_microbatches: int, per_replica_microbatches: str | None, strategies: str, partition: str,
-         layouts: str, workers: int | None, no_largest: bool, backend: str,
+         runtime_profile: str, layouts: str, workers: int | None, no_largest: bool, backend: str,
          address: str | None, headroom_gib: float, json_out: str | None) -> None:
     """Which shipped sizes of a family (or which --model) fit under each strategy, in which
     parallel layout, and the largest that does.
@@ -79,7 +81,8 @@ def fits(server: str, family: str, models: str | None, schedule: str, microbatch
     names = comma_list(strategies, "--strategy")
     chosen = comma_list(models, "--model") if models else []
     request = api.fits_request(server, family, chosen, schedule, microbatch, global_microbatches, names, partition,
-                               workers, backend, address, layouts, search=not no_largest)
+                               workers, backend, address, layouts, search=not no_largest,
+                               runtime_profile=runtime_profile)
     with stops_on_signals("fits", STOPPED), points_progress(f"fits {request.family}", request.points) as bar:
         reps = request.run(on_point=bar.point_done)
     emit(json_out, fits_layouts_text(reps, headroom_gib),

@@ -46,6 +46,7 @@ from mpsim.plans.strategies import combines
 from mpsim.sim import SimResult
 from mpsim.studies import bounds
 from mpsim.studies.backends import Backend, run_points
+from mpsim.timing.runtime import DEFAULT_PROFILE
 
 MAX_SEARCH_LAYERS = 4096
 """Where the largest-size search stops (``limits.MAX_LAYERS`` bounds any trace)."""
@@ -82,6 +83,7 @@ class FitRow:
             "samples_per_s": r.samples_per_s,
             "model_tflops": r.model_tflops,
             "layout": r.layout,
+            "runtime_profile": r.runtime_profile,
             "oom": r.oom,
         }
 
@@ -669,13 +671,15 @@ def _n_transformer(trace: Trace) -> int:
 
 
 def family_job(server: str | Topology, traces: list[Trace], schedule: str, microbatch: int | None,
-               microbatches: int, strategy: str, partition: str, layout: Parallelism = PIPELINE_ONLY) -> JobSpec:
+               microbatches: int, strategy: str, partition: str, layout: Parallelism = PIPELINE_ONLY,
+               runtime_profile: str = DEFAULT_PROFILE) -> JobSpec:
     """The job ``fits`` runs at every size: the smallest trace at the microbatch asked
-    (None: its traced one) in ``layout``, checked once before any size is simulated."""
+    (None: its traced one) in ``layout`` under ``runtime_profile``, checked once before any
+    size is simulated."""
     topo = load_topology(server) if isinstance(server, str) else server
     mb = traces[0].microbatch if microbatch is None else microbatch
     return JobSpec(topo, traces[0].rescale(mb), schedule, microbatches, layout, partition=partition,
-                   strategy=strategy)
+                   strategy=strategy, runtime_profile=runtime_profile)
 
 
 def fits(server: str | Topology, family: str, schedule: str = DEFAULT_SCHEDULE, microbatch: int | None = None,

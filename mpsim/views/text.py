@@ -20,7 +20,7 @@ from mpsim.sim.memory import TECHNIQUES
 from mpsim.sim.result import COSTS, GpuResult
 from mpsim.studies.choose import ChooseReport, ChooseRow, money
 from mpsim.studies.scale import ScaleReport
-from mpsim.timing.runtime import profile_named
+from mpsim.timing.runtime import DEFAULT_PROFILE, profile_named
 from mpsim.units import GiB, format_rate, format_rate_band
 
 if TYPE_CHECKING:
@@ -255,6 +255,10 @@ def _framework_of(r: SimResult) -> str:
     return framework_line(r.framework, r.family)
 
 
+def _runtime_of(r: SimResult) -> str:
+    return f"runtime: {runtime_line(r.runtime_profile or DEFAULT_PROFILE)}"
+
+
 def _fit_cell(res: SimResult, headroom_gib: float, layout: bool = False) -> str:
     """``fits``' cell: samples/s (``*`` when at risk) where it fits, else OOM and the highest
     peak; the layout after either when ``layout``."""
@@ -290,7 +294,7 @@ def fits_strategies_text(reports: list[FitsReport], headroom_gib: float = DEFAUL
     cap = first.rows[0].result.gpus[0].capacity_bytes
     lines = [f"{first.family} on {first.server}: {first.schedule}, microbatch {first.microbatch} x "
              f"{first.microbatches}, {first.partition}-balanced partition, capacity {gib(cap)} GiB per GPU",
-             _framework_of(first.rows[0].result),
+             _framework_of(first.rows[0].result), _runtime_of(first.rows[0].result),
              "(samples/s where it fits; OOM and the highest per-GPU peak in GiB where it does not)",
              *_at_risk_legend(shown, headroom_gib), "", table_text(header, rows), ""]
     if not first.searched:
@@ -328,7 +332,7 @@ def fits_layouts_text(answers: list[LayoutFits], headroom_gib: float = DEFAULT_H
              f"{answers[0].microbatches} per iteration over all replicas, {first.partition}-balanced partition, "
              f"capacity {gib(cap)} GiB per GPU",
              "layouts: " + ", ".join(r.job.layout_name for r in answers[0].reports),
-             _framework_of(first.rows[0].result),
+             _framework_of(first.rows[0].result), _runtime_of(first.rows[0].result),
              "(the fastest layout that fits: samples/s and the layout; where none fits, OOM, the lowest highest "
              "per-GPU peak in GiB and its layout)", *_at_risk_legend(shown, headroom_gib), "",
              table_text(header, rows), ""]
