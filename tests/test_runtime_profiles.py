@@ -149,3 +149,24 @@ def test_fits_runs_under_the_profile_in_this_process_and_on_workers(workers):
         code, out, _ = run_cli(300, *args, "--runtime", profile, "--json", "-")
         rows = [row for rep in json.loads(out)["reports"] for row in rep["rows"]]
         assert code == 0 and rows and {row["runtime_profile"] for row in rows} == {profile}
+
+
+def test_the_page_runs_the_job_and_choose_views_under_the_profile_asked():
+    """The page's `runtime` field: it round-trips through the URL, reaches the job view's
+    result and the choose view's report, and is refused in one line when unknown or in the
+    how-many-servers view (which runs the default)."""
+    from urllib.parse import parse_qs
+
+    from mpsim.web.inputs import from_query
+    from mpsim.web.work import RunRequest, run_choose, run_job
+
+    query = "view=job&server=h100-x1&model=gpt2-xl&microbatch=1&microbatches=2&runtime=eager"
+    inputs = from_query(parse_qs(query))
+    assert inputs.runtime == "eager" and from_query(parse_qs(inputs.query())) == inputs
+    assert run_job(RunRequest(inputs)).planned.result.runtime_profile == "eager"
+    choose = from_query(parse_qs("view=choose&servers=h100-x1&model=gpt2-xl&strategy=none&runtime=deepspeed"))
+    assert run_choose(RunRequest(choose))["report"]["runtime_profile"] == "deepspeed"
+    with pytest.raises(MpsimError, match=r"^runtime: expected one of megatron-lm, .*got 'fast'$"):
+        from_query(parse_qs("view=job&runtime=fast"))
+    with pytest.raises(MpsimError, match="how-many-servers view runs the default runtime profile"):
+        from_query(parse_qs("view=scale&runtime=eager"))

@@ -96,7 +96,8 @@ class App:
     def catalog(self) -> dict:
         return {"servers": list(api.shipped_topologies()), "models": list(api.shipped_traces()),
                 "schedules": ["1f1b", "gpipe", "pipedream"], "strategies": list(api.STRATEGIES),
-                "partitions": ["compute", "memory"], "upload_kinds": list(UPLOAD_KINDS),
+                "partitions": ["compute", "memory"], "runtimes": list(api.PROFILES),
+                "upload_kinds": list(UPLOAD_KINDS),
                 "max_upload_bytes": MAX_UPLOAD_BYTES, "clusters": list(api.shipped_clusters()),
                 "labels": _labels()}
 

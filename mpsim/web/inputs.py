@@ -39,7 +39,7 @@ VIEWS = ("job", "choose", "scale")
 _INT_KEYS = ("microbatch", "microbatches", "global_microbatches", "stages", "min_servers", "max_servers")
 _FLOAT_KEYS = ("tokens", "days", "budget")
 _KEYS = ("view", "server", "model", "servers", "schedule", "microbatch", "microbatches", "global_microbatches",
-         "stages", "layout", "strategy", "partition",
+         "stages", "layout", "strategy", "partition", "runtime",
          "server_upload", "model_upload", "clusters", "tokens", "days", "budget", "min_servers", "max_servers",
          "headroom", "run")
 _NUMBER = re.compile(r"[0-9]{1,16}(\.[0-9]{0,16})?([eE]\+?[0-9]{1,2})?")
@@ -73,6 +73,8 @@ class JobInputs:
     ``tp4spxpp2``, ...); empty: the pipeline over the GPUs."""
     strategy: str = "none"
     partition: str = "compute"
+    runtime: str = api.DEFAULT_PROFILE
+    """The runtime profile the job and choose views run under (``--runtime``)."""
     server_upload: str | None = None
     model_upload: str | None = None
     clusters: tuple[str, ...] = SCALE_CLUSTERS
@@ -109,6 +111,8 @@ class JobInputs:
         elif self.view == "choose":
             pairs.append(("global_microbatches", str(self.global_microbatches)))
         pairs += [("strategy", self.strategy), ("partition", self.partition)]
+        if self.runtime != api.DEFAULT_PROFILE and self.view != "scale":
+            pairs.append(("runtime", self.runtime))
         if self.microbatch is not None:
             pairs.append(("microbatch", str(self.microbatch)))
         if self.stages is not None and self.view == "job":
@@ -123,7 +127,8 @@ class JobInputs:
         return {"view": self.view, "server": self.server, "model": self.model, "servers": list(self.servers),
                 "schedule": self.schedule, "microbatch": self.microbatch, "microbatches": self.microbatches,
                 "global_microbatches": self.global_microbatches, "stages": self.stages, "layout": self.layout,
-                "strategy": self.strategy, "partition": self.partition, "server_upload": self.server_upload,
+                "strategy": self.strategy, "partition": self.partition, "runtime": self.runtime,
+                "server_upload": self.server_upload,
                 "model_upload": self.model_upload, "clusters": list(self.clusters), "tokens": self.tokens,
                 "days": self.days, "budget": self.budget, "min_servers": self.min_servers,
                 "max_servers": self.max_servers, "headroom": self.headroom}
@@ -186,6 +191,11 @@ def from_query(query: Mapping[str, list[str]]) -> JobInputs:
     check_cost(inputs)
     if inputs.layout:
         api.parse_layout(inputs.layout)  # a bad name refused in one line before the run starts
+    if inputs.runtime not in api.PROFILES:
+        raise MpsimError(f"runtime: expected one of {', '.join(api.PROFILES)}, got {inputs.runtime!r}")
+    if inputs.view == "scale" and inputs.runtime != api.DEFAULT_PROFILE:
+        raise MpsimError("runtime: the how-many-servers view runs the default runtime profile (megatron-lm); "
+                         "leave it out")
     return inputs
 
 

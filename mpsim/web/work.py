@@ -97,7 +97,8 @@ def run_job(request: RunRequest) -> JobOutcome:
     warning = api.measured_warning(trace, topo)
     layout = api.parse_layout(inputs.layout) if inputs.layout else None
     planned = api.plan(topo, trace, inputs.schedule, inputs.microbatch, inputs.microbatches, n_stages=inputs.stages,
-                       strategy=inputs.strategy, partition=inputs.partition, parallelism=layout)
+                       strategy=inputs.strategy, partition=inputs.partition, parallelism=layout,
+                       runtime_profile=inputs.runtime)
     return JobOutcome(planned, warning, inputs.headroom)
 
 
@@ -109,7 +110,8 @@ def run_choose(request: RunRequest) -> dict[str, Any]:
     servers: list[str | Topology] = [*inputs.servers, *uploaded]
     report = api.choose(model_of(request), servers or "all", schedule=inputs.schedule,
                         microbatch_sizes=[inputs.microbatch] if inputs.microbatch is not None else None,
-                        global_microbatches=inputs.global_microbatches, headroom_gib=inputs.headroom)
+                        global_microbatches=inputs.global_microbatches, headroom_gib=inputs.headroom,
+                        runtime_profile=inputs.runtime)
     return {"report": report.to_dict(), "html": choose_html(report)}
 
 

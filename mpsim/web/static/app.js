@@ -6,7 +6,7 @@
 const $ = (id) => document.getElementById(id);
 const UPLOADED = "__upload__";
 const FIELDS = ["server", "model", "schedule", "microbatch", "microbatches", "global_microbatches", "stages", "layout",
-  "strategy", "partition", "headroom"];
+  "strategy", "partition", "runtime", "headroom"];
 const SCALE_FIELDS = ["tokens", "days", "budget", "min_servers", "max_servers"];
 // This server's token, put in the page by the server: sent on every request that changes
 // anything, so that no other site's page can (it cannot read this page to learn it).
@@ -53,6 +53,7 @@ function setView(view) {
   $("microbatches-label").hidden = view !== "job";  // per replica: one layout's count
   $("global_microbatches-label").hidden = view !== "choose";  // the global batch the layouts share
   $("headroom-label").hidden = view === "scale";
+  $("runtime-label").hidden = view === "scale";  // choose --tokens runs the default profile
 }
 
 function fromQuery(params) {
@@ -96,6 +97,7 @@ function toQuery(withUploads) {
   if (state.view !== "scale" && $("headroom").value !== "" && Number($("headroom").value) !== 1) {
     q.set("headroom", $("headroom").value);
   }
+  if (state.view !== "scale" && $("runtime").value !== "megatron-lm") q.set("runtime", $("runtime").value);
   if (state.view === "job") {
     q.set("strategy", $("strategy").value);
     q.set("partition", $("partition").value);
@@ -303,6 +305,7 @@ async function init() {
     fillSelect($("schedule"), catalog.schedules);
     fillSelect($("strategy"), catalog.strategies, catalog.labels.strategies);
     fillSelect($("partition"), catalog.partitions);
+    fillSelect($("runtime"), catalog.runtimes);
     $("server").value = "dgx1-v100";
     $("model").value = "gpt-5.3b";
   } catch (err) {
