@@ -74,7 +74,7 @@ def test_every_prediction_carries_the_time_band_of_its_model(llama_a100):
     r = llama_a100
     assert r.time_band_pct == UNCHECKED_TIME_BAND_PCT
     assert r.samples_per_s_band == pytest.approx(r.samples_per_s * UNCHECKED_TIME_BAND_PCT / 100)
-    assert "kernel data of this GPU, not checked" in r.time_band_source
+    assert "kernel data of this GPU: its kernel table is within 7.5% rms" in r.time_band_source
     d = r.to_dict()
     assert d["time_band_pct"] == UNCHECKED_TIME_BAND_PCT and d["samples_per_s_band"] == r.samples_per_s_band
 

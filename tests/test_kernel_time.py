@@ -175,3 +175,15 @@ def test_calibrate_fits_a_kernel_table_to_a_profiler_trace(tmp_path):
     assert gpu.kernels.checked == profile.name
     code, _, err = run_cli(60, "calibrate", "--server", "dgx-h100")
     assert code == 2 and "either --trace" in err
+
+
+def test_the_a100_tables_kernel_residual_is_the_reports():
+    """The A100 table's residual against published kernel figures, which its band names, is
+    the one reports/kernel_time.md computes (benchmarks/kernel_time_report.py)."""
+    import re
+
+    from mpsim.hardware.gpu_tables import A100_KERNEL_RMS_PCT, SHIPPED
+
+    text = (Path(__file__).resolve().parent.parent / "reports" / "kernel_time.md").read_text()
+    found = re.search(r"A100-SXM4-80GB ([\d.]+)% \(\d+ rows\)", text)
+    assert found is not None and float(found[1]) == A100_KERNEL_RMS_PCT == SHIPPED["ampere"].kernel_residual_pct

@@ -72,6 +72,9 @@ class KernelTable(FileModel):
     residual_pct: float | None = Field(
         default=None, ge=0, le=1e4, description="rms relative error of the layer or kernel times it was checked "
                                                 "against, %: the band of its predictions")
+    kernel_residual_pct: float | None = Field(
+        default=None, ge=0, le=1e4, description="rms relative error of the table against published kernel figures "
+                                                "of its GPU (reports/kernel_time.md), %")
     basis: Literal["kernel data", "transferred"] = Field(
         default="transferred", description="kernel data: its GEMM, attention and memory figures come from "
                                            "kernel-level measurements of this GPU family (ours or published), so "
@@ -119,6 +122,9 @@ def _share(x: float) -> float:
     return math.floor(x * 1000) / 1000
 
 _FP32_SIMT = 51.35 / 67.0 * (32 / (4096 / 132))  # H100 fp32 probe, 128x128 tiles: 4096 tiles, 32 waves
+A100_KERNEL_RMS_PCT = 7.5
+"""The A100 table's rms error against the published A100 kernel figures (GEMM sweeps,
+FlashAttention-2 forward plus backward, streaming; reports/kernel_time.md)."""
 H100_LAYER_RMS_PCT = 12.6
 """The unfitted H100 table's rms error on our measured H100 transformer-layer and head passes
 (bf16; reports/kernel_time.md, which benchmarks/kernel_time_report.py writes)."""
@@ -172,7 +178,8 @@ def _ampere() -> KernelTable:
         sms=108, launch_floor_us=4.0, memory_fraction=round(2711.3 / 3350, 3),
         gemm={"fp16": tc, "bf16": tc, "tf32": GemmRate(fraction=round(116 / 156, 3), tiles=_TC_TILES),
               "fp32": GemmRate(fraction=round(_FP32_SIMT, 3), tiles=_SIMT_TILES)},
-        attention={"fp16": _FLASH_A100, "bf16": _FLASH_A100}, sources=_A100_SOURCES, basis="kernel data")
+        attention={"fp16": _FLASH_A100, "bf16": _FLASH_A100}, sources=_A100_SOURCES, basis="kernel data",
+        kernel_residual_pct=A100_KERNEL_RMS_PCT)
 
 
 def _older(sms: int, name: str, tensor_cores: bool) -> KernelTable:

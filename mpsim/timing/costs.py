@@ -97,16 +97,21 @@ class CostModel:
 
     def time_band(self) -> tuple[float, str]:
         """The relative error band of times made with this model, % (either side), and why:
-        a checked kernel table's own residual; ``UNCHECKED_TIME_BAND_PCT`` where the figures
-        rest on kernel data of the GPU; else ``ESTIMATE_TIME_BAND_PCT``."""
+        a checked kernel table's own residual; where the figures rest on kernel data of the
+        GPU, its table's residual against them, at least ``UNCHECKED_TIME_BAND_PCT`` (kernels
+        compose into layers with more error than each has alone); else
+        ``ESTIMATE_TIME_BAND_PCT``."""
         table = self.kernel_rates.table if self.kernel_rates else None
         if table is not None and table.checked and table.residual_pct is not None:
             return table.residual_pct, f"rms error of its kernel table against {table.checked}"
         shipped = table or shipped_table(self.gpu_model)
         if shipped is not None and shipped.basis == "kernel data":
-            return UNCHECKED_TIME_BAND_PCT, ("time model from kernel data of this GPU, not checked against its "
-                                             "measured layers: the rms error of the unfitted H100 kernel table on "
-                                             "measured H100 layers, likely a floor")
+            own = shipped.kernel_residual_pct
+            kernels = (f"its kernel table is within {own:g}% rms of published kernel figures of this GPU, and "
+                       if own is not None else "")
+            return max(UNCHECKED_TIME_BAND_PCT, own or 0.0), (
+                f"time model from kernel data of this GPU: {kernels}layers add more: the rms error of the unfitted "
+                "H100 kernel table on measured H100 layers, a floor until this GPU's layers are measured")
         return ESTIMATE_TIME_BAND_PCT, ("time model an estimate: no kernel-level data of this GPU; twice the band "
                                         "measured on H100")
 

@@ -355,7 +355,7 @@ def fits_layouts_text(answers: list[LayoutFits], headroom_gib: float = DEFAULT_H
 def sweep_text(frame: pd.DataFrame) -> str:
     """Samples/s (or OOM and the highest peak) per microbatch size, one column per strategy
     (per strategy and layout where a server ran several: ``none fsdp8``)."""
-    lines = []
+    lines = [f"runtime: {runtime_line(DEFAULT_PROFILE)}", ""]  # sweep runs the default profile
     for (sv, md, m), part in frame.groupby(["server", "model", "microbatches"], sort=False):
         layouts = list(dict.fromkeys(_layouts_of(part)))
         columns = list(dict.fromkeys((str(st), str(lay)) for st, lay in zip(part["strategy"], _layouts_of(part))))
@@ -543,7 +543,8 @@ def scale_text(report: ScaleReport) -> str:
     goal = ", ".join(x for x in (f"in {report.days:g} days" if report.days else "",
                                  f"within ${report.budget_usd:,.0f}" if report.budget_usd else "") if x)
     out = [f"{report.model}: {report.tokens:.3g} tokens, {report.batch_tokens:,} tokens an iteration "
-           f"({report.batch_tokens // report.seq_len} x {report.seq_len}), 1f1b" + (f"; goal: {goal}" if goal else "")]
+           f"({report.batch_tokens // report.seq_len} x {report.seq_len}), 1f1b" + (f"; goal: {goal}" if goal else ""),
+           f"runtime: {runtime_line(DEFAULT_PROFILE)}"]  # the search over clusters runs the default
     header = ["servers", "GPUs", "layout", "strategy", "mb", "iter s", "tokens/s", "days", "cost USD", "peak GiB", ""]
     for a in report.answers:
         price = "no price" if a.usd_per_server_hour is None else f"${a.usd_per_server_hour:,.2f} a server-hour"
