@@ -76,12 +76,16 @@ def test_host_dispatch_bounds_a_pass_by_its_launches():
 
 def test_eager_dispatch_slows_small_work_more_than_large():
     """GPT-2 XL on one H100: the eager profile adds host time where kernels are short (a
-    microbatch of 1), and the profile is named in the result."""
+    microbatch of 1) and none at a microbatch of 8, and the profile is named in the result."""
     topo = load_topology("h100-x1")
     small = load_trace("gpt2-xl").rescale(1)
     costs = cost_model(small, topo.spec.gpu).layer_times
     eager = dispatch_bound(costs.fwd_s, costs.launches_fwd, profile_named("eager"))
     assert (eager >= costs.fwd_s).all() and (costs.launches_fwd > 0).all()
+    assert (eager > costs.fwd_s).any()  # at a microbatch of 1 some pass is bound by its launches
+    large = cost_model(load_trace("gpt2-xl").rescale(8), topo.spec.gpu).layer_times
+    for passes, launched in ((large.fwd_s, large.launches_fwd), (large.bwd_s, large.launches_bwd)):
+        assert (dispatch_bound(passes, launched, profile_named("eager")) == passes).all()  # none at 8
     base = simulate_job(Job(JobSpec(topo, small, "gpipe", 2)))
     slow = simulate_job(Job(JobSpec(topo, small, "gpipe", 2, runtime_profile="eager")))
     assert slow.iteration_s > base.iteration_s and slow.runtime_profile == "eager"

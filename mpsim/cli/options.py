@@ -58,9 +58,13 @@ def job_options(f: F) -> F:
         click.option("--stages", type=int, help="pipeline stages  [default: one per GPU of each replica]"),
         click.option("--strategy", default="none", show_default=True, help=STRATEGY_HELP),
         click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP),
-        click.option("--runtime", "runtime_profile", type=click.Choice(list(api.PROFILES)),
-                     default=api.DEFAULT_PROFILE, show_default=True, help=RUNTIME_HELP),
+        runtime_option,
     ])
+
+
+runtime_option = click.option("--runtime", "runtime_profile", type=click.Choice(list(api.PROFILES)),
+                              default=api.DEFAULT_PROFILE, show_default=True, help=RUNTIME_HELP)
+"""``--runtime``, handed to the command as ``runtime_profile`` (``mpsim.timing.runtime``)."""
 
 
 def global_microbatches_options(command: str, default: int | str, many: bool = False) -> Callable[[F], F]:

@@ -13,7 +13,6 @@ import click
 from mpsim import api
 from mpsim.cli.options import (
     PARTITION_HELP,
-    RUNTIME_HELP,
     SCHEDULE_HELP,
     SEQ_LEN_HELP,
     SERVER_HELP,
@@ -28,6 +27,7 @@ from mpsim.cli.options import (
     layouts_option,
     refuse_given,
     refuse_per_replica,
+    runtime_option,
     warn,
     write_json,
 )
@@ -48,8 +48,7 @@ from mpsim.cli.progress import points_progress, steps_progress, stops_on_signals
                    "model states on the GPUs, and the offload strategies (zero-offload, zero-infinity) are "
                    "columns of their own")
 @click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP)
-@click.option("--runtime", "runtime_profile", type=click.Choice(list(api.PROFILES)), default=api.DEFAULT_PROFILE,
-              show_default=True, help=RUNTIME_HELP)
+@runtime_option
 @layouts_option(api.DEFAULT_LAYOUTS)
 @click.option("--workers", "-j", type=click.IntRange(min=1),
               help="worker processes (sizes and strategies in parallel; 1: all in this process)  "
@@ -264,8 +263,7 @@ def _calibrate_profile(path: Path, dtype: str, topo: api.Topology, output: Path 
               help="on-demand USD per hour of a server, instead of its file's price; repeat for several")
 @click.option("--rank-by", type=click.Choice(["cost", "throughput"]), default="cost", show_default=True,
               help="cost: USD per million samples, cheapest first; throughput: fastest first")
-@click.option("--runtime", "runtime_profile", type=click.Choice(list(api.PROFILES)), default=api.DEFAULT_PROFILE,
-              show_default=True, help=RUNTIME_HELP)
+@runtime_option
 @click.option("--tokens", type=float, help="train on this many tokens: answer how many servers of each cluster, "
                                            "with which layout, for how long and at what cost (e.g. 2e12)")
 @click.option("--days", type=float, help="with --tokens: the deadline; the pick is the fewest servers within it")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpsim.hardware.gpu_tables import KernelTable, family_of
+from mpsim.hardware.gpu_tables import MAMF_TABLE, OUR_H100_PROBE, KernelTable, family_of
 
 __all__ = ["CEILINGS", "Ceiling", "ceiling_for", "check_efficiency", "check_table"]
 
@@ -36,20 +36,18 @@ class Ceiling:
     source: str
 
 
-_STAS_MAMF = "stas00/ml-engineering, Maximum Achievable Matmul FLOPS table (mamf-finder, best shape of a sweep)"
-_OUR_PROBE = "validate/results/h100/probe.yaml (mpsim topo probe, H100 80GB HBM3, torch 2.11.0+cu130)"
 _FA3 = "FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608): 740 TFLOP/s fp16 forward on H100 SXM5, 75% of peak"
 _FA2 = "FlashAttention-2 (Dao 2023, arXiv 2307.08691): forward up to 73% of A100 peak"
-_COPY = "device-to-device copy 2711.3 of 3350 GB/s (0.81) in " + _OUR_PROBE + "; ceiling 0.9 allows STREAM triad"
+_COPY = "device-to-device copy 2711.3 of 3350 GB/s (0.81) in " + OUR_H100_PROBE + "; ceiling 0.9 allows STREAM triad"
 
 _HOPPER_TC = Ceiling(gemm=round(794.5 / 989, 3), attention=0.765, memory=0.9,
-                     source=f"gemm: {_STAS_MAMF}: H100 SXM bf16 794.5 of 989 TFLOP/s (792.1 with CUDA 12.1); "
+                     source=f"gemm: {MAMF_TABLE}: H100 SXM bf16 794.5 of 989 TFLOP/s (792.1 with CUDA 12.1); "
                             f"attention: {_FA3}, 756 TFLOP/s at head dim 256 (0.765); memory: {_COPY}")
 _HOPPER_FP8 = Ceiling(gemm=round(1402.6 / 1979, 3), attention=0.765, memory=0.9,
-                      source=f"gemm: {_STAS_MAMF}: H100 SXM fp8 1402.6 of 1979 TFLOP/s; attention and memory as "
+                      source=f"gemm: {MAMF_TABLE}: H100 SXM fp8 1402.6 of 1979 TFLOP/s; attention and memory as "
                              "bf16's")
 _AMPERE_TC = Ceiling(gemm=round(271.2 / 312, 3), attention=0.73, memory=0.97,
-                     source=f"gemm: {_STAS_MAMF}: A100 SXM bf16 271.2 of 312 TFLOP/s (shape 1024x10240x5120, "
+                     source=f"gemm: {MAMF_TABLE}: A100 SXM bf16 271.2 of 312 TFLOP/s (shape 1024x10240x5120, "
                             f"torch 2.6); attention: {_FA2}; memory: te42kyfo/gpu-benches stream, A100 40GB up to "
                             "97% of datasheet bandwidth")
 _VOLTA_TC = Ceiling(gemm=round(95 / 125, 3), attention=0.76, memory=0.99,
@@ -57,7 +55,7 @@ _VOLTA_TC = Ceiling(gemm=round(95 / 125, 3), attention=0.76, memory=0.99,
                            "TFLOP/s on V100 (best square size to 8192); attention (no fused kernel on Volta) as "
                            "GEMM; memory: te42kyfo/gpu-benches gpu-stream on V100, store 895 of 900 GB/s")
 _SIMT_FP32 = Ceiling(gemm=0.9, attention=0.9, memory=0.99,
-                     source="CUDA-core SGEMM: our H100 probe 51.35 of 67 TFLOP/s (0.77, " + _OUR_PROBE
+                     source="CUDA-core SGEMM: our H100 probe 51.35 of 67 TFLOP/s (0.77, " + OUR_H100_PROBE
                             + "), V100 14 of 15.7 (0.89, mli/transformers-benchmarks micro_bench); ceiling 0.9; "
                               "memory: the best stream figure of any GPU (V100, 0.99)")
 _TC_GENERIC = Ceiling(gemm=0.9, attention=0.9, memory=0.9,
@@ -65,14 +63,14 @@ _TC_GENERIC = Ceiling(gemm=0.9, attention=0.9, memory=0.9,
                              "GEMM sweep of ours or published reaches; attention (no fused kernel figure) as GEMM")
 
 _BLACKWELL = Ceiling(gemm=round(1745 / 2250, 3), attention=round(1613 / 2250, 3), memory=0.9,
-                     source=f"gemm: {_STAS_MAMF}: B200 bf16 1745 of 2250 TFLOP/s (GB200 1822 of 2500: 0.729); "
+                     source=f"gemm: {MAMF_TABLE}: B200 bf16 1745 of 2250 TFLOP/s (GB200 1822 of 2500: 0.729); "
                             "attention: FlashAttention-4 (arXiv 2603.05451), 1613 of 2250 TFLOP/s on B200; memory: "
                             "as Hopper's")
 _BLACKWELL_FP8 = Ceiling(gemm=round(3432.5 / 4500, 3), attention=round(1613 / 2250, 3), memory=0.9,
-                         source=f"gemm: {_STAS_MAMF}: B200 fp8 3432.5 of 4500 TFLOP/s; the rest as bf16's")
+                         source=f"gemm: {MAMF_TABLE}: B200 fp8 3432.5 of 4500 TFLOP/s; the rest as bf16's")
 _CDNA3 = Ceiling(gemm=round(708 / 1307.4, 3), attention=round(708 / 1307.4, 3), memory=0.9,
                  source="gemm: AMD ROCm blog (2025-02-28), MI300X bf16 GEMM 708 TFLOP/s with AMD's own library, "
-                        "above the 668.4 PyTorch reaches (" + _STAS_MAMF + "); attention (no fused kernel figure) "
+                        "above the 668.4 PyTorch reaches (" + MAMF_TABLE + "); attention (no fused kernel figure) "
                         "as GEMM; memory as Hopper's")
 
 CEILINGS: dict[str, dict[str, Ceiling]] = {

@@ -98,7 +98,9 @@ class KernelTable(FileModel):
 
 # --- shipped tables ------------------------------------------------------------------------
 
-_OUR_H100 = "validate/results/h100/probe.yaml (mpsim topo probe, H100 80GB HBM3, torch 2.11.0+cu130)"
+MAMF_TABLE = "stas00/ml-engineering, Maximum Achievable Matmul FLOPS table (mamf-finder: best shape of a sweep)"
+"""Published best-GEMM sweeps per GPU (the source of several tables' and ceilings' figures)."""
+OUR_H100_PROBE = "validate/results/h100/probe.yaml (mpsim topo probe, H100 80GB HBM3, torch 2.11.0+cu130)"
 _FA3_PAPER = ("FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608) Fig. 5/6: FlashAttention-2 on H100 SXM5, "
               "head dim 128, non-causal, fwd 309/350/362/368/370/370 and bwd 214/260/291/310/318/322 TFLOP/s at "
               "seq 512..16k")
@@ -145,13 +147,13 @@ def _hopper(sms: int) -> KernelTable:
         checked=_H100_LAYERS, residual_pct=H100_LAYER_RMS_PCT,
         sources={"sms": "NVIDIA H100 Tensor Core GPU Architecture whitepaper (132 SMs SXM5; 114 PCIe)",
                  "launch_floor_us": _FLOOR,
-                 "memory_fraction": f"device-to-device copy 2711.3 GB/s of 3350 GB/s: {_OUR_H100}",
-                 "gemm.bf16": f"8192^3 bf16 matmul 769.0 TFLOP/s: {_OUR_H100}; {_TILE_ESTIMATE}",
-                 "gemm.fp16": f"8192^3 fp16 matmul 746.6 TFLOP/s: {_OUR_H100}",
+                 "memory_fraction": f"device-to-device copy 2711.3 GB/s of 3350 GB/s: {OUR_H100_PROBE}",
+                 "gemm.bf16": f"8192^3 bf16 matmul 769.0 TFLOP/s: {OUR_H100_PROBE}; {_TILE_ESTIMATE}",
+                 "gemm.fp16": f"8192^3 fp16 matmul 746.6 TFLOP/s: {OUR_H100_PROBE}",
                  "gemm.tf32": "estimate: taken as bf16's share of its own peak",
-                 "gemm.fp8": "stas00/ml-engineering MAMF table: H100 SXM fp8 1402.6 of 1979 TFLOP/s (best shape "
-                             "of a sweep, so a full-wave fraction at most that)",
-                 "gemm.fp32": f"8192^3 fp32 (no TF32) matmul 51.35 TFLOP/s: {_OUR_H100}",
+                 "gemm.fp8": f"{MAMF_TABLE}: H100 SXM fp8 1402.6 of 1979 TFLOP/s (so a full-wave fraction at most "
+                             "that)",
+                 "gemm.fp32": f"8192^3 fp32 (no TF32) matmul 51.35 TFLOP/s: {OUR_H100_PROBE}",
                  "attention.bf16": _FA3_PAPER + "; half_seq fitted to the 512 points",
                  "attention.fp16": _FA3_PAPER})
 
@@ -161,7 +163,7 @@ _FLASH_A100 = AttentionRate(fwd_fraction=0.73, bwd_fraction=round(0.73 * 322 / 3
 _A100_SOURCES = {
     "sms": "NVIDIA A100 Tensor Core GPU Architecture whitepaper (108 SMs)",
     "launch_floor_us": _FLOOR,
-    "memory_fraction": "transferred from our H100 copy probe (0.81 of peak); " + _OUR_H100,
+    "memory_fraction": "transferred from our H100 copy probe (0.81 of peak); " + OUR_H100_PROBE,
     "gemm.fp16": "mli/transformers-benchmarks micro_bench (2022): torch.matmul fp16 230 of 312 TFLOP/s on A100 "
                  "80GB; " + _TILE_ESTIMATE,
     "gemm.bf16": "as fp16 (same tensor-core rate)",
@@ -187,7 +189,7 @@ def _older(sms: int, name: str, tensor_cores: bool) -> KernelTable:
     ours; the shares of peak are transferred and say so."""
     gemm: dict[TableDtype, GemmRate] = {"fp32": GemmRate(fraction=round(_FP32_SIMT, 3), tiles=_SIMT_TILES)}
     sources = {"sms": f"NVIDIA {name} datasheet/whitepaper ({sms} SMs)", "launch_floor_us": _FLOOR,
-               "memory_fraction": "transferred from our H100 copy probe (0.81 of peak); " + _OUR_H100,
+               "memory_fraction": "transferred from our H100 copy probe (0.81 of peak); " + OUR_H100_PROBE,
                "gemm.fp32": "transferred from our H100 fp32 probe (CUDA-core SGEMM share of peak)"}
     attention: dict[TableDtype, AttentionRate] = {}
     if tensor_cores:
@@ -199,8 +201,7 @@ def _older(sms: int, name: str, tensor_cores: bool) -> KernelTable:
                                                   "multiplies for 4 outputs instead of 36, 2.25x fewer FLOPs"})
 
 
-_MAMF = "stas00/ml-engineering, Maximum Achievable Matmul FLOPS table (mamf-finder: best shape of a sweep)"
-_MEMORY_TRANSFER = ("transferred from our H100 copy probe (0.809 of peak; " + _OUR_H100 + "): no streaming "
+_MEMORY_TRANSFER = ("transferred from our H100 copy probe (0.809 of peak; " + OUR_H100_PROBE + "): no streaming "
                     "benchmark of this GPU used")
 
 
@@ -217,9 +218,9 @@ def _blackwell() -> KernelTable:
         attention={"bf16": flash, "fp16": flash}, basis="kernel data",
         sources={"sms": "NVIDIA Blackwell architecture: 148 SMs per B200 (74 per die)",
                  "launch_floor_us": _FLOOR, "memory_fraction": _MEMORY_TRANSFER,
-                 "gemm.bf16": f"{_MAMF}: GB200 bf16 1822 of 2500 TFLOP/s; {_TILE_ESTIMATE}",
+                 "gemm.bf16": f"{MAMF_TABLE}: GB200 bf16 1822 of 2500 TFLOP/s; {_TILE_ESTIMATE}",
                  "gemm.fp16": "as bf16 (same tensor-core rate)",
-                 "gemm.fp8": f"{_MAMF}: GB200 fp8 3615.6 of 5000 TFLOP/s",
+                 "gemm.fp8": f"{MAMF_TABLE}: GB200 fp8 3615.6 of 5000 TFLOP/s",
                  "attention.bf16": "FlashAttention-4 (arXiv 2603.05451): 1613 TFLOP/s bf16 forward on B200, 71.7% "
                                    "of 2250; backward x 322/370 and half_seq as FlashAttention-2 on H100 (estimate)",
                  "attention.fp16": "as bf16"})
@@ -236,7 +237,7 @@ def _cdna3() -> KernelTable:
         basis="kernel data",
         sources={"sms": "AMD CDNA 3 white paper: 304 compute units on MI300X",
                  "launch_floor_us": _FLOOR, "memory_fraction": _MEMORY_TRANSFER,
-                 "gemm.bf16": f"{_MAMF}: MI300X bf16 668.4 TFLOP/s with PyTorch (of 1307.4); {_TILE_ESTIMATE}",
+                 "gemm.bf16": f"{MAMF_TABLE}: MI300X bf16 668.4 TFLOP/s with PyTorch (of 1307.4); {_TILE_ESTIMATE}",
                  "gemm.fp16": "AMD ROCm blog (2025-02-28): MI300X fp16 GEMM 654 TFLOP/s",
                  "gemm.fp8": "AMD ROCm blog (2025-02-28): MI300X fp8 GEMM 1273 TFLOP/s"})
 

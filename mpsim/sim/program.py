@@ -520,8 +520,8 @@ def _layer_collectives(st: _StageRows, ends: list[tuple[float, int]], backward: 
         run = (*(row.fwd_collectives if redone else []), *row.bwd_collectives) if backward else row.fwd_collectives
         gemm_s = 0.0
         if overlap is not None:
-            gemm_s = float(overlap[1][k]) + (float(overlap[0][k]) if redone else 0.0) if backward else float(
-                overlap[0][k])
+            fwd_gemm_s, bwd_gemm_s = float(overlap[0][k]), float(overlap[1][k])
+            gemm_s = (bwd_gemm_s + (fwd_gemm_s if redone else 0.0)) if backward else fwd_gemm_s
         out.append((t, [(c.op, c.n_bytes) for c in run], gemm_s))
     return out
 

@@ -19,7 +19,6 @@ top of the kernels' own times:
   covers the short ones, so over a pass the stream is busy for
   max(sum of kernel times, launches x host_dispatch_us): the producer's bound on a
   consumer fed through a queue. 0: the launches hide (CUDA graphs, or kernels long enough).
-
 - **Gradient-reduce overlap** (``grad_reduce_overlap``): DDP's and ZeRO-1's buckets are
   reduced as each is ready, beside the rest of the backward (PyTorch DDP, Megatron-Core
   with ``--overlap-grad-reduce``); off, they are all reduced after the backward, before the

@@ -90,6 +90,12 @@ def runtime_line(name: str) -> str:
     return f"{name}: {profile_named(name).summary} (--runtime)"
 
 
+def runtime_header(name: str = "") -> str:
+    """A study's header line naming the runtime profile its jobs ran under (none named: the
+    default)."""
+    return f"runtime: {runtime_line(name or DEFAULT_PROFILE)}"
+
+
 def band_phrase(r: SimResult) -> str:
     """Where the ± band comes from (``± 5%: ...``), or "" without one."""
     return f"± {r.time_band_pct:g}%: {r.time_band_source}" if r.time_band_pct else ""
@@ -255,10 +261,6 @@ def _framework_of(r: SimResult) -> str:
     return framework_line(r.framework, r.family)
 
 
-def _runtime_of(r: SimResult) -> str:
-    return f"runtime: {runtime_line(r.runtime_profile or DEFAULT_PROFILE)}"
-
-
 def _fit_cell(res: SimResult, headroom_gib: float, layout: bool = False) -> str:
     """``fits``' cell: samples/s (``*`` when at risk) where it fits, else OOM and the highest
     peak; the layout after either when ``layout``."""
@@ -294,7 +296,7 @@ def fits_strategies_text(reports: list[FitsReport], headroom_gib: float = DEFAUL
     cap = first.rows[0].result.gpus[0].capacity_bytes
     lines = [f"{first.family} on {first.server}: {first.schedule}, microbatch {first.microbatch} x "
              f"{first.microbatches}, {first.partition}-balanced partition, capacity {gib(cap)} GiB per GPU",
-             _framework_of(first.rows[0].result), _runtime_of(first.rows[0].result),
+             _framework_of(first.rows[0].result), runtime_header(first.rows[0].result.runtime_profile),
              "(samples/s where it fits; OOM and the highest per-GPU peak in GiB where it does not)",
              *_at_risk_legend(shown, headroom_gib), "", table_text(header, rows), ""]
     if not first.searched:
@@ -332,7 +334,7 @@ def fits_layouts_text(answers: list[LayoutFits], headroom_gib: float = DEFAULT_H
              f"{answers[0].microbatches} per iteration over all replicas, {first.partition}-balanced partition, "
              f"capacity {gib(cap)} GiB per GPU",
              "layouts: " + ", ".join(r.job.layout_name for r in answers[0].reports),
-             _framework_of(first.rows[0].result), _runtime_of(first.rows[0].result),
+             _framework_of(first.rows[0].result), runtime_header(first.rows[0].result.runtime_profile),
              "(the fastest layout that fits: samples/s and the layout; where none fits, OOM, the lowest highest "
              "per-GPU peak in GiB and its layout)", *_at_risk_legend(shown, headroom_gib), "",
              table_text(header, rows), ""]
@@ -355,7 +357,7 @@ def fits_layouts_text(answers: list[LayoutFits], headroom_gib: float = DEFAULT_H
 def sweep_text(frame: pd.DataFrame) -> str:
     """Samples/s (or OOM and the highest peak) per microbatch size, one column per strategy
     (per strategy and layout where a server ran several: ``none fsdp8``)."""
-    lines = [f"runtime: {runtime_line(DEFAULT_PROFILE)}", ""]  # sweep runs the default profile
+    lines = [runtime_header(), ""]  # sweep runs the default profile
     for (sv, md, m), part in frame.groupby(["server", "model", "microbatches"], sort=False):
         layouts = list(dict.fromkeys(_layouts_of(part)))
         columns = list(dict.fromkeys((str(st), str(lay)) for st, lay in zip(part["strategy"], _layouts_of(part))))
@@ -421,7 +423,7 @@ def choose_text(report: ChooseReport) -> str:
              f"microbatches of {sizes} per iteration over all replicas, strategies {strategies}, layouts "
              f"{report.layouts}; ranked by {report.rank_by}",
              *([_framework_of(report.rows[0].result)] if report.rows else []),
-             f"runtime: {runtime_line(report.runtime_profile)}", "",
+             runtime_header(report.runtime_profile), "",
              table_text(choose_header(report.seq_len is not None), rows),
              "(layout and plan: the parallel layout and technique of the fastest plan that fits, else of the one "
              "that came closest; DDP, ZeRO-1/2 and FSDP (ZeRO-3) xN: N data-parallel replicas; TP xN: N-way "
@@ -544,7 +546,7 @@ def scale_text(report: ScaleReport) -> str:
                                  f"within ${report.budget_usd:,.0f}" if report.budget_usd else "") if x)
     out = [f"{report.model}: {report.tokens:.3g} tokens, {report.batch_tokens:,} tokens an iteration "
            f"({report.batch_tokens // report.seq_len} x {report.seq_len}), 1f1b" + (f"; goal: {goal}" if goal else ""),
-           f"runtime: {runtime_line(DEFAULT_PROFILE)}"]  # the search over clusters runs the default
+           runtime_header()]  # the search over clusters runs the default
     header = ["servers", "GPUs", "layout", "strategy", "mb", "iter s", "tokens/s", "days", "cost USD", "peak GiB", ""]
     for a in report.answers:
         price = "no price" if a.usd_per_server_hour is None else f"${a.usd_per_server_hour:,.2f} a server-hour"
