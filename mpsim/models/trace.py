@@ -155,6 +155,23 @@ class LayerRow(FileModel):
         default_factory=list, description="the forward's GPU kernels by shape (mpsim.hardware.kernel_records); empty "
                                           "in traces made before kernels were recorded")
     bwd_kernels: list[Kernel] = Field(default_factory=list, description="the backward's GPU kernels by shape")
+    experts: int = Field(default=0, ge=0, le=1 << 16, description="routed experts of a mixture-of-experts layer "
+                                                                 "(0: a dense layer)")
+    experts_per_token: int = Field(default=0, ge=0, le=1 << 16, description="routed experts each token goes to (top-k)")
+    expert_params: int = Field(
+        default=0, ge=0, le=MAX_PARAMS,
+        description="part of params in the routed experts: split over the expert-parallel group, their gradients "
+                    "reduced over the expert-data-parallel group only")
+    expert_act_bytes: int = Field(
+        default=0, ge=0, le=MAX_BYTES, description="part of act_bytes the routed experts save (grows with their load)")
+    expert_fwd_flops: float = Field(
+        default=0.0, ge=0, le=MAX_FLOPS, description="part of fwd_flops run by the routed experts (uniform routing)")
+    expert_bwd_flops: float = Field(default=0.0, ge=0, le=MAX_FLOPS, description="part of bwd_flops likewise")
+    dispatch_bytes: int = Field(
+        default=0, ge=0, le=MAX_BYTES,
+        description="bytes of the microbatch's routed token copies sent to their experts (tokens x top-k, or the "
+                    "capacity's slots, x hidden x activation bytes): each of the dispatch and combine all-to-alls "
+                    "of the forward and of the backward moves this much")
 
     @model_validator(mode="after")
     def _saved_input_fits(self) -> LayerRow:
@@ -166,7 +183,29 @@ class LayerRow(FileModel):
             raise ValueError("attention FLOPs are part of fwd_flops and bwd_flops and cannot exceed them")
         if self.fwd_fixed_mem_bytes > self.fwd_mem_bytes or self.bwd_fixed_mem_bytes > self.bwd_mem_bytes:
             raise ValueError("fixed traffic is part of fwd_mem_bytes and bwd_mem_bytes and cannot exceed them")
+        if self.expert_params > self.params or self.expert_act_bytes > self.act_bytes:
+            raise ValueError("expert_params and expert_act_bytes are parts of params and act_bytes, "
+                             "and cannot exceed them")
+        if self.expert_fwd_flops > self.fwd_flops or self.expert_bwd_flops > self.bwd_flops:
+            raise ValueError("expert FLOPs are part of fwd_flops and bwd_flops and cannot exceed them")
+        if (self.experts == 0) != (self.experts_per_token == 0) or self.experts_per_token > self.experts:
+            raise ValueError("a mixture-of-experts layer routes each token to 1..experts of its experts "
+                             "(experts and experts_per_token both 0 for a dense layer)")
+        if self.experts == 0 and (self.expert_params or self.dispatch_bytes or self.expert_fwd_flops):
+            raise ValueError("expert fields need experts > 0")
         return self
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the layer routes tokens to experts (a mixture-of-experts layer)."""
+        return self.experts > 0
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token runs through: the dense part and top-k of the routed experts."""
+        if not self.experts:
+            return float(self.params)
+        return self.params - self.expert_params + self.expert_params * self.experts_per_token / self.experts
 
     @property
     def own_bytes(self) -> int:
@@ -191,12 +230,16 @@ class TraceFile(FileModel):
 
 _SCALED = ("act_bytes", "input_bytes", "output_bytes", "workspace_bytes", "fwd_flops", "bwd_flops",
            "fwd_attention_flops", "bwd_attention_flops", "attention_core_bytes",
-           "attention_core_flops", "attention_core_mem_bytes")
+           "attention_core_flops", "attention_core_mem_bytes", "expert_act_bytes", "expert_fwd_flops",
+           "expert_bwd_flops", "dispatch_bytes")
 _SCALED_OPTIONAL = ("fwd_ms", "bwd_ms", "bwd_workspace_bytes")
 _COLLECTIVE_FIELDS = ("fwd_collectives", "bwd_collectives")
 """Only a tensor-parallel shard's rows have them; linear in the batch (they move activations)."""
 _KERNEL_FIELDS = ("fwd_kernels", "bwd_kernels")
 """Rescaled kernel by kernel (``kernel_records.rescale_kernel``); left out of the file when empty."""
+_MOE_FIELDS = ("experts", "experts_per_token", "expert_params", "expert_act_bytes", "expert_fwd_flops",
+               "expert_bwd_flops", "dispatch_bytes")
+"""A mixture-of-experts layer's fields; left out of the file when zero (a dense layer)."""
 _BYTE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "act_bytes", "input_bytes", "output_bytes",
                 "workspace_bytes", "bwd_workspace_bytes")
 
@@ -246,6 +289,17 @@ class Trace:
     def microbatch(self) -> int:
         return self.spec.microbatch
 
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer routes tokens to experts."""
+        return any(r.experts for r in self.spec.layers)
+
+    @cached_property
+    def active_params(self) -> float:
+        """Parameters one token runs through (the total, ``params``, for a dense model): the
+        routed experts counted top-k of their number, shared parameters once."""
+        return self.spec.params - sum(r.params - r.active_params for r in self.spec.layers)
+
     @cached_property
     def fwd_flops_total(self) -> float:
         return float(sum(r.fwd_flops for r in self.spec.layers))
@@ -261,7 +315,7 @@ class Trace:
         tensor-parallel shards have them)."""
         data = self.spec.model_dump(by_alias=True)
         for row in data["layers"]:
-            for k in (*_COLLECTIVE_FIELDS, *_KERNEL_FIELDS):
+            for k in (*_COLLECTIVE_FIELDS, *_KERNEL_FIELDS, *_MOE_FIELDS):
                 if not row[k]:
                     del row[k]
         return json.dumps(data, indent=1)
