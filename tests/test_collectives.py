@@ -186,7 +186,7 @@ def test_bad_groups_are_refused(bad):
 def test_unknown_op_and_bad_size_are_refused():
     topo = nvswitch_topology(2)
     with pytest.raises(MpsimError, match="unknown collective"):
-        collective_time(topo, "all-to-all", 10)
+        collective_time(topo, "gather", 10)
     with pytest.raises(MpsimError, match="positive"):
         collective_time(topo, "all-reduce", 0)
 
@@ -213,7 +213,7 @@ def test_cli_prints_nccl_tests_columns_and_the_ring(capsys):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--op", "all-to-all", "--size", "1GB"], "--op 'all-to-all'"),
+    (["--op", "gather", "--size", "1GB"], "--op 'gather'"),
     (["--op", "all-reduce", "--size", "1GB", "--gpus", "0-8"], "--gpus: GPU 8"),
     (["--op", "all-reduce", "--size", "1GB", "--gpus", "3"], "at least 2 GPUs"),
     (["--op", "all-reduce", "--size", "1GB", "--gpus", "0,1,1"], "distinct"),

@@ -272,7 +272,8 @@ def test_a_level_without_an_op_adds_no_flow_and_no_latency():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"op": "broadcast"}, "not broadcast"),
-    ({"op": "all-to-all"}, "unknown collective"),
+    ({"op": "all-to-all"}, "not all-to-all"),
+    ({"op": "gather"}, "unknown collective"),
     ({"size": 0}, "at least one GPU"),
     ({"step_latency_s": -1.0}, "finite"),
     ({"step_latency_s": math.nan}, "finite"),

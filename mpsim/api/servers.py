@@ -11,7 +11,15 @@ from mpsim.data.catalog import load_topology, shipped_topologies
 from mpsim.errors import MpsimError
 from mpsim.hardware.topology import HOST, Endpoint, Topology
 from mpsim.plans.plan import stripes_by_bandwidth
-from mpsim.sim.collectives import OPS, check_algorithm, check_group, check_op, collective_time, ring_bottleneck
+from mpsim.sim.collectives import (
+    OPS,
+    all_to_all_bottleneck,
+    check_algorithm,
+    check_group,
+    check_op,
+    collective_time,
+    ring_bottleneck,
+)
 from mpsim.sim.transfers import Copy, copy_times
 from mpsim.units import parse_bytes
 
@@ -117,10 +125,12 @@ def _gpu_group(t: Topology, text: str) -> list[int]:
 def collective(server: str | Topology, op: str, sizes: Sequence[str], gpus: str | None = None,
                algorithm: str = "ring") -> dict:
     """Time, algorithm and bus bandwidth (nccl-tests' definitions) of ``op`` (all-reduce,
-    reduce-scatter, all-gather or broadcast) on each of ``sizes`` over ``gpus`` (``0-7``,
-    ``0,2,4,6``; default every GPU), alone on an idle server, as NCCL's ring algorithm
-    runs it over the group's best ring, or its double binary tree for all-reduce
-    (``algorithm``; ``mpsim.sim.collectives``)."""
+    reduce-scatter, all-gather, broadcast or all-to-all) on each of ``sizes`` over
+    ``gpus`` (``0-7``, ``0,2,4,6``; default every GPU), alone on an idle server, as
+    NCCL's ring algorithm runs it over the group's best ring, or its double binary tree
+    for all-reduce (``algorithm``), or for all-to-all as NCCL's n-1 concurrent
+    point-to-point sends per GPU (``algorithm`` ``p2p`` in the answer, no ring: ``ring``
+    None, ``bottleneck_gbps`` the busbw its busiest link allows; ``mpsim.sim.collectives``)."""
     t = load_topology(server) if isinstance(server, str) else server
     try:
         check_op(op)
@@ -140,8 +150,11 @@ def collective(server: str | Topology, op: str, sizes: Sequence[str], gpus: str 
     except ValueError as exc:
         raise MpsimError(f"--size: {exc}") from None
     results = [collective_time(t, op, n, group, algorithm) for n in byte_sizes]
+    rows = [{"bytes": r.n_bytes, "seconds": r.time_s, "algbw_gbps": r.algbw / 1e9, "busbw_gbps": r.busbw / 1e9}
+            for r in results]
+    if op == "all-to-all":
+        return {"server": t.name, "op": op, "algorithm": "p2p", "gpus": group, "ring": None,
+                "ring_bottleneck_gbps": None, "bottleneck_gbps": all_to_all_bottleneck(t, group) / 1e9, "sizes": rows}
     ring = results[0].ring
     return {"server": t.name, "op": op, "algorithm": algorithm, "gpus": group, "ring": list(ring),
-            "ring_bottleneck_gbps": ring_bottleneck(t, ring) / 1e9,
-            "sizes": [{"bytes": r.n_bytes, "seconds": r.time_s, "algbw_gbps": r.algbw / 1e9,
-                       "busbw_gbps": r.busbw / 1e9} for r in results]}
+            "ring_bottleneck_gbps": ring_bottleneck(t, ring) / 1e9, "sizes": rows}

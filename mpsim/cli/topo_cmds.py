@@ -103,12 +103,12 @@ def topo_transfer(server: str, src: str, dst: str | None, stripe: str | None, si
 
 @topo.command("collective")
 @click.option("--server", "-s", default=api.DEFAULT_SERVER, show_default=True, help=SERVER_HELP)
-@click.option("--op", required=True, help="all-reduce, reduce-scatter, all-gather or broadcast")
+@click.option("--op", required=True, help="all-reduce, reduce-scatter, all-gather, broadcast or all-to-all")
 @click.option("--size", "sizes", required=True,
               help="buffer bytes, e.g. 1GB or 256MiB, at most 1 PiB; comma-separated for several")
 @click.option("--gpus", help="the group, e.g. 0-7 or 0,2,4,6 (broadcast's root is the first)  [default: every GPU]")
 @click.option("--algorithm", default="ring", show_default=True,
-              help="ring, or tree (NCCL's double binary tree; all-reduce only)")
+              help="ring, or tree (NCCL's double binary tree; all-reduce only); all-to-all runs neither")
 @json_option
 def topo_collective(server: str, op: str, sizes: str, gpus: str | None, algorithm: str, json_out: str | None) -> None:
     """Time, algorithm and bus bandwidth of a collective alone on an idle server, as
@@ -117,9 +117,12 @@ def topo_collective(server: str, op: str, sizes: str, gpus: str | None, algorith
     The ring is the order of the group with the highest bottleneck bandwidth (every order
     tried for up to 8 GPUs). All-reduce is 2(n-1) steps and reduce-scatter, all-gather
     n-1 steps of SIZE/n bytes per GPU; broadcast is a pipelined chain. Each step pays the
-    routes' setup latency. busbw = algbw x 2(n-1)/n (all-reduce), (n-1)/n (reduce-scatter,
-    all-gather), 1 (broadcast). --algorithm tree runs all-reduce over two binary trees
-    laid over the same order, half the buffer each, up and back down pipelined.
+    routes' setup latency. All-to-all runs no ring: each GPU sends SIZE/n of its SIZE
+    buffer to each of the n-1 others at once, after one step of latency (NCCL's
+    point-to-point sends, as nccl-tests' alltoall_perf counts SIZE). busbw = algbw x
+    2(n-1)/n (all-reduce), (n-1)/n (reduce-scatter, all-gather, all-to-all), 1
+    (broadcast). --algorithm tree runs all-reduce over two binary trees laid over the
+    same order, half the buffer each, up and back down pipelined.
     """
     from mpsim.views.text import collective_text
 

@@ -527,11 +527,18 @@ def trace_line(output: object, trace: Trace) -> str:
 
 def collective_text(d: dict) -> str:
     """The table of ``mpsim topo collective``: nccl-tests' columns (size, time, algbw,
-    busbw) per size, and the ring the collective ran over."""
-    ring = " > ".join(str(g) for g in d["ring"])
+    busbw) per size, and the ring the collective ran over (for all-to-all, which runs
+    none, the busbw its busiest link allows)."""
     tree = " (double binary tree over the ring's order)" if d.get("algorithm") == "tree" else ""
     lines = [f"{d['server']}: {d['op']}{tree} over GPUs {', '.join(str(g) for g in d['gpus'])}, alone on an idle "
-             "server", f"ring {ring} > {d['ring'][0]} (bottleneck {d['ring_bottleneck_gbps']:.1f} GB/s per hop)", ""]
+             "server"]
+    if d["ring"] is None:
+        lines.append(f"n-1 point-to-point sends per GPU at once (NCCL's all-to-all, no ring); its busiest link "
+                     f"allows busbw {d['bottleneck_gbps']:.1f} GB/s")
+    else:
+        ring = " > ".join(str(g) for g in d["ring"])
+        lines.append(f"ring {ring} > {d['ring'][0]} (bottleneck {d['ring_bottleneck_gbps']:.1f} GB/s per hop)")
+    lines.append("")
     rows = [[f"{s['bytes']}", f"{s['bytes'] / 1e6:.4g}", f"{s['seconds'] * 1e3:.3f}", f"{s['algbw_gbps']:.2f}",
              f"{s['busbw_gbps']:.2f}"] for s in d["sizes"]]
     lines.append(table_text(["bytes", "MB", "ms", "algbw GB/s", "busbw GB/s"], rows))
