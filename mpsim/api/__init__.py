@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     from mpsim.hardware.cluster import DEFAULT_BATCH_TOKENS, DEFAULT_CLUSTERS
     from mpsim.hardware.topology import Topology, read_topology_file
     from mpsim.limits import DEFAULT_HEADROOM_GIB, MAX_HEADROOM_GIB
+    from mpsim.models.expert_parallel import UNIFORM, ExpertLoad, parse_expert_load
     from mpsim.models.trace import RECIPE_HELP, Trace, read_trace_file
     from mpsim.native import EngineState, engine_status
     from mpsim.native_build import BuildInterrupted, BuildReport, build_engine, remove_engine
@@ -107,6 +108,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.studies.sweep": ("Point", "SweepInterrupted", "grid", "sweep"),
     "mpsim.hardware.topology": ("Topology", "read_topology_file"),
     "mpsim.models.trace": ("RECIPE_HELP", "Trace", "read_trace_file"),
+    "mpsim.models.expert_parallel": ("UNIFORM", "ExpertLoad", "parse_expert_load"),
 }
 _HOME = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_HOME)

@@ -10,6 +10,7 @@ from mpsim.data.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
 from mpsim.hardware.cluster import Cluster
 from mpsim.hardware.topology import Topology
+from mpsim.models.expert_parallel import UNIFORM, ExpertLoad
 from mpsim.models.trace import Trace, measured_elsewhere
 from mpsim.planners import Planned, plan_job
 from mpsim.plans.job import (
@@ -34,17 +35,18 @@ def plan(server: str | Topology | None, model: str | Trace, schedule: str = DEFA
          strategy: str = "none",
          partition: str = "compute", record_link_rates: bool = False,
          parallelism: Parallelism | None = None, cluster: str | Cluster | None = None, servers: int = 1,
-         runtime_profile: str = DEFAULT_PROFILE) -> Planned:
+         runtime_profile: str = DEFAULT_PROFILE, expert_load: ExpertLoad = UNIFORM) -> Planned:
     """Make a plan with a named strategy; returns it with its simulated result
     (``record_link_rates``: every change of link rates kept, for Chrome-trace counters;
     ``parallelism``: data-parallel replicas and ZeRO stage, ``mpsim.plans.job.data_parallel``;
-    ``cluster`` and ``servers``: that many servers of a cluster, ``mpsim.hardware.cluster``)."""
+    ``cluster`` and ``servers``: that many servers of a cluster, ``mpsim.hardware.cluster``;
+    ``expert_load``: how a mixture of experts routes its tokens, ``mpsim.models.expert_parallel``)."""
     if parallelism is not None:  # a stage other than 0 (the default) is asked for
         check_zero_stage(strategy, parallelism.zero_stage, parallelism.hsdp, given=parallelism.zero_stage != 0)
     return plan_job(job_of(server, model, schedule=schedule, microbatch=microbatch, microbatches=microbatches,
                            n_stages=n_stages, strategy=strategy, partition=partition,
                            record_link_rates=record_link_rates, parallelism=parallelism, cluster=cluster,
-                           servers=servers, runtime_profile=runtime_profile))
+                           servers=servers, runtime_profile=runtime_profile, expert_load=expert_load))
 
 
 def simulate(server: str | Topology, model: str | Trace, schedule: str = DEFAULT_SCHEDULE,
@@ -52,7 +54,7 @@ def simulate(server: str | Topology, model: str | Trace, schedule: str = DEFAULT
              strategy: str = "none",
              plan_file: PlanFile | None = None, record_link_rates: bool = False,
              partition: str = "compute", parallelism: Parallelism | None = None,
-             runtime_profile: str = DEFAULT_PROFILE) -> SimResult:
+             runtime_profile: str = DEFAULT_PROFILE, expert_load: ExpertLoad = UNIFORM) -> SimResult:
     """Simulate one training iteration of ``model`` on ``server``.
 
     With ``plan_file`` the plan says schedule, microbatches, partition, mapping and
@@ -66,7 +68,7 @@ def simulate(server: str | Topology, model: str | Trace, schedule: str = DEFAULT
         trace = load_trace(model) if isinstance(model, str) else model
         return simulate_job(job_of_plan(topo, trace, plan_file, record_link_rates, runtime_profile=runtime_profile))
     return plan(server, model, schedule, microbatch, microbatches, n_stages, strategy, partition,
-                record_link_rates, parallelism, runtime_profile=runtime_profile).result
+                record_link_rates, parallelism, runtime_profile=runtime_profile, expert_load=expert_load).result
 
 
 def load_job(server: str | None, model: str | None, plan_path: Path | None = None, seq_len: int | None = None

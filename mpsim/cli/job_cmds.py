@@ -41,7 +41,8 @@ from mpsim.cli.progress import stops_on_signals, tasks_progress
 @headroom_option
 def simulate(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
              seq_len: int | None, stages: int | None, strategy: str, partition: str, runtime_profile: str,
-             layout: api.Parallelism, cluster: str | None, servers: int, plan_path: Path | None, json_out: str | None,
+             expert_load: api.ExpertLoad, layout: api.Parallelism, cluster: str | None, servers: int,
+             plan_path: Path | None, json_out: str | None,
              chrome_trace: Path | None, plot: Path | None, html_out: Path | None, headroom_gib: float) -> None:
     """Simulate one training iteration: per-GPU peak memory, iteration time, throughput,
     and what each memory-saving technique saved and cost.
@@ -65,6 +66,9 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
     if plan_path is not None and layout != api.data_parallel(1, 0, None):
         raise click.UsageError("--dp, --zero, --tp, --sp, --virtual-stages and the bucket and reshard options: the "
                                "plan file fixes the layout; leave them out with --plan")
+    if plan_path is not None and not expert_load.uniform:
+        raise click.UsageError("--expert-load with --plan: plan files do not record the expert load yet; give the "
+                               "layout (--ep) and --strategy instead of --plan")
     if plan_path is not None and (cluster is not None or servers != 1):
         raise click.UsageError("--cluster and --servers: plan files describe one server; leave them out with --plan")
     if cluster is not None and server is None:
@@ -75,7 +79,8 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
         if plan_file is None:  # the plan too, for --html
             planned = api.plan(topo, trace, schedule, microbatch, microbatches, n_stages=stages, strategy=strategy,
                                partition=partition, record_link_rates=chrome_trace is not None, parallelism=layout,
-                               cluster=cluster, servers=servers, runtime_profile=runtime_profile)
+                               cluster=cluster, servers=servers, runtime_profile=runtime_profile,
+                               expert_load=expert_load)
             result, plan_file = planned.result, planned.plan
         else:
             result = api.simulate(topo, trace, plan_file=plan_file, record_link_rates=chrome_trace is not None,
@@ -102,7 +107,7 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
 @json_option
 def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
              seq_len: int | None, stages: int | None, strategy: str, partition: str, runtime_profile: str,
-             layout: api.Parallelism, output: Path, json_out: str | None) -> None:
+             expert_load: api.ExpertLoad, layout: api.Parallelism, output: Path, json_out: str | None) -> None:
     """Make a memory-saving plan with a strategy and write it as a plan file.
 
     Prints the plan per stage and its simulated result; `mpsim simulate --plan FILE`
@@ -116,7 +121,7 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
     with tasks_progress("plan"):
         planned = api.plan(topo, trace, schedule, microbatch, microbatches, n_stages=stages,
                            strategy=strategy, partition=partition, parallelism=layout,
-                           runtime_profile=runtime_profile)
+                           runtime_profile=runtime_profile, expert_load=expert_load)
     api.write_plan_file(planned.plan, output)
     if json_out != "-":
         click.echo(plan_text(planned.plan))

@@ -59,8 +59,26 @@ def job_options(f: F) -> F:
         click.option("--strategy", default="none", show_default=True, help=STRATEGY_HELP),
         click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP),
         runtime_option,
+        expert_load_option,
     ])
 
+
+MAX_EXPERT_DEGREE = 1024
+"""The largest --ep: DeepSeek-V3's 256 routed experts, one per GPU, four times over."""
+
+
+def _expert_load(_ctx: click.Context, _param: click.Parameter, value: str) -> api.ExpertLoad:
+    try:
+        return api.parse_expert_load(value)
+    except MpsimError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+expert_load_option = click.option(
+    "--expert-load", "expert_load", default="uniform", show_default=True, callback=_expert_load,
+    help="how a mixture of experts routes tokens, for the busiest expert-parallel GPU: uniform; the busiest "
+         "expert's share of routed tokens (0.1 or 10%); or a JSON file of tokens per expert (measured)")
+"""``--expert-load``, handed to the command as an ``ExpertLoad`` (``mpsim.models.expert_parallel``)."""
 
 runtime_option = click.option("--runtime", "runtime_profile", type=click.Choice(list(api.PROFILES)),
                               default=api.DEFAULT_PROFILE, show_default=True, help=RUNTIME_HELP)
@@ -97,13 +115,14 @@ def layout_options(f: F) -> F:
 
     @functools.wraps(f)
     def with_layout(*args: Any, dp: int, zero: int, bucket_mib: float, reshard: bool, tp: int, sp: bool,
-                    virtual_stages: int, hsdp: bool, **kwargs: Any) -> Any:
+                    virtual_stages: int, hsdp: bool, ep: int, **kwargs: Any) -> Any:
         if hsdp and given("zero") and zero != 3:
             raise click.UsageError(f"--hsdp and --zero {zero}: HSDP shards the states inside each server as ZeRO-3 "
                                    "does (it implies --zero 3); leave --zero out or give --zero 3")
+        axes = (("expert", ep),) if ep > 1 else ()
         return f(*args, layout=api.data_parallel(dp, 3 if hsdp else zero, None, bucket_mib=bucket_mib,
                                                  reshard_after_forward=reshard, tensor=tp, sequence_parallel=sp,
-                                                 virtual_stages=virtual_stages, hsdp=hsdp),
+                                                 virtual_stages=virtual_stages, hsdp=hsdp, axes=axes),
                  **kwargs)
 
     return _apply(with_layout, [  # type: ignore[return-value]
@@ -124,6 +143,10 @@ def layout_options(f: F) -> F:
         click.option("--sp/--no-sp", default=False, show_default=True,
                      help="sequence parallel with --tp: norms and dropout on a sequence shard, all-gather and "
                           "reduce-scatter instead of all-reduce (Korthikanti et al. 2022)"),
+        click.option("--ep", type=click.IntRange(min=1, max=MAX_EXPERT_DEGREE), default=1, show_default=True,
+                     help="expert-parallel GPUs (mixture-of-experts models): each MoE layer's routed experts split "
+                          "over them, the dense layers data parallel over them, tokens sent to their experts and "
+                          "back in all-to-alls; --dp replicas of that, as Megatron-Core lays them out"),
         click.option("--hsdp", is_flag=True, default=False,
                      help="on a cluster: shard states inside each server, replicate them across servers (FSDP2's "
                           "HSDP; implies --zero 3)"),

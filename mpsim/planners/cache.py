@@ -15,9 +15,10 @@ _CACHE: Lru[tuple[object, ...], Planned] = Lru(CACHE_SIZE)
 def job_key(strategy: str, ctx: Ctx) -> tuple[object, ...]:
     """What a planner's answer depends on: the server's and the trace's contents (hashes,
     so two different traces with one name never share an answer) and the job, its runtime
-    profile included (it changes the times a planner weighs)."""
+    profile and the expert load included (they change the times and bytes a planner weighs)."""
     return (strategy, ctx.partition, ctx.topo.content_hash, ctx.trace.content_hash, ctx.schedule, ctx.microbatches,
-            tuple(ctx.stages), tuple(ctx.gpus), ctx.record_link_rates, ctx.job.parallelism, ctx.job.runtime_profile)
+            tuple(ctx.stages), tuple(ctx.gpus), ctx.record_link_rates, ctx.job.parallelism, ctx.job.runtime_profile,
+            ctx.job.expert_load)
 
 
 _VERDICTS: Lru[tuple[object, ...], bool] = Lru(CACHE_SIZE)

@@ -97,12 +97,13 @@ class Ctx(OfJob, OnLaid):
     def simulation_key(self, plan: PlanFile) -> tuple[object, ...]:
         """What a simulated plan's result depends on beyond the plan's own JSON: the server
         and the cluster (with how many servers), the trace, the whole layout (HSDP and
-        every mesh axis, which a schema 2-3 plan does not say), the runtime profile and
+        every mesh axis, which a schema 2-3 plan does not say), the runtime profile, the expert load and
         whether link rates are recorded."""
         job = self.job
         cluster = None if job.cluster is None else (job.cluster.content_hash, job.servers)
         return (self.topo.content_hash, cluster, self.trace.content_hash, self.record_link_rates,
-                job.parallelism.model_dump_json(), job.runtime_profile, plan.model_dump_json(exclude={"strategy"}))
+                job.parallelism.model_dump_json(), job.runtime_profile, job.expert_load,
+                plan.model_dump_json(exclude={"strategy"}))
 
     def simulate(self, plan: PlanFile) -> SimResult:
         """Simulate a plan this context made (``make_plan`` output is valid by construction,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from mpsim.errors import MpsimError
 from mpsim.hardware.cluster import Cluster
 from mpsim.hardware.topology import Topology
+from mpsim.models.expert_parallel import UNIFORM, ExpertLoad, check_expert_parallel
 from mpsim.models.tensor_parallel import check_shardable
 from mpsim.models.trace import Trace
 from mpsim.plans.cluster_placement import place_on_cluster
@@ -85,6 +86,9 @@ class JobSpec:
     runtime_profile: str = DEFAULT_PROFILE
     """What the framework does at run time (``mpsim.timing.runtime``): which communication
     hides behind which compute, and the host's dispatch of kernels."""
+    expert_load: ExpertLoad = UNIFORM
+    """How a mixture-of-experts model's tokens spread over its experts
+    (``mpsim.models.expert_parallel``): the busiest expert-parallel GPU is simulated."""
 
     def __post_init__(self) -> None:
         profile_named(self.runtime_profile)
@@ -93,6 +97,7 @@ class JobSpec:
             raise MpsimError(why)
         self.parallelism.stages_on(self.topology, self.servers, fill=False)  # too few GPUs: said first
         check_shardable(self.trace, self.parallelism.tensor, self.parallelism.sequence_parallel)  # then the model
+        check_expert_parallel(self.trace, self.expert_degree)
         if self.cluster is not None or self.servers != 1:
             self._check_cluster()
         elif self.parallelism.hsdp:
@@ -147,6 +152,11 @@ class JobSpec:
     def n_stages(self) -> int:
         """Pipeline stages, one GPU (or tensor-parallel group) each, per replica."""
         return self.parallelism.stages_on(self.topology, self.servers)
+
+    @property
+    def expert_degree(self) -> int:
+        """GPUs each mixture-of-experts layer's routed experts are split over (the expert axis)."""
+        return dict(self.parallelism.axes).get("expert", 1)
 
     @property
     def model_stages(self) -> int:
@@ -244,13 +254,14 @@ def job_of(server: str | Topology | None, model: str | Trace, *, schedule: str =
            microbatch: int | None = None, microbatches: int = DEFAULT_MICROBATCHES, n_stages: int | None = None,
            strategy: str = "none", partition: str = "compute", record_link_rates: bool = False,
            parallelism: Parallelism | None = None, cluster: str | Cluster | None = None,
-           servers: int = 1, runtime_profile: str = DEFAULT_PROFILE) -> JobSpec:
+           servers: int = 1, runtime_profile: str = DEFAULT_PROFILE, expert_load: ExpertLoad = UNIFORM) -> JobSpec:
     """A job from names or loaded objects: ``microbatch`` rescales the trace (None keeps the
     traced size); ``n_stages`` None means one stage per GPU of each replica;
     ``parallelism`` the layout (``n_stages`` sets its pipeline's depth where the layout
     leaves it open, and may not contradict it: ``with_stages``); ``cluster``
     and ``servers``: that many of the cluster's servers (``server`` None: the cluster's);
-    ``runtime_profile``: the framework's run-time rules (``mpsim.timing.runtime``)."""
+    ``runtime_profile``: the framework's run-time rules (``mpsim.timing.runtime``);
+    ``expert_load``: how a mixture of experts routes its tokens (``mpsim.models.expert_parallel``)."""
     from mpsim.data.catalog import (  # here: `mpsim --help` reads the defaults only
         load_cluster,
         load_topology,
@@ -266,4 +277,4 @@ def job_of(server: str | Topology | None, model: str | Trace, *, schedule: str =
         trace = trace.rescale(microbatch)  # checks it (check_microbatch)
     layout = pipeline(n_stages) if parallelism is None else with_stages(parallelism, n_stages)
     return JobSpec(topo, trace, schedule, microbatches, layout, partition, strategy, record_link_rates, joined,
-                   servers, runtime_profile)
+                   servers, runtime_profile, expert_load)

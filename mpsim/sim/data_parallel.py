@@ -92,22 +92,30 @@ class DataParallel:
         (``mpsim.timing.runtime``)."""
         self._deferred: list[tuple[int, tuple[int, ...]]] = []
         """(microbatch, layers) of the reductions held for the update (``overlap_grads`` off)."""
+        self.expert_ring, self.expert_across = layout.expert_data_group(stage)
+        """The expert-data-parallel group (GPUs on the simulated servers, servers spanned):
+        with expert parallelism, what the routed experts' gradients are reduced over."""
+        grad_per_param = layout.job.trace.spec.precision.grad_bytes_per_param
+        self.expert_grad_bytes = {j: r.expert_params * grad_per_param for j, r in self.rows.items()}
+        """Per layer, its routed experts' gradient bytes on this GPU (0 without experts)."""
 
     @property
     def moves(self) -> bool:
         return len(self.ring) > 1 or self.across > 1
 
-    def _transfer(self, op: str, n_bytes: int) -> simpy.Event:
+    def _transfer(self, op: str, n_bytes: int, experts: bool = False) -> simpy.Event:
         """``op`` over the group started now: one ring inside a server, or two levels
         across servers (HSDP: a reduce-scatter inside and an all-reduce across for
-        gradients, parameters gathered inside only)."""
+        gradients, parameters gathered inside only); ``experts``: over the
+        expert-data-parallel group instead."""
         run = self.run
-        if self.view is None or self.across == 1:
-            return ring_transfer(run.net, run.topo, self.ring, op, n_bytes)
+        ring, across = (self.expert_ring, self.expert_across) if experts else (self.ring, self.across)
+        if self.view is None or across == 1:
+            return ring_transfer(run.net, run.topo, ring, op, n_bytes)
         inter: str | None = op
         if self.hsdp:
             inter = "all-reduce" if op == "reduce-scatter" else None
-        return two_level_transfer(run.net, self.view, self.ring, op, self.across, inter, n_bytes)
+        return two_level_transfer(run.net, self.view, ring, op, across, inter, n_bytes)
 
     # -- gradients -------------------------------------------------------------------------
     def backward_piece_started(self, mb: int, piece: Piece, last_backward: bool) -> None:
@@ -141,7 +149,10 @@ class DataParallel:
             self._deferred.append((mb, self.buckets[b]))
 
     def _reduce(self, mb: int, layers: tuple[int, ...]) -> None:
-        n_bytes = sum(self.rows[j].grad_bytes for j in layers)
+        expert_bytes = sum(self.expert_grad_bytes[j] for j in layers)
+        if expert_bytes:
+            self._reduce_experts(mb, layers, expert_bytes)
+        n_bytes = sum(self.rows[j].grad_bytes for j in layers) - expert_bytes
         op = "all-reduce" if self.sharding.zero_stage == 0 else "reduce-scatter"
         frees = n_bytes if self.sharding.zero_stage >= 2 else 0
         label = f"{op} of layers {layers[-1]}-{layers[0]} gradients, microbatch {mb}"
@@ -166,6 +177,14 @@ class DataParallel:
         self._reductions.append(landed)
         if self.sharding.offload_grads:  # ZeRO-Offload: the reduced shard goes to the host as it lands
             self._reductions.append(self._to_host(landed, self.sharding.shard(n_bytes), label))
+
+    def _reduce_experts(self, mb: int, layers: tuple[int, ...], n_bytes: int) -> None:
+        """The routed experts' gradients of ``layers`` all-reduced over the
+        expert-data-parallel group (Megatron-Core's expert-data-parallel buckets; DDP only:
+        ZeRO with expert parallelism is refused by the layout)."""
+        if len(self.expert_ring) > 1 or self.expert_across > 1:
+            label = f"all-reduce of layers {layers[-1]}-{layers[0]} expert gradients, microbatch {mb}"
+            self._reductions.append(self._collective("reduce", "all-reduce", n_bytes, label, experts=True))
 
     def _hold_all_reduce_buffer(self, layers: tuple[int, ...], n_bytes: int) -> Callable[[simpy.Event], None]:
         """HSDP as torch 2.13's FSDP2 runs it: the buffer a layer's gradient shard is
@@ -261,16 +280,18 @@ class DataParallel:
         yield event
         self.run.costs.add(self.gpu, "dp_wait_s", self.run.env.now - start)
 
-    def _collective(self, lane: str, op: str, n_bytes: int, label: str, fetch_bytes: int = 0) -> simpy.Event:
-        """``op`` on the group's ring once the lane's previous collective has landed,
-        after fetching ``fetch_bytes`` of offloaded shard (``_fetch``)."""
+    def _collective(self, lane: str, op: str, n_bytes: int, label: str, fetch_bytes: int = 0,
+                    experts: bool = False) -> simpy.Event:
+        """``op`` on the group's ring (``experts``: the expert-data-parallel group's) once
+        the lane's previous collective has landed, after fetching ``fetch_bytes`` of
+        offloaded shard (``_fetch``)."""
         previous = self._tails[lane]
-        if (previous is None or previous.processed) and not fetch_bytes and self.moves:
-            landed = self._tails[lane] = self._transfer(op, n_bytes)
+        if (previous is None or previous.processed) and not fetch_bytes and (self.moves or experts):
+            landed = self._tails[lane] = self._transfer(op, n_bytes, experts)
             landed.callbacks.append(self._span(label, self.run.env.now))  # the common case: no process
             return landed
         done = self._tails[lane] = self.run.env.event()
-        spawn(self.run.env, self._run(previous, op, n_bytes, label, done, fetch_bytes))
+        spawn(self.run.env, self._run(previous, op, n_bytes, label, done, fetch_bytes, experts))
         return done
 
     def _span(self, label: str, start_s: float) -> Callable[[simpy.Event], None]:
@@ -288,15 +309,15 @@ class DataParallel:
         yield from run.host_copy(self.gpu, n_bytes, False, "parameter shard from host")
 
     def _run(self, previous: simpy.Event | None, op: str, n_bytes: int, label: str,
-             done: simpy.Event, fetch_bytes: int) -> Generator[simpy.Event, object, None]:
+             done: simpy.Event, fetch_bytes: int, experts: bool = False) -> Generator[simpy.Event, object, None]:
         run = self.run
         if previous is not None and not previous.processed:
             yield previous
         if fetch_bytes:
             yield from self._fetch(fetch_bytes)
         start = run.env.now
-        if self.moves:
-            yield self._transfer(op, n_bytes)
+        if self.moves or experts:
+            yield self._transfer(op, n_bytes, experts)
         run.spans.append(Span(self.gpu, "nccl", label, start, run.env.now))
         done.succeed()
 

@@ -19,10 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from mpsim.caches import Lru
+from mpsim.models.expert_parallel import expert_time_factors, experts_line, shard_info
 from mpsim.plans.schedule import PIPEDREAM_MEASURED, interleaved_turn_orders, weight_versions
 from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
 from mpsim.sim.data_parallel import DataParallel
+from mpsim.sim.expert_group import ExpertGroup
 from mpsim.sim.layout import Job, Layout, resolve
 from mpsim.sim.memory import CATEGORIES, GpuMemory
 from mpsim.sim.program import NOT_SHARDED, Sharding, StageProgram, SwapIn, build_program, received_bytes, static_bytes
@@ -84,6 +86,7 @@ def _simulate(layout: Layout) -> SimResult:
         result = _result(run, stages, run.env.now)
     result.time_band_pct, result.time_band_source = costs.time_band()
     result.runtime_profile = layout.job.runtime_profile
+    result.experts = experts_line(layout.job.trace, layout.job.expert_degree, layout.job.expert_load)
     return result
 
 
@@ -107,6 +110,7 @@ def _stage_program(run: RunContext, s: int, costs: CostModel, sharding: Sharding
     actions = layout.actions[s]
     segments = layout.recompute_checkpoints == "segment"
     tensor_parallel = layout.parallelism.tensor > 1
+    expert_parallel, load_factor = shard_info(layout.trace)
     profile = profile_named(layout.job.runtime_profile)
     key = (layout.trace.content_hash, run.topo.content_hash, a, b, first, last, run.torch_pipelining, segments,
            sharding, tensor_parallel, profile.name, tuple((j, actions[j].model_dump_json()) for j in sorted(actions)))
@@ -114,12 +118,14 @@ def _stage_program(run: RunContext, s: int, costs: CostModel, sharding: Sharding
     if program is not None:
         return program
     rows, times = layout.trace.layers[a:b], costs.layer_times
-    fwd_s = dispatch_bound(times.fwd_s[a:b], times.launches_fwd[a:b], profile)
-    bwd_s = dispatch_bound(times.bwd_s[a:b], times.launches_bwd[a:b], profile)
-    overlap = (times.gemm_fwd_s[a:b], times.gemm_bwd_s[a:b]) if profile.tp_comm_overlap else None
+    fwd_s = dispatch_bound(times.fwd_s[a:b] * expert_time_factors(rows, load_factor, False),
+                           times.launches_fwd[a:b], profile)
+    bwd_s = dispatch_bound(times.bwd_s[a:b] * expert_time_factors(rows, load_factor, True),
+                           times.launches_bwd[a:b], profile)
+    overlap = (times.gemm_fwd_s[a:b], times.gemm_bwd_s[a:b]) if profile.tp_comm_overlap and tensor_parallel else None
     return _PROGRAMS.put(key, build_program(rows, fwd_s, bwd_s, a, first, last, actions, run.torch_pipelining,
                                             costs.attention_core_s[a:b], segments, sharding, tensor_parallel,
-                                            overlap))
+                                            overlap, expert_parallel > 1))
 
 
 def sharding_of(layout: Layout) -> Sharding | None:
@@ -156,7 +162,11 @@ def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostMod
     if layout.stash[s] == "host" and versions > 1:
         stash_in = SwapIn(STASH, static["params"], 0, "stash", "host", (), 1, 0.0)
     dp = DataParallel(run, s, sharding) if sharding is not None else None
-    tp = TensorGroup(run, layout.tensor_group(s)) if layout.parallelism.tensor > 1 else None
+    tp: TensorGroup | ExpertGroup | None = None
+    if layout.parallelism.tensor > 1:
+        tp = TensorGroup(run, layout.tensor_group(s))
+    elif layout.job.expert_degree > 1:  # a job has one or the other: MoE traces are not tensor-parallel shards
+        tp = ExpertGroup(run, *layout.expert_group(s))
     stream = ComputeStream(run, s, program, swapper, updater, channels, stash_in, dp, tp, turns)
     return _StageRun(program, stream, updater)
 

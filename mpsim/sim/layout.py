@@ -17,6 +17,7 @@ import numpy as np
 
 from mpsim.errors import MpsimError
 from mpsim.hardware.topology import Topology
+from mpsim.models.expert_parallel import expert_shard
 from mpsim.models.tensor_parallel import shard_trace
 from mpsim.models.trace import Trace
 from mpsim.plans.job import JobSpec, OfJob, Parallelism, pipeline
@@ -123,11 +124,13 @@ def tensor_parallel_plan(parallelism: Parallelism, groups: Groups) -> TensorPara
 def stage_trace(job: JobSpec, runtime: Runtime) -> Trace | None:
     """The trace one GPU of a stage runs: the job's, or with tensor parallelism its shard
     (``mpsim.models.tensor_parallel``; the executor's DTensor layers keep the gathered input under
-    sequence parallelism, Megatron's the shard). None when it is the job's own."""
+    sequence parallelism, Megatron's the shard), with expert parallelism the busiest expert
+    GPU's shard of that (``mpsim.models.expert_parallel``). None when it is the job's own."""
     par = job.parallelism
-    if par.tensor == 1:
+    if par.tensor == 1 and job.expert_degree == 1:
         return None
-    return shard_trace(job.trace, par.tensor, par.sequence_parallel, saves_gathered=runtime == "torch-pipelining")
+    shard = shard_trace(job.trace, par.tensor, par.sequence_parallel, saves_gathered=runtime == "torch-pipelining")
+    return expert_shard(shard, job.expert_degree, job.expert_load)
 
 
 @dataclass(frozen=True)
@@ -267,6 +270,26 @@ class Layout(OfJob, OnLaid):
     def group(self, stage: int) -> tuple[int, ...]:
         """Stage ``stage``'s data-parallel group: its GPU in every replica."""
         return tuple(r[stage] for r in self.replicas) if self.replicas else (self.gpu_of[stage],)
+
+    def expert_group(self, stage: int) -> tuple[tuple[int, ...], int]:
+        """Stage ``stage``'s expert-parallel group in replica 0: its GPUs on the simulated
+        servers and the servers it spans. The expert axis lies inside the data axis
+        (``mpsim.plans.expert``), so on a cluster it is the first replicas of the stage's
+        group (``cluster_placement``: replicas in mesh order); on one server the first in
+        the group's ring order."""
+        ep, group = self.job.expert_degree, self.group(stage)
+        if ep <= len(group):
+            return group[:ep], 1
+        return group, ep // len(group)
+
+    def expert_data_group(self, stage: int) -> tuple[tuple[int, ...], int]:
+        """Stage ``stage``'s expert-data-parallel group (the GPUs holding the same experts:
+        every ``ep``-th of the stage's group) on the simulated servers and the servers it
+        spans; the data-parallel group itself without expert parallelism."""
+        ep, group = self.job.expert_degree, self.group(stage)
+        if ep <= len(group):
+            return group[::ep], self.across
+        return group[:1], self.across // (ep // len(group))
 
     def tensor_group(self, stage: int) -> tuple[int, ...]:
         """Stage ``stage``'s tensor-parallel group in replica 0, in ring order."""

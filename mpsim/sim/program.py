@@ -151,7 +151,8 @@ class Piece:
     """With tensor parallelism, the (op, bytes) the piece's layers run over the stage's
     tensor-parallel group once its compute is done, on the critical path (the trace's
     ``fwd_collectives``/``bwd_collectives``; a recomputed layer's forward ones again
-    before its backward's)."""
+    before its backward's); with expert parallelism, its MoE layers' all-to-alls over the
+    expert-parallel group (``build_program``)."""
     overlap_s: float = 0.0
     """Under a runtime that overlaps tensor-parallel communication with GEMMs
     (``mpsim.timing.runtime``): the seconds of the piece's GEMMs, at its end, that its
@@ -275,6 +276,9 @@ class _StageRows:
     tensor_parallel: bool = False
     """The rows are a tensor-parallel shard's: every layer is a piece of its own, followed
     by its collectives."""
+    expert_parallel: bool = False
+    """The rows are an expert-parallel shard's: every layer is a piece of its own, an MoE
+    layer's followed by its all-to-alls (dispatch and combine)."""
 
     @property
     def per_layer(self) -> bool:
@@ -282,7 +286,7 @@ class _StageRows:
 
     @property
     def cut_every_layer(self) -> bool:
-        return self.per_layer or self.tensor_parallel
+        return self.per_layer or self.tensor_parallel or self.expert_parallel
 
     @property
     def last(self) -> int:
@@ -310,7 +314,7 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
                   is_last_stage: bool, actions: dict[int, LayerAction], keep_received: bool = False,
                   core_s: np.ndarray | None = None, segments: bool = False,
                   sharding: Sharding | None = None, tensor_parallel: bool = False,
-                  overlap: tuple[np.ndarray, np.ndarray] | None = None) -> StageProgram:
+                  overlap: tuple[np.ndarray, np.ndarray] | None = None, expert_parallel: bool = False) -> StageProgram:
     """``rows`` are the stage's layers, ``first`` the index of rows[0] in the model,
     ``actions`` keyed by model layer index (missing: keep). With ``keep_received`` the
     received activation (input of the first layer) and gradient (of the last layer's
@@ -321,13 +325,16 @@ def build_program(rows: list[LayerRow], fwd_s: np.ndarray, bwd_s: np.ndarray, fi
     the data-parallel group's (None: one GPU), see ``Sharding`` and the module doc.
     ``tensor_parallel``: the rows are a tensor-parallel shard's (``Piece.collectives``);
     ``overlap``: per layer, the forward's and the backward's GEMM seconds that its
-    collectives hide behind (``Piece.overlap_s``; None: no overlap)."""
+    collectives hide behind (``Piece.overlap_s``; None: no overlap). ``expert_parallel``: the
+    rows are an expert-parallel shard's, each MoE layer's dispatch and combine all-to-alls
+    (``LayerRow.dispatch_bytes`` each) on the critical path after its pass, in the backward
+    after a recomputed layer's forward ones (``Piece.collectives``, op ``all-to-all``)."""
     st = _StageRows(rows, first, is_first_stage, is_last_stage, actions, keep_received and not is_first_stage,
-                keep_received and not is_last_stage, segments, sharding, tensor_parallel)
+                    keep_received and not is_last_stage, segments, sharding, tensor_parallel, expert_parallel)
     forward, forward_s, split_forward_s, forward_ends = _forward(st, fwd_s)
     redo_s = {"recompute": fwd_s, "selective": np.zeros(len(rows)) if core_s is None else core_s}
     backward, swap_ins, backward_s, remat_s, split_backward_s, ends = _backward(st, redo_s, bwd_s)
-    if tensor_parallel:
+    if tensor_parallel or expert_parallel:
         forward = _with_collectives(forward, _layer_collectives(st, forward_ends, False, overlap))
         backward = _with_collectives(backward, _layer_collectives(st, ends, True, overlap))
     return StageProgram(forward, backward, swap_ins, forward_s, backward_s, remat_s["recompute"],
@@ -518,11 +525,14 @@ def _layer_collectives(st: _StageRows, ends: list[tuple[float, int]], backward: 
         row, act = st.rows[k], st.actions.get(j)
         redone = backward and act is not None and act.action == "recompute"
         run = (*(row.fwd_collectives if redone else []), *row.bwd_collectives) if backward else row.fwd_collectives
+        comm: list[tuple[str, int]] = [(c.op, c.n_bytes) for c in run]
+        if st.expert_parallel and row.dispatch_bytes:  # dispatch and combine, again for a recomputed forward
+            comm += [("all-to-all", row.dispatch_bytes)] * (2 + (2 if redone else 0) if backward else 2)
         gemm_s = 0.0
         if overlap is not None:
             fwd_gemm_s, bwd_gemm_s = float(overlap[0][k]), float(overlap[1][k])
             gemm_s = (bwd_gemm_s + (fwd_gemm_s if redone else 0.0)) if backward else fwd_gemm_s
-        out.append((t, [(c.op, c.n_bytes) for c in run], gemm_s))
+        out.append((t, comm, gemm_s))
     return out
 
 

@@ -12,13 +12,14 @@ from mpsim.sim.reserved import ReservedEstimate, estimate
 from mpsim.units import GiB
 
 COSTS: tuple[str, ...] = ("recompute_s", "selective_s", "swap_wait_s", "peer_wait_s", "memory_wait_s", "split_s",
-                          "optimizer_s", "dp_wait_s", "tp_comm_s")
+                          "optimizer_s", "dp_wait_s", "tp_comm_s", "ep_comm_s")
 """Time a plan's techniques cost a GPU per iteration: recompute and selective (attention
 core) recompute on the compute stream,
 backward waits on host and on D2D swap-ins, waits for room while swap-outs land, extra
 time of split micro-ops, optimizer update time beyond the GPU's own, and waits for
 data-parallel collectives (ZeRO-3 gathers, reductions before the update, the gather after it),
-and the tensor-parallel collectives each layer runs on the critical path."""
+the tensor-parallel collectives each layer runs on the critical path, and the
+expert-parallel all-to-alls of each MoE layer (``mpsim.sim.expert_group``)."""
 
 
 class Span(NamedTuple):
@@ -143,6 +144,9 @@ class SimResult:
     time_band_source: str = ""
     runtime_profile: str = ""
     """The runtime profile the engine applied (``mpsim.timing.runtime``)."""
+    experts: str = ""
+    """A mixture of experts: its experts, active parameters and the routing assumed for the
+    simulated (busiest) GPU (``mpsim.models.expert_parallel``); empty for a dense model."""
 
     @property
     def runs_on(self) -> str | None:
@@ -211,6 +215,7 @@ class SimResult:
             "time_band_pct": self.time_band_pct,
             "time_band_source": self.time_band_source,
             "runtime_profile": self.runtime_profile,
+            "experts": self.experts,
             "samples_per_s_band": self.samples_per_s_band,
             "tokens_per_s": self.tokens_per_s,
             "server": self.server,

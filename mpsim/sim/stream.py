@@ -11,6 +11,7 @@ from mpsim.plans.schedule import Task, interleaved_stage_tasks, stage_tasks
 from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
 from mpsim.sim.data_parallel import DataParallel
+from mpsim.sim.expert_group import ExpertGroup
 from mpsim.sim.program import Piece, StageProgram, SwapIn
 from mpsim.sim.result import Span
 from mpsim.sim.simpy_fast import sleep
@@ -40,7 +41,8 @@ class ComputeStream:
     hands each layer's gradients to the reduction as they are ready, and the update waits
     for the reductions (``data_parallel``). With tensor parallelism (``tp``) each piece's
     collectives run over the group once its compute is done, and the stream waits for
-    them (``tensor_group``). Under interleaved 1F1B several virtual stages share the GPU:
+    them (``tensor_group``); with expert parallelism likewise each MoE layer's all-to-alls
+    (``expert_group``). Under interleaved 1F1B several virtual stages share the GPU:
     each task waits for its turn in the GPU's order (``turns``) before it waits for its
     input, as Megatron-LM's blocking receive holds the GPU.
 
@@ -53,7 +55,7 @@ class ComputeStream:
 
     def __init__(self, run: RunContext, stage: int, program: StageProgram, swapper: Swapper, updater: Updater,
                  channels: PeerChannels, stash_in: SwapIn | None, dp: DataParallel | None = None,
-                 tp: TensorGroup | None = None, turns: GpuTurns | None = None) -> None:
+                 tp: TensorGroup | ExpertGroup | None = None, turns: GpuTurns | None = None) -> None:
         layout = run.layout
         self.run = run
         self.stage = stage
@@ -81,7 +83,8 @@ class ComputeStream:
         """Interleaved 1F1B: the virtual stages sharing the GPU take turns in its order."""
         self.dp = dp
         self.tp = tp
-        """The stage's tensor-parallel group: a piece's collectives run on it after its compute."""
+        """The stage's tensor-parallel group (or, for a mixture of experts, its expert-parallel
+        group): a piece's collectives (all-to-alls) run on it after its compute."""
         self.last_backward = max(i for i, t in enumerate(self.tasks) if t.kind == "B")
         self._estimate_s = {"F": program.forward_s, "B": program.backward_s, "U": updater.gpu_update_s}
         self._forward_steps = self._steps(program.forward, program.forward_climbs)

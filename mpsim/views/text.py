@@ -170,6 +170,8 @@ def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB, aske
         lines.append(f"              ({band_phrase(r)})")
     if r.runtime_profile:
         lines.append(f"runtime       {runtime_line(r.runtime_profile)}")
+    if r.experts:
+        lines.append(f"experts       {r.experts}")
     utilization = {k: u for k, u in r.link_utilization().items() if r.links[k]["bytes"]}
     if utilization:
         name = max(utilization, key=lambda k: (utilization[k], k))
