@@ -128,3 +128,21 @@ def test_dense_traces_and_files_are_unchanged_by_the_moe_fields() -> None:
     assert "experts" not in trace.to_json() and trace.active_params == trace.spec.params
     moe = tiny_trace([_moe_row(params=1000, expert_params=800, experts=4, top_k=1)])
     assert moe.active_params == 200 + 800 / 4
+
+
+def test_zero1_splits_dense_states_over_data_x_expert_and_the_experts_over_data() -> None:
+    """ZeRO-1 x2 x EP x2 on 4 GPUs, 1000 parameters of which 800 in 4 experts: a GPU keeps
+    200 dense + 400 expert parameters; their optimizer states (12 bytes each) over 4 and
+    over 2 GPUs: 12 x 200 / 4 + 12 x 400 / 2 = 3000 bytes."""
+    rows = [_moe_row(params=1000, expert_params=800, dispatch=0)]
+    r = simulate_job(Job(_job(rows, 4, "zero1x2xep2")))
+    assert r.gpus[0].breakdown["optimizer"] == 12 * 200 // 4 + 12 * 400 // 2
+    labels = [s.name for s in r.spans if s.lane == "nccl"]
+    assert any(n.startswith("reduce-scatter of layers 0-0 expert gradients") for n in labels)
+    assert "all-gather of updated expert parameters" in labels
+
+
+@pytest.mark.parametrize("layout", ["zero2x2xep2", "fsdp2xep2"])
+def test_zero2_and_fsdp_with_experts_are_refused_in_one_line(layout: str) -> None:
+    with pytest.raises(MpsimError, match="ZeRO-1 .* is simulated; ZeRO-2, FSDP and HSDP are not yet"):
+        _job([_moe_row()], 4, layout)

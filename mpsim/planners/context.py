@@ -16,6 +16,7 @@ from mpsim.plans.partition import Stages, compute_balanced
 from mpsim.plans.plan import Checkpoints, LayerAction, PlanFile, SwapTiming, make_plan
 from mpsim.sim import SimResult, simulate_layout
 from mpsim.sim.layout import Laid, OnLaid, data_parallel_plan, lay, layout_of_plan, mesh_plan, tensor_parallel_plan
+from mpsim.sim.program import Sharding
 from mpsim.timing.costs import cost_model
 
 MAX_ROUNDS = 64
@@ -117,7 +118,11 @@ class Ctx(OfJob, OnLaid):
     def optimizer_bytes(self, row: LayerRow) -> int:
         """Bytes of ``row``'s optimizer states one GPU holds: its shard under ZeRO-1 and up
         (``Parallelism.optimizer_shards``; rounded up, as the engine's ``Updater`` shards)."""
-        return -(-row.optimizer_bytes // self.job.parallelism.optimizer_shards(self.across))
+        par = self.job.parallelism
+        if par.expert > 1 and par.zero_stage:  # the dense part over data x expert, the experts' over data
+            return Sharding(par.shard_ways(self.across), par.zero_stage,
+                            expert_replicas=par.expert_shard_ways()).optimizer_share(row)
+        return -(-row.optimizer_bytes // par.optimizer_shards(self.across))
 
     def held_microbatches(self, s: int) -> int:
         """Microbatches whose activations stage s holds at once (the schedule's bound)."""

@@ -236,10 +236,23 @@ class Parallelism(BaseModel):
                     "degree of 2 or more")
         if self.hsdp and self.zero_stage != 3:
             return "HSDP shards parameters (ZeRO-3) inside a server and replicates them across: use zero stage 3"
-        if self.axes and self.zero_stage:
+        if self.axes and self.zero_stage and (self.zero_stage > 1 or self.hsdp or self.axes != self._expert_only):
+            if dict(self.axes).get("expert"):
+                return (f"{describe(self, 1)}: with expert parallelism ZeRO-1 (Megatron-Core's distributed optimizer) "
+                        "is simulated; ZeRO-2, FSDP and HSDP are not yet")
             return (f"{describe(self, 1)}: ZeRO shards over the data axis only, and a stage's gradients are reduced "
                     "over every replicating axis; sharded states with another replicating axis are not simulated")
         return None
+
+    @property
+    def _expert_only(self) -> tuple[tuple[str, int], ...]:
+        """``axes`` when the expert axis is the only registered one (ZeRO-1 shards with it)."""
+        return tuple((n, s) for n, s in self.axes if n == "expert")
+
+    @property
+    def expert(self) -> int:
+        """GPUs each mixture-of-experts layer's routed experts are split over (1: none)."""
+        return dict(self.axes).get("expert", 1)
 
     @property
     def replicas(self) -> int:
@@ -262,8 +275,16 @@ class Parallelism(BaseModel):
 
     def shard_ways(self, across: int = 1) -> int:
         """GPUs a stage's sharded states are split over when its data-parallel group spans
-        ``across`` servers: the group, or under HSDP its GPUs on one server."""
-        return self.data // across if self.hsdp else self.data
+        ``across`` servers: the group, or under HSDP its GPUs on one server. With expert
+        parallelism (ZeRO-1 only) the dense states are split over data x expert GPUs, as
+        Megatron-Core's distributed optimizer does (``expert_shard_ways`` for the experts')."""
+        return self.data // across if self.hsdp else self.data * self.expert
+
+    def expert_shard_ways(self) -> int:
+        """GPUs the routed experts' optimizer states are split over under ZeRO-1: the
+        expert-data-parallel group (the data axis; the experts themselves are split over
+        the expert axis already)."""
+        return self.data
 
     def optimizer_shards(self, across: int = 1) -> int:
         """Parts one GPU's optimizer states are split into: ``shard_ways`` from ZeRO-1 on

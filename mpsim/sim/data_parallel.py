@@ -179,12 +179,13 @@ class DataParallel:
             self._reductions.append(self._to_host(landed, self.sharding.shard(n_bytes), label))
 
     def _reduce_experts(self, mb: int, layers: tuple[int, ...], n_bytes: int) -> None:
-        """The routed experts' gradients of ``layers`` all-reduced over the
-        expert-data-parallel group (Megatron-Core's expert-data-parallel buckets; DDP only:
-        ZeRO with expert parallelism is refused by the layout)."""
+        """The routed experts' gradients of ``layers`` all-reduced (ZeRO-1: reduce-scattered)
+        over the expert-data-parallel group (Megatron-Core's expert-data-parallel buckets;
+        ZeRO-2 and 3 with expert parallelism are refused by the layout)."""
         if len(self.expert_ring) > 1 or self.expert_across > 1:
-            label = f"all-reduce of layers {layers[-1]}-{layers[0]} expert gradients, microbatch {mb}"
-            self._reductions.append(self._collective("reduce", "all-reduce", n_bytes, label, experts=True))
+            op = "all-reduce" if self.sharding.zero_stage == 0 else "reduce-scatter"
+            label = f"{op} of layers {layers[-1]}-{layers[0]} expert gradients, microbatch {mb}"
+            self._reductions.append(self._collective("reduce", op, n_bytes, label, experts=True))
 
     def _hold_all_reduce_buffer(self, layers: tuple[int, ...], n_bytes: int) -> Callable[[simpy.Event], None]:
         """HSDP as torch 2.13's FSDP2 runs it: the buffer a layer's gradient shard is
@@ -271,8 +272,13 @@ class DataParallel:
     def after_update(self) -> Generator[simpy.Event, object, None]:
         """ZeRO-1 and 2: each GPU's updated shard is all-gathered into the parameters."""
         if self.sharding.zero_stage in (1, 2) and self.moves:
-            n_bytes = sum(r.param_bytes for r in self.rows.values())
+            per_param = self.run.layout.job.trace.spec.precision.weight_bytes_per_param
+            expert = sum(r.expert_params for r in self.rows.values()) * per_param
+            n_bytes = sum(r.param_bytes for r in self.rows.values()) - expert
             yield from self._wait(self._collective("gather", "all-gather", n_bytes, "all-gather of updated parameters"))
+            if expert and (len(self.expert_ring) > 1 or self.expert_across > 1):
+                yield from self._wait(self._collective("gather", "all-gather", expert,
+                                                       "all-gather of updated expert parameters", experts=True))
 
     # -- plumbing --------------------------------------------------------------------------
     def _wait(self, event: simpy.Event) -> Generator[simpy.Event, object, None]:

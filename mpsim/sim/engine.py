@@ -138,7 +138,7 @@ def sharding_of(layout: Layout) -> Sharding | None:
         opt == "host-update" and len(on_host) == b - a
         for opt, on_host, (a, b) in zip(layout.optimizer, layout.host_optimizer, layout.stages))
     return Sharding(layout.shard_ways, par.zero_stage, par.reshard_after_forward, layout.offload_params,
-                    offload_grads)
+                    offload_grads, par.expert_shard_ways() if par.expert > 1 else 0)
 
 
 def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostModel,
@@ -156,7 +156,10 @@ def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostMod
     _allocate_static(run, s, static, sharding)
     swapper = Swapper(run, s, {j: act.split for j, act in program.actions.items()},
                       {j: tuple((x.gpu, x.fraction) for x in act.peers) for j, act in program.actions.items()})
-    shards = layout.parallelism.optimizer_shards(layout.across)
+    shards: float = layout.parallelism.optimizer_shards(layout.across)
+    if sharding is not None and sharding.expert_replicas and sharding.zero_stage:  # the experts' own ways
+        owned = sum(sharding.optimizer_share(r) for r in rows)
+        shards = sum(r.optimizer_bytes for r in rows) / owned if owned else shards
     updater = Updater(run, s, swapper, costs, shards, sharding is not None and sharding.offload_grads)
     stash_in = None
     if layout.stash[s] == "host" and versions > 1:

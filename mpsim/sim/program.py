@@ -110,6 +110,9 @@ class Sharding:
     offload_grads: bool = False
     """ZeRO-Offload and ZeRO-Infinity (stage 2 and 3 with the optimizer on the host): each
     reduced gradient shard goes to host memory, none stays on the GPU."""
+    expert_replicas: int = 0
+    """With expert parallelism, GPUs the routed experts' states are split over (the
+    expert-data-parallel group); 0: the same as ``replicas``."""
 
     @property
     def per_layer(self) -> bool:
@@ -119,6 +122,15 @@ class Sharding:
     def shard(self, n_bytes: int) -> int:
         """This GPU's part of ``n_bytes`` split over the group (rounded up, as FSDP pads)."""
         return -(-n_bytes // self.replicas)
+
+    def optimizer_share(self, row: LayerRow) -> int:
+        """This GPU's part of ``row``'s optimizer states under ZeRO-1 and up: the dense part
+        over ``replicas``, the routed experts' (their share of the parameters) over
+        ``expert_replicas``; all of them without ZeRO."""
+        if self.zero_stage == 0:
+            return row.optimizer_bytes
+        expert = row.optimizer_bytes * row.expert_params // row.params if row.params else 0
+        return self.shard(row.optimizer_bytes - expert) + -(-expert // (self.expert_replicas or self.replicas))
 
     def gathered(self, row: LayerRow) -> int:
         """Bytes a ZeRO-3 layer's parameters add while gathered: the whole layer, since the
@@ -644,7 +656,8 @@ def static_bytes(rows: list[LayerRow], weight_versions: int, receive_buffers: in
     return {
         "params": shard(params) if z >= 3 else params,
         "grads": (0 if sharding.offload_grads else shard(grads)) if z >= 2 else grads,
-        "optimizer": shard(optimizer) if z >= 1 else optimizer,
+        "optimizer": (shard(optimizer) if not sharding.expert_replicas else
+                      sum(sharding.optimizer_share(r) for r in rows)) if z >= 1 else optimizer,
         "stash": (weight_versions - 1) * params,
         "buffers": receive_buffers,
     }

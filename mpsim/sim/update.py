@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator
 
 import simpy
@@ -26,7 +27,7 @@ class Updater:
     (``shards`` > 1) the GPU owns 1/N of the states: every time and byte above is its
     shard's."""
 
-    def __init__(self, run: RunContext, stage: int, swapper: Swapper, costs: CostModel, shards: int = 1,
+    def __init__(self, run: RunContext, stage: int, swapper: Swapper, costs: CostModel, shards: float = 1,
                  grads_on_host: bool = False) -> None:
         self.run = run
         self.stage = stage
@@ -90,7 +91,7 @@ class Updater:
         return max(cpu_s, run.nvme_seconds(states, write=False) + run.nvme_seconds(states, write=True))
 
     def _shard(self, n_bytes: int) -> int:
-        return -(-n_bytes // self.shards)
+        return math.ceil(n_bytes / self.shards) if isinstance(self.shards, float) else -(-n_bytes // self.shards)
 
     def _streamed(self) -> Generator[simpy.Event, object, None]:
         run, g = self.run, self.gpu
