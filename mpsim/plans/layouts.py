@@ -30,6 +30,7 @@ import math
 
 from mpsim.errors import MpsimError
 from mpsim.hardware.topology import Topology
+from mpsim.models.expert_parallel import moe_experts
 from mpsim.models.tensor_parallel import check_shardable
 from mpsim.models.trace import Trace
 from mpsim.plans import mesh
@@ -44,6 +45,8 @@ FILTERS: dict[str, str] = {
     "hybrid": "replicas of a pipeline of 2 or more stages (ddp2xpp4, ...), ZeRO 0 to 3",
     "3d": "tensor-parallel groups of 2 to 8 GPUs (sequence parallel) times a pipeline and DDP, ZeRO-1 or FSDP "
           "replicas, every degree that uses all GPUs and the model's heads divide",
+    "expert": "a mixture of experts: expert-parallel groups of every size that divides the experts and the GPUs, "
+              "times a pipeline and DDP or ZeRO-1 replicas (data and all include those without a pipeline)",
 }
 """Words ``--layouts`` takes beside names, each the layouts of one kind on a server."""
 DEFAULT_LAYOUTS = "pipeline,data"
@@ -97,11 +100,24 @@ def _3d_layouts(n_gpus: int) -> list[Parallelism]:
     return out
 
 
+def _expert_layouts(n_gpus: int, experts: int) -> list[Parallelism]:
+    """Expert-parallel groups of e >= 2 GPUs (e dividing the experts and the GPUs), times a
+    pipeline of every depth the rest divides into and DDP or ZeRO-1 over the replicas
+    left: by e, then by depth."""
+    out = []
+    for e in (e for e in range(2, n_gpus + 1) if n_gpus % e == 0 and experts % e == 0):
+        rest = n_gpus // e
+        for depth in (d for d in range(1, rest + 1) if rest % d == 0):
+            dp = rest // depth
+            out += [data_parallel(dp, zero, depth, axes=(("expert", e),)) for zero in (0, 1)]
+    return out
+
+
 def _of_kind(word: str, layouts: list[Parallelism]) -> list[Parallelism]:
-    pp = {"pipeline": lambda p: p.data == 1 and p.tensor == 1,
-          "data": lambda p: p.data > 1 and p.pipeline == 1 and p.tensor == 1,
-          "hybrid": lambda p: p.data > 1 and (p.pipeline or 1) > 1 and p.tensor == 1,
-          "3d": lambda p: p.tensor > 1, "all": lambda p: True}[word]
+    pp = {"pipeline": lambda p: p.data == 1 and p.tensor == 1 and not p.axes,
+          "data": lambda p: p.replicas > 1 and p.pipeline == 1 and p.tensor == 1,
+          "hybrid": lambda p: p.data > 1 and (p.pipeline or 1) > 1 and p.tensor == 1 and not p.axes,
+          "3d": lambda p: p.tensor > 1, "expert": lambda p: p.expert > 1, "all": lambda p: True}[word]
     return [p for p in layouts if pp(p)]
 
 
@@ -111,16 +127,20 @@ def candidate_layouts(topo: Topology, which: str = "all", schedule: str | None =
     and names (``parse_layout``), in that order without repeats. Named layouts that need
     more GPUs than ``topo`` has are left out; a word gives no data or tensor parallelism
     under ``pipedream``, which the engine does not run with either, and no tensor
-    parallelism that ``trace`` (when given) cannot split. Refused in one line when nothing
-    is left."""
+    parallelism that ``trace`` (when given) cannot split; a mixture of experts also gets its
+    expert-parallel layouts (``_expert_layouts``: the ``expert`` word, and under ``data`` and
+    ``all`` those without a pipeline). Refused in one line when nothing is left."""
     every = _all_layouts(topo.n_gpus)
+    experts = moe_experts(trace) if trace is not None else 0
+    if experts:  # a mixture of experts: its expert-parallel layouts too (data: those without a pipeline)
+        every += _expert_layouts(topo.n_gpus, experts)
     chosen: list[Parallelism] = []
     why = [f"no layout fits the {topo.n_gpus} GPU(s) of {topo.name}"]
     for item in (x.strip() for x in which.split(",")):
         if item in FILTERS:
             found = _of_kind(item, every)
-            for reason, keep in (("pipedream runs no data or tensor parallelism",
-                                  lambda p: schedule != "pipedream" or (p.data == 1 and p.tensor == 1)),
+            for reason, keep in (("pipedream runs no data, expert or tensor parallelism",
+                                  lambda p: schedule != "pipedream" or (p.replicas == 1 and p.tensor == 1)),
                                  (f"{trace.name if trace else ''} does not split over some tensor-parallel degrees",
                                   lambda p: trace is None or _splits(trace, p))):
                 kept = [p for p in found if keep(p)]

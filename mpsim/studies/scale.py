@@ -5,7 +5,9 @@ to the cluster's ``max_servers`` and, on each, every layout of Megatron-LM's kin
 parallel with sequence parallel inside a server (the degrees the model's heads allow),
 pipeline across servers, and the data-parallel replicas left, their states sharded by
 ZeRO-1 (Megatron's distributed optimizer), FSDP or HSDP (``LAYOUT_KINDS``), at each
-microbatch size. The global batch is fixed (``batch_tokens``, as a training recipe fixes
+microbatch size; a mixture of experts also with expert-parallel groups of every degree
+that divides its experts (``EXPERT_DEGREES``) carved out of the replicas, ZeRO-1 over them.
+The global batch is fixed (``batch_tokens``, as a training recipe fixes
 it): each replica runs ``batch / (replicas x microbatch)`` microbatches, so more replicas
 mean fewer microbatches and a larger pipeline bubble. Each configuration is simulated
 (one iteration, one replica's pipeline: ``mpsim.sim``); a configuration whose peak does
@@ -27,6 +29,7 @@ from mpsim.data.catalog import load_cluster, load_trace
 from mpsim.errors import MpsimError
 from mpsim.hardware.cluster import DEFAULT_BATCH_TOKENS, Cluster
 from mpsim.limits import check_microbatch
+from mpsim.models.expert_parallel import moe_experts
 from mpsim.models.trace import Trace
 from mpsim.plans.job import JobSpec, Parallelism
 from mpsim.studies.backends import Backend, run_points
@@ -36,6 +39,8 @@ LAYOUT_KINDS: tuple[tuple[str, int, bool], ...] = (("ZeRO-1", 1, False), ("FSDP"
 STRATEGIES: tuple[str, ...] = ("none", "selective", "recompute")
 """Tried in this order until one fits."""
 HOURS_PER_DAY = 24.0
+EXPERT_DEGREES = (2, 4, 8, 16, 32, 64)
+"""Expert-parallel degrees searched for a mixture of experts (those dividing its experts)."""
 MAX_PIPELINE = 16
 """Deepest pipeline searched: deeper ones run hundreds of microbatches per replica and
 leave a layer or two a stage (an 80-layer model over 64 stages)."""
@@ -51,11 +56,15 @@ class Shape:
     zero_stage: int
     hsdp: bool
     microbatch: int
+    expert: int = 1
+    """Expert-parallel GPUs (a mixture of experts), carved out of the replicas."""
 
     def parallelism(self, data: int) -> Parallelism:
+        """The layout with ``data`` replicas in all (``expert`` of them an expert group)."""
         zero, hsdp = (self.zero_stage, self.hsdp) if data > 1 else (0, False)
-        return Parallelism(data=data, tensor=self.tensor, sequence_parallel=self.tensor > 1, pipeline=self.pipeline,
-                           zero_stage=zero, hsdp=hsdp)  # type: ignore[arg-type]
+        axes = (("expert", self.expert),) if self.expert > 1 else ()
+        return Parallelism(data=data // self.expert, tensor=self.tensor, sequence_parallel=self.tensor > 1,
+                           pipeline=self.pipeline, zero_stage=zero, hsdp=hsdp, axes=axes)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -183,14 +192,18 @@ def shapes(cluster: Cluster, trace: Trace, microbatch_sizes: Sequence[int]) -> l
 
     g = cluster.gpus_per_server
     out = []
+    depths = [q for q in (1, 2, 4, 8, 16) if q <= min(trace.n_layers, MAX_PIPELINE)]
     for t in (d for d in (1, 2, 4, 8, 16, 32, 64) if d <= g and g % d == 0):
         try:
             check_shardable(trace, t, t > 1)
         except MpsimError:
             continue
-        for p in (q for q in (1, 2, 4, 8, 16) if q <= min(trace.n_layers, MAX_PIPELINE)):
+        for p in depths:
             for _, zero, hsdp in LAYOUT_KINDS:
                 out += [Shape(t, p, zero, hsdp, mb) for mb in microbatch_sizes]
+    experts = moe_experts(trace)
+    for e in (e for e in EXPERT_DEGREES if experts and experts % e == 0):  # ZeRO-1, Megatron-Core's MoE default
+        out += [Shape(1, p, 1, False, mb, e) for p in depths for mb in microbatch_sizes]
     return out
 
 
@@ -223,6 +236,8 @@ def _job_or_reason(point: ClusterPoint, cluster: Cluster | None, trace: Trace | 
     if gpus % per_replica or (shape.hsdp and n == 1):
         return NOT_A_LAYOUT
     data = gpus // per_replica
+    if data % shape.expert:
+        return NOT_A_LAYOUT
     if point.batch_samples % (data * shape.microbatch):
         return (f"replicas x microbatch do not divide the batch of {point.batch_samples} samples "
                 "(--batch-tokens over the sequence length)")
