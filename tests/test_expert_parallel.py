@@ -146,3 +146,29 @@ def test_zero1_splits_dense_states_over_data_x_expert_and_the_experts_over_data(
 def test_zero2_and_fsdp_with_experts_are_refused_in_one_line(layout: str) -> None:
     with pytest.raises(MpsimError, match="ZeRO-1 .* is simulated; ZeRO-2, FSDP and HSDP are not yet"):
         _job([_moe_row()], 4, layout)
+
+
+def test_searches_offer_expert_layouts_to_a_mixture_of_experts_only() -> None:
+    from mpsim.plans.layouts import candidate_layouts, short_name
+
+    topo = tiny_topology(n_gpus=4)
+    moe, dense = tiny_trace([_moe_row(experts=4)] * 2), tiny_trace([layer("a"), layer("b")])
+    names = {short_name(p, p.pipeline or 1) for p in candidate_layouts(topo, "data", trace=moe)}
+    assert {"ddp2xep2", "zero1x2xep2", "ep4", "zero1x1xep4", "ddp4", "fsdp4"} <= names
+    experts = {short_name(p, p.pipeline or 1) for p in candidate_layouts(topo, "expert", trace=moe)}
+    assert "ep2xpp2" in experts and all("ep" in n for n in experts)
+    assert not any(p.expert > 1 for p in candidate_layouts(topo, "all", trace=dense))
+    with pytest.raises(MpsimError, match="no layout fits"):
+        candidate_layouts(topo, "expert", trace=dense)
+
+
+def test_choose_tokens_searches_expert_degrees_that_divide_the_experts() -> None:
+    from mpsim.data.catalog import load_cluster
+    from mpsim.studies.scale import shapes
+
+    cluster = load_cluster("dgx-h100-superpod")
+    moe = tiny_trace([_moe_row(experts=8)] * 4)
+    degrees = {s.expert for s in shapes(cluster, moe, (1,))}
+    assert degrees == {1, 2, 4, 8}
+    assert all(s.zero_stage == 1 and s.tensor == 1 for s in shapes(cluster, moe, (1,)) if s.expert > 1)
+    assert {s.expert for s in shapes(cluster, tiny_trace([layer("a")] * 4), (1,))} == {1}
