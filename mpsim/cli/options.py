@@ -32,7 +32,9 @@ STRATEGY_HELP = api.STRATEGY_HELP
 RUNTIME_HELP = ("what the framework does at run time: megatron-lm (tensor-parallel collectives on the critical "
                 "path, gradient reduction overlapped with the backward), megatron-lm-sync-grads (gradients reduced "
                 "after the backward), megatron-core-tp-overlap and torchtitan-async-tp (tensor-parallel collectives "
-                "hidden behind their layer's GEMMs), eager (every kernel launched from Python, 8 us of host time "
+                "hidden behind their layer's GEMMs), megatron-core-ep-overlap (mixture-of-experts all-to-alls "
+                "hidden behind compute as far as the layer's GEMMs last), eager (every kernel launched from Python, "
+                "8 us of host time "
                 "each), deepspeed (eager, gradients reduced after the backward); with --plan it applies too")
 PARTITION_HELP = ("layers to stages: compute (balance compute time, as PipeDream/DAPPLE) or memory "
                   "(balance predicted peak memory, mCAP)")

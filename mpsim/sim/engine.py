@@ -122,7 +122,8 @@ def _stage_program(run: RunContext, s: int, costs: CostModel, sharding: Sharding
                            times.launches_fwd[a:b], profile)
     bwd_s = dispatch_bound(times.bwd_s[a:b] * expert_time_factors(rows, load_factor, True),
                            times.launches_bwd[a:b], profile)
-    overlap = (times.gemm_fwd_s[a:b], times.gemm_bwd_s[a:b]) if profile.tp_comm_overlap and tensor_parallel else None
+    hides = (profile.tp_comm_overlap and tensor_parallel) or (profile.ep_comm_overlap and expert_parallel > 1)
+    overlap = (times.gemm_fwd_s[a:b], times.gemm_bwd_s[a:b]) if hides else None
     return _PROGRAMS.put(key, build_program(rows, fwd_s, bwd_s, a, first, last, actions, run.torch_pipelining,
                                             costs.attention_core_s[a:b], segments, sharding, tensor_parallel,
                                             overlap, expert_parallel > 1))

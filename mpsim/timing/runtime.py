@@ -25,6 +25,14 @@ top of the kernels' own times:
   update (Megatron-Core's default DDP config, DeepSpeed's ZeRO-1). ZeRO-2 and ZeRO-3 reduce
   each microbatch's buckets as they are ready in every profile, and ZeRO-3's gathers are
   prefetched (``mpsim.sim.data_parallel``).
+- **Expert-parallel communication overlap** (``ep_comm_overlap``). Without it (Megatron-Core's
+  default MoE layer) each MoE layer's dispatch and combine all-to-alls run between the
+  router and the experts and after them, and the stream waits for them. With it
+  (Megatron-Core's ``--overlap-moe-expert-parallel-comm``, which interleaves the forward
+  of one microbatch with the backward of another so that one's all-to-alls run beside the
+  other's compute; DeepSeek-V3's DualPipe, Liu et al. 2024, section 3.2.1) they run beside
+  compute: modelled as for tensor parallelism, they start ``gemm_s`` before the layer's
+  compute ends and only what outlasts its GEMMs is exposed (``mpsim.sim.expert_group``).
 
 ``DEFAULT_PROFILE`` is the engine's model as it was before profiles were named: the
 defaults of the answers do not change until a kernel-level source says they should.
@@ -55,6 +63,9 @@ class RuntimeProfile:
     grad_reduce_overlap: bool = True
     """DDP's and ZeRO-1's gradient buckets reduced as they are ready, beside the rest of the
     backward; off: all after the backward (``mpsim.sim.data_parallel``)."""
+    ep_comm_overlap: bool = False
+    """Mixture-of-experts dispatch and combine all-to-alls hidden behind compute as far as
+    the layer's GEMMs last; off: on the critical path (``mpsim.sim.expert_group``)."""
 
 
 _EAGER_DISPATCH = ("host dispatch 8 us a kernel: about 5 us of dispatcher and autograd bookkeeping per op "
@@ -85,6 +96,13 @@ PROFILES: dict[str, RuntimeProfile] = {p.name: p for p in (
         summary="tensor-parallel collectives hidden behind their layer's GEMMs (async TP, torch.compile)",
         source="torchtitan's async tensor parallelism (micro-pipelined all-gather and reduce-scatter with the "
                "matmuls, under torch.compile)"),
+    RuntimeProfile(
+        "megatron-core-ep-overlap", "Megatron-Core", tp_comm_overlap=False, host_dispatch_us=0.0,
+        ep_comm_overlap=True,
+        summary="tensor-parallel collectives on the critical path; mixture-of-experts all-to-alls hidden behind "
+                "compute as far as the layer's GEMMs last (--overlap-moe-expert-parallel-comm, DualPipe-style)",
+        source="Megatron-Core's MoE expert-parallel communication overlap (forward of one microbatch beside the "
+               "backward of another); DeepSeek-V3 technical report (Liu et al. 2024), section 3.2.1, DualPipe"),
     RuntimeProfile(
         "eager", "PyTorch eager (DeepSpeed, FSDP without compile)", tp_comm_overlap=False, host_dispatch_us=8.0,
         summary="tensor-parallel collectives on the critical path; every kernel launched from Python, "
