@@ -7,7 +7,7 @@ import pytest
 from helpers import layer, tiny_topology, tiny_trace
 
 from mpsim.errors import MpsimError
-from mpsim.models.expert_parallel import ExpertLoad, expert_shard, parse_expert_load
+from mpsim.models.expert_parallel import UNIFORM, ExpertLoad, expert_shard, parse_expert_load
 from mpsim.plans.job import JobSpec
 from mpsim.plans.mesh import Parallelism, describe, parse_layout
 from mpsim.sim import Job, simulate_job
@@ -25,7 +25,7 @@ def _moe_row(name: str = "moe", params: int = 1000, expert_params: int = 800, ex
     return row
 
 
-def _job(rows: list[dict], n_gpus: int, layout: str, load: ExpertLoad = ExpertLoad(), gbps: float = 1.0) -> JobSpec:
+def _job(rows: list[dict], n_gpus: int, layout: str, load: ExpertLoad = UNIFORM, gbps: float = 1.0) -> JobSpec:
     topo = tiny_topology(n_gpus=n_gpus, nvlink_gbps=gbps)
     return JobSpec(topo, tiny_trace(rows), "gpipe", 1, parse_layout(layout), expert_load=load)
 
