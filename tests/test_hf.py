@@ -23,6 +23,12 @@ PUBLIC_PARAMS = {
     "mistral-7b": 7_241_732_096,
     "qwen2.5-7b": 7_615_616_512,
     "gpt2-xl": 1_557_611_200,
+    # mixture-of-experts presets (their active counts: tests/test_moe_trace.py)
+    "mixtral-8x7b": 46_702_792_704,
+    "mixtral-8x22b": 140_620_634_112,
+    "qwen3-30b-a3b": 30_532_122_624,
+    "qwen3-235b-a22b": 235_093_634_560,
+    "deepseek-v3": 671_026_404_352,
 }
 TINY = {"hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 1024,
         "vocab_size": 1000, "max_position_embeddings": 512}

@@ -5,6 +5,13 @@ transformer block in the recipe's compute dtype. The embedding, that block (repe
 every layer) and the head (final norm, vocabulary projection, cross-entropy) are traced
 as their own layers by ``mpsim.models.tracer.trace_layer``.
 
+Mixture-of-experts families (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3,
+gpt-oss) run their routed experts through ``mpsim.models.moe``'s experts implementation
+(uniform load, the router for real). Where dense and MoE layers mix (DeepSeek's
+``first_k_dense_replace``, Qwen's ``decoder_sparse_step`` and ``mlp_only_layers``) the
+model is built up to the first block of each kind, both are traced, and each layer index
+gets its kind's row (``mpsim.models.moe.moe_layers``: transformers' own rule).
+
 GPU kernel semantics, as ``mpsim.models.kernels`` gives them to mpsim's own layers:
 
 - attention goes through a function registered with transformers' ``AttentionInterface``
@@ -44,7 +51,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from mpsim.errors import MpsimError
-from mpsim.models import kernels
+from mpsim.models import kernels, moe
 from mpsim.models.hf_fields import check_overrides, config_path, read_checked
 from mpsim.models.hf_fields import shipped_configs as shipped_configs  # where callers have found it
 from mpsim.models.trace import RECIPES, Trace
@@ -115,6 +122,14 @@ LAYOUTS: dict[str, FamilyLayout] = {
     "phi3": _decoder("phi3"),
     "gemma2": _decoder("gemma2", _soft_capped_head),
     "gemma3_text": _decoder("gemma3", _soft_capped_head),
+    # mixture-of-experts decoders (mpsim.models.moe), under family names of their own
+    "mixtral": _decoder("mixtral"),
+    "olmoe": _decoder("olmoe"),
+    "qwen2_moe": _decoder("qwen2-moe"),
+    "qwen3_moe": _decoder("qwen3-moe"),
+    "deepseek_v2": _decoder("deepseek-v2"),
+    "deepseek_v3": _decoder("deepseek-v3"),
+    "gpt_oss": _decoder("gpt-oss"),
     "gpt2": FamilyLayout(
         family="gpt", masked_lm=False, base="transformer", blocks="h", rotary=None,
         embed_modules=("transformer.wte", "transformer.wpe", "transformer.drop"),
@@ -212,20 +227,29 @@ def _mpsim_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     mask (training without padding): causal as the module says. Sliding windows
     (Mistral, Gemma's local layers) are not modelled, as in ``mpsim.models.workloads``: their
     kernels keep the same tensors, and the FLOPs counted are the full causal ones. Gemma 2's
-    attention soft-capping (``softcap``) runs inside the fused kernel and keeps nothing more."""
+    attention soft-capping (``softcap``) runs inside the fused kernel and keeps nothing more,
+    nor do gpt-oss's attention sinks (``s_aux``, left out). Multi-head latent attention
+    (DeepSeek-V2 and V3: 192-wide queries and keys, 128-wide values) runs as FlashAttention-2
+    runs it, one head width for all three: the values padded with zeros to the queries'
+    width and the output cut back (as transformers' DeepSeek code did for flash attention)."""
     if attention_mask is not None:
         raise MpsimError("mpsim attention takes no explicit attention mask (causal or bidirectional only)")
     causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    v_dim = value.shape[-1]
+    if v_dim < query.shape[-1]:  # MLA (DeepSeek): values narrower than queries and keys
+        value = F.pad(value, (0, query.shape[-1] - v_dim))
     out = kernels.attention(query, key, value, causal=causal, dropout_p=dropout, training=module.training,
                             backend=_BACKEND.get(), scale=scale)
-    return out.transpose(1, 2).contiguous(), None
+    return out[..., :v_dim].transpose(1, 2).contiguous(), None
 
 
 @contextmanager
 def _attention_backend(transformers: Any, backend: str) -> Iterator[None]:
-    """``_mpsim_attention`` registered, running ``backend``."""
+    """``_mpsim_attention`` registered, running ``backend``; the uniform-load experts too
+    (``mpsim.models.moe``)."""
     transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, _mpsim_attention)
+    moe.register(transformers)
     token = _BACKEND.set(kernels.check_backend(backend))
     try:
         yield
@@ -278,7 +302,8 @@ def _first(out: Any) -> torch.Tensor:
 
 def _build(transformers: Any, config: Any, layout: FamilyLayout, dtype: torch.dtype) -> nn.Module:
     auto = transformers.AutoModelForMaskedLM if layout.masked_lm else transformers.AutoModelForCausalLM
-    model = auto.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
+    experts = {"experts_implementation": moe.EXPERTS_IMPLEMENTATION} if config.model_type in moe.FAMILIES else {}
+    model = auto.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype, **experts)
     return model.train()
 
 
@@ -309,48 +334,89 @@ def _embed(model: Any, layout: FamilyLayout, rotary: nn.Module | None, tokens: t
 def _rotary_tables(config: Any, rotary: nn.Module, x: torch.Tensor,
                    positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, ...]]:
     """The (cos, sin) the backbone builds once per forward: one pair, or one per attention
-    type where the layers alternate (Gemma 3: local layers with their own RoPE base)."""
+    type where the layers alternate (Gemma 3: local layers with their own RoPE base); or
+    the one complex table DeepSeek-V2 builds (``DeepseekV2RotaryEmbedding``: freqs_cis)."""
     types = getattr(config, "layer_types", None)
     if types and "layer_type" in inspect.signature(rotary.forward).parameters:
-        return {t: tuple(rotary(x, positions, t)) for t in dict.fromkeys(types)}
-    return {None: tuple(rotary(x, position_ids=positions))}
+        return {t: _tables(rotary(x, positions, t)) for t in dict.fromkeys(types)}
+    return {None: _tables(rotary(x, position_ids=positions))}
 
 
-def _trace_rows(model: Any, layout: FamilyLayout, b: int, s: int,
-                dtype: torch.dtype) -> tuple[dict, dict, dict]:
+def _tables(out: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+
+def _given(tables: tuple[torch.Tensor, ...]) -> Any:
+    """What a block is given as ``position_embeddings``: the (cos, sin) pair, or the one table."""
+    return tables[0] if len(tables) == 1 else tables
+
+
+def _trace_rows(model: Any, layout: FamilyLayout, b: int, s: int, dtype: torch.dtype,
+                blocks: dict[bool, int]) -> tuple[dict, dict[bool, dict], dict]:
+    """The embedding's row, the rows of ``blocks`` (layer index by kind: MoE or dense) and
+    the head's."""
     from mpsim.models.tracer import trace_layer
 
     base = _submodule(model, layout.base)
-    block = _submodule(base, layout.blocks)[0]
     rotary = _submodule(base, layout.rotary) if layout.rotary else None
-    h = model.config.hidden_size
     tokens = torch.zeros(b, s, dtype=torch.long)
     emb = trace_layer(_group(model, layout.embed_modules), [tokens], lambda _m, t: _embed(model, layout, rotary, t))
-    x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
-    positions = _positions(x).unsqueeze(0)
-    extra: dict[str, Any] = {}
-    tables: dict[str | None, tuple[torch.Tensor, ...]] = {}
-    if rotary is not None:  # the traced block is layer 0, of layer type 0 where they alternate
-        tables = _rotary_tables(model.config, rotary, x, positions)
-        first = (getattr(model.config, "layer_types", None) or [None])[0]
-        extra = {"position_ids": positions, "position_embeddings": tables.get(first, next(iter(tables.values())))}
-    shared = _SharedTables(tuple(t for pair in tables.values() for t in pair))
-    layer = trace_layer(nn.ModuleList([block, shared]), [x],
-                        lambda _m, x: _first(block(x, attention_mask=None, **extra)))
+    traced = {kind: _trace_block(model, layout, rotary, i, (b, s, dtype)) for kind, i in blocks.items()}
 
     def run_head(_m: nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = layout.head(model, x)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
 
-    x2 = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+    x2 = torch.randn(b, s, model.config.hidden_size, dtype=dtype, requires_grad=True)
     head = trace_layer(_group(model, layout.head_modules), [x2, tokens], run_head)
-    return emb, layer, head
+    return emb, traced, head
 
 
-def _full_params(model: nn.Module, layout: FamilyLayout, layers: int) -> int:
-    """Unique parameters of the full model: the one-block model's, plus the other blocks."""
-    block = _submodule(_submodule(model, layout.base), layout.blocks)[0]
-    return sum(p.numel() for p in model.parameters()) + (layers - 1) * sum(p.numel() for p in block.parameters())
+def _trace_block(model: Any, layout: FamilyLayout, rotary: nn.Module | None, index: int,
+                 shape: tuple[int, int, torch.dtype]) -> dict:
+    """The row of block ``index``, given the (cos, sin) of its layer type where the layers
+    alternate, as the backbone's forward gives them."""
+    from mpsim.models.tracer import trace_layer
+
+    b, s, dtype = shape
+    block = _submodule(_submodule(model, layout.base), layout.blocks)[index]
+    x = torch.randn(b, s, model.config.hidden_size, dtype=dtype, requires_grad=True)
+    positions = _positions(x).unsqueeze(0)
+    extra: dict[str, Any] = {}
+    tables: dict[str | None, tuple[torch.Tensor, ...]] = {}
+    if rotary is not None:
+        tables = _rotary_tables(model.config, rotary, x, positions)
+        types = getattr(model.config, "layer_types", None) or [None]
+        own = types[index] if index < len(types) else types[0]
+        extra = {"position_ids": positions,
+                 "position_embeddings": _given(tables.get(own, next(iter(tables.values()))))}
+    shared = _SharedTables(tuple(t for pair in tables.values() for t in pair))
+    return trace_layer(nn.ModuleList([block, shared]), [x],
+                       lambda _m, x: _first(block(x, attention_mask=None, **extra)))
+
+
+def _full_params(model: nn.Module, layout: FamilyLayout, per_layer: list[int]) -> int:
+    """Unique parameters of the full model: the built model's outside its blocks, plus
+    each layer's (``per_layer``: its kind's traced block)."""
+    blocks = _submodule(_submodule(model, layout.base), layout.blocks)
+    built = sum(p.numel() for p in blocks.parameters())
+    return sum(p.numel() for p in model.parameters()) - built + sum(per_layer)
+
+
+def _moe_info(config: Any, traced: dict[bool, dict], kinds: list[bool], tokens: int,
+              params: int) -> dict[str, Any]:
+    """The model block's ``moe`` (``mpsim.models.moe.moe_block``, with the number of MoE
+    layers and the routed copies a layer drops per microbatch under uniform load) and
+    ``active_params`` (the routed experts counted top-k of their number); empty for a
+    dense model."""
+    block = moe.moe_block(config)
+    if block is None or True not in traced:
+        return {}
+    row = traced[True]
+    experts, top_k = row["experts"], row["experts_per_token"]
+    idle = sum(kinds) * row["expert_params"] * (experts - top_k) // experts
+    _kept, dropped = moe.routed_copies(block, tokens)
+    return {"moe": {**block, "moe_layers": sum(kinds), "dropped_copies": dropped}, "active_params": params - idle}
 
 
 def _decoder_shape(model: Any, layout: FamilyLayout) -> dict[str, Any]:
@@ -398,21 +464,24 @@ def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = No
         raise MpsimError(f"unknown recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
     backend = attention or kernels.default_attention(None, RECIPES[recipe].compute_dtype)
     layers = config.num_hidden_layers
-    config.num_hidden_layers = 1
+    kinds = moe.moe_layers(config, layers)  # whether each layer routes to experts
+    blocks = moe.representatives(kinds)
+    config.num_hidden_layers = max(blocks.values()) + 1  # built up to one block of each kind
     b = microbatch or preset_mb
     with (_config_errors(source, config.model_type), _fake_errors(config.model_type),
           _attention_backend(transformers, backend), compute_dtype(recipe), FakeTensorMode()):
         dtype = DTYPES[RECIPES[recipe].compute_dtype]
         model = _build(transformers, config, layout, dtype)
-        emb, layer, head = _trace_rows(model, layout, b, seq_len, dtype)
-        params = _full_params(model, layout, layers)
+        emb, traced, head = _trace_rows(model, layout, b, seq_len, dtype, blocks)
+        params = _full_params(model, layout, [traced[kind]["params"] for kind in kinds])
     model_info = {"family": layout.family, "model_type": config.model_type, "layers": layers,
                   "hidden": config.hidden_size, "heads": config.num_attention_heads,
                   "kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
                   "seq_len": seq_len, "vocab": config.vocab_size, "attention": backend, "framework": "hf",
-                  **_decoder_shape(model, layout), "source": f"hf:{config.model_type}"}
-    named = [("embedding", "embedding", emb), *[(f"layer{i}", "transformer", layer) for i in range(layers)],
-             ("head", "head", head)]
+                  **_decoder_shape(model, layout), **_moe_info(config, traced, kinds, b * seq_len, params),
+                  "source": f"hf:{config.model_type}"}
+    named = [("embedding", "embedding", emb),
+             *[(f"layer{i}", "transformer", traced[kind]) for i, kind in enumerate(kinds)], ("head", "head", head)]
     plain = not overrides and microbatch in (None, preset_mb) and preset_seq == seq_len
     default_name = source if plain else f"hf-{config.model_type}-{layers}l-{config.hidden_size}h-{seq_len}s"
     return make_trace(name or default_name, model_info, params, b, recipe, named)  # type: ignore[arg-type]

@@ -28,6 +28,15 @@ MAX_HEAD_DIM = 4096
 MAX_VOCAB = 1 << 23
 """Vocabularies up to 8,388,608 entries (Gemma's: 256,000)."""
 MAX_POSITIONS = 1 << 24
+MAX_EXPERTS = 1 << 13
+"""Routed experts per layer up to 8,192 (DeepSeek-V3: 256, Kimi K2: 384)."""
+MOE_MODEL_TYPES = frozenset({"mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"})
+"""The mixture-of-experts families ``mpsim.models.moe`` traces."""
+#: Fields that say a config has experts (a dense model_type with any of them is refused).
+MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "experts_per_token",
+              "moe_intermediate_size", "shared_expert_intermediate_size", "n_shared_experts")
+#: Counts that may be zero, and their largest values: shared experts, leading dense layers.
+ZERO_OR_MORE_FIELDS = {"n_shared_experts": MAX_EXPERTS, "first_k_dense_replace": MAX_LAYERS}
 #: Number fields the modules compute with, and their ranges (low, high; both included).
 NUMBER_FIELDS: dict[str, tuple[float, float]] = {
     "rope_theta": (1e-6, 1e12), "rms_norm_eps": (0.0, 1.0), "layer_norm_epsilon": (0.0, 1.0),
@@ -37,6 +46,8 @@ NUMBER_FIELDS: dict[str, tuple[float, float]] = {
     "attn_pdrop": (0.0, 1.0), "partial_rotary_factor": (0.0, 1.0), "rotary_pct": (0.0, 1.0),
     "final_logit_softcapping": (1e-6, 1e6), "attn_logit_softcapping": (1e-6, 1e6),
     "query_pre_attn_scalar": (1e-6, 1e9), "rope_local_base_freq": (1e-6, 1e12),
+    "routed_scaling_factor": (1e-6, 1e3), "router_jitter_noise": (0.0, 1.0), "router_aux_loss_coef": (0.0, 1e3),
+    "capacity_factor": (1e-3, 1e3),
 }
 #: Fields that name something and must be a string.
 NAME_FIELDS = ("model_type", "hidden_act", "activation_function", "torch_dtype", "position_embedding_type")
@@ -54,6 +65,20 @@ SHAPE_FIELDS: dict[str, tuple[tuple[str, ...], bool, int]] = {
     "max_position_embeddings": (("max_position_embeddings", "n_positions"), True, MAX_POSITIONS),
     "head_dim": (("head_dim",), True, MAX_HEAD_DIM),
     "sliding_window": (("sliding_window",), True, MAX_POSITIONS),
+    # mixture-of-experts shapes (transformers' names: Mixtral, Qwen-MoE, DeepSeek, gpt-oss)
+    "num_local_experts": (("num_local_experts", "num_experts", "n_routed_experts"), True, MAX_EXPERTS),
+    "num_experts_per_tok": (("num_experts_per_tok", "experts_per_token"), True, MAX_EXPERTS),
+    "moe_intermediate_size": (("moe_intermediate_size",), True, MAX_WIDTH),
+    "shared_expert_intermediate_size": (("shared_expert_intermediate_size",), True, MAX_WIDTH),
+    "decoder_sparse_step": (("decoder_sparse_step",), True, MAX_LAYERS),
+    "n_group": (("n_group",), True, MAX_EXPERTS),
+    "topk_group": (("topk_group",), True, MAX_EXPERTS),
+    # multi-head latent attention (DeepSeek-V2 and V3)
+    "q_lora_rank": (("q_lora_rank",), True, MAX_WIDTH),
+    "kv_lora_rank": (("kv_lora_rank",), True, MAX_WIDTH),
+    "qk_nope_head_dim": (("qk_nope_head_dim",), True, MAX_HEAD_DIM),
+    "qk_rope_head_dim": (("qk_rope_head_dim",), True, MAX_HEAD_DIM),
+    "v_head_dim": (("v_head_dim",), True, MAX_HEAD_DIM),
 }
 
 
@@ -173,6 +198,47 @@ def check_shape(raw: dict[str, Any], where: str, overrides: dict[str, int] | Non
     if isinstance(heads, int) and isinstance(kv, int) and kv > heads:
         raise MpsimError(f"{where}: num_key_value_heads {kv} is more than num_attention_heads {heads}")
     check_heads(raw, where, overrides)
+    check_experts(raw, where)
+
+
+def check_experts(raw: dict[str, Any], where: str) -> None:
+    """A mixture-of-experts config's counts consistent: the shared experts and leading
+    dense layers from 0 (``ZERO_OR_MORE_FIELDS``), the layers listed in ``mlp_only_layers``
+    whole numbers, top-k at most the experts, the expert groups (DeepSeek's ``n_group``)
+    splitting the experts, ``topk_group`` at most ``n_group``; and expert fields only under
+    a model_type that has experts (a Mixtral config relabelled ``mistral`` would otherwise
+    be traced as a dense model without them)."""
+    for name, largest in ZERO_OR_MORE_FIELDS.items():
+        value = raw.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= largest):
+            raise MpsimError(f"{where}: {name}: expected a whole number from 0 to {largest:,}, got {_shown(value)}")
+    only = raw.get("mlp_only_layers")
+    if only is not None and (not isinstance(only, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_LAYERS for i in only)):
+        raise MpsimError(f"{where}: mlp_only_layers: expected a list of layer indices, got {_shown(only)}")
+    _check_routing(raw, where)
+    model_type = raw.get("model_type")
+    given = [f for f in MOE_FIELDS if raw.get(f) is not None]
+    if isinstance(model_type, str) and model_type not in MOE_MODEL_TYPES and given:
+        raise MpsimError(f"{where}: mixture-of-experts fields ({', '.join(given)}) under model_type {model_type!r}, "
+                         "which has no experts: it would be traced as a dense model; give the model_type of its "
+                         f"family ({', '.join(sorted(MOE_MODEL_TYPES))})")
+
+
+def _check_routing(raw: dict[str, Any], where: str) -> None:
+    """Top-k within the experts, and DeepSeek's expert groups within them (``check_experts``)."""
+    experts, top_k = _value(raw, "num_local_experts"), _value(raw, "num_experts_per_tok")
+    names = {f: next((n for n in SHAPE_FIELDS[f][0] if n in raw), f) for f in ("num_local_experts",
+                                                                             "num_experts_per_tok")}
+    if isinstance(experts, int) and isinstance(top_k, int) and top_k > experts:
+        raise MpsimError(f"{where}: {names['num_experts_per_tok']} {top_k} is more than "
+                         f"{names['num_local_experts']} {experts}: each token goes to top-k of the experts")
+    groups, top_groups = raw.get("n_group"), raw.get("topk_group")
+    if isinstance(experts, int) and isinstance(groups, int) and experts % groups:
+        raise MpsimError(f"{where}: n_group {groups} does not divide {names['num_local_experts']} {experts} "
+                         "into equal expert groups")
+    if isinstance(groups, int) and isinstance(top_groups, int) and top_groups > groups:
+        raise MpsimError(f"{where}: topk_group {top_groups} is more than n_group {groups}")
 
 
 def check_heads(raw: dict[str, Any], where: str, overrides: dict[str, int] | None = None) -> None:

@@ -348,7 +348,10 @@ class Trace:
 
     def with_layers(self, n_transformer: int) -> Trace:
         """The same family with ``n_transformer`` identical transformer layers: the size knob
-        that ``fits`` searches (hidden size, heads and sequence stay as traced)."""
+        that ``fits`` searches (hidden size, heads and sequence stay as traced). Where dense
+        and mixture-of-experts layers mix (DeepSeek's first dense layers), layer i keeps
+        the traced layer i's row and the layers past the traced depth repeat the last
+        (``_deeper``)."""
         rows = self.spec.layers
         blocks = [r for r in rows if r.kind == "transformer"]
         if not blocks:
@@ -358,14 +361,15 @@ class Trace:
             raise MpsimError(f"{self.name}: cannot set the number of transformer layers to {n_transformer}")
         first = next(i for i, r in enumerate(rows) if r.kind == "transformer")
         last = max(i for i, r in enumerate(rows) if r.kind == "transformer")
-        template = blocks[0]
-        new_blocks = [template.model_copy(update={"name": f"layer{i}"}) for i in range(n_transformer)]
+        new_blocks = [r.model_copy(update={"name": f"layer{i}"}) for i, r in enumerate(_deeper(blocks, n_transformer))]
         new_rows = rows[:first] + new_blocks + rows[last + 1:]
-        delta = (n_transformer - len(blocks)) * template.params
+        delta = sum(r.params for r in new_blocks) - sum(r.params for r in blocks)
+        params = self.spec.params + delta
         model = dict(self.spec.model, layers=n_transformer)
+        if "active_params" in model:  # the model block's figure (a mixture-of-experts trace), kept true
+            model["active_params"] = round(params - sum(r.params - r.active_params for r in new_rows))
         name = f"{self.spec.model.get('family', 'model')}-{n_transformer}l"
-        spec = self.spec.model_copy(update={"layers": new_rows, "params": self.spec.params + delta, "model": model,
-                                            "name": name})
+        spec = self.spec.model_copy(update={"layers": new_rows, "params": params, "model": model, "name": name})
         return Trace(spec, self.source)
 
     def rate_dtype(self, gpu: GpuSpec) -> Dtype:
@@ -374,6 +378,15 @@ class Trace:
         runs at its fp16 rate)."""
         wanted = self.spec.precision.compute_dtype
         return cast(Dtype, next((d for d in _RATE_FALLBACK[wanted] if d in gpu.peak_tflops), "fp32"))
+
+
+def _deeper(blocks: list[LayerRow], n: int) -> list[LayerRow]:
+    """``n`` transformer rows from the traced ``blocks``: the first one repeated where
+    every block is of one kind (the traced layer), else the traced layers in order, the
+    last repeated past them (mixture-of-experts models with leading dense layers)."""
+    if len({r.is_moe for r in blocks}) == 1:
+        return [blocks[0]] * n
+    return [blocks[min(i, len(blocks) - 1)] for i in range(n)]
 
 
 _GENERIC_WORDS = {"NVIDIA", "TESLA", "GEFORCE", "QUADRO", "SXM", "SXM2", "SXM3", "SXM4", "SXM5", "PCIE", "HBM2",

@@ -13,7 +13,9 @@ record, for one forward and backward on a microbatch:
 - bytes read and written by non-matmul ops (for the roofline in ``mpsim.timing.costs``);
 - the largest transient tensor that is neither saved nor the output (workspace);
 - what the attention core keeps beyond q, k and v, and its forward FLOPs and bytes: what
-  selective recompute (Korthikanti et al. 2022, section 4.2) drops and pays.
+  selective recompute (Korthikanti et al. 2022, section 4.2) drops and pays;
+- in a mixture-of-experts layer, the routed experts' part of the parameters, saved bytes
+  and FLOPs, and the bytes dispatched to them (``mpsim.models.moe``: uniform load).
 
 The transformer layers of a model are identical, so one is traced and repeated.
 """
@@ -30,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from mpsim.limits import check_layer_count
-from mpsim.models import kernels, tp_ops
+from mpsim.models import kernels, moe, tp_ops
 from mpsim.models.kernels import FUSED_ATTENTION_OPS, storage_key
 from mpsim.models.tp_ops import NO_SHARD, TensorShard
 from mpsim.models.trace import RECIPES, SCHEMA_VERSION, LayerKind, LayerRow, Source, Trace, TraceFile
@@ -249,13 +251,16 @@ def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
         if k not in param_keys:
             saved.setdefault(k, t.untyped_storage().nbytes())
             kernels.note_saved(t)
+            moe.note_saved(t)
             keep.append(t)
         return t
 
     probe = kernels.TraceProbe()
+    experts = moe.ExpertProbe()
     counter = _OpBytes(probe)
     comms = tp_ops.CommProbe()
-    with (kernels.CudaDropout(), kernels.probing(probe), FlopCounterMode(display=False) as fwd_flops, counter,
+    with (kernels.CudaDropout(), kernels.probing(probe), moe.probing(experts),
+          FlopCounterMode(display=False) as fwd_flops, counter,
           torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tp_ops.recording(comms)):
         out = run(module, *inputs)
     out_key = storage_key(out)
@@ -295,6 +300,7 @@ def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
         "bwd_collectives": [{"op": op, "n_bytes": n} for op, n in comms.backward],
         "fwd_kernels": fwd_kernels,
         "bwd_kernels": bwd_kernels,
+        **moe.row_fields(experts, saved),
     }
 
 
