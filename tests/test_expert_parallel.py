@@ -188,3 +188,12 @@ def test_an_overlapping_runtime_hides_all_to_alls_behind_the_layers_gemms() -> N
     exposed = runs["megatron-lm"].iteration_s - runs["megatron-core-ep-overlap"].iteration_s
     assert exposed == pytest.approx(2 * MS, rel=1e-6)  # both passes' all-to-alls hidden: 1 ms each
     assert runs["megatron-core-ep-overlap"].gpus[0].costs_s["ep_comm_s"] == pytest.approx(2 * MS)
+
+
+@pytest.mark.parametrize("field", ["expert_params", "expert_act_bytes", "expert_fwd_flops", "expert_bwd_flops",
+                                   "dispatch_bytes"])
+def test_a_dense_row_with_an_expert_field_is_refused(field: str) -> None:
+    row = layer("l0", act=10, params=10)
+    row[field] = 1
+    with pytest.raises(MpsimError, match="expert fields need experts > 0"):
+        tiny_trace([row])

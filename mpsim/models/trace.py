@@ -191,7 +191,8 @@ class LayerRow(FileModel):
         if (self.experts == 0) != (self.experts_per_token == 0) or self.experts_per_token > self.experts:
             raise ValueError("a mixture-of-experts layer routes each token to 1..experts of its experts "
                              "(experts and experts_per_token both 0 for a dense layer)")
-        if self.experts == 0 and (self.expert_params or self.dispatch_bytes or self.expert_fwd_flops):
+        if self.experts == 0 and (self.expert_params or self.dispatch_bytes or self.expert_fwd_flops
+                                  or self.expert_bwd_flops or self.expert_act_bytes):
             raise ValueError("expert fields need experts > 0")
         return self
 
