@@ -68,3 +68,9 @@ python benchmarks/kernel_time_report.py > reports/kernel_time.md
 python benchmarks/framework_activations.py --output reports/framework_activations.md
 python benchmarks/bench_cancel.py > reports/bench_cancel.txt
 taskset -c 0,1 python benchmarks/bench_pool.py > reports/bench_pool.txt
+
+# Mixtures of experts (README "Mixtures of experts"): what fits on one DGX H100, how many servers for 1T tokens,
+# the all-to-all alone on the server.
+mpsim fits --model mixtral-8x7b --server dgx-h100 > reports/fits_mixtral-8x7b_dgx-h100.txt
+mpsim choose --model mixtral-8x7b --tokens 1e12 --days 30 --clusters dgx-h100-superpod --max-servers 16 > reports/scale_mixtral-8x7b_1T.txt
+mpsim topo collective --server dgx-h100 --op all-to-all --size 64MiB,1GiB > reports/alltoall_dgx-h100.txt
