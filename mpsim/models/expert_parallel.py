@@ -211,13 +211,12 @@ def shard_info(trace: Trace) -> tuple[int, float]:
 
 def experts_line(trace: Trace, degree: int, load: ExpertLoad) -> str:
     """What outputs say of a mixture of experts (empty for a dense model): experts and
-    top-k, active parameters, how the experts are split and the routing assumed."""
+    top-k, active parameters and the routing assumed (the layout names the split)."""
     experts = moe_experts(trace)
     if not experts:
         return ""
     top_k = max(r.experts_per_token for r in trace.layers)
-    split = f"{experts // degree} on each of {degree} GPUs (EP x{degree})" if degree > 1 else "all on each GPU"
     factor = load.rank_factor(experts, degree)
-    busiest = f"; the busiest GPU, simulated, gets {factor:.2f}x the mean" if factor != 1.0 else ""
+    busiest = f"; the busiest of EP x{degree}, simulated, gets {factor:.2f}x the mean" if factor != 1.0 else ""
     return (f"{experts} routed experts, top-{top_k}, {trace.active_params / 1e9:.3g}B of "
-            f"{trace.spec.params / 1e9:.3g}B parameters active; {split}; {load.describe()}{busiest}")
+            f"{trace.spec.params / 1e9:.3g}B parameters active; {load.describe()}{busiest}")

@@ -29,7 +29,7 @@ from mpsim.data.catalog import load_cluster, load_trace
 from mpsim.errors import MpsimError
 from mpsim.hardware.cluster import DEFAULT_BATCH_TOKENS, Cluster
 from mpsim.limits import check_microbatch
-from mpsim.models.expert_parallel import moe_experts
+from mpsim.models.expert_parallel import UNIFORM, experts_line, moe_experts
 from mpsim.models.trace import Trace
 from mpsim.plans.job import JobSpec, Parallelism
 from mpsim.studies.backends import Backend, run_points
@@ -168,6 +168,8 @@ class ScaleReport:
     budget_usd: float | None
     discount: float
     answers: list[ClusterAnswer] = field(default_factory=list)
+    experts: str = ""
+    """A mixture of experts' routing as the search assumed it (``expert_parallel.experts_line``)."""
 
     def recommendation(self) -> str:
         return recommendation(self)
@@ -175,7 +177,7 @@ class ScaleReport:
     def to_dict(self) -> dict:
         return {"model": self.model, "tokens": self.tokens, "batch_tokens": self.batch_tokens,
                 "seq_len": self.seq_len, "days": self.days, "budget_usd": self.budget_usd,
-                "discount": self.discount, "recommendation": self.recommendation(),
+                "discount": self.discount, "experts": self.experts, "recommendation": self.recommendation(),
                 "clusters": [a.to_dict() for a in self.answers]}
 
 
@@ -302,7 +304,8 @@ def scale(model: str | Trace, clusters: Sequence[str], tokens: float, days: floa
     trace = load_trace(model) if isinstance(model, str) else model
     seq = seq_len_of(trace)
     batch = max(1, batch_tokens // seq)
-    report = ScaleReport(trace.name, tokens, batch * seq, seq, days, budget_usd, discount)
+    report = ScaleReport(trace.name, tokens, batch * seq, seq, days, budget_usd, discount,
+                         experts=experts_line(trace, 1, UNIFORM))
     for name in clusters:
         cluster = load_cluster(name)
         counts, kept, skipped = _points(name, cluster, trace, batch, microbatch_sizes, min_servers, max_servers)

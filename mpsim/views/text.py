@@ -96,6 +96,11 @@ def runtime_header(name: str = "") -> str:
     return f"runtime: {runtime_line(name or DEFAULT_PROFILE)}"
 
 
+def experts_header(r: SimResult) -> list[str]:
+    """A study's header line on a mixture of experts' routing (none for a dense model)."""
+    return [f"experts: {r.experts}"] if r.experts else []
+
+
 def band_phrase(r: SimResult) -> str:
     """Where the ± band comes from (``± 5%: ...``), or "" without one."""
     return f"± {r.time_band_pct:g}%: {r.time_band_source}" if r.time_band_pct else ""
@@ -299,6 +304,7 @@ def fits_strategies_text(reports: list[FitsReport], headroom_gib: float = DEFAUL
     lines = [f"{first.family} on {first.server}: {first.schedule}, microbatch {first.microbatch} x "
              f"{first.microbatches}, {first.partition}-balanced partition, capacity {gib(cap)} GiB per GPU",
              _framework_of(first.rows[0].result), runtime_header(first.rows[0].result.runtime_profile),
+             *experts_header(first.rows[0].result),
              "(samples/s where it fits; OOM and the highest per-GPU peak in GiB where it does not)",
              *_at_risk_legend(shown, headroom_gib), "", table_text(header, rows), ""]
     if not first.searched:
@@ -337,6 +343,7 @@ def fits_layouts_text(answers: list[LayoutFits], headroom_gib: float = DEFAULT_H
              f"capacity {gib(cap)} GiB per GPU",
              "layouts: " + ", ".join(r.job.layout_name for r in answers[0].reports),
              _framework_of(first.rows[0].result), runtime_header(first.rows[0].result.runtime_profile),
+             *experts_header(first.rows[0].result),
              "(the fastest layout that fits: samples/s and the layout; where none fits, OOM, the lowest highest "
              "per-GPU peak in GiB and its layout)", *_at_risk_legend(shown, headroom_gib), "",
              table_text(header, rows), ""]
@@ -425,7 +432,8 @@ def choose_text(report: ChooseReport) -> str:
              f"microbatches of {sizes} per iteration over all replicas, strategies {strategies}, layouts "
              f"{report.layouts}; ranked by {report.rank_by}",
              *([_framework_of(report.rows[0].result)] if report.rows else []),
-             runtime_header(report.runtime_profile), "",
+             runtime_header(report.runtime_profile),
+             *(experts_header(report.rows[0].result) if report.rows else []), "",
              table_text(choose_header(report.seq_len is not None), rows),
              "(layout and plan: the parallel layout and technique of the fastest plan that fits, else of the one "
              "that came closest; DDP, ZeRO-1/2 and FSDP (ZeRO-3) xN: N data-parallel replicas; TP xN: N-way "
@@ -556,6 +564,7 @@ def scale_text(report: ScaleReport) -> str:
     out = [f"{report.model}: {report.tokens:.3g} tokens, {report.batch_tokens:,} tokens an iteration "
            f"({report.batch_tokens // report.seq_len} x {report.seq_len}), 1f1b" + (f"; goal: {goal}" if goal else ""),
            runtime_header()]  # the search over clusters runs the default
+    out += [f"experts: {report.experts}"] if report.experts else []
     header = ["servers", "GPUs", "layout", "strategy", "mb", "iter s", "tokens/s", "days", "cost USD", "peak GiB", ""]
     for a in report.answers:
         price = "no price" if a.usd_per_server_hour is None else f"${a.usd_per_server_hour:,.2f} a server-hour"
