@@ -487,6 +487,10 @@ def oom_record(oom: BaseException, step: Stepper, gpu: int) -> dict:
 
 
 def run(job: dict, out_dir: Path) -> dict:
+    if "hf_config" in job["model"]:  # a Hugging Face mixture of experts: expert_parallel.py's worker
+        from mpsim.executor.expert_parallel import run as run_moe
+
+        return run_moe(job, out_dir)
     rank = int(os.environ["RANK"])
     plan = PlanFile.model_validate(job["plan"])
     cfg = ModelConfig(**job["model"])

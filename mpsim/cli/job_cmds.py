@@ -137,7 +137,8 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
               help="plan JSON file to run  [default: make one with --strategy]")
 @click.option("--model", "-m", default="gpt-tiny", show_default=True,
-              help="model preset to build and measure (see `mpsim trace --preset`), or a measured trace JSON file")
+              help="model preset to build and measure (see `mpsim trace --preset`), a measured trace JSON file, or "
+                   "a mixture of experts' Hugging Face config.json (traced as `mpsim trace --hf` does; with --ep)")
 @click.option("--server", "-s", help="topology file of this machine  [default: probe it]")
 @click.option("--strategy", default="none", show_default=True, help="without --plan: " + STRATEGY_HELP)
 @click.option("--schedule", type=click.Choice(["gpipe", "1f1b"]), default=api.DEFAULT_SCHEDULE,
@@ -168,6 +169,13 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
     out-of-memory during the run is reported as a result (stage, step, phase) under either
     schedule, and exits 1. Ctrl-C or SIGTERM ends torchrun and its ranks and removes the
     scratch folder (exit 130 or 143, one line).
+
+    A mixture of experts runs from its Hugging Face config.json (Mixtral, OLMoE, Qwen3-MoE)
+    with expert parallelism: `mpsim validate --model tests/data/tiny-mixtral.json --ep 2
+    --dp 2 --stages 1` (validate/expert_parallel.py: experts split over the --ep ranks,
+    tokens dispatched and combined with all-to-alls, routing forced to the trace's uniform
+    load); each GPU's routed copies per MoE layer are printed beside the prediction.
+    One pipeline stage, DDP (no ZeRO), no tensor parallelism.
     """
     from mpsim.views.measured import validation_text
 
@@ -177,6 +185,20 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
         report = api.validate(model, plan_path, server, strategy=strategy, schedule=schedule,
                               microbatches=microbatches, stages=stages, device=device, threads=threads,
                               memory_mib=memory_mib, steps=steps, warmup=warmup, parallelism=layout)
-    emit(json_out, validation_text(report), report)
+    emit(json_out, validation_text(report) + _routed_text(report), report)
     if report["oom"]:
         sys.exit(1)
+
+
+def _routed_text(report: dict) -> str:
+    """A mixture of experts' routed copies per GPU (``api.validate``'s rows): predicted per
+    MoE layer and microbatch, received (routing forced), and what the real router chose."""
+    rows = [r for r in report["stages"] if "measured_routed_copies" in r]
+    if not rows:
+        return ""
+    lines = ["", f"routed copies per MoE layer and microbatch ({report['routing']}; EP x{report['expert_parallel']}):"]
+    for r in rows:
+        got, router = r["measured_routed_copies"], r["router_routed_copies"]
+        lines.append(f"  GPU {r['gpu']} (ep rank {r['ep_rank']}): predicted {r['predicted_routed_copies']}, received "
+                     f"{min(got)}-{max(got)}, the real router's choice {min(router)}-{max(router)}")
+    return "\n".join(lines)
