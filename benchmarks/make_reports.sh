@@ -48,6 +48,7 @@ taskset -c 0,1 python benchmarks/bench_planners.py > reports/bench_planners.txt
 taskset -c 0,1 python benchmarks/bench_layers.py > reports/bench_layers.txt
 python benchmarks/validation_dp.py > reports/validation_dp_cpu.md
 python benchmarks/validation_tp.py > reports/validation_tp_cpu.md
+python benchmarks/validation_moe.py > reports/validation_moe_cpu.md
 taskset -c 0,1 python benchmarks/bench_dp.py > reports/bench_dp.txt
 taskset -c 0,1 python benchmarks/bench_tp.py > reports/bench_tp.txt
 rm -f reports/sweep_bert-1.67b_dgx1.csv  # a sweep resumes from the rows it finds: start afresh

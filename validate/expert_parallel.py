@@ -31,9 +31,10 @@ What each rank holds and does (what ``mpsim.models.expert_parallel`` simulates):
 
 With ``e = 1`` the experts run ``moe.uniform_experts_forward`` itself, the traced code.
 The microbatches run one after another, forward then backward (1F1B on one stage).
-Refused (``check_moe_runnable``, in one line, before anything starts): pipelines, tensor
-parallelism, ZeRO, actions other than keep, a host optimizer, copies that do not split
-evenly over the experts, and MoE families with shared experts or a capacity factor.
+Refused in one line before anything starts (``mpsim.api.jobs.check_moe_runnable`` and
+``MOE_FAMILIES``): pipelines, tensor parallelism, ZeRO, actions other than keep, a host
+optimizer, a capacity factor, copies that do not split evenly over the experts, and MoE
+families other than Mixtral, OLMoE and Qwen3-MoE (routed experts only).
 """
 
 from __future__ import annotations
@@ -57,8 +58,6 @@ from mpsim.plans.plan import PlanFile
 
 EXPERTS_IMPLEMENTATION = "mpsim_expert_parallel"
 """The name ``expert_parallel_forward`` is registered under with transformers."""
-SUPPORTED = ("mixtral", "olmoe", "qwen3_moe")
-"""MoE families the executor runs: routed experts only (no shared experts)."""
 
 
 # --- the layout ----------------------------------------------------------------------------------

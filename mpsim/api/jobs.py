@@ -138,7 +138,7 @@ def _moe_config(model: str) -> dict | None:
         return None
     if kind not in MOE_FAMILIES:
         raise MpsimError(f"--model {model}: the executor runs the MoE families {', '.join(MOE_FAMILIES)}, not {kind} "
-                         "(shared experts and group-limited routers are not run)")
+                         "(not shared experts, DeepSeek's group-limited router or gpt-oss)")
     return raw
 
 
