@@ -13,6 +13,8 @@ from mpsim.cli import main
 from mpsim.data.catalog import load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
+DEEPSEEK = ("mpsim choose --model deepseek-v3 --tokens 14.8e12 --days 60 --clusters dgx-h100-superpod "
+            "--min-servers 64 --max-servers 512 --batch-tokens 62914560")
 README = (ROOT / "README.md").read_text()
 
 
@@ -26,10 +28,25 @@ def _quoted(command: str) -> str:
     ("mpsim choose --model mixtral-8x7b --tokens 1e12 --days 30 --clusters dgx-h100-superpod --max-servers 16",
      "scale_mixtral-8x7b_1T.txt"),
     ("mpsim topo collective --server dgx-h100 --op all-to-all --size 64MiB,1GiB", "alltoall_dgx-h100.txt"),
+    (DEEPSEEK, "scale_deepseek-v3_14.8T.txt"),
 ])
 def test_the_readme_blocks_are_the_reports_and_make_reports_writes_them(command: str, report: str) -> None:
     assert _quoted(command) == (ROOT / "reports" / report).read_text()
-    assert f"{command} > reports/{report}" in (ROOT / "benchmarks" / "make_reports.sh").read_text()
+    made = (ROOT / "benchmarks" / "make_reports.sh").read_text()
+    assert f"{command} > reports/{report}" in made or f"{command} -j 2 > reports/{report}" in made
+
+
+def test_the_deepseek_prose_is_what_the_report_says() -> None:
+    quote = " ".join(_paragraph(README, "H100s take").split())
+    found = re.search(r"([\d,]+) H100s take ([\d.]+) days", quote)
+    assert found
+    gpus, days = found[1], found[2]
+    row = next(x for x in (ROOT / "reports" / "scale_deepseek-v3_14.8T.txt").read_text().splitlines()
+               if x.split()[1:2] == [gpus.replace(",", "")])
+    assert f" {days} " in row
+    head = _paragraph(README, "And a DeepSeek-V3-sized model")
+    trace = load_trace("deepseek-v3")
+    assert f"({trace.spec.params / 1e9:.0f}B parameters, {trace.active_params / 1e9:.1f}B active)" in head
 
 
 def test_the_all_to_all_report_is_what_the_command_prints_now(capsys) -> None:
