@@ -65,3 +65,11 @@ def test_the_mixtral_prose_is_what_the_files_say() -> None:
     assert layers and f"({layers[1]} layers at the shape of mixtral-8x7b)" in fits
     head = _paragraph(README, "Can Mixtral-8x7B")
     assert f"{trace.spec.params / 1e9:.1f}B parameters, {trace.active_params / 1e9:.1f}B active" in head
+
+
+def test_the_moe_validation_figure_in_the_readme_is_the_reports() -> None:
+    quote = " ".join(_paragraph(README, "reports/validation_moe_cpu.md").split())
+    errors = {row.split("|")[7].strip() for row in (ROOT / "reports" / "validation_moe_cpu.md").read_text().splitlines()
+              if row.startswith("| EP=2")}
+    worst = min(errors, key=lambda e: float(e.rstrip("%")))
+    assert f"within {worst} of the prediction" in quote
