@@ -145,6 +145,10 @@ def test_a_capacity_factor_caps_each_experts_share_and_records_the_drops(tmp_pat
     assert trace.spec.model["moe"]["dropped_copies"] == dropped
     assert row.dispatch_bytes == kept * 64 * 2
     assert row.expert_fwd_flops == 2 * kept * 3 * 64 * 96
+    from mpsim.models.expert_parallel import UNIFORM, experts_line
+
+    said = experts_line(trace, 1, UNIFORM)
+    assert (f"{dropped:,} routed copies dropped per MoE layer" in said) == (factor is not None)
 
 
 def test_deepseeks_latent_attention_runs_as_transformers_writes_it(tmp_path):

@@ -219,4 +219,15 @@ def experts_line(trace: Trace, degree: int, load: ExpertLoad) -> str:
     factor = load.rank_factor(experts, degree)
     busiest = f"; the busiest of EP x{degree}, simulated, gets {factor:.2f}x the mean" if factor != 1.0 else ""
     return (f"{experts} routed experts, top-{top_k}, {trace.active_params / 1e9:.3g}B of "
-            f"{trace.spec.params / 1e9:.3g}B parameters active; {load.describe()}{busiest}")
+            f"{trace.spec.params / 1e9:.3g}B parameters active; {load.describe()}{busiest}{_dropped(trace)}")
+
+
+def _dropped(trace: Trace) -> str:
+    """What a configured capacity factor drops, per MoE layer and microbatch at the trace's
+    microbatch (``model.moe.dropped_copies``), in words; "" without a capacity factor."""
+    moe = trace.spec.model.get("moe")
+    if not isinstance(moe, dict) or moe.get("capacity_factor") is None:
+        return ""
+    dropped = moe.get("dropped_copies", 0)
+    return (f"; capacity factor {moe['capacity_factor']:g}: {dropped:,} routed copies dropped per MoE layer and "
+            f"microbatch of {trace.microbatch}")
