@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mpsim.api.models import at_seq_len
+from mpsim.api.models import at_recipe, at_seq_len
 from mpsim.data.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
 from mpsim.hardware.cluster import Cluster
@@ -76,15 +76,17 @@ def simulate(server: str | Topology, model: str | Trace, schedule: str = DEFAULT
                 record_link_rates, parallelism, runtime_profile=runtime_profile, expert_load=expert_load).result
 
 
-def load_job(server: str | None, model: str | None, plan_path: Path | None = None, seq_len: int | None = None
-             ) -> tuple[Topology, Trace, PlanFile | None]:
+def load_job(server: str | None, model: str | None, plan_path: Path | None = None, seq_len: int | None = None,
+             recipe: str | None = None) -> tuple[Topology, Trace, PlanFile | None]:
     """The server, model and plan file a command names: each as given, else the plan's,
     else ``DEFAULT_SERVER`` and ``DEFAULT_MODEL``; the model retraced at ``seq_len`` tokens
-    per sample when given (``mpsim.api.models.at_seq_len``). With a plan the trace is at
-    its microbatch and the plan is checked against both (errors name its file)."""
+    per sample and under ``recipe`` when given (``mpsim.api.models.at_seq_len``,
+    ``at_recipe``). With a plan the trace is at its microbatch and the plan is checked
+    against both (errors name its file)."""
     plan_file = read_plan_file(plan_path) if plan_path else None
     topo = load_topology(server or (plan_file.server if plan_file else DEFAULT_SERVER))
     trace = at_seq_len(load_trace(model or (plan_file.model if plan_file else DEFAULT_MODEL)), seq_len)
+    trace = at_recipe(trace, recipe)
     if plan_file is not None:
         trace = trace.rescale(plan_file.microbatch)
         check_plan(plan_file, topo, trace, str(plan_path))

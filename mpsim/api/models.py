@@ -122,6 +122,33 @@ def hf_config(source: str) -> Any:
     return load_config(source)
 
 
+def at_recipe(trace: Trace, recipe: str | None) -> Trace:
+    """``trace``'s model under another training recipe (``--recipe``: bytes per parameter,
+    and for the FP8 recipes their GEMMs, casts and saved copies, ``mpsim.models.low_precision``;
+    None or its own: ``trace`` itself), retraced under FakeTensor from the shape its ``model``
+    block records, at its microbatch and sequence length. Refused in one line for an
+    unknown recipe or a trace that cannot be retraced (a Hugging Face trace: trace it with
+    ``mpsim trace --hf ... --recipe``)."""
+    from mpsim.models.trace import RECIPES
+
+    if recipe is None or recipe == trace.spec.precision.recipe:
+        return trace
+    if recipe not in RECIPES:
+        raise MpsimError(f"--recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+    if trace.spec.source.kind == "measured":
+        raise MpsimError(f"--recipe: {trace.name} holds times measured under {trace.spec.precision.recipe}; "
+                         f"measure it under {recipe} (mpsim trace --measure --recipe {recipe}) instead")
+    from mpsim.models.workloads import shape_of
+
+    shape = shape_of(dict(trace.spec.model))
+    if isinstance(shape, str):
+        raise MpsimError(f"--recipe: {trace.name} cannot be retraced under another recipe: {shape}; trace it under "
+                         f"{recipe} (mpsim trace ... --recipe {recipe} -o FILE) and give that file as --model")
+    from mpsim.models.tracer import trace_model
+
+    return trace_model(shape, trace.microbatch, recipe, f"{trace.name}-{recipe}")
+
+
 def at_seq_len(trace: Trace, seq_len: int | None) -> Trace:
     """``trace``'s model at ``seq_len`` tokens per sample (``--seq-len``; None or its own
     length: ``trace`` itself), retraced under FakeTensor from the shape its ``model`` block

@@ -40,8 +40,9 @@ from mpsim.cli.progress import stops_on_signals, tasks_progress
 @html_option
 @headroom_option
 def simulate(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
-             seq_len: int | None, stages: int | None, strategy: str, partition: str, runtime_profile: str,
-             expert_load: api.ExpertLoad, layout: api.Parallelism, cluster: str | None, servers: int,
+             seq_len: int | None, recipe: str | None, stages: int | None, strategy: str, partition: str,
+             runtime_profile: str, expert_load: api.ExpertLoad, layout: api.Parallelism, cluster: str | None,
+             servers: int,
              plan_path: Path | None, json_out: str | None,
              chrome_trace: Path | None, plot: Path | None, html_out: Path | None, headroom_gib: float) -> None:
     """Simulate one training iteration: per-GPU peak memory, iteration time, throughput,
@@ -73,7 +74,7 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
         raise click.UsageError("--cluster and --servers: plan files describe one server; leave them out with --plan")
     if cluster is not None and server is None:
         server = api.load_cluster(cluster).server.source
-    topo, trace, plan_file = api.load_job(server, model, plan_path, seq_len)
+    topo, trace, plan_file = api.load_job(server, model, plan_path, seq_len, recipe)
     warn(api.measured_warning(trace, topo))
     with tasks_progress("simulate"):
         if plan_file is None:  # the plan too, for --html
@@ -106,8 +107,9 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
               help="plan JSON file to write")
 @json_option
 def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
-             seq_len: int | None, stages: int | None, strategy: str, partition: str, runtime_profile: str,
-             expert_load: api.ExpertLoad, layout: api.Parallelism, output: Path, json_out: str | None) -> None:
+             seq_len: int | None, recipe: str | None, stages: int | None, strategy: str, partition: str,
+             runtime_profile: str, expert_load: api.ExpertLoad, layout: api.Parallelism, output: Path,
+             json_out: str | None) -> None:
     """Make a memory-saving plan with a strategy and write it as a plan file.
 
     Prints the plan per stage and its simulated result; `mpsim simulate --plan FILE`
@@ -116,7 +118,7 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
     from mpsim.views.text import plan_text, simulate_text
 
     check_strategy_layout(strategy, layout)
-    topo, trace, _ = api.load_job(server, model, seq_len=seq_len)
+    topo, trace, _ = api.load_job(server, model, seq_len=seq_len, recipe=recipe)
     warn(api.measured_warning(trace, topo))
     with tasks_progress("plan"):
         planned = api.plan(topo, trace, schedule, microbatch, microbatches, n_stages=stages,

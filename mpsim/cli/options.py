@@ -57,6 +57,7 @@ def job_options(f: F) -> F:
         click.option("--microbatches", type=int, default=api.DEFAULT_MICROBATCHES, show_default=True,
                      help=MICROBATCHES_HELP),
         click.option("--seq-len", type=click.IntRange(min=1), help=SEQ_LEN_HELP),
+        recipe_option,
         click.option("--stages", type=int, help="pipeline stages  [default: one per GPU of each replica]"),
         click.option("--strategy", default="none", show_default=True, help=STRATEGY_HELP),
         click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP),
@@ -64,6 +65,11 @@ def job_options(f: F) -> F:
         expert_load_option,
     ])
 
+
+RECIPE_OPTION_HELP = ("training precision: retrace the model (a shipped transformer, or a trace file that records its "
+                      "shape) under this recipe: " + api.RECIPE_HELP + "  [default: the trace's]")
+recipe_option = click.option("--recipe", type=click.Choice(list(api.RECIPES)), help=RECIPE_OPTION_HELP)
+"""``--recipe``: the model retraced under another training precision (``api.at_recipe``)."""
 
 MAX_EXPERT_DEGREE = 1024
 """The largest --ep: DeepSeek-V3's 256 routed experts, one per GPU, four times over."""

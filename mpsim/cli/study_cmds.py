@@ -25,6 +25,7 @@ from mpsim.cli.options import (
     int_list,
     json_option,
     layouts_option,
+    recipe_option,
     refuse_given,
     refuse_per_replica,
     runtime_option,
@@ -256,6 +257,7 @@ def _calibrate_profile(path: Path, dtype: str, topo: api.Topology, output: Path 
 @click.option("--microbatch", "sizes", help="comma-separated microbatch sizes to try  [default: the trace's]")
 @global_microbatches_options("choose", api.DEFAULT_MICROBATCHES)
 @click.option("--seq-len", type=click.IntRange(min=1), help=SEQ_LEN_HELP)
+@recipe_option
 @click.option("--strategy", "strategies", default="best", show_default=True,
               help="comma-separated strategies allowed (each single one under both partitions; best: all of them)")
 @layouts_option(api.CHOOSE_LAYOUTS)
@@ -287,7 +289,7 @@ def _calibrate_profile(path: Path, dtype: str, topo: api.Topology, output: Path 
               help="PNG of throughput against USD per hour, the Pareto front marked")
 @html_option
 def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, global_microbatches: int,
-               per_replica_microbatches: str | None, seq_len: int | None, strategies: str,
+               per_replica_microbatches: str | None, seq_len: int | None, recipe: str | None, strategies: str,
                layouts: str, price_overrides: tuple[str, ...], rank_by: str, runtime_profile: str,
                tokens: float | None, days: float | None,
                budget: float | None, clusters: str, batch_tokens: int, discount: float, min_servers: int,
@@ -325,7 +327,7 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, globa
     if tokens is None and (days is not None or budget is not None):
         raise click.UsageError("--days and --budget go with --tokens")
     if tokens is not None:
-        _refuse_with_tokens(per_replica_microbatches, seq_len)
+        _refuse_with_tokens(per_replica_microbatches, seq_len, recipe)
         if servers != "all":
             raise click.UsageError("--tokens searches clusters (--clusters); --servers is for one server")
         refuse_given(_NOT_WITH_TOKENS, lambda option: f"{option} and --tokens: {_NOT_WITH_TOKENS_WHY[option]}; "
@@ -351,7 +353,8 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, globa
     prices = dict(api.parse_price(p) for p in price_overrides)
     names = api.parse_servers(servers, schedule, global_microbatches)
     mb_sizes = int_list(sizes, "--microbatch") if sizes else None
-    chosen = model if seq_len is None else api.at_seq_len(api.load_trace(model), seq_len)
+    chosen = (model if seq_len is None and recipe is None else
+              api.at_recipe(api.at_seq_len(api.load_trace(model), seq_len), recipe))
     runner = api.backend_for(backend, workers, address)
     with stops_on_signals("choose", STOPPED), _ending(runner), steps_progress("choose") as step:
         report = api.choose(chosen, names, schedule, mb_sizes, tuple(comma_list(strategies, "--strategy")),
@@ -384,9 +387,9 @@ _ONLY_WITH_TOKENS = {"clusters": "--clusters", "batch_tokens": "--batch-tokens",
 """``choose`` options only the search over clusters (``--tokens``) uses."""
 
 
-def _refuse_with_tokens(per_replica_microbatches: str | None, seq_len: int | None) -> None:
-    """``choose --tokens``: --microbatches and --seq-len refused in one line naming what the
-    search over clusters takes instead."""
+def _refuse_with_tokens(per_replica_microbatches: str | None, seq_len: int | None, recipe: str | None) -> None:
+    """``choose --tokens``: --microbatches, --seq-len and --recipe refused in one line naming
+    what the search over clusters takes instead."""
     if per_replica_microbatches is not None:
         raise click.UsageError("--microbatches and --tokens: the search over clusters derives each replica's "
                                "microbatches from --batch-tokens (tokens per iteration over all replicas); give "
@@ -395,6 +398,10 @@ def _refuse_with_tokens(per_replica_microbatches: str | None, seq_len: int | Non
         raise click.UsageError("--seq-len and --tokens: the search over clusters runs the model at its traced "
                                "sequence length; trace it at another (mpsim trace --preset NAME --seq-len N -o "
                                "FILE) and give that file as --model")
+    if recipe is not None:
+        raise click.UsageError("--recipe and --tokens: the search over clusters runs the model under its traced "
+                               "recipe; trace it under another (mpsim trace --preset NAME --recipe R -o FILE) and give "
+                               "that file as --model")
 
 
 STOPPED = "stopped with its worker processes, if any; nothing was written"

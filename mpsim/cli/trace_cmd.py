@@ -59,8 +59,7 @@ def _list_presets(ctx: click.Context, _param: click.Parameter, value: bool) -> N
 @click.option("--framework", type=click.Choice(["megatron", "hf", "torchtitan"]), help=FRAMEWORK_HELP)
 @click.option("--server", "-s", help="with no --attention: pick the kernel PyTorch uses on this server's GPUs")
 @click.option("--microbatch", type=click.IntRange(min=1), help="samples per microbatch  [default: the preset's]")
-@click.option("--recipe", type=click.Choice(["mixed-fp16", "mixed-bf16", "mixed-fp16-fp32grad", "mixed-bf16-fp32grad",
-                                             "fp32", "tf32"]),
+@click.option("--recipe", type=click.Choice(list(api.RECIPES)),
               help="training precision: " + api.RECIPE_HELP + "  [default: the preset's]")
 @click.option("--name", help="name stored in the trace  [default: the preset's, else from the shape]")
 @click.option("--measure", is_flag=True, help="run the layers for real on --device and record measured times and bytes")

@@ -54,6 +54,8 @@ class GemmKernel(_Kernel):
     k: Dim
     batch: int = Field(default=1, ge=1, le=MAX_DIM)
     grows: GemmDim = Field(default="m", description="the dimension proportional to the microbatch")
+    low_precision: bool = Field(default=False, description="runs at the recipe's GEMM dtype (FP8), not its "
+                                                           "compute dtype")
 
     @property
     def flops(self) -> float:

@@ -48,12 +48,29 @@ class Precision(FileModel):
     fp16 weights (2) and gradients (2), an fp32 master copy (4) and two fp32 Adam moments
     (8): 16 bytes per parameter."""
 
-    recipe: Literal["mixed-fp16", "mixed-bf16", "mixed-fp16-fp32grad", "mixed-bf16-fp32grad", "fp32", "tf32"] = (
-        "mixed-fp16")
+    recipe: Literal["mixed-fp16", "mixed-bf16", "mixed-fp16-fp32grad", "mixed-bf16-fp32grad", "fp32", "tf32",
+                    "fp8-delayed", "fp8-current", "mxfp8", "fp8-blockwise"] = "mixed-fp16"
     compute_dtype: Literal["fp16", "bf16", "fp32", "tf32"] = "fp16"
     weight_bytes_per_param: int = Field(default=2, gt=0, le=64)
     grad_bytes_per_param: int = Field(default=2, gt=0, le=64)
     optimizer_bytes_per_param: int = Field(default=12, ge=0, le=256, description="master weights + Adam moments")
+    gemm_dtype: Literal["fp8"] | None = Field(
+        default=None, description="low-precision recipes: the dtype of every GEMM with a weight operand (and of "
+                                  "its data and weight gradients); None: the compute dtype")
+    quantized_bytes: float = Field(
+        default=0.0, ge=0, le=4, description="bytes per element of one quantized copy, scales included")
+    quantized_copies: int = Field(
+        default=0, ge=0, le=4, description="copies a cast writes (the tensor and its transpose, or rowwise and "
+                                           "columnwise); a saved GEMM input keeps one")
+    amax_pass: bool = Field(default=False, description="current scaling: the tensor is read once for its amax "
+                                                       "before the cast")
+    weight_cache_bytes_per_param: float = Field(
+        default=0.0, ge=0, le=16, description="quantized weight copies kept from the first microbatch to the last")
+
+    @property
+    def low_precision(self) -> bool:
+        """Whether the recipe runs its weight GEMMs below the compute dtype (FP8)."""
+        return self.gemm_dtype is not None
 
 
 RECIPES: dict[str, Precision] = {
@@ -67,10 +84,33 @@ RECIPES: dict[str, Precision] = {
     # fp32 storage, matmuls on TF32 tensor cores (Ampere on): the bytes of fp32, the rate of tf32.
     "tf32": Precision(recipe="tf32", compute_dtype="tf32", weight_bytes_per_param=4, grad_bytes_per_param=4,
                       optimizer_bytes_per_param=8),
+    # FP8 (Micikevicius et al. 2022, "FP8 Formats for Deep Learning"): bf16 weights, gradients and the rest of
+    # each layer, fp32 master weights and Adam moments (16 bytes a parameter, as mixed-bf16); every GEMM with a
+    # weight operand, and its data and weight gradients, on FP8 tensor cores.
+    # Transformer Engine's per-tensor delayed scaling: a fused cast-transpose writes each FP8 operand and its
+    # transpose (Hopper's FP8 GEMMs take K-major operands), a saved GEMM input is kept in FP8, the weights' FP8
+    # copies are cached over an iteration's microbatches.
+    "fp8-delayed": Precision(recipe="fp8-delayed", compute_dtype="bf16", gemm_dtype="fp8", quantized_bytes=1.0,
+                             quantized_copies=2, weight_cache_bytes_per_param=2.0),
+    # Per-tensor current scaling (Transformer Engine's Float8CurrentScaling): an amax pass over each tensor
+    # before its cast; otherwise as fp8-delayed.
+    "fp8-current": Precision(recipe="fp8-current", compute_dtype="bf16", gemm_dtype="fp8", quantized_bytes=1.0,
+                             quantized_copies=2, amax_pass=True, weight_cache_bytes_per_param=2.0),
+    # MXFP8 (OCP Microscaling Formats v1.0: blocks of 32 elements share an 8-bit E8M0 scale, 1 + 1/32 bytes an
+    # element); Blackwell's MX GEMMs need rowwise and columnwise quantized copies.
+    "mxfp8": Precision(recipe="mxfp8", compute_dtype="bf16", gemm_dtype="fp8", quantized_bytes=1.0 + 1 / 32,
+                       quantized_copies=2, weight_cache_bytes_per_param=2 * (1.0 + 1 / 32)),
+    # DeepSeek-V3's blockwise FP8 (Liu et al. 2024, section 3.3): 1 x 128 activation tiles and 128 x 128 weight
+    # blocks with fp32 scales (1 + 4/128 bytes an element), activations cached in FP8 for the backward; the
+    # weights cast every microbatch.
+    "fp8-blockwise": Precision(recipe="fp8-blockwise", compute_dtype="bf16", gemm_dtype="fp8",
+                               quantized_bytes=1.0 + 4 / 128, quantized_copies=2),
 }
 RECIPE_HELP = ("mixed-fp16 / mixed-bf16: 16-bit weights and gradients, fp32 master weights and Adam moments "
                "(16 bytes a parameter); -fp32grad: gradients accumulated in fp32 (18); fp32 (16, no master copy); "
-               "tf32: fp32 bytes at tensor-core TF32 rate")
+               "tf32: fp32 bytes at tensor-core TF32 rate; fp8-delayed, fp8-current (Transformer Engine's "
+               "per-tensor scaling), mxfp8 (Blackwell's 32-element blocks), fp8-blockwise (DeepSeek-V3's tiles): "
+               "mixed-bf16's bytes, weight GEMMs on FP8 tensor cores, their saved inputs in FP8")
 _RATE_FALLBACK = {"tf32": ("tf32", "fp32"), "bf16": ("bf16", "fp16", "fp32"), "fp16": ("fp16", "fp32"),
                   "fp32": ("fp32",)}
 
@@ -238,6 +278,9 @@ _COLLECTIVE_FIELDS = ("fwd_collectives", "bwd_collectives")
 """Only a tensor-parallel shard's rows have them; linear in the batch (they move activations)."""
 _KERNEL_FIELDS = ("fwd_kernels", "bwd_kernels")
 """Rescaled kernel by kernel (``kernel_records.rescale_kernel``); left out of the file when empty."""
+_LOW_PRECISION_FIELDS = ("gemm_dtype", "quantized_bytes", "quantized_copies", "amax_pass",
+                         "weight_cache_bytes_per_param")
+"""A recipe's low-precision fields; left out of the file for the 16- and 32-bit recipes."""
 _MOE_FIELDS = ("experts", "experts_per_token", "expert_params", "expert_act_bytes", "expert_fwd_flops",
                "expert_bwd_flops", "dispatch_bytes")
 """A mixture-of-experts layer's fields; left out of the file when zero (a dense layer)."""
@@ -315,10 +358,17 @@ class Trace:
         """The file's text; a row's collective lists are left out when empty (only
         tensor-parallel shards have them)."""
         data = self.spec.model_dump(by_alias=True)
+        for k in _LOW_PRECISION_FIELDS:  # left out unless the recipe is a low-precision one
+            if not data["precision"][k]:
+                del data["precision"][k]
         for row in data["layers"]:
             for k in (*_COLLECTIVE_FIELDS, *_KERNEL_FIELDS, *_MOE_FIELDS):
                 if not row[k]:
                     del row[k]
+            for k in _KERNEL_FIELDS:
+                for kernel in row.get(k, ()):
+                    if kernel.get("low_precision") is False:  # a GEMM at the compute dtype, as before FP8
+                        del kernel["low_precision"]
         return json.dumps(data, indent=1)
 
     def rescale(self, microbatch: int) -> Trace:

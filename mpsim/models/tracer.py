@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from mpsim.limits import check_layer_count
-from mpsim.models import kernels, moe, tp_ops
+from mpsim.models import kernels, low_precision, moe, tp_ops
 from mpsim.models.kernels import FUSED_ATTENTION_OPS, storage_key
 from mpsim.models.tp_ops import NO_SHARD, TensorShard
 from mpsim.models.trace import RECIPES, SCHEMA_VERSION, LayerKind, LayerRow, Source, Trace, TraceFile
@@ -58,8 +58,12 @@ class _OpBytes(TorchDispatchMode):
     second reference to a weight gradient stops autograd from taking the tensor as the
     parameter's ``.grad`` (it copies it instead), a copy a GPU run does not make."""
 
-    def __init__(self, probe: kernels.TraceProbe | None = None, remember: bool = True) -> None:
+    def __init__(self, probe: kernels.TraceProbe | None = None, remember: bool = True,
+                 low: low_precision.LowPrecisionProbe | None = None, backward: bool = False) -> None:
         super().__init__()
+        self.low = low
+        """Under a low-precision recipe: which GEMMs run in FP8, their casts, the backward's reads."""
+        self.backward = backward
         self.launches: list[RawKernel] = []
         """Every kernel the pass launches, in order (``_raw_kernel``)."""
         self.mem_bytes = 0
@@ -77,12 +81,34 @@ class _OpBytes(TorchDispatchMode):
             self._alive.append(t)
         moved = self._moved(func, outs, args, kwargs)
         launch = _raw_kernel(func, args, outs, moved)
+        if self.low is not None:
+            launch, cast = self._low_precision(func, args, launch)
+            moved += cast
         if launch is not None:
             self.launches.append(launch)
         self.mem_bytes += moved
         if self.probe is not None and self.probe.in_core:
             self.core_mem_bytes += moved
         return out
+
+    def _low_precision(self, func: Any, args: tuple, launch: RawKernel | None) -> tuple[RawKernel | None, int]:
+        """Under a low-precision recipe: a GEMM's launch marked FP8 (its casts recorded before
+        it, their bytes returned), and in the backward which kernels read which storages
+        (``mpsim.models.low_precision``)."""
+        assert self.low is not None
+        op = func.__name__.split(".")[0]
+        fp8, cast = False, 0
+        if op in _GEMM_OPS and launch is not None:
+            a, b = (args[i] for i in _GEMM_OPS[op])
+            fp8, cast = self.low.gemm(a, b, self.backward)
+            if cast:
+                self.launches.append(("memory", cast))
+            launch = (*launch, True) if fp8 else launch
+        if self.backward and not getattr(func, "is_view", False) and op not in _NO_TRAFFIC_OPS:
+            for t in tree_flatten(args)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.low.backward_read(storage_key(t), fp8)
+        return launch, cast
 
     @staticmethod
     def _moved(func, outs: list[torch.Tensor], args, kwargs) -> int:
@@ -167,7 +193,10 @@ def _traffic(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run) -> t
     from fresh gradients."""
     for p in module.parameters():
         p.grad = None
-    fwd, bwd = _OpBytes(remember=False), _OpBytes(remember=False)
+    recipe = low_precision.active()
+    low = (None if recipe is None else
+           low_precision.LowPrecisionProbe(recipe, {storage_key(p) for p in (*module.parameters(), *module.buffers())}))
+    fwd, bwd = _OpBytes(remember=False, low=low), _OpBytes(remember=False, low=low, backward=True)
     with kernels.CudaDropout(), fwd:
         out = run(module, *inputs)
     with bwd:
@@ -220,7 +249,7 @@ def _records(raw: RawKernel, twin: RawKernel | None, attention_backend: str | No
     if kind == "gemm":
         grown = [d for d, a, b in zip(_GEMM_DIMS, raw[1:5], twin[1:5], strict=True) if a != b] if twin else ["m"]
         return [{"op": "gemm", **dict(zip(_GEMM_DIMS, raw[1:5], strict=True)),
-                 "grows": grown[0] if grown else "none"}]
+                 "grows": grown[0] if grown else "none", **({"low_precision": True} if len(raw) > 5 else {})}]
     if kind == "attention":
         fields = ("backend", "backward", "batch", "heads", "kv_heads", "s_q", "s_k", "head_dim", "causal")
         record = {"op": "attention", **dict(zip(fields, raw[1:], strict=True))}
@@ -244,12 +273,16 @@ def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
     (``_fixed_traffic``); off where a second run costs real device memory."""
     param_keys = {storage_key(p) for p in (*module.parameters(), *module.buffers())}
     saved: dict[int, int] = {}
+    itemsize: dict[int, int] = {}
     keep: list[torch.Tensor] = []
+    recipe = low_precision.active()
+    low = None if recipe is None else low_precision.LowPrecisionProbe(recipe, param_keys)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         k = storage_key(t)
         if k not in param_keys:
             saved.setdefault(k, t.untyped_storage().nbytes())
+            itemsize.setdefault(k, t.element_size())
             kernels.note_saved(t)
             moe.note_saved(t)
             keep.append(t)
@@ -257,7 +290,7 @@ def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
 
     probe = kernels.TraceProbe()
     experts = moe.ExpertProbe()
-    counter = _OpBytes(probe)
+    counter = _OpBytes(probe, low=low)
     comms = tp_ops.CommProbe()
     with (kernels.CudaDropout(), kernels.probing(probe), moe.probing(experts),
           FlopCounterMode(display=False) as fwd_flops, counter,
@@ -267,9 +300,11 @@ def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
     first = inputs[0]
     workspace = max((n for k, n in counter.outputs.items()
                      if k not in saved and k != out_key and k not in param_keys), default=0)
-    counter_b = _OpBytes(remember=False)
+    counter_b = _OpBytes(remember=False, low=low, backward=True)
     with FlopCounterMode(display=False) as bwd_flops, counter_b, tp_ops.recording(comms):
         out.backward(torch.ones_like(out))
+    if low is not None:  # what the recipe keeps of the saved GEMM inputs
+        saved = low.saved_bytes(saved, itemsize, {storage_key(inputs[0])})
     core_bytes = _selective_saving(probe, saved)
     with tp_ops.recording(tp_ops.CommProbe()):  # the doubled run's collectives are not the layer's
         doubled = _doubled_run(module, inputs, run) if fixed_traffic else None
@@ -305,17 +340,22 @@ def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
 
 
 class compute_dtype:
-    """Context in which new parameters are built in a recipe's compute dtype (no casts to trace)."""
+    """Context in which new parameters are built in a recipe's compute dtype (no casts to
+    trace), and a low-precision recipe's GEMMs traced as it runs them."""
 
     def __init__(self, recipe: str) -> None:
         self.dtype = DTYPES[RECIPES[recipe].compute_dtype]
+        self._low = low_precision.recipe(RECIPES[recipe])
+        """A low-precision recipe's FP8 GEMMs, casts and saved copies (``mpsim.models.low_precision``)."""
 
     def __enter__(self) -> torch.dtype:
         self._previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
+        self._low.__enter__()
         return self.dtype
 
     def __exit__(self, *exc: object) -> None:
+        self._low.__exit__(None, None, None)
         torch.set_default_dtype(self._previous)
 
 

@@ -153,7 +153,8 @@ def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostMod
     program = _stage_program(run, s, costs, sharding)
     received = layout.microbatches * received_bytes(rows, first, last) if run.torch_pipelining else 0
     versions = weight_versions(layout.schedule, s, layout.n_stages)
-    static = static_bytes(rows, versions, received, sharding or NOT_SHARDED)
+    static = static_bytes(rows, versions, received, sharding or NOT_SHARDED,
+                          layout.trace.spec.precision.weight_cache_bytes_per_param)
     _allocate_static(run, s, static, sharding)
     swapper = Swapper(run, s, {j: act.split for j, act in program.actions.items()},
                       {j: tuple((x.gpu, x.fraction) for x in act.peers) for j, act in program.actions.items()})

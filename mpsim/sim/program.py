@@ -644,17 +644,21 @@ def _backward_layer(st: _StageRows, lay: _Layer, t: float, dur: float, ev: list[
 
 
 def static_bytes(rows: list[LayerRow], weight_versions: int, receive_buffers: int = 0,
-                 sharding: Sharding = NOT_SHARDED) -> dict[str, int]:
+                 sharding: Sharding = NOT_SHARDED, weight_cache_per_param: float = 0.0) -> dict[str, int]:
     """What a stage allocates once: weights, gradients, optimizer states, stashed weight
     versions, and ``receive_buffers`` bytes of preallocated receive buffers. Under ZeRO
     (``Sharding``) this GPU holds 1/N of the optimizer states (stage 1), of the gradients
     too (stage 2) and of the parameters too (stage 3): mixed-precision Adam's 16 bytes per
-    parameter become 4 + 12/N, 2 + 14/N and 16/N (ZeRO section 5.1, Figure 1)."""
+    parameter become 4 + 12/N, 2 + 14/N and 16/N (ZeRO section 5.1, Figure 1). A
+    low-precision recipe's quantized weight copies, cached over the iteration
+    (``weight_cache_per_param`` bytes a parameter, ``Precision.weight_cache_bytes_per_param``),
+    are weights too; under ZeRO-3 each gathered layer is cast anew, nothing cached."""
     params = sum(r.param_bytes for r in rows)
     z, shard = sharding.zero_stage, sharding.shard
     grads, optimizer = sum(r.grad_bytes for r in rows), sum(r.optimizer_bytes for r in rows)
+    cache = round(sum(r.params for r in rows) * weight_cache_per_param) if z < 3 else 0
     return {
-        "params": shard(params) if z >= 3 else params,
+        "params": shard(params) if z >= 3 else params + cache,
         "grads": (0 if sharding.offload_grads else shard(grads)) if z >= 2 else grads,
         "optimizer": (shard(optimizer) if not sharding.expert_replicas else
                       sum(sharding.optimizer_share(r) for r in rows)) if z >= 1 else optimizer,

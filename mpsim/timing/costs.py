@@ -26,7 +26,15 @@ from mpsim.caches import Lru
 from mpsim.errors import MpsimError
 from mpsim.hardware.gpu_tables import H100_LAYER_RMS_PCT, shipped_table
 from mpsim.hardware.topology import Dtype, GpuSpec, OpEfficiency
-from mpsim.timing.kernel_time import ITEMSIZE, KernelRates, can_time, gemm_pass_seconds, launches, pass_seconds
+from mpsim.timing.kernel_time import (
+    ITEMSIZE,
+    KernelRates,
+    can_time,
+    gemm_pass_seconds,
+    launches,
+    low_precision_flops,
+    pass_seconds,
+)
 
 if TYPE_CHECKING:
     from mpsim.models.trace import LayerRow, Trace
@@ -136,8 +144,13 @@ def kernel_rates(trace: Trace, gpu: GpuSpec) -> KernelRates | None:
     if table is None or not can_time(table, dtype) or not any(r.fwd_kernels for r in trace.layers):
         return None
     peak_flops_per_s, peak_bytes_per_s = peak_rates(gpu, dtype)
+    low = trace.spec.precision.gemm_dtype
+    if low is not None and not can_time(table, low):
+        return None  # the table has no rate for the recipe's GEMMs: the roofline times them (_build)
+    low_rates = None if low is None else KernelRates(table, low, peak_rates(gpu, low)[0], peak_bytes_per_s,
+                                                     ITEMSIZE[low])
     return KernelRates(table, dtype, peak_flops_per_s, peak_bytes_per_s,
-                       ITEMSIZE[trace.spec.precision.compute_dtype])
+                       ITEMSIZE[trace.spec.precision.compute_dtype], low_rates)
 
 
 def _build(trace: Trace, gpu: GpuSpec) -> CostModel:
@@ -147,15 +160,29 @@ def _build(trace: Trace, gpu: GpuSpec) -> CostModel:
     rates = kernel_rates(trace, gpu)
     memory_rate = rates.stream_bytes_per_s if rates else peak_bytes_per_s * eff.memory
     times = _layer_times(trace, gpu, peak_flops_per_s * eff.matmul, peak_flops_per_s * eff.attention, memory_rate,
-                         rates)
+                         rates, _low_precision_rate(trace, gpu))
     core_s = attention_core_seconds(trace.layers, times.fwd_s, memory_rate)
     core_s.setflags(write=False)
     update_rate = rates.stream_bytes_per_s if rates else peak_bytes_per_s * gpu.memory_efficiency
     return CostModel(dtype, eff, memory_rate, update_rate, times, rates, core_s, gpu.model)
 
 
+def _low_precision_rate(trace: Trace, gpu: GpuSpec) -> float | None:
+    """A low-precision recipe's GEMM rate on ``gpu`` for the roofline (its dtype's peak times
+    its matmul efficiency); None for the other recipes. One line when the GPU has no tensor
+    cores of that dtype (no ``peak_tflops`` entry)."""
+    low = trace.spec.precision.gemm_dtype
+    if low is None:
+        return None
+    if low not in gpu.peak_tflops:
+        raise MpsimError(f"{trace.name}: recipe {trace.spec.precision.recipe} runs its GEMMs in {low}, which the "
+                         f"{gpu.model} has no tensor cores for (its peak_tflops: {', '.join(gpu.peak_tflops)}); "
+                         "trace it with --recipe mixed-bf16 or mixed-fp16")
+    return peak_rates(gpu, low)[0] * gpu.op_efficiency(low).matmul
+
+
 def _layer_times(trace: Trace, gpu: GpuSpec, matmul_rate: float, attention_rate: float,
-                 mem_rate: float, rates: KernelRates | None = None) -> LayerTimes:
+                 mem_rate: float, rates: KernelRates | None = None, low_rate: float | None = None) -> LayerTimes:
     """Seconds per layer: measured times where the trace has them, else the layer's kernels
     each timed from its shape (``mpsim.timing.kernel_time``, with ``rates``), else a roofline by op
     class, summed because a layer's ops run one after another:
@@ -167,12 +194,15 @@ def _layer_times(trace: Trace, gpu: GpuSpec, matmul_rate: float, attention_rate:
     def derived_s(flops: float, attention_flops: float, mem_bytes: float, kernels: list) -> float:
         if rates is not None and kernels:
             return pass_seconds(kernels, rates)
-        return (flops - attention_flops) / matmul_rate + attention_flops / attention_rate + mem_bytes / mem_rate
+        low = low_precision_flops(kernels) if low_rate else 0.0
+        return ((flops - attention_flops - low) / matmul_rate + low / (low_rate or 1.0)
+                + attention_flops / attention_rate + mem_bytes / mem_rate)
 
     def gemm_s(flops: float, attention_flops: float, kernels: list, whole_s: float) -> float:
         if rates is not None and kernels:
             return min(whole_s, gemm_pass_seconds(kernels, rates))
-        return min(whole_s, (flops - attention_flops) / matmul_rate)
+        low = low_precision_flops(kernels) if low_rate else 0.0
+        return min(whole_s, (flops - attention_flops - low) / matmul_rate + low / (low_rate or 1.0))
 
     rows = trace.layers
     fwd = np.array([r.fwd_ms * 1e-3 if r.fwd_ms is not None

@@ -24,6 +24,9 @@ kernels cost their launches, not their bytes. Here each kernel of a trace
   (F(2x2,3x3): 2.25, Lavin and Gray 2016) when that is faster.
 - **Memory-bound kernels** (element-wise, norms, softmax, dropout, casts; the optimizer
   step): bytes at the streaming share of bandwidth.
+- **Low-precision GEMMs** (a recipe's FP8 GEMMs, ``GemmKernel.low_precision``,
+  ``mpsim.models.low_precision``): as any GEMM, at the FP8 peak and the table's FP8 rate, with
+  1-byte operands; their casts are memory-bound kernels of the trace.
 
 Every kernel takes at least the launch floor. A layer's pass is the sum of its kernels: on
 one stream they run one after another.
@@ -53,6 +56,9 @@ class KernelRates:
     """Peak memory bandwidth (the topology's ``memory_bandwidth_gbps``)."""
     itemsize: int
     """Bytes per element of the layers' tensors (the trace's compute dtype)."""
+    low: KernelRates | None = None
+    """A low-precision recipe's rates for its FP8 GEMMs (``GemmKernel.low_precision``): the
+    same table at the GEMM dtype's peak and efficiency, 1-byte operands; None: none run."""
 
     @property
     def floor_s(self) -> float:
@@ -129,7 +135,8 @@ def memory_seconds(n_bytes: float, rates: KernelRates) -> float:
 def kernel_seconds(kernel: Kernel, rates: KernelRates) -> float:
     """Seconds of one launch of ``kernel``."""
     if isinstance(kernel, GemmKernel):
-        return gemm_seconds(kernel.m, kernel.n, kernel.k, kernel.batch, rates)
+        at = rates.low if kernel.low_precision and rates.low is not None else rates
+        return gemm_seconds(kernel.m, kernel.n, kernel.k, kernel.batch, at)
     if isinstance(kernel, AttentionKernel):
         return attention_seconds(kernel, rates)
     if isinstance(kernel, ConvKernel):
@@ -146,6 +153,11 @@ def pass_seconds(kernels: list[Kernel], rates: KernelRates) -> float:
 def gemm_pass_seconds(kernels: list[Kernel], rates: KernelRates) -> float:
     """Seconds of a pass's GEMMs alone: what a collective overlapped with them can hide behind."""
     return sum(kernel_seconds(k, rates) * k.count for k in kernels if isinstance(k, GemmKernel))
+
+
+def low_precision_flops(kernels: list[Kernel]) -> float:
+    """FLOPs of a pass's low-precision (FP8) GEMMs, launches counted."""
+    return sum(k.flops * k.count for k in kernels if isinstance(k, GemmKernel) and k.low_precision)
 
 
 def launches(kernels: list[Kernel]) -> int:
