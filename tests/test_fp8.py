@@ -113,3 +113,23 @@ def test_a_bf16_trace_file_is_unchanged_by_the_fp8_fields() -> None:
 
     text = load_trace("llama-3-8b").to_json()
     assert "low_precision" not in text and "gemm_dtype" not in text and "quantized" not in text
+
+
+def test_the_fp8_figures_in_the_readme_are_what_the_simulator_gives() -> None:
+    import re
+    from pathlib import Path
+
+    from mpsim.api import at_recipe, data_parallel, plan
+    from mpsim.data.catalog import load_trace
+
+    text = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    found = re.search(r"gives ([\d.]+) ms an iteration and a ([\d.]+) GiB peak, against ([\d.]+) ms and ([\d.]+) GiB "
+                      r"with `--recipe mixed-bf16` \(([\d.]+)x faster", text)
+    assert found
+    runs = {}
+    for recipe in ("fp8-delayed", "mixed-bf16"):
+        trace = at_recipe(load_trace("llama-3-8b"), recipe)
+        result = plan("dgx-h100", trace, microbatch=1, microbatches=4, parallelism=data_parallel(8, 3, None)).result
+        runs[recipe] = (f"{result.iteration_s * 1e3:.1f}", f"{result.gpus[0].peak_bytes / 2**30:.2f}")
+    assert (found[1], found[2]) == runs["fp8-delayed"] and (found[3], found[4]) == runs["mixed-bf16"]
+    assert found[5] == f"{float(runs['mixed-bf16'][0]) / float(runs['fp8-delayed'][0]):.2f}"
