@@ -17,7 +17,10 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVERS = sorted(p.stem for p in (ROOT / "topologies").glob("*.yaml"))
 MODEL_OF_FAMILY = {"hopper-sxm": "H100-SXM5-80GB", "hopper-pcie": "H100 PCIe", "ampere": "A100-SXM4-80GB",
                    "volta": "V100-SXM2-32GB", "turing": "TITAN RTX", "pascal": "GTX 1080 Ti",
-                   "blackwell": "B200-GB200-186GB", "cdna3": "MI300X-OAM-192GB"}
+                   "blackwell": "B200-GB200-186GB", "cdna3": "MI300X-OAM-192GB",
+                   "blackwell-ultra": "B300-SXM6-288GB", "blackwell-geforce": "GeForce-RTX-5090-32GB",
+                   "ada": "GeForce-RTX-4090-24GB", "ada-l40s": "L40S-PCIe-48GB", "cdna3-mi325x": "MI325X-OAM-256GB",
+                   "cdna4": "MI355X-OAM-288GB"}
 
 
 @pytest.mark.parametrize("server", SERVERS)
@@ -69,9 +72,12 @@ def test_the_old_h100_fit_is_refused_in_one_line():
 
 def test_transferred_tables_stay_opt_in_and_kernel_data_tables_are_on():
     """Tables whose GEMM figures come from kernel benchmarks of their GPU time layers by
-    default (H100/H200, A100, GB200, MI300X); Volta, Turing and Pascal keep the roofline."""
+    default (H100/H200, A100, B200/GB200, B300/GB300, RTX 4090, RTX 5090, MI300X, MI325X, MI355X);
+    Volta, Turing, Pascal and the L40S (transferred from the RTX 4090) keep the roofline."""
     on = {f for f, t in SHIPPED.items() if t.by_default}
-    assert on == {"hopper-sxm", "hopper-pcie", "ampere", "blackwell", "cdna3"}
+    assert on == {"hopper-sxm", "hopper-pcie", "ampere", "blackwell", "cdna3", "blackwell-ultra", "blackwell-geforce",
+                  "ada", "cdna3-mi325x", "cdna4"}
+    assert load_topology("l40s-x8-pcie").spec.gpu.kernel_table() is None
     assert load_topology("gb200-nvl72").spec.gpu.kernel_table() is SHIPPED["blackwell"]
     assert load_topology("mi300x-x8").spec.gpu.kernel_table() is SHIPPED["cdna3"]
     assert load_topology("dgx1-v100").spec.gpu.kernel_table() is None

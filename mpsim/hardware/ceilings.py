@@ -73,6 +73,32 @@ _CDNA3 = Ceiling(gemm=round(708 / 1307.4, 3), attention=round(708 / 1307.4, 3), 
                         "above the 668.4 PyTorch reaches (" + MAMF_TABLE + "); attention (no fused kernel figure) "
                         "as GEMM; memory as Hopper's")
 
+_FA4_B200 = "FlashAttention-4 (arXiv 2603.05451), 1613 of 2250 TFLOP/s on B200"
+_BLACKWELL_ULTRA = Ceiling(gemm=round(1769.0 / 2250, 3), attention=round(1613 / 2250, 3), memory=0.9,
+                           source=f"gemm: {MAMF_TABLE}: B300 bf16 1769.0 of 2250 TFLOP/s; attention: {_FA4_B200} "
+                                  "(no B300 attention figure found); memory: as Hopper's")
+_BLACKWELL_ULTRA_FP8 = Ceiling(gemm=round(3353.3 / 4500, 3), attention=round(1613 / 2250, 3), memory=0.9,
+                               source=f"gemm: {MAMF_TABLE}: B300 fp8 3353.3 of 4500 TFLOP/s; the rest as bf16's")
+_TORCH_PERF_DB = "zzc0721/torch-performance-test-data"
+_ADA_TC = Ceiling(gemm=1.0, attention=1.0, memory=0.9,
+                  source=f"gemm: {_TORCH_PERF_DB} issue #78, RTX 4090 torch.matmul fp16 168.38 and bf16 164.81 of "
+                         "165.2 TFLOP/s: a GeForce card boosts above the clock its datasheet peak assumes, so the "
+                         "best lone GEMM reaches the peak (ceiling 1.0); attention (no fused kernel figure) as GEMM; "
+                         "memory: as Hopper's")
+_BLACKWELL_GEFORCE = Ceiling(gemm=round(240.05 / 419.2, 3), attention=round(240.05 / 419.2, 3), memory=0.9,
+                             source=f"gemm: {_TORCH_PERF_DB} issue #96, RTX 5090 torch.matmul bf16 240.05 of 419.2 "
+                                    "TFLOP/s (the best 16-bit figure; fp16 234.63); attention (no fused kernel "
+                                    "figure) as GEMM; memory: as Hopper's")
+_AMD_MAF = "AMD ROCm blog 'Measuring Max-Achievable FLOPs - Part 2' (2025-02-28)"
+_MI325X = Ceiling(gemm=round(843 / 1307.4, 3), attention=round(843 / 1307.4, 3), memory=0.9,
+                  source=f"gemm: {_AMD_MAF}, MI325X bf16 GEMM 843 TFLOP/s with hipBLASLt (PyTorch 784.9, "
+                         f"{MAMF_TABLE}); attention (no fused kernel figure) as GEMM; memory: as Hopper's")
+_MI325X_FP8 = Ceiling(gemm=round(1519 / 2614.9, 3), attention=round(843 / 1307.4, 3), memory=0.9,
+                      source=f"gemm: {_AMD_MAF}, MI325X fp8 GEMM 1519 of 2614.9 TFLOP/s; the rest as bf16's")
+_CDNA4 = Ceiling(gemm=round(1565.0 / 2516.6, 3), attention=round(1565.0 / 2516.6, 3), memory=0.9,
+                 source=f"gemm: {MAMF_TABLE}: MI355X bf16 1565.0 of 2516.6 TFLOP/s; attention (no fused kernel "
+                        "figure) as GEMM; memory: as Hopper's")
+
 CEILINGS: dict[str, dict[str, Ceiling]] = {
     "hopper-sxm": {"bf16": _HOPPER_TC, "fp16": _HOPPER_TC, "tf32": _HOPPER_TC, "fp8": _HOPPER_FP8,
                    "fp32": _SIMT_FP32},
@@ -84,6 +110,12 @@ CEILINGS: dict[str, dict[str, Ceiling]] = {
     "pascal": {"fp16": _SIMT_FP32, "fp32": _SIMT_FP32},
     "blackwell": {"bf16": _BLACKWELL, "fp16": _BLACKWELL, "fp8": _BLACKWELL_FP8},
     "cdna3": {"bf16": _CDNA3, "fp16": _CDNA3, "fp8": _CDNA3},
+    "blackwell-ultra": {"bf16": _BLACKWELL_ULTRA, "fp16": _BLACKWELL_ULTRA, "fp8": _BLACKWELL_ULTRA_FP8},
+    "blackwell-geforce": {"bf16": _BLACKWELL_GEFORCE, "fp16": _BLACKWELL_GEFORCE, "fp32": _SIMT_FP32},
+    "ada": {"bf16": _ADA_TC, "fp16": _ADA_TC, "fp32": _SIMT_FP32},
+    "ada-l40s": {"bf16": _ADA_TC, "fp16": _ADA_TC, "fp32": _SIMT_FP32},
+    "cdna3-mi325x": {"bf16": _MI325X, "fp16": _MI325X, "fp8": _MI325X_FP8},
+    "cdna4": {"bf16": _CDNA4, "fp16": _CDNA4},
 }
 """Per GPU family, per precision: the ceilings (module doc)."""
 

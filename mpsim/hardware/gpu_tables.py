@@ -21,7 +21,7 @@ from pydantic import Field, model_validator
 
 from mpsim.datafile import FileModel
 
-TableDtype = Literal["fp16", "bf16", "fp32", "tf32", "fp8"]
+TableDtype = Literal["fp16", "bf16", "fp32", "tf32", "fp8", "fp4"]
 
 
 
@@ -242,6 +242,112 @@ def _cdna3() -> KernelTable:
                  "gemm.fp8": "AMD ROCm blog (2025-02-28): MI300X fp8 GEMM 1273 TFLOP/s"})
 
 
+def _blackwell_ultra() -> KernelTable:
+    """B300 and GB300 (Blackwell Ultra): GEMM shares from the MAMF table's B300 rows (against
+    B300's 2,250 bf16 / 4,500 fp8 TFLOP/s dense peaks); GB300 has no published sweep and
+    takes these shares of its own peak. Attention: FlashAttention-4's B200 figure (no B300
+    attention benchmark found; Blackwell Ultra doubles the exponential units, so this is low)."""
+    flash = AttentionRate(fwd_fraction=round(1613 / 2250, 3), bwd_fraction=round(1613 / 2250 * 322 / 370, 3),
+                          fwd_half_seq=100.0, bwd_half_seq=260.0)
+    return KernelTable(
+        sms=148, launch_floor_us=4.0, memory_fraction=round(2711.3 / 3350, 3),
+        gemm={"bf16": GemmRate(fraction=_share(1769.0 / 2250), tiles=_HOPPER_TILES),
+              "fp16": GemmRate(fraction=_share(1769.0 / 2250), tiles=_HOPPER_TILES),
+              "fp8": GemmRate(fraction=_share(3353.3 / 4500), tiles=_HOPPER_TILES)},
+        attention={"bf16": flash, "fp16": flash}, basis="kernel data",
+        sources={"sms": f"{MAMF_TABLE}, notes: B300 ships as 148- and 152-SM SKUs (148 taken); GB300 assumed the "
+                        "same",
+                 "launch_floor_us": _FLOOR, "memory_fraction": _MEMORY_TRANSFER,
+                 "gemm.bf16": f"{MAMF_TABLE}: B300 bf16 1769.0 of 2250 TFLOP/s (torch 2.9.1+cu130); {_TILE_ESTIMATE}",
+                 "gemm.fp16": "as bf16 (same tensor-core rate)",
+                 "gemm.fp8": f"{MAMF_TABLE}: B300 fp8 3353.3 of 4500 TFLOP/s (torch 2.9.1+cu130)",
+                 "attention.bf16": "transferred from B200: FlashAttention-4 (arXiv 2603.05451), 1613 TFLOP/s bf16 "
+                                   "forward on B200, 71.7% of 2250; backward x 322/370 and half_seq as "
+                                   "FlashAttention-2 on H100 (estimate)",
+                 "attention.fp16": "as bf16"})
+
+
+_TORCH_PERF_DB = "zzc0721/torch-performance-test-data (community torch.matmul sweep, square n 1024..10240)"
+_ADA_TILES = _TC_TILES
+_RTX4090 = (f"{_TORCH_PERF_DB}, issue #78 (2025-10-17, RTX 4090, torch 2.7.0+cu128): at n=8192 bf16 160.17, fp16 "
+            "155.50, fp32 53.41 TFLOP/s; best bf16 164.81 (n=2048), fp16 168.38 (n=4096)")
+
+
+def _ada(sms: int, name: str, transferred: bool) -> KernelTable:
+    """Ada (AD102): the RTX 4090's GEMM shares of its datasheet peaks (165.2 bf16/fp16 with
+    FP32 accumulate, 82.6 fp32), from a community torch.matmul sweep at n=8192 (16 full
+    waves of 128x256 tiles on 128 SMs). No fused-attention or streaming figure of an Ada GPU
+    was found. The L40S (same die, 350 W, 142 SMs) has no GEMM sweep: it transfers these
+    shares and says so (``basis: transferred``)."""
+    prefix = "transferred from the RTX 4090 (same AD102 die at 450 W; the L40S's 350 W may hold lower clocks): " \
+        if transferred else ""
+    return KernelTable(
+        sms=sms, launch_floor_us=4.0, memory_fraction=round(2711.3 / 3350, 3),
+        gemm={"bf16": GemmRate(fraction=_share(160.17 / 165.2), tiles=_ADA_TILES),
+              "fp16": GemmRate(fraction=_share(155.50 / 165.2), tiles=_ADA_TILES),
+              "fp32": GemmRate(fraction=_share(53.41 / 82.6), tiles=_SIMT_TILES)},
+        basis="transferred" if transferred else "kernel data",
+        sources={"sms": f"NVIDIA Ada Lovelace architecture whitepaper: {name}",
+                 "launch_floor_us": _FLOOR, "memory_fraction": _MEMORY_TRANSFER,
+                 "gemm.bf16": f"{prefix}{_RTX4090}; {_TILE_ESTIMATE}",
+                 "gemm.fp16": f"{prefix}{_RTX4090}",
+                 "gemm.fp32": f"{prefix}{_RTX4090}"})
+
+
+_RTX5090 = (f"{_TORCH_PERF_DB}, issue #96 (2025-12-16, RTX 5090, torch 2.7.0+cu128): bf16 240.05, fp16 234.63 "
+            "(n=10240), fp32 70.47 (n=2048) TFLOP/s")
+
+
+def _blackwell_geforce() -> KernelTable:
+    """RTX 5090 (GB202, sm_120): GEMM shares of its dense peaks (419.2 bf16/fp16: the sweep's
+    240 TFLOP/s rules out the half-rate FP32 accumulate of GeForce Ada), from a community
+    torch.matmul sweep; no attention or streaming figure found."""
+    return KernelTable(
+        sms=170, launch_floor_us=4.0, memory_fraction=round(2711.3 / 3350, 3),
+        gemm={"bf16": GemmRate(fraction=_share(240.05 / 419.2), tiles=_TC_TILES),
+              "fp16": GemmRate(fraction=_share(234.63 / 419.2), tiles=_TC_TILES),
+              "fp32": GemmRate(fraction=_share(70.47 / 104.8), tiles=_SIMT_TILES)},
+        basis="kernel data",
+        sources={"sms": "NVIDIA RTX Blackwell GPU architecture: 170 SMs on the RTX 5090",
+                 "launch_floor_us": _FLOOR, "memory_fraction": _MEMORY_TRANSFER,
+                 "gemm.bf16": f"{_RTX5090}; {_TILE_ESTIMATE}",
+                 "gemm.fp16": _RTX5090, "gemm.fp32": _RTX5090})
+
+
+_AMD_MAF = "AMD ROCm blog 'Measuring Max-Achievable FLOPs - Part 2' (2025-02-28, hipBLASLt, ROCm 6.3)"
+
+
+def _mi325x() -> KernelTable:
+    """MI325X (CDNA 3 at 1,000 W, 6 TB/s): GEMM shares from its own sweeps, above MI300X's."""
+    return KernelTable(
+        sms=304, launch_floor_us=4.0, memory_fraction=round(2711.3 / 3350, 3),
+        gemm={"bf16": GemmRate(fraction=_share(784.9 / 1307.4), tiles=_HOPPER_TILES),
+              "fp16": GemmRate(fraction=_share(794 / 1307.4), tiles=_HOPPER_TILES),
+              "fp8": GemmRate(fraction=_share(1519 / 2614.9), tiles=_HOPPER_TILES)},
+        basis="kernel data",
+        sources={"sms": "AMD CDNA 3 white paper: 304 compute units (MI325X: the MI300X's compute)",
+                 "launch_floor_us": _FLOOR, "memory_fraction": _MEMORY_TRANSFER,
+                 "gemm.bf16": f"{MAMF_TABLE}: MI325X bf16 784.9 TFLOP/s with PyTorch and TunableOp (of 1307.4; "
+                              f"hipBLASLt alone 843, {_AMD_MAF}); {_TILE_ESTIMATE}",
+                 "gemm.fp16": f"{_AMD_MAF}: MI325X fp16 GEMM 794 TFLOP/s",
+                 "gemm.fp8": f"{_AMD_MAF}: MI325X fp8 GEMM 1519 TFLOP/s"})
+
+
+def _cdna4() -> KernelTable:
+    """MI355X (CDNA 4, 256 CUs): bf16 GEMM share from the MAMF table against the 2,516.6
+    TFLOP/s dense peak (256 CUs x 4,096 bf16 FLOP/clock x 2.4 GHz); fp16 as bf16; no fp8,
+    fp4 or attention sweep found."""
+    rate = GemmRate(fraction=_share(1565.0 / 2516.6), tiles=_HOPPER_TILES)
+    return KernelTable(
+        sms=256, launch_floor_us=4.0, memory_fraction=round(2711.3 / 3350, 3),
+        gemm={"bf16": rate, "fp16": rate}, basis="kernel data",
+        sources={"sms": "AMD ISSCC 2026 (MI355X): 8 XCDs x 32 active compute units",
+                 "launch_floor_us": _FLOOR, "memory_fraction": _MEMORY_TRANSFER,
+                 "gemm.bf16": f"{MAMF_TABLE}: MI355X bf16 1565.0 TFLOP/s (torch 2.8.0+rocm7.0.2, shape "
+                              f"12288x8192x8192), of 2516.6; {_TILE_ESTIMATE}",
+                 "gemm.fp16": "as bf16 (same matrix-core rate)"})
+
+
 SHIPPED: dict[str, KernelTable] = {
     "hopper-sxm": _hopper(132),
     "hopper-pcie": _hopper(114),
@@ -251,13 +357,22 @@ SHIPPED: dict[str, KernelTable] = {
     "pascal": _older(28, "GTX 1080 Ti", tensor_cores=False),
     "blackwell": _blackwell(),
     "cdna3": _cdna3(),
+    "blackwell-ultra": _blackwell_ultra(),
+    "blackwell-geforce": _blackwell_geforce(),
+    "ada": _ada(128, "128 SMs on the RTX 4090", transferred=False),
+    "ada-l40s": _ada(142, "142 SMs on the L40S", transferred=True),
+    "cdna3-mi325x": _mi325x(),
+    "cdna4": _cdna4(),
 }
 """Tables by GPU family; ``family_of`` maps a model name onto them."""
 
 _FAMILY_WORDS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("H100", "PCIE"), "hopper-pcie"),
     (("H100",), "hopper-sxm"), (("H200",), "hopper-sxm"), (("GH200",), "hopper-sxm"),
-    (("B200",), "blackwell"), (("GB200",), "blackwell"), (("MI300X",), "cdna3"), (("MI325X",), "cdna3"),
+    (("B300",), "blackwell-ultra"), (("GB300",), "blackwell-ultra"),
+    (("B200",), "blackwell"), (("GB200",), "blackwell"), (("MI300X",), "cdna3"), (("MI325X",), "cdna3-mi325x"),
+    (("MI355X",), "cdna4"), (("RTX", "5090"), "blackwell-geforce"), (("RTX", "4090"), "ada"),
+    (("L40S",), "ada-l40s"),
     (("A100",), "ampere"), (("V100",), "volta"), (("TITAN", "RTX"), "turing"), (("1080",), "pascal"),
 )
 

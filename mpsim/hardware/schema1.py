@@ -55,7 +55,9 @@ def gpu_list(gpus: list[int], show: int = 8) -> str:
     return f"[{', '.join(map(str, gpus[:show - 1]))}, ..., {gpus[-1]}] ({len(gpus)} GPUs)"
 
 
-Dtype = Literal["fp16", "bf16", "fp32", "tf32", "fp8"]
+Dtype = Literal["fp16", "bf16", "fp32", "tf32", "fp8", "fp4"]
+"""Precisions a GPU lists peaks and efficiencies for; ``fp4`` only where it has FP4 tensor cores
+(Blackwell, MI355X), its dense rate."""
 
 
 class OpEfficiency(FileModel):
