@@ -4,7 +4,7 @@ change meant to make the engine or the planners faster can be checked to change 
     python benchmarks/golden.py out.json [-j 2]
     python benchmarks/golden.py --compare before.json after.json
 
-Jobs: every shipped dense trace x dgx1-v100, dgx-a100-80gb, titanrtx-x4-pcie x gpipe, 1f1b,
+Jobs: every shipped trace of mpsim's own layers x dgx1-v100, dgx-a100-80gb, titanrtx-x4-pcie x gpipe, 1f1b,
 pipedream x none, recompute, selective, cpu-swap, d2d, mpress, tsplit (traced microbatch,
 8 microbatches); and data-parallel layouts (``LAYOUTS``: DDP, ZeRO-1/2, FSDP over all GPUs and
 FSDP x2 x pipeline x4) x every trace x dgx1-v100, dgx-a100-80gb, dgx-h100 x 1f1b x none, recompute,
@@ -27,9 +27,10 @@ from mpsim.errors import MpsimError
 from mpsim.plans.layouts import parse_layout
 
 _SHIPPED = sorted((Path(__file__).resolve().parent.parent / "traces").glob("*.json"))
-TRACES = [p.stem for p in _SHIPPED if '"experts"' not in p.read_text()]
-"""Every shipped dense trace (the mixtures of experts are held by tests/test_expert_parallel.py,
-tests/test_moe_trace.py and the reports the README quotes)."""
+TRACES = [p.stem for p in _SHIPPED if '"framework": "hf"' not in p.read_text()]
+"""Every shipped trace of mpsim's own layers (the Hugging Face traces, the mixtures of experts
+and TinyLlama, are held by tests/test_moe_trace.py, tests/test_expert_parallel.py and the
+reports the README quotes)."""
 SERVERS = ("dgx1-v100", "dgx-a100-80gb", "titanrtx-x4-pcie")
 SCHEDULES = ("gpipe", "1f1b", "pipedream")
 STRATEGIES = ("none", "recompute", "selective", "cpu-swap", "d2d", "mpress", "tsplit")

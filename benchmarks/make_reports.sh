@@ -76,3 +76,6 @@ mpsim fits --model mixtral-8x7b --server dgx-h100 > reports/fits_mixtral-8x7b_dg
 mpsim choose --model mixtral-8x7b --tokens 1e12 --days 30 --clusters dgx-h100-superpod --max-servers 16 > reports/scale_mixtral-8x7b_1T.txt
 mpsim topo collective --server dgx-h100 --op all-to-all --size 64MiB,1GiB > reports/alltoall_dgx-h100.txt
 mpsim choose --model deepseek-v3 --tokens 14.8e12 --days 60 --clusters dgx-h100-superpod --min-servers 64 --max-servers 512 --batch-tokens 62914560 -j 2 > reports/scale_deepseek-v3_14.8T.txt
+
+# The 2026 hardware (README "Workstations and the 2026 servers").
+mpsim simulate --server rtx4090-x1 --model tinyllama-1.1b --microbatches 8 > reports/simulate_tinyllama-1.1b_rtx4090.txt

@@ -23,6 +23,7 @@ PUBLIC_PARAMS = {
     "mistral-7b": 7_241_732_096,
     "qwen2.5-7b": 7_615_616_512,
     "gpt2-xl": 1_557_611_200,
+    "tinyllama-1.1b": 1_100_048_384,  # TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T
     # mixture-of-experts presets (their active counts: tests/test_moe_trace.py)
     "mixtral-8x7b": 46_702_792_704,
     "mixtral-8x22b": 140_620_634_112,

@@ -537,7 +537,7 @@ def test_the_golden_job_count_in_the_readme_is_benchmarks_golden():
     n = len(golden.TRACES) * len(golden.SERVERS) * len(golden.SCHEDULES) * len(golden.STRATEGIES)
     words = {3: "three", 7: "seven"}
     text = " ".join((ROOT / "README.md").read_text().split())
-    assert (f"for {n:,} jobs, all shipped dense traces x {words[len(golden.SERVERS)]} servers x "
+    assert (f"for {n:,} jobs, all shipped traces of mpsim's own layers x {words[len(golden.SERVERS)]} servers x "
             f"{words[len(golden.SCHEDULES)]} schedules x {words[len(golden.STRATEGIES)]} strategies") in text
 
 
