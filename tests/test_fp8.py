@@ -40,7 +40,7 @@ def test_bf16_keeps_the_input_and_the_hidden_state_in_bf16() -> None:
     assert not any(k.get("low_precision") for k in row["fwd_kernels"] + row["bwd_kernels"])
 
 
-@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-current", "mxfp8", "fp8-blockwise"])
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-current", "mxfp8", "fp8-blockwise", "nvfp4"])
 def test_a_saved_gemm_input_is_kept_as_one_quantized_copy(recipe: str) -> None:
     """The hidden state is read in the backward only by the second GEMM's weight gradient:
     one quantized copy (bytes and scales); the layer's input stays whole."""
@@ -133,3 +133,15 @@ def test_the_fp8_figures_in_the_readme_are_what_the_simulator_gives() -> None:
         runs[recipe] = (f"{result.iteration_s * 1e3:.1f}", f"{result.gpus[0].peak_bytes / 2**30:.2f}")
     assert (found[1], found[2]) == runs["fp8-delayed"] and (found[3], found[4]) == runs["mixed-bf16"]
     assert found[5] == f"{float(runs['mixed-bf16'][0]) / float(runs['fp8-delayed'][0]):.2f}"
+
+
+def test_nvfp4_needs_fp4_tensor_cores_and_says_its_times_are_an_estimate_without_fp4_kernel_data() -> None:
+    from mpsim.api import at_recipe
+    from mpsim.data.catalog import load_trace
+
+    trace = at_recipe(load_trace("gpt2-xl"), "nvfp4")
+    assert RECIPES["nvfp4"].quantized_bytes == 0.5 + 1 / 16
+    with pytest.raises(MpsimError, match="runs its GEMMs in fp4, which the H100-SXM5-80GB has no tensor cores for"):
+        cost_model(trace, load_topology("dgx-h100").spec.gpu)
+    band, why = cost_model(trace, load_topology("dgx-b200").spec.gpu).time_band()
+    assert band == 25.2 and "no fp4 GEMM rate" in why

@@ -49,12 +49,12 @@ class Precision(FileModel):
     (8): 16 bytes per parameter."""
 
     recipe: Literal["mixed-fp16", "mixed-bf16", "mixed-fp16-fp32grad", "mixed-bf16-fp32grad", "fp32", "tf32",
-                    "fp8-delayed", "fp8-current", "mxfp8", "fp8-blockwise"] = "mixed-fp16"
+                    "fp8-delayed", "fp8-current", "mxfp8", "fp8-blockwise", "nvfp4"] = "mixed-fp16"
     compute_dtype: Literal["fp16", "bf16", "fp32", "tf32"] = "fp16"
     weight_bytes_per_param: int = Field(default=2, gt=0, le=64)
     grad_bytes_per_param: int = Field(default=2, gt=0, le=64)
     optimizer_bytes_per_param: int = Field(default=12, ge=0, le=256, description="master weights + Adam moments")
-    gemm_dtype: Literal["fp8"] | None = Field(
+    gemm_dtype: Literal["fp8", "fp4"] | None = Field(
         default=None, description="low-precision recipes: the dtype of every GEMM with a weight operand (and of "
                                   "its data and weight gradients); None: the compute dtype")
     quantized_bytes: float = Field(
@@ -105,12 +105,18 @@ RECIPES: dict[str, Precision] = {
     # weights cast every microbatch.
     "fp8-blockwise": Precision(recipe="fp8-blockwise", compute_dtype="bf16", gemm_dtype="fp8",
                                quantized_bytes=1.0 + 4 / 128, quantized_copies=2),
+    # NVFP4 (Blackwell): 4-bit E2M1 values, one E4M3 scale per 16 elements (0.5 + 1/16 bytes an element) and a
+    # per-tensor fp32 scale; every weight GEMM and its gradients in FP4 here (NVIDIA's pretraining recipe keeps
+    # a few final layers in bf16, not modelled), rowwise and columnwise copies as MXFP8.
+    "nvfp4": Precision(recipe="nvfp4", compute_dtype="bf16", gemm_dtype="fp4", quantized_bytes=0.5 + 1 / 16,
+                       quantized_copies=2, weight_cache_bytes_per_param=2 * (0.5 + 1 / 16)),
 }
 RECIPE_HELP = ("mixed-fp16 / mixed-bf16: 16-bit weights and gradients, fp32 master weights and Adam moments "
                "(16 bytes a parameter); -fp32grad: gradients accumulated in fp32 (18); fp32 (16, no master copy); "
                "tf32: fp32 bytes at tensor-core TF32 rate; fp8-delayed, fp8-current (Transformer Engine's "
                "per-tensor scaling), mxfp8 (Blackwell's 32-element blocks), fp8-blockwise (DeepSeek-V3's tiles): "
-               "mixed-bf16's bytes, weight GEMMs on FP8 tensor cores, their saved inputs in FP8")
+               "mixed-bf16's bytes, weight GEMMs on FP8 tensor cores, their saved inputs in FP8; nvfp4: the same "
+               "in 4-bit blocks on FP4 tensor cores (Blackwell)")
 _RATE_FALLBACK = {"tf32": ("tf32", "fp32"), "bf16": ("bf16", "fp16", "fp32"), "fp16": ("fp16", "fp32"),
                   "fp32": ("fp32",)}
 

@@ -102,6 +102,9 @@ class CostModel:
 
     gpu_model: str = ""
     """The GPU's model name (which shipped kernel data stands behind its figures)."""
+    estimated: str = ""
+    """Why the times are an estimate though the GPU has kernel data (a recipe's GEMM dtype its
+    table has no rate for); empty otherwise."""
 
     def time_band(self) -> tuple[float, str]:
         """The relative error band of times made with this model, % (either side), and why:
@@ -109,6 +112,8 @@ class CostModel:
         GPU, its table's residual against them, at least ``UNCHECKED_TIME_BAND_PCT`` (kernels
         compose into layers with more error than each has alone); else
         ``ESTIMATE_TIME_BAND_PCT``."""
+        if self.estimated:
+            return ESTIMATE_TIME_BAND_PCT, f"time model an estimate: {self.estimated}; twice the band measured on H100"
         table = self.kernel_rates.table if self.kernel_rates else None
         if table is not None and table.checked and table.residual_pct is not None:
             return table.residual_pct, f"rms error of its kernel table against {table.checked}"
@@ -164,7 +169,11 @@ def _build(trace: Trace, gpu: GpuSpec) -> CostModel:
     core_s = attention_core_seconds(trace.layers, times.fwd_s, memory_rate)
     core_s.setflags(write=False)
     update_rate = rates.stream_bytes_per_s if rates else peak_bytes_per_s * gpu.memory_efficiency
-    return CostModel(dtype, eff, memory_rate, update_rate, times, rates, core_s, gpu.model)
+    low = trace.spec.precision.gemm_dtype
+    table = gpu.kernel_table()
+    estimated = (f"its kernel table has no {low} GEMM rate, so the {trace.spec.precision.recipe} recipe runs on the "
+                 "roofline's efficiencies" if low is not None and rates is None and table is not None else "")
+    return CostModel(dtype, eff, memory_rate, update_rate, times, rates, core_s, gpu.model, estimated)
 
 
 def _low_precision_rate(trace: Trace, gpu: GpuSpec) -> float | None:

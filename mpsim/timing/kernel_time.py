@@ -41,7 +41,7 @@ from mpsim.hardware.gpu_tables import AttentionRate, GemmRate, KernelTable
 from mpsim.hardware.kernel_records import AttentionKernel, ConvKernel, GemmKernel, Kernel, MemoryKernel
 from mpsim.hardware.topology import Dtype
 
-ITEMSIZE: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4, "tf32": 4, "fp8": 1}
+ITEMSIZE: dict[str, float] = {"fp16": 2, "bf16": 2, "fp32": 4, "tf32": 4, "fp8": 1, "fp4": 0.5}
 
 
 @dataclass(frozen=True)
@@ -54,11 +54,11 @@ class KernelRates:
     """The dtype's dense peak (the topology's ``peak_tflops``)."""
     bandwidth_bytes_per_s: float
     """Peak memory bandwidth (the topology's ``memory_bandwidth_gbps``)."""
-    itemsize: int
+    itemsize: float
     """Bytes per element of the layers' tensors (the trace's compute dtype)."""
     low: KernelRates | None = None
     """A low-precision recipe's rates for its FP8 GEMMs (``GemmKernel.low_precision``): the
-    same table at the GEMM dtype's peak and efficiency, 1-byte operands; None: none run."""
+    same table at the GEMM dtype's peak and efficiency, its operands' bytes; None: none run."""
 
     @property
     def floor_s(self) -> float:
