@@ -145,3 +145,15 @@ def test_nvfp4_needs_fp4_tensor_cores_and_says_its_times_are_an_estimate_without
         cost_model(trace, load_topology("dgx-h100").spec.gpu)
     band, why = cost_model(trace, load_topology("dgx-b200").spec.gpu).time_band()
     assert band == 25.2 and "no fp4 GEMM rate" in why
+
+
+@pytest.mark.parametrize(("model", "why"), [("mixtral-8x7b", "cannot be retraced under fp8-delayed"),
+                                            ("no-such-recipe", "expected one of")])
+def test_a_recipe_that_cannot_be_applied_is_refused_in_one_line(model: str, why: str) -> None:
+    from mpsim.api import at_recipe
+    from mpsim.data.catalog import load_trace
+
+    trace = load_trace("mixtral-8x7b")
+    with pytest.raises(MpsimError, match=why) as exc:
+        at_recipe(trace, "fp8-delayed" if model == "mixtral-8x7b" else model)
+    assert "\n" not in str(exc.value)

@@ -135,15 +135,8 @@ def at_recipe(trace: Trace, recipe: str | None) -> Trace:
         return trace
     if recipe not in RECIPES:
         raise MpsimError(f"--recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
-    if trace.spec.source.kind == "measured":
-        raise MpsimError(f"--recipe: {trace.name} holds times measured under {trace.spec.precision.recipe}; "
-                         f"measure it under {recipe} (mpsim trace --measure --recipe {recipe}) instead")
-    from mpsim.models.workloads import shape_of
-
-    shape = shape_of(dict(trace.spec.model))
-    if isinstance(shape, str):
-        raise MpsimError(f"--recipe: {trace.name} cannot be retraced under another recipe: {shape}; trace it under "
-                         f"{recipe} (mpsim trace ... --recipe {recipe} -o FILE) and give that file as --model")
+    shape = _retraceable(trace, "--recipe", f"under {trace.spec.precision.recipe}", f"under {recipe}",
+                         f"--recipe {recipe}")
     from mpsim.models.tracer import trace_model
 
     return trace_model(shape, trace.microbatch, recipe, f"{trace.name}-{recipe}")
@@ -164,16 +157,25 @@ def at_seq_len(trace: Trace, seq_len: int | None) -> Trace:
     if trace.seq_len is None:
         raise MpsimError(f"--seq-len: {trace.name} has no sequence length (a CNN or a --module trace); it cannot be "
                          "retraced at one")
-    if trace.spec.source.kind == "measured":
-        raise MpsimError(f"--seq-len: {trace.name} holds times measured at {trace.seq_len} tokens; measure it at "
-                         f"{seq_len} (mpsim trace --measure --seq-len {seq_len}) instead")
-    from mpsim.models.workloads import shape_of
-
-    shape = shape_of(dict(trace.spec.model))
-    if isinstance(shape, str):
-        raise MpsimError(f"--seq-len: {trace.name} cannot be retraced at another sequence length: {shape}; trace it "
-                         f"at {seq_len} (mpsim trace ... --seq-len {seq_len} -o FILE) and give that file as --model")
+    shape = _retraceable(trace, "--seq-len", f"at {trace.seq_len} tokens", f"at {seq_len}", f"--seq-len {seq_len}")
     from mpsim.models.tracer import trace_model
 
     return trace_model(replace(shape, seq_len=seq_len), trace.microbatch, trace.spec.precision.recipe,
                        f"{trace.name}-seq{seq_len}")
+
+
+def _retraceable(trace: Trace, flag: str, traced: str, asked: str, option: str) -> ModelConfig:
+    """The shape ``trace``'s model block records, to retrace it as ``flag`` asks; one line
+    naming the flag for a measured trace (``traced``: how it was measured; ``asked``: the
+    new setting) or one without a shape mpsim's modules build (with the command that
+    traces it, ``option``)."""
+    if trace.spec.source.kind == "measured":
+        raise MpsimError(f"{flag}: {trace.name} holds times measured {traced}; measure it {asked} "
+                         f"(mpsim trace --measure {option}) instead")
+    from mpsim.models.workloads import shape_of
+
+    shape = shape_of(dict(trace.spec.model))
+    if isinstance(shape, str):
+        raise MpsimError(f"{flag}: {trace.name} cannot be retraced {asked}: {shape}; trace it {asked} "
+                         f"(mpsim trace ... {option} -o FILE) and give that file as --model")
+    return shape
