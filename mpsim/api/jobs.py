@@ -219,32 +219,15 @@ def validate_moe_plan(plan_file: PlanFile, topo: Topology, trace: Trace, hf_conf
     expert-parallel worker (``validate/expert_parallel.py``) and compared per GPU, with
     each rank's routed copies per MoE layer beside the simulator's (``_routed_rows``).
     ``workdir``: run there and keep the job and the ranks' results (else a scratch folder)."""
-    import signal
-    from typing import cast
-
-    import torch
-
-    from mpsim.models.workloads import ModelConfig
-    from mpsim.signals import Stopped
     from mpsim.studies import hardware_check as hc
 
     hc.check_runnable(plan_file, topo, trace, settings, source)
     check_moe_runnable(plan_file, trace, source)
-    predicted = hc.simulate_plan(plan_file, topo, trace)
-    capacity = settings.capacity_bytes if settings.capacity_bytes is not None else topo.capacity_bytes
     model = HfModel(hf_config, trace.spec.model["seq_len"], trace.spec.model["attention"])
-    with hc._signals.installed():
-        try:  # run_executor only writes the model into the job (dataclasses.asdict): the worker reads hf_config
-            measured = hc._run_in_scratch(plan_file, cast(ModelConfig, model), settings, capacity, workdir)
-        except Stopped as exc:
-            raise hc.ValidateInterrupted(exc.signum) from None
-        except KeyboardInterrupt:
-            raise hc.ValidateInterrupted(signal.SIGINT) from None
-    report = hc.compare(plan_file, predicted, measured)
+    report, measured = hc.measure(plan_file, topo, trace, model, settings, workdir)  # the worker reads hf_config
     _routed_rows(report, plan_file, trace, measured)
-    report.update(device=trace.spec.source.device or settings.device, torch_version=torch.__version__,
-                  cuda_version=torch.version.cuda, expert_parallel=_expert_degree(plan_file),
-                  routing="forced to the trace's uniform load", hf_config=hf_config)
+    report.update(expert_parallel=_expert_degree(plan_file), routing="forced to the trace's uniform load",
+                  hf_config=hf_config)
     return report
 
 

@@ -52,6 +52,7 @@ import time
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -245,10 +246,12 @@ def model_config(trace: Trace) -> ModelConfig:
         raise MpsimError(f"{trace.name}: its model block does not describe a GPT or BERT ({exc})") from None
 
 
-def run_executor(plan: PlanFile, cfg: ModelConfig, settings: RunSettings, capacity_bytes: int | None,
+def run_executor(plan: PlanFile, cfg: Any, settings: RunSettings, capacity_bytes: int | None,
                  workdir: Path) -> list[dict | None]:
     """Run the plan with torchrun, one process per GPU of each stage's tensor-parallel group
-    (one per stage without) of each replica; the per-rank result dicts in rank order
+    (one per stage without) of each replica, the model ``cfg`` (a dataclass the worker builds
+    from: a ``ModelConfig``, or the executor's description of a Hugging Face model); the
+    per-rank result dicts in rank order
     (``rank_grid``; None for a rank that stopped because another failed)."""
     job = {"plan": json.loads(plan.to_json()), "model": dataclasses.asdict(cfg), "device": settings.device,
            "threads": settings.threads, "seed": settings.seed, "warmup": settings.warmup, "steps": settings.steps,
@@ -532,12 +535,20 @@ def validate_plan(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSet
                   workdir: Path | None = None) -> dict:
     """Check, simulate, run and compare one plan (see the module doc)."""
     check_runnable(plan, topo, trace, settings, source)
-    cfg = model_config(trace)
+    return measure(plan, topo, trace, model_config(trace), settings, workdir)[0]
+
+
+def measure(plan: PlanFile, topo: Topology, trace: Trace, model: Any, settings: RunSettings,
+            workdir: Path | None = None) -> tuple[dict, list[dict | None]]:
+    """``plan`` simulated, run by the executor with ``model`` (a dataclass the worker reads:
+    a ``ModelConfig``, or the executor's description of a Hugging Face model) and compared
+    (``compare``, with the device and versions): the report and each rank's results.
+    A signal ends the run and raises ``ValidateInterrupted``."""
     predicted = simulate_plan(plan, topo, trace)
     capacity = settings.capacity_bytes if settings.capacity_bytes is not None else topo.capacity_bytes
     with _signals.installed():
         try:
-            measured = _run_in_scratch(plan, cfg, settings, capacity, workdir)
+            measured = _run_in_scratch(plan, model, settings, capacity, workdir)
         except Stopped as exc:
             raise ValidateInterrupted(exc.signum) from None
         except KeyboardInterrupt:  # raised some other way (the handler turns SIGINT into Stopped)
@@ -546,10 +557,10 @@ def validate_plan(plan: PlanFile, topo: Topology, trace: Trace, settings: RunSet
     report["device"] = trace.spec.source.device or settings.device
     report["torch_version"] = torch.__version__
     report["cuda_version"] = torch.version.cuda
-    return report
+    return report, measured
 
 
-def _run_in_scratch(plan: PlanFile, cfg: ModelConfig, settings: RunSettings, capacity: int | None,
+def _run_in_scratch(plan: PlanFile, cfg: Any, settings: RunSettings, capacity: int | None,
                     workdir: Path | None) -> list[dict | None]:
     """``run_executor`` in ``workdir``, else in a scratch folder made here and removed after
     (whatever ends the run)."""
