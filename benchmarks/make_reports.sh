@@ -79,3 +79,5 @@ mpsim choose --model deepseek-v3 --tokens 14.8e12 --days 60 --clusters dgx-h100-
 
 # The 2026 hardware (README "Workstations and the 2026 servers").
 mpsim simulate --server rtx4090-x1 --model tinyllama-1.1b --microbatches 8 > reports/simulate_tinyllama-1.1b_rtx4090.txt
+mpsim choose --model llama-3-70b --servers hgx-h200-x8,dgx-b200,gb200-nvl72,mi300x-x8 --strategy none,selective,recompute --layouts data,3d > reports/choose_llama-3-70b_2026_bf16.txt
+mpsim choose --model llama-3-70b --servers hgx-h200-x8,dgx-b200,gb200-nvl72,mi300x-x8 --strategy none,selective,recompute --layouts data,3d --recipe fp8-delayed > reports/choose_llama-3-70b_2026_fp8.txt
