@@ -239,3 +239,15 @@ def test_our_gpt_and_bert_layers_keep_what_hf_gpt2block_and_bertlayer_keep(tmp_p
     ours = trace_model(ModelConfig(family, 2, 256, 4, 128, 1000, attention=attention), 2, recipe).spec.layers[1]
     assert theirs.act_bytes == ours.act_bytes
     assert (theirs.fwd_flops, theirs.bwd_flops) == (ours.fwd_flops, ours.bwd_flops)
+
+
+def test_a_tied_output_projection_is_counted_once_in_the_embeddings_row(tmp_path):
+    """``tie_word_embeddings``: the head's projection is the embedding's table, one tensor;
+    a GPU holding both rows holds it once, so the rows add up to the model's parameters."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                                  "vocab_size": 1000, "max_position_embeddings": 128, "tie_word_embeddings": True}))
+    trace = hf.trace_hf(str(config))
+    assert sum(r.params for r in trace.layers) == trace.spec.params
+    assert trace.layers[0].params == 1000 * 256 and trace.layers[-1].params == 256  # the final norm alone

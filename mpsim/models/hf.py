@@ -368,8 +368,17 @@ def _trace_rows(model: Any, layout: FamilyLayout, b: int, s: int, dtype: torch.d
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
 
     x2 = torch.randn(b, s, model.config.hidden_size, dtype=dtype, requires_grad=True)
-    head = trace_layer(_group(model, layout.head_modules), [x2, tokens], run_head)
-    return emb, traced, head
+    head_modules = _group(model, layout.head_modules)
+    head = trace_layer(head_modules, [x2, tokens], run_head)
+    return emb, traced, dict(head, params=head["params"] - _tied(_group(model, layout.embed_modules), head_modules))
+
+
+def _tied(embedding: nn.Module, head: nn.Module) -> int:
+    """Parameters the head shares with the embedding (a tied output projection,
+    ``tie_word_embeddings``): one tensor, counted in the embedding's row only, so that a
+    GPU holding both holds it once, as the model does."""
+    shared = {id(p) for p in embedding.parameters()}
+    return sum(p.numel() for p in head.parameters() if id(p) in shared)
 
 
 def _trace_block(model: Any, layout: FamilyLayout, rotary: nn.Module | None, index: int,
