@@ -259,6 +259,9 @@ def test_the_search_speed_figures_in_the_readme_are_the_benchmarks():
     assert (f"the same answer with {fits_row[2]} of its {fits_row[3]} probes decided by the floors, "
             f"{fits_row[1]}x the time") in text.replace("gives the same", "the same")
     assert f"the same answer with {choose_row[2]} of its {choose_row[3]} plans decided, {choose_row[1]}x" in text
+    from mpsim.api import parse_servers
+
+    assert f"over every server ({len(parse_servers('all', '1f1b', 16))} of them now)" in text
     fits_vs = (reports / "bench_fits_vs.txt").read_text()
     wall = {side: re.search(rf"^{side} wall s\s+[\d.]+\s+([\d.]+)", fits_vs, re.M) for side in ("A", "B")}
     wall_ratio = re.search(r"^A/B wall\s+[\d.]+\s+([\d.]+)", fits_vs, re.M)
