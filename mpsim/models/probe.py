@@ -1,8 +1,10 @@
 """``mpsim topo probe``: a topology file for the machine at hand, from measurements.
 
-GPUs (CUDA): count, model and memory from torch; NVLink bundles and PCIe placement from
-``nvidia-smi topo -m`` (``NV<n>`` is a bundle of n links, ``PIX``/``PXB`` share a PCIe
-switch, ``SYS`` crosses sockets); measured host-to-device and device-to-device copy
+GPUs (CUDA, or ROCm's HIP through the same torch API): count, model and memory from torch;
+NVLink bundles and PCIe placement from ``nvidia-smi topo -m`` (``NV<n>`` is a bundle of n
+links, ``PIX``/``PXB`` share a PCIe switch, ``SYS`` crosses sockets), or on AMD GPUs the
+Infinity Fabric pairs of ``rocm-smi --showtopotype`` (``ROCM_LINKS``); without either tool
+every pair is taken across sockets and the file's description says so; measured host-to-device and device-to-device copy
 bandwidth (pinned, 256 MiB), device memory bandwidth (a device copy) and dense matmul
 throughput per datatype. Measured rates go in as the peak with efficiency 1.0.
 
@@ -133,10 +135,58 @@ def nvidia_smi_matrix() -> list[list[str]] | None:
     if exe is None:
         return None
     text = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, check=False).stdout
-    rows = [re.sub(r"\x1b\[[0-9;]*m", "", line).split() for line in text.splitlines()]
-    rows = [r for r in rows if r and re.fullmatch(r"GPU\d+", r[0])]
+    return _gpu_rows(text)
+
+
+def _gpu_rows(text: str) -> list[list[str]] | None:
+    """The square block of a tool's GPU-to-GPU table: the rows ``GPU<i>`` whose own cell (the
+    i-th) is the diagonal's ``X`` (nvidia-smi) or ``0`` (rocm-smi), which leaves out the
+    header line of column names; their first n cells (colour codes dropped). None without one."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).split() for line in text.splitlines()]
+    rows = [r for r in lines if r and re.fullmatch(r"GPU\d+", r[0]) and _on_diagonal(r)]
     n = len(rows)
-    return [r[1:n + 1] for r in rows] if n else None
+    ordered = all(r[0] == f"GPU{i}" for i, r in enumerate(rows))
+    return [r[1:n + 1] for r in rows] if n and ordered and all(len(r) > n for r in rows) else None
+
+
+def _on_diagonal(row: list[str]) -> bool:
+    i = int(row[0][3:])
+    return len(row) > i + 1 and row[i + 1] in ("X", "0")
+
+
+ROCM_LINKS = {"XGMI": "NV1", "PCIE": "PHB", "0": "X"}
+"""``rocm-smi --showtopotype``'s link types as ``nvidia-smi topo -m``'s labels: an AMD Instinct
+pair joined by Infinity Fabric (xGMI) has one link of its own (the full mesh of an 8-GPU
+platform: one link per pair), PCIe goes through the host bridge; the diagonal is the GPU."""
+
+
+def rocm_smi_matrix() -> list[list[str]] | None:
+    """The GPU-to-GPU link types of ``rocm-smi --showtopotype`` (AMD GPUs under ROCm), as
+    ``nvidia-smi topo -m``'s labels (``ROCM_LINKS``; an unknown type: SYS); None without the tool."""
+    exe = shutil.which("rocm-smi")
+    if exe is None:
+        return None
+    text = subprocess.run([exe, "--showtopotype"], capture_output=True, text=True, check=False).stdout
+    return rocm_links(text)
+
+
+def rocm_links(text: str) -> list[list[str]] | None:
+    """``rocm-smi --showtopotype``'s table (``text``) as ``nvidia-smi``'s labels (``rocm_smi_matrix``)."""
+    rows = _gpu_rows(text)
+    return None if rows is None else [[ROCM_LINKS.get(cell.upper(), "SYS") for cell in row] for row in rows]
+
+
+def link_matrix(n: int) -> tuple[list[list[str]], str]:
+    """The first ``n`` GPUs' link labels and where they came from: ``nvidia-smi topo -m``, else
+    ``rocm-smi --showtopotype``, else every pair across sockets (SYS) with a line saying no
+    tool was found (the file's description carries it)."""
+    for source, read in (("nvidia-smi topo -m", nvidia_smi_matrix), ("rocm-smi --showtopotype", rocm_smi_matrix)):
+        matrix = read()
+        if matrix is not None and len(matrix) >= n:
+            return matrix, f"links from {source}"
+    return ([["X" if a == b else "SYS" for b in range(n)] for a in range(n)],
+            "no nvidia-smi or rocm-smi topology found: every GPU pair assumed to cross sockets over PCIe (SYS); "
+            "edit the links by hand")
 
 
 def _nvlink_pairs(matrix: list[list[str]], n: int, size: int) -> tuple[list[dict], list[float]]:
@@ -197,7 +247,7 @@ def probe_cuda(name: str | None = None, threads: int = 1) -> dict:
     mem_bw = 2 * copy_gbps(d_src, d_dst)
     h = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     h2d, d2h = copy_gbps(h, d_src), copy_gbps(d_src, h)
-    matrix = nvidia_smi_matrix() or [["X" if a == b else "SYS" for b in range(n)] for a in range(n)]
+    matrix, links_from = link_matrix(n)
     pairs, per_link = _nvlink_pairs(matrix, n, size)
     switch_of, socket_of = _pcie_switches(matrix, n), _sockets(matrix, n)
     sockets = max(socket_of) + 1
@@ -206,7 +256,7 @@ def probe_cuda(name: str | None = None, threads: int = 1) -> dict:
     spec: dict = {
         "schema": 1,
         "name": name or f"probe-{n}x-{props.name.replace(' ', '-').lower()}",
-        "description": f"{n} x {props.name}, measured by mpsim topo probe (torch {torch.__version__})",
+        "description": f"{n} x {props.name}, measured by mpsim topo probe (torch {torch.__version__}; {links_from})",
         "gpu": {"model": props.name, "count": n, "memory_mib": round(props.total_memory / MiB, 1),
                 "reserved_mib": 0, "peak_tflops": {k: round(v, 2) for k, v in peak.items()},
                 "memory_bandwidth_gbps": round(mem_bw, 1), "matmul_efficiency": 1.0, "memory_efficiency": 1.0},
