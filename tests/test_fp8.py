@@ -157,3 +157,4 @@ def test_a_recipe_that_cannot_be_applied_is_refused_in_one_line(model: str, why:
     with pytest.raises(MpsimError, match=why) as exc:
         at_recipe(trace, "fp8-delayed" if model == "mixtral-8x7b" else model)
     assert "\n" not in str(exc.value)
+

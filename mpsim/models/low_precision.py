@@ -10,7 +10,9 @@ FP8 framework, Liu et al. 2024, section 3.3):
   batched GEMM) runs in FP8, and so do its data gradient (the GEMM with the weight in the
   backward) and its weight gradient (the backward GEMM that reads its saved input).
   GEMMs between two activations (eager attention's scores) stay in the compute dtype;
-  fused attention kernels are not touched.
+  fused attention kernels are not touched; so do the output head (``trace_layer``'s
+  ``keep_precision``) and the MoE routers (``routers``), as DeepSeek-V3 keeps the
+  embedding, the head and the gating in their original precision (section 3.3).
 - **Casts.** Each FP8 operand is cast first, a memory-bound kernel recorded beside the
   GEMM: it reads the tensor (twice under current scaling, whose amax pass reads it before
   the cast) and writes ``quantized_copies`` copies of ``quantized_bytes`` an element (the
@@ -59,6 +61,18 @@ def active() -> Precision | None:
     return _RECIPE.get()
 
 
+ROUTER_NAMES = frozenset({"gate", "router"})
+"""What a mixture of experts' router module is called in transformers' MoE blocks (Mixtral,
+Qwen, OLMoE, DeepSeek: ``gate``; gpt-oss, Llama 4: ``router``); its GEMM stays in the compute
+dtype, as DeepSeek-V3 keeps its gating (section 3.3.1) and Megatron-Core its router."""
+
+
+def routers(module: torch.nn.Module) -> set[int]:
+    """Storages of the weights of ``module``'s MoE routers (``ROUTER_NAMES``)."""
+    return {storage_key(p) for name, sub in module.named_modules() if name.rsplit(".", 1)[-1] in ROUTER_NAMES
+            for p in sub.parameters(recurse=False)}
+
+
 @dataclass
 class LowPrecisionProbe:
     """One layer's FP8 GEMMs: the weights' storages, the storages of the forward FP8 GEMMs'
@@ -66,6 +80,8 @@ class LowPrecisionProbe:
 
     precision: Precision
     params: set[int]
+    kept: set[int] = field(default_factory=set)
+    """Weights whose GEMMs stay in the compute dtype (the MoE routers, ``routers``)."""
     inputs: set[int] = field(default_factory=set)
     """Storages of the forward FP8 GEMMs' activation operands."""
     gemm_reads: set[int] = field(default_factory=set)
@@ -75,6 +91,8 @@ class LowPrecisionProbe:
         """Whether the GEMM of ``a`` and ``b`` runs in FP8, and the bytes its casts move
         (module doc)."""
         keys = (storage_key(a), storage_key(b))
+        if any(k in self.kept for k in keys):
+            return False, 0
         weight = [t for t, k in zip((a, b), keys, strict=True) if k in self.params]
         if not backward:
             if not weight:

@@ -188,14 +188,16 @@ def _selective_saving(probe: kernels.TraceProbe, saved: dict[int, int]) -> int:
     return max(0, dropped - checkpoint)
 
 
-def _traffic(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run) -> tuple[_OpBytes, _OpBytes]:
+def _traffic(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
+             low_precision_gemms: bool = False) -> tuple[_OpBytes, _OpBytes]:
     """The forward's and the backward's traffic and kernels of ``run(module, *inputs)``,
-    from fresh gradients."""
+    from fresh gradients (``low_precision_gemms``: as ``trace_layer`` traced them)."""
     for p in module.parameters():
         p.grad = None
-    recipe = low_precision.active()
+    recipe = low_precision.active() if low_precision_gemms else None
     low = (None if recipe is None else
-           low_precision.LowPrecisionProbe(recipe, {storage_key(p) for p in (*module.parameters(), *module.buffers())}))
+           low_precision.LowPrecisionProbe(recipe, {storage_key(p) for p in (*module.parameters(), *module.buffers())},
+                                           low_precision.routers(module)))
     fwd, bwd = _OpBytes(remember=False, low=low), _OpBytes(remember=False, low=low, backward=True)
     with kernels.CudaDropout(), fwd:
         out = run(module, *inputs)
@@ -206,13 +208,14 @@ def _traffic(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run) -> t
     return fwd, bwd
 
 
-def _doubled_run(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run) -> tuple[_OpBytes, _OpBytes] | None:
+def _doubled_run(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
+                 low_precision_gemms: bool = False) -> tuple[_OpBytes, _OpBytes] | None:
     """The layer run again on every input doubled along its first dimension: what tells the
     traffic and the kernel dimensions that grow with the batch from those that do not
     (``_fixed``, ``_kernel_records``). None for a layer whose inputs do not double that way."""
     doubled = [torch.cat([t, t]).detach().requires_grad_(t.requires_grad) for t in inputs]
     try:
-        return _traffic(module, doubled, run)
+        return _traffic(module, doubled, run, low_precision_gemms)
     except (RuntimeError, ValueError, TypeError, IndexError):
         return None
 
@@ -265,18 +268,21 @@ def _records(raw: RawKernel, twin: RawKernel | None, attention_backend: str | No
 
 
 def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
-                fixed_traffic: bool = True) -> dict[str, Any]:
+                fixed_traffic: bool = True, keep_precision: bool = False) -> dict[str, Any]:
     """Forward and backward of ``run(module, *inputs)`` (fake or real tensors); returns the
     measured fields of a trace row. The first input is the one a pipeline passes between layers.
     Parameters and buffers (batch norm's running statistics) are model state, not saved activations.
     ``fixed_traffic``: also run at twice the batch to find the traffic that does not scale
-    (``_fixed_traffic``); off where a second run costs real device memory."""
+    (``_fixed_traffic``); off where a second run costs real device memory. ``keep_precision``:
+    the layer runs in the compute dtype under a low-precision recipe too (the output head, as
+    Megatron-LM's output layer and DeepSeek-V3's head do: ``mpsim.models.low_precision``)."""
     param_keys = {storage_key(p) for p in (*module.parameters(), *module.buffers())}
     saved: dict[int, int] = {}
     itemsize: dict[int, int] = {}
     keep: list[torch.Tensor] = []
-    recipe = low_precision.active()
-    low = None if recipe is None else low_precision.LowPrecisionProbe(recipe, param_keys)
+    recipe = None if keep_precision else low_precision.active()
+    low = None if recipe is None else low_precision.LowPrecisionProbe(recipe, param_keys,
+                                                                     low_precision.routers(module))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         k = storage_key(t)
@@ -307,7 +313,7 @@ def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
         saved = low.saved_bytes(saved, itemsize, {storage_key(inputs[0])})
     core_bytes = _selective_saving(probe, saved)
     with tp_ops.recording(tp_ops.CommProbe()):  # the doubled run's collectives are not the layer's
-        doubled = _doubled_run(module, inputs, run) if fixed_traffic else None
+        doubled = _doubled_run(module, inputs, run, low is not None) if fixed_traffic else None
     fixed = ((0.0, 0.0) if doubled is None else
              (_fixed(counter.mem_bytes, doubled[0].mem_bytes), _fixed(counter_b.mem_bytes, doubled[1].mem_bytes)))
     fwd_kernels = _kernel_records(counter.launches, doubled[0].launches if doubled else None)
@@ -385,7 +391,7 @@ def _trace_layers(cfg: ModelConfig, b: int, dtype: torch.dtype,
         x = torch.randn(b, s_local, h, dtype=dtype, requires_grad=True)
         layer = trace_layer(TransformerLayer(cfg, shard), [x], lambda m, x: m(x))
         x2 = torch.randn(b, s_local, h, dtype=dtype, requires_grad=True)
-        head = trace_layer(LossHead(cfg, shard), [x2, tokens], lambda m, x, y: m(x, y))
+        head = trace_layer(LossHead(cfg, shard), [x2, tokens], lambda m, x, y: m(x, y), keep_precision=True)
     return emb, layer, head
 
 
