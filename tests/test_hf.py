@@ -30,6 +30,7 @@ PUBLIC_PARAMS = {
     "qwen3-30b-a3b": 30_532_122_624,
     "qwen3-235b-a22b": 235_093_634_560,
     "deepseek-v3": 671_026_404_352,
+    "llama-4-scout": 107_769_861_120,  # the text model: Meta's 109B counts the vision tower too
 }
 TINY = {"hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 1024,
         "vocab_size": 1000, "max_position_embeddings": 512}

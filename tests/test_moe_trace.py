@@ -7,6 +7,7 @@ refusals."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +42,26 @@ CONFIGS: dict[str, dict[str, object]] = {
     "deepseek_v2": {**MLA, "q_lora_rank": None, "n_shared_experts": 2},
     "gpt_oss": {"intermediate_size": 96, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
                 "sliding_window": 64},
+    # MoE every other layer, the last two layers NoPE: the four kinds (dense or MoE, RoPE or NoPE)
+    "llama4_text": {"intermediate_size": 32, "intermediate_size_mlp": 96, "num_local_experts": 4,
+                    "num_experts_per_tok": 2, "head_dim": 16, "num_hidden_layers": 4, "interleave_moe_layer_step": 2,
+                    "no_rope_layers": [1, 1, 0, 0]},
 }
 #: Public figures (billions, total and active), from the model cards and papers.
 PUBLIC = {"mixtral-8x7b": (46.7, 12.9), "mixtral-8x22b": (141, 39), "qwen3-30b-a3b": (30.5, 3.3),
-          "qwen3-235b-a22b": (235, 22), "deepseek-v3": (671, 37)}
+          "qwen3-235b-a22b": (235, 22), "deepseek-v3": (671, 37), "llama-4-scout": (109, 17)}
 #: What the transformers models count (total, active): see hf_configs/README.md.
 COUNTS = {"mixtral-8x7b": (46_702_792_704, 12_879_925_248), "mixtral-8x22b": (140_620_634_112, 39_152_031_744),
           "qwen3-30b-a3b": (30_532_122_624, 3_353_032_704), "qwen3-235b-a22b": (235_093_634_560, 22_190_763_520),
-          "deepseek-v3": (671_026_404_352, 37_552_282_624)}
+          "deepseek-v3": (671_026_404_352, 37_552_282_624), "llama-4-scout": (107_769_861_120, 17_172_894_720)}
+#: Llama 4 Scout's vision tower and projector (``Llama4ForConditionalGeneration``'s ``vision_model`` and
+#: ``multi_modal_projector`` built from the public config's ``vision_config``): in its public 109B, not in
+#: the text model transformers builds for ``llama4_text`` (``Llama4ForCausalLM``).
+SCOUT_VISION: dict[str, Any] = {
+    "hidden_size": 1408, "intermediate_size": 5632, "num_attention_heads": 16, "num_hidden_layers": 34,
+    "image_size": 336, "patch_size": 14, "pixel_shuffle_ratio": 0.5, "projector_input_dim": 4096,
+    "projector_output_dim": 4096, "vision_output_dim": 4096, "norm_eps": 1e-05, "rope_theta": 10000}
+EXPERTS = re.compile(r"\.(mlp|feed_forward)\.experts\.")
 
 
 def _write(tmp_path: Path, model_type: str, **fields: object) -> str:
@@ -74,7 +87,7 @@ def _theirs(model_type: str, **fields: object) -> Any:
 def test_each_family_has_transformers_parameter_counts_total_and_active(tmp_path, model_type):
     trace, model = _trace(tmp_path, model_type), _theirs(model_type)
     total = sum(p.numel() for p in model.parameters())
-    routed = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+    routed = sum(p.numel() for name, p in model.named_parameters() if EXPERTS.search(name))
     block = trace.spec.model["moe"]
     k, experts = block["top_k"], block["experts"]
     assert trace.spec.params == total
@@ -91,17 +104,18 @@ def test_moe_rows_where_transformers_builds_moe_layers(tmp_path, model_type):
     trace, model = _trace(tmp_path, model_type), _theirs(model_type)
     rows = [r for r in trace.layers if r.kind == "transformer"]
     for row, layer in zip(rows, model.model.layers, strict=True):
-        assert row.is_moe == hasattr(layer.mlp, "experts")
+        assert row.is_moe == hasattr(getattr(layer, "mlp", None) or layer.feed_forward, "experts")
         assert row.params == sum(p.numel() for p in layer.parameters())
     assert trace.spec.model["moe"]["moe_layers"] == sum(r.is_moe for r in rows)
     assert all(r.experts == 0 and r.dispatch_bytes == 0 for r in trace.layers if not r.is_moe)
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "llama4_text"])
 def test_expert_fields_have_the_closed_forms_of_swiglu_experts(tmp_path, model_type):
     """T tokens, top-k, width h, expert MLP width f: forward 2 T k (3 h f) FLOPs, the
     backward twice that (data and weight gradients), T k h bf16 bytes dispatched; Qwen2's
-    6 experts take 512 copies unevenly (86, 86, 85, 85, 85, 85) with the same FLOPs."""
+    6 experts take 512 copies unevenly (86, 86, 85, 85, 85, 85) with the same FLOPs; Llama 4's
+    k copies of each token, not transformers' every expert on every token (E/k times these)."""
     trace = _trace(tmp_path, model_type)
     row = next(r for r in trace.layers if r.is_moe)
     cfg = CONFIGS[model_type]
@@ -174,6 +188,61 @@ def test_depth_keeps_the_first_dense_layers_and_repeats_the_moe_block(tmp_path):
     assert [r.is_moe for r in shallower.layers] == [False, True, False]
 
 
+def test_llama4_traces_one_block_of_each_kind_as_transformers_builds_it(tmp_path):
+    """Dense or MoE (``moe_layers`` from ``interleave_moe_layer_step``), RoPE or NoPE
+    (``no_rope_layers``): four kinds, four traced blocks. A NoPE layer skips the rotary
+    embedding and the queries' and keys' L2 norm, and scales its queries by position (less
+    kept than a RoPE layer's); the shared expert (one, as wide as a routed one) runs on every
+    token, the router scores by the sigmoid of its top-k logits."""
+    trace = _trace(tmp_path, "llama4_text")
+    rows = [r for r in trace.layers if r.kind == "transformer"]
+    assert [r.is_moe for r in rows] == [False, True, False, True]
+    assert rows[0].params == rows[2].params and rows[1].params == rows[3].params
+    assert rows[2].act_bytes < rows[0].act_bytes and rows[3].act_bytes < rows[1].act_bytes
+    assert rows[1].expert_fwd_flops == rows[3].expert_fwd_flops
+    block = trace.spec.model["moe"]
+    assert (block["shared_experts"], block["shared_expert_ffn_hidden"], block["expert_ffn_hidden"]) == (1, 32, 32)
+    assert (block["scoring"], block["first_dense_layers"], block["moe_layers"]) == ("sigmoid of the top-k", 1, 2)
+    assert trace.spec.model["family"] == "llama4"
+
+
+def test_a_multimodal_llama4_config_traces_its_text_model(tmp_path):
+    """A ``llama4`` config (``Llama4Config``) is traced by its ``text_config``; Meta's
+    released ``attn_temperature_tuning: 4``, which transformers' strict config refuses, is read
+    as the flag its attention reads."""
+    text = json.loads(Path(_write(tmp_path, "llama4_text")).read_text())
+    path = tmp_path / "multimodal.json"
+    path.write_text(json.dumps({"model_type": "llama4", "text_config": {**text, "attn_temperature_tuning": 4},
+                                "vision_config": SCOUT_VISION}))
+    made, plain = trace_hf(str(path), microbatch=1), _trace(tmp_path, "llama4_text")
+    assert made.spec.params == plain.spec.params
+    assert made.spec.model["active_params"] == plain.spec.model["active_params"]
+    assert [r.act_bytes for r in made.layers] == [r.act_bytes for r in plain.layers]
+
+
+@pytest.mark.parametrize("fields,overrides,message", [
+    ({"no_rope_layers": [1, 2, 0, 0]}, None, "no_rope_layers: expected a list of 0 and 1 per layer"),
+    ({"moe_layers": [1, "3"]}, None, "moe_layers: expected a list of layer indices"),
+    ({}, {"layers": 8}, "no_rope_layers gives 4 layers' attention, not 8"),
+])
+def test_bad_llama4_layer_lists_are_refused_in_one_line(tmp_path, fields, overrides, message):
+    with pytest.raises(MpsimError, match=message) as e:
+        trace_hf(_write(tmp_path, "llama4_text", **fields), overrides=overrides)
+    assert "\n" not in str(e.value)
+
+
+def _scout_vision_params() -> int:
+    """Scout's vision tower and projector as transformers builds them (``SCOUT_VISION``)."""
+    from transformers.models.llama4 import modeling_llama4 as m
+
+    text = json.loads(config_path("llama-4-scout").read_text())
+    config = transformers.Llama4Config(text_config={**text, "attn_temperature_tuning": True},
+                                       vision_config=SCOUT_VISION)
+    with torch.device("meta"):
+        parts = [m.Llama4VisionModel(m.Llama4VisionConfig(**SCOUT_VISION)), m.Llama4MultiModalProjector(config)]
+    return sum(p.numel() for part in parts for p in part.parameters())
+
+
 def test_tensor_parallelism_refuses_a_moe_trace_in_one_line(tmp_path):
     trace = _trace(tmp_path, "mixtral")
     with pytest.raises(MpsimError, match="tensor parallelism needs a trace of an mpsim model") as e:
@@ -186,13 +255,17 @@ def test_presets_have_the_public_parameter_counts():
     figures (Mixtral-8x22B's 141B is 140.6B). DeepSeek-V3: transformers builds the 61 main
     layers without the multi-token-prediction module (layer 61, 11.5B of its own,
     ``num_nextn_predict_layers``), so the total is the main model's 671B; the active count
-    includes the 0.93B input embedding, which DeepSeek's 37B (36.6B) leaves out."""
+    includes the 0.93B input embedding, which DeepSeek's 37B (36.6B) leaves out. Llama 4
+    Scout: the text model (107.77B) and its 0.87B vision tower and projector make Meta's
+    109B (108.64B)."""
+    beside_text = {"llama-4-scout": _scout_vision_params()}
+    assert beside_text["llama-4-scout"] == 871_932_416
     for name, (total, active) in COUNTS.items():
         trace = trace_hf(name, overrides={"seq_len": 64})
         assert (trace.spec.params, trace.spec.model["active_params"]) == (total, active), name
         assert round(trace.active_params) == active
         public_total, public_active = PUBLIC[name]
-        assert total / 1e9 == pytest.approx(public_total, rel=0.01), name
+        assert (total + beside_text.get(name, 0)) / 1e9 == pytest.approx(public_total, rel=0.01), name
         assert active / 1e9 == pytest.approx(public_active, rel=0.04), name
 
 
@@ -204,9 +277,10 @@ def test_shipped_moe_traces_are_the_presets_at_4096_tokens():
         assert round(trace.active_params) == active
 
 
-def test_a_shipped_trace_is_what_the_tracer_makes_today():
-    made = trace_hf("qwen3-30b-a3b", overrides={"seq_len": 4096}, name="qwen3-30b-a3b")
-    assert json.loads(made.to_json()) == json.loads(load_trace("qwen3-30b-a3b").to_json())
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "llama-4-scout"])
+def test_a_shipped_trace_is_what_the_tracer_makes_today(name):
+    made = trace_hf(name, overrides={"seq_len": 4096}, name=name)
+    assert json.loads(made.to_json()) == json.loads(load_trace(name).to_json())
 
 
 @pytest.mark.parametrize("fields,message", [

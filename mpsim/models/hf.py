@@ -6,11 +6,14 @@ every layer) and the head (final norm, vocabulary projection, cross-entropy) are
 as their own layers by ``mpsim.models.tracer.trace_layer``.
 
 Mixture-of-experts families (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3,
-gpt-oss) run their routed experts through ``mpsim.models.moe``'s experts implementation
-(uniform load, the router for real). Where dense and MoE layers mix (DeepSeek's
-``first_k_dense_replace``, Qwen's ``decoder_sparse_step`` and ``mlp_only_layers``) the
-model is built up to the first block of each kind, both are traced, and each layer index
-gets its kind's row (``mpsim.models.moe.moe_layers``: transformers' own rule).
+gpt-oss, Llama 4) run their routed experts through ``mpsim.models.moe``'s experts
+implementation (uniform load, the router for real; Llama 4's MoE blocks, whose experts
+transformers runs outside its experts interface, through ``moe.llama4_moe_forward``).
+Where dense and MoE layers mix (DeepSeek's ``first_k_dense_replace``, Qwen's
+``decoder_sparse_step`` and ``mlp_only_layers``, Llama 4's ``moe_layers``) or the
+attention differs by layer (Llama 4's NoPE layers: ``_layer_kinds``) the model is built up
+to the first block of each kind, each is traced, and each layer index gets its kind's row
+(``mpsim.models.moe.moe_layers``: transformers' own rule).
 
 GPU kernel semantics, as ``mpsim.models.kernels`` gives them to mpsim's own layers:
 
@@ -65,6 +68,9 @@ ATTN_IMPLEMENTATION = "mpsim"
 _BACKEND: ContextVar[kernels.AttentionBackend] = ContextVar("mpsim_hf_backend", default="flash")
 _DEFAULT_SEQ_LEN = 4096
 """Sequence length of a model that is no preset: its maximum positions, at most this."""
+Kind = tuple[bool, str]
+"""A layer's kind: whether it routes to experts, and its attention where that differs by
+layer (``_layer_kinds``)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,7 @@ LAYOUTS: dict[str, FamilyLayout] = {
     "deepseek_v2": _decoder("deepseek-v2"),
     "deepseek_v3": _decoder("deepseek-v3"),
     "gpt_oss": _decoder("gpt-oss"),
+    "llama4_text": _decoder("llama4"),
     "gpt2": FamilyLayout(
         family="gpt", masked_lm=False, base="transformer", blocks="h", rotary=None,
         embed_modules=("transformer.wte", "transformer.wpe", "transformer.drop"),
@@ -228,10 +235,13 @@ def _mpsim_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     (Mistral, Gemma's local layers) are not modelled, as in ``mpsim.models.workloads``: their
     kernels keep the same tensors, and the FLOPs counted are the full causal ones. Gemma 2's
     attention soft-capping (``softcap``) runs inside the fused kernel and keeps nothing more,
-    nor do gpt-oss's attention sinks (``s_aux``, left out). Multi-head latent attention
-    (DeepSeek-V2 and V3: 192-wide queries and keys, 128-wide values) runs as FlashAttention-2
-    runs it, one head width for all three: the values padded with zeros to the queries'
-    width and the output cut back (as transformers' DeepSeek code did for flash attention)."""
+    nor do gpt-oss's attention sinks (``s_aux``, left out). Llama 4's chunked attention
+    (``attention_chunk_size``, 8192 in its releases) is causal attention within each chunk:
+    the same as causal up to the chunk size, and counted as fully causal beyond it.
+    Multi-head latent attention (DeepSeek-V2 and V3: 192-wide queries and keys, 128-wide
+    values) runs as FlashAttention-2 runs it, one head width for all three: the values
+    padded with zeros to the queries' width and the output cut back (as transformers'
+    DeepSeek code did for flash attention)."""
     if attention_mask is not None:
         raise MpsimError("mpsim attention takes no explicit attention mask (causal or bidirectional only)")
     causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
@@ -304,6 +314,7 @@ def _build(transformers: Any, config: Any, layout: FamilyLayout, dtype: torch.dt
     auto = transformers.AutoModelForMaskedLM if layout.masked_lm else transformers.AutoModelForCausalLM
     experts = {"experts_implementation": moe.EXPERTS_IMPLEMENTATION} if config.model_type in moe.FAMILIES else {}
     model = auto.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype, **experts)
+    moe.adopt(model)
     return model.train()
 
 
@@ -352,9 +363,9 @@ def _given(tables: tuple[torch.Tensor, ...]) -> Any:
 
 
 def _trace_rows(model: Any, layout: FamilyLayout, b: int, s: int, dtype: torch.dtype,
-                blocks: dict[bool, int]) -> tuple[dict, dict[bool, dict], dict]:
-    """The embedding's row, the rows of ``blocks`` (layer index by kind: MoE or dense) and
-    the head's."""
+                blocks: dict[Kind, int]) -> tuple[dict, dict[Kind, dict], dict]:
+    """The embedding's row, the rows of ``blocks`` (layer index by kind: ``_layer_kinds``)
+    and the head's."""
     from mpsim.models.tracer import trace_layer
 
     base = _submodule(model, layout.base)
@@ -369,7 +380,7 @@ def _trace_rows(model: Any, layout: FamilyLayout, b: int, s: int, dtype: torch.d
 
     x2 = torch.randn(b, s, model.config.hidden_size, dtype=dtype, requires_grad=True)
     head_modules = _group(model, layout.head_modules)
-    head = trace_layer(head_modules, [x2, tokens], run_head)
+    head = trace_layer(head_modules, [x2, tokens], run_head, keep_precision=True)
     return emb, traced, dict(head, params=head["params"] - _tied(_group(model, layout.embed_modules), head_modules))
 
 
@@ -412,20 +423,21 @@ def _full_params(model: nn.Module, layout: FamilyLayout, per_layer: list[int]) -
     return sum(p.numel() for p in model.parameters()) - built + sum(per_layer)
 
 
-def _moe_info(config: Any, traced: dict[bool, dict], kinds: list[bool], tokens: int,
+def _moe_info(config: Any, traced: dict[Kind, dict], kinds: list[Kind], tokens: int,
               params: int) -> dict[str, Any]:
     """The model block's ``moe`` (``mpsim.models.moe.moe_block``, with the number of MoE
     layers and the routed copies a layer drops per microbatch under uniform load) and
     ``active_params`` (the routed experts counted top-k of their number); empty for a
     dense model."""
     block = moe.moe_block(config)
-    if block is None or True not in traced:
+    row = next((row for (routed, _attention), row in traced.items() if routed), None)
+    if block is None or row is None:
         return {}
-    row = traced[True]
     experts, top_k = row["experts"], row["experts_per_token"]
-    idle = sum(kinds) * row["expert_params"] * (experts - top_k) // experts
+    layers = sum(routed for routed, _attention in kinds)
+    idle = layers * row["expert_params"] * (experts - top_k) // experts
     _kept, dropped = moe.routed_copies(block, tokens)
-    return {"moe": {**block, "moe_layers": sum(kinds), "dropped_copies": dropped}, "active_params": params - idle}
+    return {"moe": {**block, "moe_layers": layers, "dropped_copies": dropped}, "active_params": params - idle}
 
 
 def _decoder_shape(model: Any, layout: FamilyLayout) -> dict[str, Any]:
@@ -440,6 +452,21 @@ def _decoder_shape(model: Any, layout: FamilyLayout) -> dict[str, Any]:
     return {"ffn_hidden": config.intermediate_size, "qkv_bias": attention.q_proj.bias is not None,
             "rope_theta": float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
             "dropout": float(getattr(config, "attention_dropout", 0.0))}
+
+
+def _layer_kinds(config: Any, layers: int) -> list[Kind]:
+    """Each layer's kind: MoE or dense (``mpsim.models.moe.moe_layers``) and, for Llama 4,
+    RoPE or NoPE attention (``Llama4TextAttention``: ``use_rope = no_rope_layers[i]``; a
+    RoPE layer L2-normalises its queries and keys where ``use_qk_norm``, a NoPE layer scales
+    its queries by position where ``attn_temperature_tuning``), traced once each."""
+    routed = moe.moe_layers(config, layers)
+    if config.model_type != "llama4_text":
+        return [(r, "") for r in routed]
+    rope = list(config.no_rope_layers)
+    if len(rope) < layers:
+        raise MpsimError(f"llama4_text: no_rope_layers gives {len(rope)} layers' attention, not {layers}: "
+                         "give the config's own layer count, or a no_rope_layers for each layer")
+    return [(r, "rope" if rope[i] else "nope") for i, r in enumerate(routed)]
 
 
 def _defaults(source: str) -> tuple[int | None, int, str]:
@@ -473,7 +500,7 @@ def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = No
         raise MpsimError(f"unknown recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
     backend = attention or kernels.default_attention(None, RECIPES[recipe].compute_dtype)
     layers = config.num_hidden_layers
-    kinds = moe.moe_layers(config, layers)  # whether each layer routes to experts
+    kinds = _layer_kinds(config, layers)  # whether each layer routes to experts, its attention
     blocks = moe.representatives(kinds)
     config.num_hidden_layers = max(blocks.values()) + 1  # built up to one block of each kind
     b = microbatch or preset_mb

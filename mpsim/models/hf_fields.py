@@ -30,13 +30,17 @@ MAX_VOCAB = 1 << 23
 MAX_POSITIONS = 1 << 24
 MAX_EXPERTS = 1 << 13
 """Routed experts per layer up to 8,192 (DeepSeek-V3: 256, Kimi K2: 384)."""
-MOE_MODEL_TYPES = frozenset({"mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"})
+MOE_MODEL_TYPES = frozenset({"mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss",
+                             "llama4_text"})
 """The mixture-of-experts families ``mpsim.models.moe`` traces."""
 #: Fields that say a config has experts (a dense model_type with any of them is refused).
 MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "experts_per_token",
               "moe_intermediate_size", "shared_expert_intermediate_size", "n_shared_experts")
 #: Counts that may be zero, and their largest values: shared experts, leading dense layers.
 ZERO_OR_MORE_FIELDS = {"n_shared_experts": MAX_EXPERTS, "first_k_dense_replace": MAX_LAYERS}
+#: Lists of layer indices (Qwen's dense layers, Llama 4's MoE layers) and of 0/1 flags (Llama 4's RoPE layers).
+LAYER_LISTS = ("mlp_only_layers", "moe_layers")
+FLAG_LISTS = ("no_rope_layers",)
 #: Number fields the modules compute with, and their ranges (low, high; both included).
 NUMBER_FIELDS: dict[str, tuple[float, float]] = {
     "rope_theta": (1e-6, 1e12), "rms_norm_eps": (0.0, 1.0), "layer_norm_epsilon": (0.0, 1.0),
@@ -47,7 +51,7 @@ NUMBER_FIELDS: dict[str, tuple[float, float]] = {
     "final_logit_softcapping": (1e-6, 1e6), "attn_logit_softcapping": (1e-6, 1e6),
     "query_pre_attn_scalar": (1e-6, 1e9), "rope_local_base_freq": (1e-6, 1e12),
     "routed_scaling_factor": (1e-6, 1e3), "router_jitter_noise": (0.0, 1.0), "router_aux_loss_coef": (0.0, 1e3),
-    "capacity_factor": (1e-3, 1e3),
+    "capacity_factor": (1e-3, 1e3), "attn_scale": (0.0, 1e3),
 }
 #: Fields that name something and must be a string.
 NAME_FIELDS = ("model_type", "hidden_act", "activation_function", "torch_dtype", "position_embedding_type")
@@ -71,6 +75,12 @@ SHAPE_FIELDS: dict[str, tuple[tuple[str, ...], bool, int]] = {
     "moe_intermediate_size": (("moe_intermediate_size",), True, MAX_WIDTH),
     "shared_expert_intermediate_size": (("shared_expert_intermediate_size",), True, MAX_WIDTH),
     "decoder_sparse_step": (("decoder_sparse_step",), True, MAX_LAYERS),
+    # Llama 4: the dense layers' MLP width, the MoE and NoPE layers' spacing, chunked attention
+    "intermediate_size_mlp": (("intermediate_size_mlp",), True, MAX_WIDTH),
+    "interleave_moe_layer_step": (("interleave_moe_layer_step",), True, MAX_LAYERS),
+    "no_rope_layer_interval": (("no_rope_layer_interval",), True, MAX_LAYERS),
+    "attention_chunk_size": (("attention_chunk_size",), True, MAX_POSITIONS),
+    "floor_scale": (("floor_scale",), True, MAX_POSITIONS),
     "n_group": (("n_group",), True, MAX_EXPERTS),
     "topk_group": (("topk_group",), True, MAX_EXPERTS),
     # multi-head latent attention (DeepSeek-V2 and V3)
@@ -105,9 +115,25 @@ def read_checked(source: str, overrides: dict[str, int] | None = None) -> tuple[
     """SOURCE's config file and its JSON, its shape checked (``check_shape``; the fields
     ``overrides`` replace are checked with their new values by ``mpsim.models.hf``)."""
     path = config_path(source)
-    raw = read_config(path)
+    raw = text_model(read_config(path))
     check_shape(raw, str(path), overrides)
     return path, raw
+
+
+def text_model(raw: dict[str, Any]) -> dict[str, Any]:
+    """The text model of a config: a multimodal Llama 4 config (``model_type`` ``llama4``,
+    ``Llama4Config``) by its ``text_config`` (``llama4_text``: ``Llama4ForCausalLM``, the
+    vision tower and projector left out), any other config as it is. Meta's released Llama 4
+    configs write ``attn_temperature_tuning`` as 4, which transformers 5's strict
+    ``Llama4TextConfig`` refuses (a bool); its attention reads it as a flag
+    (``if self.attn_temperature_tuning``), so a number is read as that flag."""
+    text = raw.get("text_config")
+    if raw.get("model_type") == "llama4" and isinstance(text, dict):
+        raw = {**text, "model_type": text.get("model_type", "llama4_text")}
+    flag = raw.get("attn_temperature_tuning")
+    if raw.get("model_type") == "llama4_text" and type(flag) in (int, float):
+        raw = {**raw, "attn_temperature_tuning": bool(flag)}
+    return raw
 
 
 def check_overrides(overrides: dict[str, int] | None) -> None:
@@ -203,8 +229,8 @@ def check_shape(raw: dict[str, Any], where: str, overrides: dict[str, int] | Non
 
 def check_experts(raw: dict[str, Any], where: str) -> None:
     """A mixture-of-experts config's counts consistent: the shared experts and leading
-    dense layers from 0 (``ZERO_OR_MORE_FIELDS``), the layers listed in ``mlp_only_layers``
-    whole numbers, top-k at most the experts, the expert groups (DeepSeek's ``n_group``)
+    dense layers from 0 (``ZERO_OR_MORE_FIELDS``), the layer lists well formed
+    (``_check_layer_lists``), top-k at most the experts, the expert groups (DeepSeek's ``n_group``)
     splitting the experts, ``topk_group`` at most ``n_group``; and expert fields only under
     a model_type that has experts (a Mixtral config relabelled ``mistral`` would otherwise
     be traced as a dense model without them)."""
@@ -212,10 +238,7 @@ def check_experts(raw: dict[str, Any], where: str) -> None:
         value = raw.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= largest):
             raise MpsimError(f"{where}: {name}: expected a whole number from 0 to {largest:,}, got {_shown(value)}")
-    only = raw.get("mlp_only_layers")
-    if only is not None and (not isinstance(only, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_LAYERS for i in only)):
-        raise MpsimError(f"{where}: mlp_only_layers: expected a list of layer indices, got {_shown(only)}")
+    _check_layer_lists(raw, where)
     _check_routing(raw, where)
     model_type = raw.get("model_type")
     given = [f for f in MOE_FIELDS if raw.get(f) is not None]
@@ -223,6 +246,21 @@ def check_experts(raw: dict[str, Any], where: str) -> None:
         raise MpsimError(f"{where}: mixture-of-experts fields ({', '.join(given)}) under model_type {model_type!r}, "
                          "which has no experts: it would be traced as a dense model; give the model_type of its "
                          f"family ({', '.join(sorted(MOE_MODEL_TYPES))})")
+
+
+def _check_layer_lists(raw: dict[str, Any], where: str) -> None:
+    """Qwen's ``mlp_only_layers`` and Llama 4's ``moe_layers``: lists of layer indices;
+    Llama 4's ``no_rope_layers``: a 0 or 1 per layer (``Llama4TextConfig``)."""
+    for name in LAYER_LISTS:
+        listed = raw.get(name)
+        if listed is not None and (not isinstance(listed, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_LAYERS for i in listed)):
+            raise MpsimError(f"{where}: {name}: expected a list of layer indices, got {_shown(listed)}")
+    for name in FLAG_LISTS:
+        flags = raw.get(name)
+        if flags is not None and (not isinstance(flags, list) or len(flags) > MAX_LAYERS
+                                  or not all(type(f) is int and f in (0, 1) for f in flags)):
+            raise MpsimError(f"{where}: {name}: expected a list of 0 and 1 per layer, got {_shown(flags)}")
 
 
 def _check_routing(raw: dict[str, Any], where: str) -> None:

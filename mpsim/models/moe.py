@@ -28,18 +28,25 @@ saved activations and kernel shapes are those of a grouped-GEMM execution at uni
 load; the kernel records hold one GEMM per group of equal shares, with the experts as its
 batch.
 
+Llama 4 (``Llama4TextMoe``) keeps its experts outside that interface and runs every
+expert on every token, each copy scaled by its sigmoid score (0 where not chosen);
+``adopt`` gives the model's MoE blocks ``llama4_moe_forward`` instead, which runs the same
+router and shared expert and routes the k chosen copies under uniform load, scaled before
+the experts as transformers scales them.
+
 ``ExpertProbe`` records, while the tracer's forward runs, what the trace row's expert
 fields need (``mpsim.models.trace.LayerRow``: ``experts`` ... ``dispatch_bytes``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -50,6 +57,7 @@ from mpsim.models.kernels import scoped, storage_key
 EXPERTS_IMPLEMENTATION = "mpsim_uniform"
 """The name ``uniform_experts_forward`` is registered under with transformers."""
 ROUTING = "uniform"
+K = TypeVar("K", bool, tuple[bool, str])
 
 
 # --- what the tracer records ---------------------------------------------------------------------
@@ -206,12 +214,18 @@ def _capacity_factor(experts: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
+def _copy_weights(top_k_weights: Tensor, kept: int) -> Tensor:
+    """The router's weight of each of the ``kept`` copies, token-major as dispatched: (kept, 1)."""
+    return top_k_weights.reshape(-1)[:kept].unsqueeze(-1)
+
+
 def uniform_experts_forward(experts: Any, hidden_states: Tensor, top_k_index: Tensor,
-                            top_k_weights: Tensor) -> Tensor:
+                            top_k_weights: Tensor, scale_inputs: bool = False) -> Tensor:
     """An ``ExpertsInterface`` function: hidden states (T, h) and the router's top-k
     weights (T, k) to the experts' weighted sum per token (T, h), under uniform load (module
     doc). ``top_k_index`` is read for its shape only: which experts were chosen is the
-    assumption."""
+    assumption. The weights scale the experts' outputs, or with ``scale_inputs`` their
+    dispatched inputs (Llama 4: ``Llama4TextMoe`` scales ``routed_in``)."""
     tokens, hidden = hidden_states.shape
     k, num = top_k_index.shape[-1], experts.num_experts
     copies = tokens * k
@@ -220,8 +234,11 @@ def uniform_experts_forward(experts: Any, hidden_states: Tensor, top_k_index: Te
     probe = _PROBE.get()
     with _noting(probe, experts, k, kept * hidden * hidden_states.element_size()):
         index = torch.arange(kept, device=hidden_states.device) // k
-        out = _run_groups(experts, hidden_states.index_select(0, index), groups)
-        weighted = out * top_k_weights.reshape(-1)[:kept].unsqueeze(-1)
+        routed = hidden_states.index_select(0, index)
+        if scale_inputs:
+            routed = routed * _copy_weights(top_k_weights, kept)
+        out = _run_groups(experts, routed, groups)
+        weighted = out if scale_inputs else out * _copy_weights(top_k_weights, kept)
         if kept < copies:  # dropped copies add nothing; the residual carries their tokens
             weighted = F.pad(weighted, (0, 0, 0, copies - kept))
         return weighted.view(tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)
@@ -250,6 +267,58 @@ def register(transformers: Any) -> None:
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, uniform_experts_forward)
+
+
+# --- Llama 4: experts outside the experts interface ----------------------------------------------
+
+
+class _Llama4Experts:
+    """A ``Llama4TextExperts`` seen as ``use_experts_implementation`` sees an experts module,
+    for ``uniform_experts_forward``: concatenated gate|up weights stored (in, out), experts
+    x h x 2f and experts x f x h (``is_transposed``), SwiGLU as its forward writes it
+    (``gate, up = gate_up.chunk(2)``, ``up * act_fn(gate)``), no biases; ``config``: the
+    text config (for ``capacity_factor``)."""
+
+    has_gate, has_bias, has_post_expert_norm, is_transposed = True, False, False, True
+
+    def __init__(self, experts: Any, config: Any) -> None:
+        self.experts, self.config = experts, config
+        self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
+        self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
+
+    def parameters(self) -> Any:
+        return self.experts.parameters()
+
+    def _apply_gate(self, gate_up: Tensor) -> Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return up * self.act_fn(gate)
+
+
+def llama4_moe_forward(block: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
+    """``Llama4TextMoe.forward`` with its routed experts under uniform load. transformers
+    runs every expert on every token (``routed_in``: the tokens repeated E times, each copy
+    scaled by its sigmoid score, 0 where not chosen: E/k times the routed FLOPs); here the
+    router runs as written (``Llama4Router``: top-k of the logits, the sigmoid of those),
+    each token's k chosen scores are read back from its (T, E) scores, and its k copies,
+    scaled by them as transformers scales its inputs, go through ``uniform_experts_forward``;
+    the shared expert runs on every token and the routed outputs are added to it."""
+    hidden = hidden_states.reshape(-1, block.hidden_dim)
+    scores, logits = block.router(hidden)
+    weights, index = scores.topk(block.top_k, dim=1)
+    experts = _Llama4Experts(block.experts, block.shared_expert.config)
+    routed = uniform_experts_forward(experts, hidden, index, weights, scale_inputs=True)
+    out = block.shared_expert(hidden)
+    out.add_(routed)
+    return out, logits
+
+
+def adopt(model: Any) -> None:
+    """The MoE blocks of ``model`` whose experts transformers does not run through the
+    experts interface (Llama 4's ``Llama4TextMoe``) given ``llama4_moe_forward``, on these
+    instances only (transformers' classes are left as they are)."""
+    for module in model.modules():
+        if type(module).__name__ == "Llama4TextMoe":
+            module.forward = functools.partial(llama4_moe_forward, module)
 
 
 # --- the families' MoE shapes --------------------------------------------------------------------
@@ -301,6 +370,22 @@ def _deepseek_shared(config: Any) -> tuple[int, int]:
     return n, n * config.moe_intermediate_size
 
 
+def _llama4_sparse(config: Any, i: int) -> bool:
+    """Llama 4 (``Llama4TextDecoderLayer``): a layer is MoE if listed in ``moe_layers``, which
+    the config derives from ``interleave_moe_layer_step`` when not given (every step-th
+    layer counting from 1: Scout's step 1 makes all 48 MoE, Maverick's 2 every other)."""
+    return i in config.moe_layers
+
+
+def _llama4_shared(config: Any) -> tuple[int, int]:
+    """Llama 4's one shared expert (``Llama4TextMoe.shared_expert``), as wide as a routed one."""
+    return 1, config.intermediate_size
+
+
+def _llama4_first_dense(config: Any) -> int:
+    return min(config.moe_layers, default=config.num_hidden_layers)
+
+
 FAMILIES: dict[str, MoeFamily] = {
     "mixtral": MoeFamily("num_local_experts", "intermediate_size", "softmax", _every_layer),
     "olmoe": MoeFamily("num_experts", "intermediate_size", "softmax", _every_layer),
@@ -311,6 +396,8 @@ FAMILIES: dict[str, MoeFamily] = {
     "deepseek_v3": MoeFamily("n_routed_experts", "moe_intermediate_size", "sigmoid, group-limited",
                              _deepseek_sparse, _deepseek_shared, lambda c: c.first_k_dense_replace),
     "gpt_oss": MoeFamily("num_local_experts", "intermediate_size", "softmax over the top-k", _every_layer),
+    "llama4_text": MoeFamily("num_local_experts", "intermediate_size", "sigmoid of the top-k", _llama4_sparse,
+                             _llama4_shared, _llama4_first_dense),
 }
 
 
@@ -342,6 +429,8 @@ def routed_copies(block: dict[str, Any], tokens: int) -> tuple[int, int]:
     return kept, copies - kept
 
 
-def representatives(kinds: list[bool]) -> dict[bool, int]:
-    """The first layer of each kind present (MoE or dense): the blocks that are traced."""
-    return {kind: kinds.index(kind) for kind in (False, True) if kind in kinds}
+def representatives(kinds: list[K]) -> dict[K, int]:
+    """The first layer of each kind present (dense or MoE, and where the family's layers
+    differ otherwise, e.g. Llama 4's RoPE and NoPE attention: ``mpsim.models.hf``), in
+    the kinds' order: the blocks that are traced."""
+    return {kind: kinds.index(kind) for kind in sorted(set(kinds))}
