@@ -158,3 +158,22 @@ def test_a_recipe_that_cannot_be_applied_is_refused_in_one_line(model: str, why:
         at_recipe(trace, "fp8-delayed" if model == "mixtral-8x7b" else model)
     assert "\n" not in str(exc.value)
 
+
+
+def test_the_head_and_the_routers_stay_in_bf16_under_fp8() -> None:
+    """DeepSeek-V3 (section 3.3) and Megatron-LM keep the output head and the MoE gating in
+    their original precision: a tiny Mixtral under fp8-delayed runs its attention and experts'
+    GEMMs in FP8, its router's (n = the 4 experts) and its head's in bf16."""
+    from pathlib import Path
+
+    from mpsim.models.hf import trace_hf
+
+    config = Path(__file__).resolve().parent / "data" / "tiny-mixtral.json"
+    trace = trace_hf(str(config), recipe="fp8-delayed")
+    moe = next(r for r in trace.layers if r.is_moe)
+    gemms = [k for k in moe.fwd_kernels if isinstance(k, GemmKernel)]
+    router = [k for k in gemms if k.n == moe.experts]
+    assert router and not any(k.low_precision for k in router)
+    assert all(k.low_precision for k in gemms if k.n != moe.experts)
+    assert not any(k.low_precision for k in trace.layers[-1].fwd_kernels + trace.layers[-1].bwd_kernels
+                   if isinstance(k, GemmKernel))
