@@ -63,11 +63,6 @@ EXPERTS_IMPLEMENTATION = "mpsim_expert_parallel"
 # --- the layout ----------------------------------------------------------------------------------
 
 
-def expert_degree(plan: PlanFile) -> int:
-    """The plan's expert-parallel degree (its mesh's ``expert`` axis; 1 without)."""
-    return dict(plan.mesh.axes).get("expert", 1) if plan.mesh is not None else 1
-
-
 @dataclass(frozen=True)
 class ExpertMesh:
     """This rank's groups: the (dp, ep) mesh's ``ep`` group (its experts' all-to-alls) and
@@ -93,7 +88,7 @@ class ExpertMesh:
 def make_mesh(plan: PlanFile, device: torch.device) -> ExpertMesh:
     """The (dp, ep) mesh over the world, expert innermost; every rank creates it, and the
     flat one, in one order."""
-    ep = expert_degree(plan)
+    ep = plan.expert
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
     return ExpertMesh(mesh, init_device_mesh(device.type, (world,), mesh_dim_names=("dense",)))

@@ -226,7 +226,7 @@ def validate_moe_plan(plan_file: PlanFile, topo: Topology, trace: Trace, hf_conf
     model = HfModel(hf_config, trace.spec.model["seq_len"], trace.spec.model["attention"])
     report, measured = hc.measure(plan_file, topo, trace, model, settings, workdir)  # the worker reads hf_config
     _routed_rows(report, plan_file, trace, measured)
-    report.update(expert_parallel=_expert_degree(plan_file), routing="forced to the trace's uniform load",
+    report.update(expert_parallel=plan_file.expert, routing="forced to the trace's uniform load",
                   hf_config=hf_config)
     return report
 
@@ -241,17 +241,13 @@ class HfModel:
     attention: str
 
 
-def _expert_degree(plan_file: PlanFile) -> int:
-    return dict(plan_file.mesh.axes).get("expert", 1) if plan_file.mesh is not None else 1
-
-
 def predicted_routed_copies(plan_file: PlanFile, trace: Trace) -> int:
     """Routed copies one GPU's experts receive per MoE layer and microbatch, as the
     simulator's shard says (its dispatch bytes over the fp32 hidden state; the busiest
     GPU's under the job's load, uniform here)."""
     from mpsim.models.expert_parallel import expert_shard
 
-    shard = expert_shard(trace.rescale(plan_file.microbatch), _expert_degree(plan_file))
+    shard = expert_shard(trace.rescale(plan_file.microbatch), plan_file.expert)
     rows = [r for r in shard.layers if r.experts]
     return rows[0].dispatch_bytes // (trace.spec.model["hidden"] * 4) if rows else 0
 

@@ -30,6 +30,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from mpsim.caches import Lru
 from mpsim.datafile import read_data_file
 from mpsim.errors import MpsimError
@@ -174,7 +176,7 @@ def expert_shard(trace: Trace, degree: int, load: ExpertLoad = UNIFORM) -> Trace
 def _shard_row(row: LayerRow, degree: int, factor: float, per_param: tuple[int, int, int]) -> LayerRow:
     """``row`` on one GPU of the group: 1/degree of its experts' states, ``factor`` times
     their saved bytes and the all-to-alls' bytes (the busiest GPU's tokens; its time is
-    scaled by the engine, ``expert_time_factors``)."""
+    scaled by the engine, ``busiest_times``)."""
     moved = row.expert_params - row.expert_params // degree
     weight, grad, optimizer = (moved * b for b in per_param)
     extra_act = round(row.expert_act_bytes * (factor - 1))
@@ -188,16 +190,15 @@ def _shard_row(row: LayerRow, degree: int, factor: float, per_param: tuple[int, 
     })
 
 
-def expert_time_factors(rows: list[LayerRow], factor: float, backward: bool) -> list[float]:
-    """Per row, what the busiest GPU's load (``factor``) multiplies its pass's time by:
-    1 + (factor - 1) x the experts' share of the pass's FLOPs (1 for a dense row)."""
+def busiest_times(pass_s: np.ndarray, rows: list[LayerRow], factor: float, backward: bool) -> np.ndarray:
+    """``pass_s`` (each row's forward or backward seconds) on the busiest GPU, whose load is
+    ``factor`` times the mean: a row's time grows by 1 + (factor - 1) x the experts' share of
+    the pass's FLOPs (a dense row's not at all); ``pass_s`` itself under uniform load."""
     if factor == 1.0:
-        return [1.0] * len(rows)
-    out = []
-    for r in rows:
-        part, whole = (r.expert_bwd_flops, r.bwd_flops) if backward else (r.expert_fwd_flops, r.fwd_flops)
-        out.append(1.0 + (factor - 1.0) * part / whole if whole else 1.0)
-    return out
+        return pass_s
+    shares = [(r.expert_bwd_flops / r.bwd_flops if r.bwd_flops else 0.0) if backward
+              else (r.expert_fwd_flops / r.fwd_flops if r.fwd_flops else 0.0) for r in rows]
+    return pass_s * (1.0 + (factor - 1.0) * np.asarray(shares))
 
 
 def shard_info(trace: Trace) -> tuple[int, float]:

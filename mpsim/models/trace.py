@@ -254,6 +254,11 @@ class LayerRow(FileModel):
             return float(self.params)
         return self.params - self.expert_params + self.expert_params * self.experts_per_token / self.experts
 
+    def expert_part(self, n_bytes: int) -> int:
+        """The routed experts' part of ``n_bytes`` of this row's parameters, gradients or
+        optimizer states (their share of its parameters; 0 for a dense row)."""
+        return n_bytes * self.expert_params // self.params if self.params else 0
+
     @property
     def own_bytes(self) -> int:
         """What recomputing the layer frees per microbatch: its saved activations less the

@@ -97,7 +97,7 @@ class JobSpec:
             raise MpsimError(why)
         self.parallelism.stages_on(self.topology, self.servers, fill=False)  # too few GPUs: said first
         check_shardable(self.trace, self.parallelism.tensor, self.parallelism.sequence_parallel)  # then the model
-        check_expert_parallel(self.trace, self.expert_degree)
+        check_expert_parallel(self.trace, self.parallelism.expert)
         if self.cluster is not None or self.servers != 1:
             self._check_cluster()
         elif self.parallelism.hsdp:
@@ -152,11 +152,6 @@ class JobSpec:
     def n_stages(self) -> int:
         """Pipeline stages, one GPU (or tensor-parallel group) each, per replica."""
         return self.parallelism.stages_on(self.topology, self.servers)
-
-    @property
-    def expert_degree(self) -> int:
-        """GPUs each mixture-of-experts layer's routed experts are split over (the expert axis)."""
-        return dict(self.parallelism.axes).get("expert", 1)
 
     @property
     def model_stages(self) -> int:

@@ -225,6 +225,11 @@ class PlanFile(FileModel):
     def tensor(self) -> int:
         return 1 if self.tensor_parallel is None else self.tensor_parallel.degree
 
+    @property
+    def expert(self) -> int:
+        """The expert-parallel degree (the mesh's ``expert`` axis; 1 without)."""
+        return 1 if self.mesh is None else dict(self.mesh.axes).get("expert", 1)
+
     def gpus_used(self) -> set[int]:
         """Every GPU the job runs on, in any replica and tensor-parallel group."""
         if self.tensor_parallel is not None:

@@ -95,13 +95,17 @@ class DataParallel:
         self.expert_ring, self.expert_across = layout.expert_data_group(stage)
         """The expert-data-parallel group (GPUs on the simulated servers, servers spanned):
         with expert parallelism, what the routed experts' gradients are reduced over."""
-        grad_per_param = layout.job.trace.spec.precision.grad_bytes_per_param
-        self.expert_grad_bytes = {j: r.expert_params * grad_per_param for j, r in self.rows.items()}
+        self.expert_grad_bytes = {j: r.expert_part(r.grad_bytes) for j, r in self.rows.items()}
         """Per layer, its routed experts' gradient bytes on this GPU (0 without experts)."""
 
     @property
     def moves(self) -> bool:
         return len(self.ring) > 1 or self.across > 1
+
+    @property
+    def experts_move(self) -> bool:
+        """Whether the expert-data-parallel group has more than this GPU."""
+        return len(self.expert_ring) > 1 or self.expert_across > 1
 
     def _transfer(self, op: str, n_bytes: int, experts: bool = False) -> simpy.Event:
         """``op`` over the group started now: one ring inside a server, or two levels
@@ -182,7 +186,7 @@ class DataParallel:
         """The routed experts' gradients of ``layers`` all-reduced (ZeRO-1: reduce-scattered)
         over the expert-data-parallel group (Megatron-Core's expert-data-parallel buckets;
         ZeRO-2 and 3 with expert parallelism are refused by the layout)."""
-        if len(self.expert_ring) > 1 or self.expert_across > 1:
+        if self.experts_move:
             op = "all-reduce" if self.sharding.zero_stage == 0 else "reduce-scatter"
             label = f"{op} of layers {layers[-1]}-{layers[0]} expert gradients, microbatch {mb}"
             self._reductions.append(self._collective("reduce", op, n_bytes, label, experts=True))
@@ -272,11 +276,10 @@ class DataParallel:
     def after_update(self) -> Generator[simpy.Event, object, None]:
         """ZeRO-1 and 2: each GPU's updated shard is all-gathered into the parameters."""
         if self.sharding.zero_stage in (1, 2) and self.moves:
-            per_param = self.run.layout.job.trace.spec.precision.weight_bytes_per_param
-            expert = sum(r.expert_params for r in self.rows.values()) * per_param
+            expert = sum(r.expert_part(r.param_bytes) for r in self.rows.values())
             n_bytes = sum(r.param_bytes for r in self.rows.values()) - expert
             yield from self._wait(self._collective("gather", "all-gather", n_bytes, "all-gather of updated parameters"))
-            if expert and (len(self.expert_ring) > 1 or self.expert_across > 1):
+            if expert and self.experts_move:
                 yield from self._wait(self._collective("gather", "all-gather", expert,
                                                        "all-gather of updated expert parameters", experts=True))
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from mpsim.caches import Lru
-from mpsim.models.expert_parallel import expert_time_factors, experts_line, shard_info
+from mpsim.models.expert_parallel import busiest_times, experts_line, shard_info
 from mpsim.plans.schedule import PIPEDREAM_MEASURED, interleaved_turn_orders, weight_versions
 from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
@@ -86,7 +86,7 @@ def _simulate(layout: Layout) -> SimResult:
         result = _result(run, stages, run.env.now)
     result.time_band_pct, result.time_band_source = costs.time_band()
     result.runtime_profile = layout.job.runtime_profile
-    result.experts = experts_line(layout.job.trace, layout.job.expert_degree, layout.job.expert_load)
+    result.experts = experts_line(layout.job.trace, layout.parallelism.expert, layout.job.expert_load)
     return result
 
 
@@ -118,10 +118,8 @@ def _stage_program(run: RunContext, s: int, costs: CostModel, sharding: Sharding
     if program is not None:
         return program
     rows, times = layout.trace.layers[a:b], costs.layer_times
-    fwd_s = dispatch_bound(times.fwd_s[a:b] * expert_time_factors(rows, load_factor, False),
-                           times.launches_fwd[a:b], profile)
-    bwd_s = dispatch_bound(times.bwd_s[a:b] * expert_time_factors(rows, load_factor, True),
-                           times.launches_bwd[a:b], profile)
+    fwd_s = dispatch_bound(busiest_times(times.fwd_s[a:b], rows, load_factor, False), times.launches_fwd[a:b], profile)
+    bwd_s = dispatch_bound(busiest_times(times.bwd_s[a:b], rows, load_factor, True), times.launches_bwd[a:b], profile)
     hides = (profile.tp_comm_overlap and tensor_parallel) or (profile.ep_comm_overlap and expert_parallel > 1)
     overlap = (times.gemm_fwd_s[a:b], times.gemm_bwd_s[a:b]) if hides else None
     return _PROGRAMS.put(key, build_program(rows, fwd_s, bwd_s, a, first, last, actions, run.torch_pipelining,
@@ -170,7 +168,7 @@ def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostMod
     tp: TensorGroup | ExpertGroup | None = None
     if layout.parallelism.tensor > 1:
         tp = TensorGroup(run, layout.tensor_group(s))
-    elif layout.job.expert_degree > 1:  # a job has one or the other: MoE traces are not tensor-parallel shards
+    elif layout.parallelism.expert > 1:  # a job has one or the other: MoE traces are not tensor-parallel shards
         tp = ExpertGroup(run, *layout.expert_group(s))
     stream = ComputeStream(run, s, program, swapper, updater, channels, stash_in, dp, tp, turns)
     return _StageRun(program, stream, updater)

@@ -127,10 +127,10 @@ def stage_trace(job: JobSpec, runtime: Runtime) -> Trace | None:
     sequence parallelism, Megatron's the shard), with expert parallelism the busiest expert
     GPU's shard of that (``mpsim.models.expert_parallel``). None when it is the job's own."""
     par = job.parallelism
-    if par.tensor == 1 and job.expert_degree == 1:
+    if par.tensor == 1 and par.expert == 1:
         return None
     shard = shard_trace(job.trace, par.tensor, par.sequence_parallel, saves_gathered=runtime == "torch-pipelining")
-    return expert_shard(shard, job.expert_degree, job.expert_load)
+    return expert_shard(shard, par.expert, job.expert_load)
 
 
 @dataclass(frozen=True)
@@ -277,7 +277,7 @@ class Layout(OfJob, OnLaid):
         (``mpsim.plans.expert``), so on a cluster it is the first replicas of the stage's
         group (``cluster_placement``: replicas in mesh order); on one server the first in
         the group's ring order."""
-        ep, group = self.job.expert_degree, self.group(stage)
+        ep, group = self.parallelism.expert, self.group(stage)
         if ep <= len(group):
             return group[:ep], 1
         return group, ep // len(group)
@@ -286,7 +286,7 @@ class Layout(OfJob, OnLaid):
         """Stage ``stage``'s expert-data-parallel group (the GPUs holding the same experts:
         every ``ep``-th of the stage's group) on the simulated servers and the servers it
         spans; the data-parallel group itself without expert parallelism."""
-        ep, group = self.job.expert_degree, self.group(stage)
+        ep, group = self.parallelism.expert, self.group(stage)
         if ep <= len(group):
             return group[::ep], self.across
         return group[:1], self.across // (ep // len(group))

@@ -129,7 +129,7 @@ class Sharding:
         ``expert_replicas``; all of them without ZeRO."""
         if self.zero_stage == 0:
             return row.optimizer_bytes
-        expert = row.optimizer_bytes * row.expert_params // row.params if row.params else 0
+        expert = row.expert_part(row.optimizer_bytes)
         return self.shard(row.optimizer_bytes - expert) + -(-expert // (self.expert_replicas or self.replicas))
 
     def gathered(self, row: LayerRow) -> int:
