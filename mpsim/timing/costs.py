@@ -200,18 +200,22 @@ def _layer_times(trace: Trace, gpu: GpuSpec, matmul_rate: float, attention_rate:
     and the efficiencies the GPU's for that datatype (``GpuSpec.op_efficiency``); backward
     likewise with the backward FLOPs (about twice the forward) and bytes."""
 
+    def roofline_gemm_s(flops: float, attention_flops: float, kernels: list) -> float:
+        """The pass's matmul FLOPs outside fused attention at the matmul rate, a low-precision
+        recipe's FP8/FP4 GEMMs at theirs."""
+        low = low_precision_flops(kernels) if low_rate else 0.0
+        return (flops - attention_flops - low) / matmul_rate + (low / low_rate if low_rate else 0.0)
+
     def derived_s(flops: float, attention_flops: float, mem_bytes: float, kernels: list) -> float:
         if rates is not None and kernels:
             return pass_seconds(kernels, rates)
-        low = low_precision_flops(kernels) if low_rate else 0.0
-        return ((flops - attention_flops - low) / matmul_rate + low / (low_rate or 1.0)
-                + attention_flops / attention_rate + mem_bytes / mem_rate)
+        gemms_s = roofline_gemm_s(flops, attention_flops, kernels)
+        return gemms_s + attention_flops / attention_rate + mem_bytes / mem_rate
 
     def gemm_s(flops: float, attention_flops: float, kernels: list, whole_s: float) -> float:
         if rates is not None and kernels:
             return min(whole_s, gemm_pass_seconds(kernels, rates))
-        low = low_precision_flops(kernels) if low_rate else 0.0
-        return min(whole_s, (flops - attention_flops - low) / matmul_rate + low / (low_rate or 1.0))
+        return min(whole_s, roofline_gemm_s(flops, attention_flops, kernels))
 
     rows = trace.layers
     fwd = np.array([r.fwd_ms * 1e-3 if r.fwd_ms is not None
