@@ -71,10 +71,6 @@ RECIPE_OPTION_HELP = ("training precision: retrace the model (a shipped transfor
 recipe_option = click.option("--recipe", type=click.Choice(list(api.RECIPES)), help=RECIPE_OPTION_HELP)
 """``--recipe``: the model retraced under another training precision (``api.at_recipe``)."""
 
-MAX_EXPERT_DEGREE = 1024
-"""The largest --ep: DeepSeek-V3's 256 routed experts, one per GPU, four times over."""
-
-
 def _expert_load(_ctx: click.Context, _param: click.Parameter, value: str) -> api.ExpertLoad:
     try:
         return api.parse_expert_load(value)
@@ -151,7 +147,7 @@ def layout_options(f: F) -> F:
         click.option("--sp/--no-sp", default=False, show_default=True,
                      help="sequence parallel with --tp: norms and dropout on a sequence shard, all-gather and "
                           "reduce-scatter instead of all-reduce (Korthikanti et al. 2022)"),
-        click.option("--ep", type=click.IntRange(min=1, max=MAX_EXPERT_DEGREE), default=1, show_default=True,
+        click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True,
                      help="expert-parallel GPUs (mixture-of-experts models): each MoE layer's routed experts split "
                           "over them, the dense layers data parallel over them, tokens sent to their experts and "
                           "back in all-to-alls; --dp replicas of that, as Megatron-Core lays them out"),
