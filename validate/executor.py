@@ -43,7 +43,7 @@ import os
 import statistics
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeAlias
 
@@ -503,16 +503,27 @@ def run(job: dict, out_dir: Path) -> dict:
                     "gpu": gpu,
                     "layers": list(plan.stages[layout.stage].layers), "device": str(device), "oom": None,
                     "tokens_sha256": hashlib.sha256(tokens.numpy().tobytes()).hexdigest()}
+    return train_and_record(job, step, module, device, result, out_dir)
+
+
+def train_and_record(job: dict, step: Stepper, module: nn.Module, device: torch.device, result: dict, out_dir: Path,
+                     finished: Callable[[dict], None] | None = None) -> dict:
+    """This rank's measured run (``train``) into ``result``, an out-of-memory recorded as a
+    result; ``finished`` adds to a run that ended; ``rank<i>.json`` written. After an
+    out-of-memory the process ends at once: the other ranks wait on this one and torchrun
+    stops them."""
     try:
         train(job, step, module, device, result)
     except Exception as exc:
         oom = out_of_memory_in(exc)
         if oom is None:
             raise
-        result["oom"] = oom_record(oom, step, gpu)
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(result, indent=1) + "\n")
+        result["oom"] = oom_record(oom, step, result["gpu"])
+    if result["oom"] is None and finished is not None:
+        finished(result)
+    (out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result, indent=1) + "\n")
     if result["oom"] is not None:
-        os._exit(3)  # the other stages wait on this one; torchrun stops them
+        os._exit(3)
     dist.barrier()
     dist.destroy_process_group()
     return result

@@ -40,7 +40,6 @@ families other than Mixtral, OLMoE and Qwen3-MoE (routed experts only).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +51,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn import functional as F
 
-from mpsim.executor.executor import LR, Stepper, init_process, oom_record, out_of_memory_in, train
+from mpsim.executor.executor import LR, Stepper, init_process, train_and_record
 from mpsim.models import kernels, moe
 from mpsim.plans.plan import PlanFile
 
@@ -363,18 +362,9 @@ def run(job: dict, out_dir: Path) -> dict:
                     "ep_rank": mesh.ep_rank, "dp_rank": mesh.dp_rank, "layers": list(plan.stages[0].layers),
                     "device": str(device), "oom": None,
                     "tokens_sha256": hashlib.sha256(tokens.numpy().tobytes()).hexdigest()}
-    try:
-        train(job, step, stage, device, result)
-    except Exception as exc:
-        oom = out_of_memory_in(exc)
-        if oom is None:
-            raise
-        result["oom"] = oom_record(oom, step, gpu)
-        (out_dir / f"rank{rank}.json").write_text(json.dumps(result, indent=1) + "\n")
-        os._exit(3)  # the other ranks wait on this one; torchrun stops them
     measured_step = 1 if plan.data_parallel is None else 2  # train's setup steps come first
-    result["routed"] = ROUTED.summary(measured_step, mesh)
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(result, indent=1) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
-    return result
+
+    def routed(done: dict) -> None:
+        done["routed"] = ROUTED.summary(measured_step, mesh)
+
+    return train_and_record(job, step, stage, device, result, out_dir, routed)
