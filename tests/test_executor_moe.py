@@ -23,7 +23,6 @@ import pytest
 pytest.importorskip("transformers", reason="the hf extra")
 
 from mpsim import api  # noqa: E402
-from mpsim.api.jobs import _moe_config, check_moe_runnable, validate_moe_plan  # noqa: E402
 from mpsim.errors import MpsimError  # noqa: E402
 from mpsim.hardware.topology import Topology  # noqa: E402
 from mpsim.models.hf import trace_hf  # noqa: E402
@@ -32,6 +31,8 @@ from mpsim.models.trace import Trace  # noqa: E402
 from mpsim.plans.job import Parallelism  # noqa: E402
 from mpsim.plans.plan import PlanFile  # noqa: E402
 from mpsim.studies.hardware_check import RunSettings  # noqa: E402
+from mpsim.studies.moe_check import check_moe_runnable, validate_moe_plan  # noqa: E402
+from mpsim.studies.moe_check import moe_config as _moe_config  # noqa: E402
 
 CONFIG = Path(__file__).parent / "data" / "tiny-mixtral.json"
 SETTINGS = RunSettings(device="cpu", threads=1, warmup=0, steps=2, digests=True)

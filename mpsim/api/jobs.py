@@ -3,9 +3,7 @@ validate a plan on this machine (torch, imported when asked)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from mpsim.api.models import at_recipe, at_seq_len
 from mpsim.data.catalog import load_topology, load_trace
@@ -30,9 +28,6 @@ from mpsim.plans.strategies import check_zero_stage
 from mpsim.sim import SimResult, simulate_job
 from mpsim.sim.layout import job_of_plan
 from mpsim.timing.runtime import DEFAULT_PROFILE
-
-if TYPE_CHECKING:
-    from mpsim.studies.hardware_check import RunSettings
 
 
 def plan(server: str | Topology | None, model: str | Trace, schedule: str = DEFAULT_SCHEDULE,
@@ -116,63 +111,6 @@ def _measured_model(model: str, microbatch: int | None, device: str, threads: in
     return trace
 
 
-MOE_FAMILIES = ("mixtral", "olmoe", "qwen3_moe")
-"""Hugging Face MoE families ``validate`` runs (routed experts only: ``validate/expert_parallel.py``)."""
-
-
-def _moe_config(model: str) -> dict | None:
-    """``model``'s Hugging Face config when it names a config.json of a mixture of experts
-    (a JSON file with a ``model_type`` of ``moe.FAMILIES``), else None; one line for an MoE
-    family the executor does not run."""
-    import json
-
-    from mpsim.models import moe
-
-    path = Path(model)
-    if path.suffix != ".json" or not path.is_file():
-        return None
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    kind = raw.get("model_type") if isinstance(raw, dict) else None
-    if kind not in moe.FAMILIES:
-        return None
-    if kind not in MOE_FAMILIES:
-        raise MpsimError(f"--model {model}: the executor runs the MoE families {', '.join(MOE_FAMILIES)}, not {kind} "
-                         "(not shared experts, DeepSeek's group-limited router or gpt-oss)")
-    return raw
-
-
-def _moe_trace(model: str, microbatch: int | None) -> Trace:
-    """The MoE config traced as ``mpsim trace --hf CONFIG --recipe fp32`` traces it (FakeTensor,
-    uniform routing); the executor runs the same transformers model."""
-    from mpsim.models.hf import trace_hf
-
-    return trace_hf(model, microbatch=microbatch, recipe="fp32")
-
-
-def check_moe_runnable(plan_file: PlanFile, trace: Trace, source: str) -> None:
-    """Refuse, in one line, an MoE plan the executor cannot run (``validate/expert_parallel.py``):
-    a pipeline, tensor parallelism, ZeRO, actions other than keep, a host optimizer, a
-    capacity factor, or routed copies that do not split evenly over the experts."""
-    dp = plan_file.data_parallel
-    block = trace.spec.model.get("moe") or {}
-    refusals = [
-        (len(plan_file.stages) > 1, "one pipeline stage (give --stages 1)"),
-        (plan_file.tensor_parallel is not None, "no tensor parallelism"),
-        (dp is not None and dp.zero_stage != 0, "no ZeRO (DDP: --zero 0)"),
-        (any(a.action != "keep" for st in plan_file.stages for a in st.actions), "strategy none (every layer kept)"),
-        (any(st.optimizer != "gpu" for st in plan_file.stages), "the optimizer on the device"),
-        (block.get("capacity_factor") is not None, "no capacity factor"),
-        (plan_file.microbatch * trace.spec.model["seq_len"] * block.get("top_k", 1) % max(1, block.get("experts", 1)),
-         "routed copies (microbatch x sequence x top-k) that split evenly over the experts"),
-    ]
-    for refused, needs in refusals:
-        if refused:
-            raise MpsimError(f"{source}: the executor runs a mixture of experts with {needs}")
-
-
 def validate(model: str, plan_path: Path | None = None, server: str | None = None, *, strategy: str = "none",
              schedule: str = "1f1b", microbatches: int = 4, stages: int = 2, device: str = "cpu", threads: int = 1,
              memory_mib: float | None = None, steps: int = 5, warmup: int = 2,
@@ -186,6 +124,7 @@ def validate(model: str, plan_path: Path | None = None, server: str | None = Non
     from mpsim.models.probe import probe
     from mpsim.models.profiler import check_device
     from mpsim.studies.hardware_check import RunSettings, check_processes, rank_places, validate_plan
+    from mpsim.studies.moe_check import moe_config, moe_trace, validate_moe_plan
 
     check_device(device)
     plan_file = read_plan_file(plan_path) if plan_path else None
@@ -194,11 +133,11 @@ def validate(model: str, plan_path: Path | None = None, server: str | None = Non
     # before anything is measured or probed: the processes the run starts, against this machine
     world = len(rank_places(plan_file)) if plan_file else stages * (parallelism.stage_gpus if parallelism else 1)
     check_processes(world, device, threads, str(plan_path) if plan_path else "validate")
-    hf_config = _moe_config(model)
+    hf_config = moe_config(model)
     if hf_config is not None and plan_file is None and stages != 1:
         raise MpsimError("validate: the executor runs a mixture of experts as one pipeline stage; give --stages 1")
     microbatch = plan_file.microbatch if plan_file else None
-    trace = _moe_trace(model, microbatch) if hf_config else _measured_model(model, microbatch, device, threads)
+    trace = moe_trace(model, microbatch) if hf_config else _measured_model(model, microbatch, device, threads)
     per_stage = parallelism.stage_gpus if parallelism is not None else 1
     n_devices = max(plan_file.gpus_used()) + 1 if plan_file else stages * per_stage
     topo = load_topology(server) if server else probe(device, n_devices, threads, memory_mib)[1]
@@ -211,54 +150,3 @@ def validate(model: str, plan_path: Path | None = None, server: str | None = Non
     if hf_config is not None:
         return validate_moe_plan(plan_file, topo, trace, hf_config, settings, source)
     return validate_plan(plan_file, topo, trace, settings, source)
-
-
-def validate_moe_plan(plan_file: PlanFile, topo: Topology, trace: Trace, hf_config: dict, settings: RunSettings,
-                      source: str = "<plan>", workdir: Path | None = None) -> dict:
-    """``validate_plan`` for a mixture of experts: checked, simulated, run by the executor's
-    expert-parallel worker (``validate/expert_parallel.py``) and compared per GPU, with
-    each rank's routed copies per MoE layer beside the simulator's (``_routed_rows``).
-    ``workdir``: run there and keep the job and the ranks' results (else a scratch folder)."""
-    from mpsim.studies import hardware_check as hc
-
-    hc.check_runnable(plan_file, topo, trace, settings, source)
-    check_moe_runnable(plan_file, trace, source)
-    model = HfModel(hf_config, trace.spec.model["seq_len"], trace.spec.model["attention"])
-    report, measured = hc.measure(plan_file, topo, trace, model, settings, workdir)  # the worker reads hf_config
-    _routed_rows(report, plan_file, trace, measured)
-    report.update(expert_parallel=plan_file.expert, routing="forced to the trace's uniform load",
-                  hf_config=hf_config)
-    return report
-
-
-@dataclass(frozen=True)
-class HfModel:
-    """What the executor's expert-parallel worker builds: the Hugging Face config, the
-    traced sequence length and attention kernel."""
-
-    hf_config: dict
-    seq_len: int
-    attention: str
-
-
-def predicted_routed_copies(plan_file: PlanFile, trace: Trace) -> int:
-    """Routed copies one GPU's experts receive per MoE layer and microbatch, as the
-    simulator's shard says (its dispatch bytes over the fp32 hidden state; the busiest
-    GPU's under the job's load, uniform here)."""
-    from mpsim.models.expert_parallel import expert_shard
-
-    shard = expert_shard(trace.rescale(plan_file.microbatch), plan_file.expert)
-    rows = [r for r in shard.layers if r.experts]
-    return rows[0].dispatch_bytes // (trace.spec.model["hidden"] * 4) if rows else 0
-
-
-def _routed_rows(report: dict, plan_file: PlanFile, trace: Trace, measured: list[dict | None]) -> None:
-    """Each GPU's row gains the routed copies per MoE layer call: predicted, received
-    (forced) and what the real router chose for its experts."""
-    predicted = predicted_routed_copies(plan_file, trace)
-    for row, m in zip(report["stages"], measured, strict=True):
-        row["predicted_routed_copies"] = predicted
-        if m is not None and m.get("routed"):
-            row["measured_routed_copies"] = m["routed"]["received_per_call"]
-            row["router_routed_copies"] = m["routed"]["router_per_call"]
-            row.update(ep_rank=m["ep_rank"], dp_rank=m["dp_rank"])
