@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpsim.datafile import read_bounded
 from mpsim.errors import MpsimError
 from mpsim.hardware.topology import Topology
 from mpsim.models.trace import Trace
@@ -29,9 +30,9 @@ def moe_config(model: str) -> dict | None:
     path = Path(model)
     if path.suffix != ".json" or not path.is_file():
         return None
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
+    try:  # bounded as any model file (a trace file may come here too)
+        raw = json.loads(read_bounded(path, "trace"))
+    except ValueError:
         return None
     kind = raw.get("model_type") if isinstance(raw, dict) else None
     if kind not in moe.FAMILIES:
