@@ -108,6 +108,11 @@ STRATEGIES: dict[str, Strategy] = _table(
                   "compute waiting for it"),
     Strategy("host-swap", _BASELINES, in_best=True, word="swap to host, prefetched",
              help="the same, overlapped and prefetched"),
+    Strategy("offload-activations", "mpsim.planners.activation_offload:plan_offload_activations",
+             optimizer_on_gpu=True, word="offload every layer's activations to host (Megatron-Core)",
+             help="every transformer layer's saved activations but each stage's last to pinned host memory, "
+                  "overlapped and prefetched a layer ahead, whether needed or not, as Megatron-Core's "
+                  "--cpu-offloading and PyTorch's save_on_cpu"),
     Strategy("d2d", _BASELINES, in_best=True, optimizer_on_gpu=True, word="swap to NVLink peers' spare memory",
              help="swap to spare memory of NVLink peers"),
     Strategy("mpress", _MPRESS, exists=_MPRESS_EXISTS, in_best=True, word="MPress: host swap, recompute and D2D",
