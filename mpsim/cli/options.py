@@ -119,14 +119,18 @@ def layout_options(f: F) -> F:
 
     @functools.wraps(f)
     def with_layout(*args: Any, dp: int, zero: int, bucket_mib: float, reshard: bool, tp: int, sp: bool,
-                    virtual_stages: int, hsdp: bool, ep: int, **kwargs: Any) -> Any:
+                    virtual_stages: int, hsdp: bool, ep: int, cp: int, cp_attention: str, **kwargs: Any) -> Any:
         if hsdp and given("zero") and zero != 3:
             raise click.UsageError(f"--hsdp and --zero {zero}: HSDP shards the states inside each server as ZeRO-3 "
                                    "does (it implies --zero 3); leave --zero out or give --zero 3")
-        axes = (("expert", ep),) if ep > 1 else ()
+        if cp == 1 and given("cp_attention"):
+            raise click.UsageError(f"--cp-attention {cp_attention}: it says how context-parallel GPUs share keys and "
+                                   "values; give --cp 2 or more")
+        axes = tuple((name, n) for name, n in (("context", cp), ("expert", ep)) if n > 1)
         return f(*args, layout=api.data_parallel(dp, 3 if hsdp else zero, None, bucket_mib=bucket_mib,
                                                  reshard_after_forward=reshard, tensor=tp, sequence_parallel=sp,
-                                                 virtual_stages=virtual_stages, hsdp=hsdp, axes=axes),
+                                                 virtual_stages=virtual_stages, hsdp=hsdp, axes=axes,
+                                                 context_attention=cp_attention),
                  **kwargs)
 
     return _apply(with_layout, [  # type: ignore[return-value]
@@ -151,6 +155,15 @@ def layout_options(f: F) -> F:
                      help="expert-parallel GPUs (mixture-of-experts models): each MoE layer's routed experts split "
                           "over them, the dense layers data parallel over them, tokens sent to their experts and "
                           "back in all-to-alls; --dp replicas of that, as Megatron-Core lays them out"),
+        click.option("--cp", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="context-parallel GPUs: every sequence split over them (long context), each running its "
+                          "tokens and its queries' attention over the whole sequence; weights shared, gradients "
+                          "reduced over --dp x --cp; --cp-attention says how keys and values travel"),
+        click.option("--cp-attention", type=click.Choice(["ring", "all-gather", "all-to-all"]), default="ring",
+                     show_default=True,
+                     help="with --cp: ring (key/value blocks passed peer to peer beside the attention, Megatron-Core), "
+                          "all-gather (keys and values gathered first, Llama 3) or all-to-all (a split over heads, "
+                          "DeepSpeed-Ulysses)"),
         click.option("--hsdp", is_flag=True, default=False,
                      help="on a cluster: shard states inside each server, replicate them across servers (FSDP2's "
                           "HSDP; implies --zero 3)"),

@@ -139,16 +139,22 @@ the backward): a transformer layer, or a block of a ``--module`` trace such as a
 bottleneck (the embedding's input is only token ids; the head runs the loss)."""
 
 
-CollectiveOp = Literal["all-reduce", "reduce-scatter", "all-gather"]
+CollectiveOp = Literal["all-reduce", "reduce-scatter", "all-gather", "all-to-all", "send-recv"]
 
 
 class Collective(FileModel):
-    """One collective a tensor-parallel shard runs over its group, on the critical path:
-    ``n_bytes`` as nccl-tests counts them (all-reduce: the buffer; all-gather: the gathered
-    output; reduce-scatter: the input)."""
+    """One collective a shard runs over its group: a tensor-parallel shard's over the tensor
+    group, on the critical path; a context-parallel shard's over the context group
+    (``mpsim.models.context_parallel``). ``n_bytes`` as nccl-tests counts them (all-reduce:
+    the buffer; all-gather: the gathered output; reduce-scatter: the input; all-to-all: each
+    rank's send buffer; send-recv: what each rank sends its ring successor in one step,
+    ``steps`` times, beside the last ``steps`` of the ``steps + 1`` equal parts of the
+    pass's attention)."""
 
     op: CollectiveOp
     n_bytes: int = Field(ge=0, le=MAX_BYTES)
+    axis: Literal["tensor", "context"] = Field(default="tensor", description="the mesh axis whose group runs it")
+    steps: int = Field(default=1, ge=1, le=1 << 16, description="send-recv: ring steps, one send each")
 
 
 class LayerRow(FileModel):

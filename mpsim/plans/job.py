@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from mpsim.errors import MpsimError
 from mpsim.hardware.cluster import Cluster
 from mpsim.hardware.topology import Topology
+from mpsim.models.context_parallel import check_context_parallel
 from mpsim.models.expert_parallel import UNIFORM, ExpertLoad, check_expert_parallel
 from mpsim.models.tensor_parallel import check_shardable
 from mpsim.models.trace import Trace
@@ -98,6 +99,8 @@ class JobSpec:
         self.parallelism.stages_on(self.topology, self.servers, fill=False)  # too few GPUs: said first
         check_shardable(self.trace, self.parallelism.tensor, self.parallelism.sequence_parallel)  # then the model
         check_expert_parallel(self.trace, self.parallelism.expert)
+        check_context_parallel(self.trace, self.parallelism.context, self.parallelism.context_attention,
+                               self.parallelism.tensor)
         if self.cluster is not None or self.servers != 1:
             self._check_cluster()
         elif self.parallelism.hsdp:
@@ -165,7 +168,7 @@ class JobSpec:
     @property
     def samples_per_iteration(self) -> int:
         """Samples one iteration trains, over every data-parallel replica."""
-        return self.parallelism.replicas * self.microbatches * self.microbatch
+        return self.parallelism.sample_ways * self.microbatches * self.microbatch
 
     @property
     def n_gpus(self) -> int:

@@ -185,7 +185,7 @@ def microbatches_per_replica(global_microbatches: int, p: Parallelism, n_stages:
     1f1b and pipedream (their pipelines need it). The count and schedule are checked first."""
     check_global_microbatches(global_microbatches)
     check_schedule(schedule, 1, 1)
-    return max(math.ceil(global_microbatches / p.replicas), min_microbatches(schedule, n_stages))
+    return max(math.ceil(global_microbatches / p.sample_ways), min_microbatches(schedule, n_stages))
 
 
 def on_layout(job: JobSpec, p: Parallelism, global_microbatches: int) -> JobSpec:

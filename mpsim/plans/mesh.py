@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from mpsim.errors import MpsimError
 from mpsim.hardware.topology import Topology
 from mpsim.limits import MAX_REPLICAS
+from mpsim.models.context_parallel import ContextAttention
 
 DEFAULT_BUCKET_MIB = 25.0
 """DDP's default gradient bucket (``bucket_cap_mb``)."""
@@ -71,6 +72,10 @@ class AxisKind:
     """The name part's prefix of a registered kind (``ep`` of ``ep8``)."""
     label: str = ""
     """How outputs name it (``EP`` of ``EP x8``)."""
+    splits_samples: bool = False
+    """Its GPUs share each sample (the context axis: each holds a part of every sequence),
+    so though it ``replicates`` (same weights, the gradient reduction joined) its size does
+    not multiply an iteration's samples (``Parallelism.sample_ways``)."""
 
 
 TENSOR = AxisKind("tensor", order=10, name_position=20, replicates=False, token="tp", label="TP")
@@ -214,6 +219,10 @@ class Parallelism(BaseModel):
                                                   "across servers (HSDP)")
     axes: tuple[tuple[str, int], ...] = Field(default=(), description="sizes of the registered mesh axes beyond "
                                                                       "data, tensor and pipeline (``register_axis``)")
+    context_attention: ContextAttention = Field(
+        default="ring", description="with context parallelism, how attention sees the other GPUs' keys and values: "
+                                    "ring (P2P blocks overlapped with compute), all-gather (Llama 3), all-to-all "
+                                    "over heads (DeepSpeed-Ulysses); ``mpsim.models.context_parallel``")
 
     @field_validator("axes")
     @classmethod
@@ -236,18 +245,17 @@ class Parallelism(BaseModel):
                     "degree of 2 or more")
         if self.hsdp and self.zero_stage != 3:
             return "HSDP shards parameters (ZeRO-3) inside a server and replicates them across: use zero stage 3"
-        if self.axes and self.zero_stage and (self.zero_stage > 1 or self.hsdp or self.axes != self._expert_only):
-            if dict(self.axes).get("expert"):
-                return (f"{describe(self, 1)}: with expert parallelism ZeRO-1 (Megatron-Core's distributed optimizer) "
-                        "is simulated; ZeRO-2, FSDP and HSDP are not yet")
-            return (f"{describe(self, 1)}: ZeRO shards over the data axis only, and a stage's gradients are reduced "
-                    "over every replicating axis; sharded states with another replicating axis are not simulated")
+        if self.expert > 1 and self.context > 1:
+            return f"{describe(self, 1)}: context with expert parallelism is not simulated yet"
+        if self.context > 1 and self.hsdp:
+            return f"{describe(self, 1)}: HSDP with context parallelism is not simulated yet"
+        if self.expert > 1 and self.zero_stage > 1:
+            return (f"{describe(self, 1)}: with expert parallelism ZeRO-1 (Megatron-Core's distributed optimizer) "
+                    "is simulated; ZeRO-2, FSDP and HSDP are not yet")
+        if self.zero_stage and any(n not in ("expert", "context") for n, _ in self.axes):
+            return (f"{describe(self, 1)}: ZeRO shards over the data, expert and context axes; sharded states "
+                    "with another replicating axis are not simulated")
         return None
-
-    @property
-    def _expert_only(self) -> tuple[tuple[str, int], ...]:
-        """``axes`` when the expert axis is the only registered one (ZeRO-1 shards with it)."""
-        return tuple((n, s) for n, s in self.axes if n == "expert")
 
     @property
     def expert(self) -> int:
@@ -260,6 +268,18 @@ class Parallelism(BaseModel):
         replicating axes (data and any registered kind that ``replicates``); a stage's
         gradients are reduced over that many GPUs."""
         return self.data * math.prod(s for n, s in self.axes if _KINDS[n].replicates)
+
+    @property
+    def sample_ways(self) -> int:
+        """Copies of each stage that train different samples: ``replicas`` less the axes
+        whose GPUs share each sample (``AxisKind.splits_samples``: context parallelism);
+        an iteration's samples are this times a replica's microbatches."""
+        return self.replicas // math.prod(s for n, s in self.axes if _KINDS[n].splits_samples)
+
+    @property
+    def context(self) -> int:
+        """GPUs each sequence is split over (context parallelism; 1: none)."""
+        return dict(self.axes).get("context", 1)
 
     @property
     def stage_gpus(self) -> int:
@@ -277,8 +297,10 @@ class Parallelism(BaseModel):
         """GPUs a stage's sharded states are split over when its data-parallel group spans
         ``across`` servers: the group, or under HSDP its GPUs on one server. With expert
         parallelism (ZeRO-1 only) the dense states are split over data x expert GPUs, as
-        Megatron-Core's distributed optimizer does (``expert_shard_ways`` for the experts')."""
-        return self.data // across if self.hsdp else self.data * self.expert
+        Megatron-Core's distributed optimizer does (``expert_shard_ways`` for the experts'), and
+        with context parallelism over data x context GPUs (Megatron-Core's distributed
+        optimizer and torchtitan's FSDP shard over DP x CP)."""
+        return self.data // across if self.hsdp else self.replicas
 
     def expert_shard_ways(self) -> int:
         """GPUs the routed experts' optimizer states are split over under ZeRO-1: the

@@ -18,13 +18,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from mpsim.caches import Lru
 from mpsim.models.expert_parallel import busiest_times, experts_line, shard_info
+from mpsim.models.trace import LayerRow
 from mpsim.plans.schedule import PIPEDREAM_MEASURED, interleaved_turn_orders, weight_versions
 from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
+from mpsim.sim.context_group import ContextGroup
 from mpsim.sim.data_parallel import DataParallel
 from mpsim.sim.expert_group import ExpertGroup
+from mpsim.sim.layer_groups import LayerGroups
 from mpsim.sim.layout import Job, Layout, resolve
 from mpsim.sim.memory import CATEGORIES, GpuMemory
 from mpsim.sim.program import NOT_SHARDED, Sharding, StageProgram, SwapIn, build_program, received_bytes, static_bytes
@@ -35,8 +40,8 @@ from mpsim.sim.swapper import STASH, Swapper
 from mpsim.sim.tensor_group import TensorGroup
 from mpsim.sim.turns import GpuTurns
 from mpsim.sim.update import Updater
-from mpsim.timing.costs import CostModel, cost_model
-from mpsim.timing.runtime import dispatch_bound, profile_named
+from mpsim.timing.costs import CostModel, LayerTimes, cost_model
+from mpsim.timing.runtime import RuntimeProfile, dispatch_bound, profile_named
 
 __all__ = ["Job", "Layout", "simulate_job", "simulate_layout"]
 
@@ -109,7 +114,7 @@ def _stage_program(run: RunContext, s: int, costs: CostModel, sharding: Sharding
     first, last = s == 0, s == layout.n_stages - 1
     actions = layout.actions[s]
     segments = layout.recompute_checkpoints == "segment"
-    tensor_parallel = layout.parallelism.tensor > 1
+    tensor_parallel = layout.parallelism.tensor > 1 or layout.parallelism.context > 1  # layers communicate
     expert_parallel, load_factor = shard_info(layout.trace)
     profile = profile_named(layout.job.runtime_profile)
     key = (layout.trace.content_hash, run.topo.content_hash, a, b, first, last, run.torch_pipelining, segments,
@@ -120,11 +125,35 @@ def _stage_program(run: RunContext, s: int, costs: CostModel, sharding: Sharding
     rows, times = layout.trace.layers[a:b], costs.layer_times
     fwd_s = dispatch_bound(busiest_times(times.fwd_s[a:b], rows, load_factor, False), times.launches_fwd[a:b], profile)
     bwd_s = dispatch_bound(busiest_times(times.bwd_s[a:b], rows, load_factor, True), times.launches_bwd[a:b], profile)
-    hides = (profile.tp_comm_overlap and tensor_parallel) or (profile.ep_comm_overlap and expert_parallel > 1)
-    overlap = (times.gemm_fwd_s[a:b], times.gemm_bwd_s[a:b]) if hides else None
+    overlap = _hidden_behind(layout, rows, times, a, b, profile)
     return _PROGRAMS.put(key, build_program(rows, fwd_s, bwd_s, a, first, last, actions, run.torch_pipelining,
                                             costs.attention_core_s[a:b], segments, sharding, tensor_parallel,
                                             overlap, expert_parallel > 1))
+
+
+def _overlaps_others(layout: Layout, profile: RuntimeProfile) -> bool:
+    """Whether the runtime overlaps the layers' tensor- or expert-parallel communication with GEMMs."""
+    expert_parallel, _ = shard_info(layout.trace)
+    return bool((profile.tp_comm_overlap and layout.parallelism.tensor > 1)
+                or (profile.ep_comm_overlap and expert_parallel > 1))
+
+
+def _hidden_behind(layout: Layout, rows: list[LayerRow], times: LayerTimes, a: int, b: int,
+                   profile: RuntimeProfile) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per layer of ``rows`` (model layers a..b), the forward's and the backward's compute
+    seconds its collectives may run beside: its GEMMs' under a runtime that overlaps them,
+    plus, for a ring attention's sends, the last (c-1)/c of its attention
+    (``mpsim.sim.context_group``); None when nothing overlaps."""
+    gemm = _overlaps_others(layout, profile)
+    steps = [next((c.steps for c in r.fwd_collectives if c.axis == "context" and c.op == "send-recv"), 0)
+             for r in rows]
+    shares = np.array([k / (k + 1) for k in steps])
+    if not gemm and not shares.any():
+        return None
+    zero = np.zeros(b - a)
+    fwd = (times.gemm_fwd_s[a:b] if gemm else zero) + shares * times.attention_fwd_s[a:b]
+    bwd = (times.gemm_bwd_s[a:b] if gemm else zero) + shares * times.attention_bwd_s[a:b]
+    return fwd, bwd
 
 
 def sharding_of(layout: Layout) -> Sharding | None:
@@ -165,11 +194,13 @@ def _build_stage(run: RunContext, s: int, channels: PeerChannels, costs: CostMod
     if layout.stash[s] == "host" and versions > 1:
         stash_in = SwapIn(STASH, static["params"], 0, "stash", "host", (), 1, 0.0)
     dp = DataParallel(run, s, sharding) if sharding is not None else None
-    tp: TensorGroup | ExpertGroup | None = None
-    if layout.parallelism.tensor > 1:
-        tp = TensorGroup(run, layout.tensor_group(s))
-    elif layout.parallelism.expert > 1:  # a job has one or the other: MoE traces are not tensor-parallel shards
-        tp = ExpertGroup(run, *layout.expert_group(s))
+    par = layout.parallelism
+    tp = None
+    if par.tensor > 1 or par.expert > 1 or par.context > 1:
+        tp = LayerGroups(TensorGroup(run, layout.tensor_group(s)) if par.tensor > 1 else None,
+                         ExpertGroup(run, *layout.expert_group(s)) if par.expert > 1 else None,
+                         ContextGroup(run, *layout.context_group(s)) if par.context > 1 else None,
+                         _overlaps_others(layout, profile_named(layout.job.runtime_profile)))
     stream = ComputeStream(run, s, program, swapper, updater, channels, stash_in, dp, tp, turns)
     return _StageRun(program, stream, updater)
 
@@ -203,7 +234,7 @@ def _allocate_static(run: RunContext, s: int, static: dict[str, int], sharding: 
 
 def _result(run: RunContext, stages: list[_StageRun], iteration_s: float) -> SimResult:
     layout, topo, trace, m = run.layout, run.topo, run.layout.job.trace, run.layout.microbatches
-    replicas = layout.parallelism.replicas
+    replicas, samples = layout.parallelism.replicas, layout.parallelism.sample_ways
     analyses = [run.log.analyse(g, topo.capacity_bytes) for g in range(topo.n_gpus)]
     gpus = _replicated([_gpu_result(run, stages, g, analyses[g]) for g in range(topo.n_gpus)], layout)
     ooms = [a.oom for a in analyses if a.oom]
@@ -220,8 +251,8 @@ def _result(run: RunContext, stages: list[_StageRun], iteration_s: float) -> Sim
     return SimResult(
         server=layout.job.where, model=trace.name, schedule=layout.schedule, strategy=layout.label,
         microbatch=trace.microbatch, microbatches=m, stages=list(layout.stages), gpu_of_stage=list(layout.gpu_of),
-        iteration_s=iteration_s, samples_per_s=replicas * m * trace.microbatch / iteration_s,
-        model_tflops=3.0 * trace.fwd_flops_total * m * replicas / iteration_s / 1e12,
+        iteration_s=iteration_s, samples_per_s=samples * m * trace.microbatch / iteration_s,
+        model_tflops=3.0 * trace.fwd_flops_total * m * samples / iteration_s / 1e12,
         gpus=gpus, oom=oom, links=links, spans=run.spans, makespan_s=run.env.now, sim_events=run.events_scheduled(),
         host_peak_bytes=host.peak_bytes * run.replicas // run.servers, host_capacity_bytes=topo.host_memory_bytes,
         host_memory_times_s=host.times_s, host_memory_used_bytes=host.used_bytes * run.replicas // run.servers,

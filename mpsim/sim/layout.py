@@ -17,6 +17,7 @@ import numpy as np
 
 from mpsim.errors import MpsimError
 from mpsim.hardware.topology import Topology
+from mpsim.models.context_parallel import context_shard
 from mpsim.models.expert_parallel import expert_shard
 from mpsim.models.tensor_parallel import shard_trace
 from mpsim.models.trace import Trace
@@ -125,11 +126,13 @@ def stage_trace(job: JobSpec, runtime: Runtime) -> Trace | None:
     """The trace one GPU of a stage runs: the job's, or with tensor parallelism its shard
     (``mpsim.models.tensor_parallel``; the executor's DTensor layers keep the gathered input under
     sequence parallelism, Megatron's the shard), with expert parallelism the busiest expert
-    GPU's shard of that (``mpsim.models.expert_parallel``). None when it is the job's own."""
+    GPU's shard of that (``mpsim.models.expert_parallel``), with context parallelism one
+    context GPU's part of it (``mpsim.models.context_parallel``). None when it is the job's own."""
     par = job.parallelism
-    if par.tensor == 1 and par.expert == 1:
+    if par.tensor == 1 and par.expert == 1 and par.context == 1:
         return None
     shard = shard_trace(job.trace, par.tensor, par.sequence_parallel, saves_gathered=runtime == "torch-pipelining")
+    shard = context_shard(shard, par.context, par.context_attention)
     return expert_shard(shard, par.expert, job.expert_load)
 
 
@@ -281,6 +284,17 @@ class Layout(OfJob, OnLaid):
         if ep <= len(group):
             return group[:ep], 1
         return group, ep // len(group)
+
+    def context_group(self, stage: int) -> tuple[tuple[int, ...], int]:
+        """Stage ``stage``'s context-parallel group in replica 0: its GPUs on the simulated
+        servers and the servers it spans. The context axis is the innermost of the stage's
+        group (``mpsim.plans.context_parallel``: tensor, context, expert, data), so it is
+        the group's first ``cp`` GPUs, or on a cluster where it outgrows a server the
+        group's GPUs there, repeated on ``cp / len`` servers."""
+        cp, group = self.parallelism.context, self.group(stage)
+        if cp <= len(group):
+            return group[:cp], 1
+        return group, cp // len(group)
 
     def expert_data_group(self, stage: int) -> tuple[tuple[int, ...], int]:
         """Stage ``stage``'s expert-data-parallel group (the GPUs holding the same experts:

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from mpsim.models.trace import LayerRow
+from mpsim.models.trace import Collective, LayerRow
 from mpsim.plans.plan import LayerAction
 from mpsim.sim.memory import Template, make_template
 
@@ -144,6 +144,23 @@ class Sharding:
 
 
 NOT_SHARDED = Sharding()
+
+
+CONTEXT_PREFIX = "context/"
+"""How a piece's collective names the context group as its owner (``op_key``)."""
+
+
+def op_key(collective: Collective) -> str:
+    """The (op) a piece carries for ``collective``: ``context/send-recv/3`` (op and ring
+    steps) for the context group's, the op itself for the tensor group's."""
+    if collective.axis != "context":
+        return collective.op
+    return f"{CONTEXT_PREFIX}{collective.op}/{collective.steps}"
+
+
+def is_ring_step(op: str) -> bool:
+    """Whether a piece's op is a ring attention's sends (run beside the attention)."""
+    return op.startswith(f"{CONTEXT_PREFIX}send-recv/")
 
 
 @dataclass(frozen=True)
@@ -537,7 +554,7 @@ def _layer_collectives(st: _StageRows, ends: list[tuple[float, int]], backward: 
         row, act = st.rows[k], st.actions.get(j)
         redone = backward and act is not None and act.action == "recompute"
         run = (*(row.fwd_collectives if redone else []), *row.bwd_collectives) if backward else row.fwd_collectives
-        comm: list[tuple[str, int]] = [(c.op, c.n_bytes) for c in run]
+        comm: list[tuple[str, int]] = [(op_key(c), c.n_bytes) for c in run]
         if st.expert_parallel and row.dispatch_bytes:  # dispatch and combine, again for a recomputed forward
             comm += [("all-to-all", row.dispatch_bytes)] * (2 + (2 if redone else 0) if backward else 2)
         gemm_s = 0.0

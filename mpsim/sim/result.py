@@ -12,14 +12,17 @@ from mpsim.sim.reserved import ReservedEstimate, estimate
 from mpsim.units import GiB
 
 COSTS: tuple[str, ...] = ("recompute_s", "selective_s", "swap_wait_s", "peer_wait_s", "memory_wait_s", "split_s",
-                          "optimizer_s", "dp_wait_s", "tp_comm_s", "ep_comm_s")
+                          "optimizer_s", "dp_wait_s", "tp_comm_s", "ep_comm_s",
+                          "cp_comm_s")
 """Time a plan's techniques cost a GPU per iteration: recompute and selective (attention
 core) recompute on the compute stream,
 backward waits on host and on D2D swap-ins, waits for room while swap-outs land, extra
 time of split micro-ops, optimizer update time beyond the GPU's own, and waits for
 data-parallel collectives (ZeRO-3 gathers, reductions before the update, the gather after it),
 the tensor-parallel collectives each layer runs on the critical path, and the
-expert-parallel all-to-alls of each MoE layer (``mpsim.sim.expert_group``)."""
+expert-parallel all-to-alls of each MoE layer (``mpsim.sim.expert_group``), and the
+context-parallel communication of each attention layer, hidden or not
+(``mpsim.sim.context_group``)."""
 
 
 class Span(NamedTuple):

@@ -11,13 +11,12 @@ from mpsim.plans.schedule import Task, interleaved_stage_tasks, stage_tasks
 from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
 from mpsim.sim.data_parallel import DataParallel
-from mpsim.sim.expert_group import ExpertGroup
+from mpsim.sim.layer_groups import LayerGroups
 from mpsim.sim.program import Piece, StageProgram, SwapIn
 from mpsim.sim.result import Span
 from mpsim.sim.simpy_fast import sleep
 from mpsim.sim.spawn import spawn
 from mpsim.sim.swapper import STASH, Swapper
-from mpsim.sim.tensor_group import TensorGroup
 from mpsim.sim.turns import GpuTurns
 from mpsim.sim.update import Updater
 
@@ -55,7 +54,7 @@ class ComputeStream:
 
     def __init__(self, run: RunContext, stage: int, program: StageProgram, swapper: Swapper, updater: Updater,
                  channels: PeerChannels, stash_in: SwapIn | None, dp: DataParallel | None = None,
-                 tp: TensorGroup | ExpertGroup | None = None, turns: GpuTurns | None = None) -> None:
+                 tp: LayerGroups | None = None, turns: GpuTurns | None = None) -> None:
         layout = run.layout
         self.run = run
         self.stage = stage
@@ -83,8 +82,8 @@ class ComputeStream:
         """Interleaved 1F1B: the virtual stages sharing the GPU take turns in its order."""
         self.dp = dp
         self.tp = tp
-        """The stage's tensor-parallel group (or, for a mixture of experts, its expert-parallel
-        group): a piece's collectives (all-to-alls) run on it after its compute."""
+        """The groups the stage's layers communicate over (tensor, expert, context): a piece's
+        collectives run on them after its compute, or beside it (``LayerGroups.split``)."""
         self.last_backward = max(i for i, t in enumerate(self.tasks) if t.kind == "B")
         self._estimate_s = {"F": program.forward_s, "B": program.backward_s, "U": updater.gpu_update_s}
         self._forward_steps = self._steps(program.forward, program.forward_climbs)
@@ -202,9 +201,10 @@ class ComputeStream:
             dp.after_last_backward()
 
     def _overlapped(self, piece: Piece, label: str) -> Generator[simpy.Event, object, None]:
-        """A piece whose collectives run beside its last ``overlap_s`` seconds of GEMMs
-        (``mpsim.timing.runtime``): the compute up to them, then both; the stream goes on
-        when both are done."""
+        """A piece whose collectives run beside its last ``overlap_s`` seconds of compute
+        (GEMMs under an overlapping runtime, ``mpsim.timing.runtime``; a ring attention's
+        blocks): the compute up to them, then both; the stream goes on when both are done,
+        after the collectives that do not overlap (``LayerGroups.split``)."""
         env, memory, tp = self.run.env, self.memory, self.tp
         assert tp is not None
         before_s = piece.duration_s - piece.overlap_s
@@ -212,12 +212,15 @@ class ComputeStream:
             ends = sleep(env, before_s)
             memory.settle()
             yield ends
-        comm = env.process(tp.communicate(piece.collectives, label))
+        beside, after = tp.split(piece.collectives)
+        comm = env.process(tp.communicate(beside, label)) if beside else None
         ends = sleep(env, piece.overlap_s)
         memory.settle()
         yield ends
-        if not comm.processed:
+        if comm is not None and not comm.processed:
             yield comm
+        if after:
+            yield from tp.communicate(after, label)
         memory.defer_pokes(False)
 
     def _start_piece(self, piece: Piece, label: str, climb_running: int, task: Task,
