@@ -167,3 +167,46 @@ def test_eager_attention_is_refused_for_context_parallelism():
     eager = trace_model(replace(SMALL, attention="eager", seq_len=1024), 1, "mixed-bf16", "eager")
     with pytest.raises(MpsimError, match="splits fused attention"):
         JobSpec(load_topology("dgx-h100"), eager, "1f1b", 1, parse_layout("cp2"))
+
+
+# --- searches --------------------------------------------------------------------------------
+
+
+def test_the_context_word_searches_every_degree_that_splits_the_sequence(whole):
+    from mpsim.plans.layouts import candidate_layouts, short_name
+
+    topo = load_topology("dgx-h100")
+    names = [short_name(p, 1) for p in candidate_layouts(topo, "context", trace=whole)]
+    assert "ddp4xcp2" in names and "fsdp1xcp8" in names and "zero1x2xcp2xtp2sp" in names
+    assert all("cp" in n for n in names)
+    assert not any("cp" in short_name(p, p.pipeline or 1) for p in candidate_layouts(topo, "all", trace=whole))
+
+
+def test_all_and_3d_include_context_parallelism_from_a_long_sequence():
+    from dataclasses import replace
+
+    from mpsim.plans.layouts import LONG_CONTEXT_TOKENS, candidate_layouts
+
+    long = trace_model(replace(SMALL, seq_len=LONG_CONTEXT_TOKENS), 1, "mixed-bf16", "long")
+    topo = load_topology("dgx-h100")
+    assert any(p.context == 8 for p in candidate_layouts(topo, "all", trace=long))
+    assert any(p.context == 4 and p.tensor == 2 for p in candidate_layouts(topo, "3d", trace=long))
+    assert not any(p.context > 1 for p in candidate_layouts(topo, "data", trace=long))
+
+
+def test_the_cluster_search_carves_context_groups_out_of_the_replicas_and_shares_their_samples():
+    """On a server TP x2 leaves 4 replicas; a context group of 4 makes them one sample way,
+    so a batch of 4 samples runs 4 microbatches."""
+    from dataclasses import replace
+
+    from mpsim.data.catalog import load_cluster
+    from mpsim.studies.scale import ClusterPoint, Shape, job_of_point, shapes
+
+    cluster = load_cluster("dgx-h100-superpod")
+    long = trace_model(replace(SMALL, seq_len=32768, layers=4), 1, "mixed-bf16", "long")
+    found = shapes(cluster, long, (1,))
+    assert {s.context for s in found} >= {1, 2, 4, 8, 16, 32, 64}
+    point = ClusterPoint("dgx-h100-superpod", "long", 1, Shape(2, 1, 3, False, 1, context=4), 4)
+    job = job_of_point(point, cluster, long)
+    assert job is not None and job.microbatches == 4 and job.samples_per_iteration == 4
+    assert (job.parallelism.data, job.parallelism.context, job.parallelism.replicas) == (1, 4, 4)

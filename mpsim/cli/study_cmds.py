@@ -327,7 +327,9 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, globa
     if tokens is None and (days is not None or budget is not None):
         raise click.UsageError("--days and --budget go with --tokens")
     if tokens is not None:
-        _refuse_with_tokens(per_replica_microbatches, seq_len, recipe)
+        _refuse_with_tokens(per_replica_microbatches, recipe)
+        if seq_len is not None:  # checked (and refused in one line) as simulate checks it, before the search
+            api.at_seq_len(api.load_trace(model), seq_len)
         if servers != "all":
             raise click.UsageError("--tokens searches clusters (--clusters); --servers is for one server")
         refuse_given(_NOT_WITH_TOKENS, lambda option: f"{option} and --tokens: {_NOT_WITH_TOKENS_WHY[option]}; "
@@ -337,7 +339,7 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, globa
             scaled = api.scale(model, comma_list(clusters, "--clusters"), tokens, days, budget, batch_tokens,
                                tuple(int_list(sizes, "--microbatch")) if sizes else (1,), discount, runner,
                                on_point=lambda t: step(f"{t.point.servers} x {t.point.cluster}: {t.layout}"),
-                               min_servers=min_servers, max_servers=max_servers)
+                               min_servers=min_servers, max_servers=max_servers, seq_len=seq_len)
         for answer in scaled.answers:  # what each search left out, and why
             if answer.skipped or answer.failed or not answer.simulated:
                 warn(answer.searched())
@@ -387,17 +389,13 @@ _ONLY_WITH_TOKENS = {"clusters": "--clusters", "batch_tokens": "--batch-tokens",
 """``choose`` options only the search over clusters (``--tokens``) uses."""
 
 
-def _refuse_with_tokens(per_replica_microbatches: str | None, seq_len: int | None, recipe: str | None) -> None:
-    """``choose --tokens``: --microbatches, --seq-len and --recipe refused in one line naming
-    what the search over clusters takes instead."""
+def _refuse_with_tokens(per_replica_microbatches: str | None, recipe: str | None) -> None:
+    """``choose --tokens``: --microbatches and --recipe refused in one line naming what the
+    search over clusters takes instead."""
     if per_replica_microbatches is not None:
         raise click.UsageError("--microbatches and --tokens: the search over clusters derives each replica's "
                                "microbatches from --batch-tokens (tokens per iteration over all replicas); give "
                                "--batch-tokens or leave --microbatches out")
-    if seq_len is not None:
-        raise click.UsageError("--seq-len and --tokens: the search over clusters runs the model at its traced "
-                               "sequence length; trace it at another (mpsim trace --preset NAME --seq-len N -o "
-                               "FILE) and give that file as --model")
     if recipe is not None:
         raise click.UsageError("--recipe and --tokens: the search over clusters runs the model under its traced "
                                "recipe; trace it under another (mpsim trace --preset NAME --recipe R -o FILE) and give "

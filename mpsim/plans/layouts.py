@@ -30,6 +30,7 @@ import math
 
 from mpsim.errors import MpsimError
 from mpsim.hardware.topology import Topology
+from mpsim.models.context_parallel import check_context_parallel
 from mpsim.models.expert_parallel import moe_experts
 from mpsim.models.tensor_parallel import check_shardable
 from mpsim.models.trace import Trace
@@ -38,6 +39,8 @@ from mpsim.plans.job import DP_NAMES, JobSpec, Parallelism, data_parallel
 from mpsim.plans.schedule import MAX_MICROBATCHES, check_schedule, min_microbatches
 
 LAYOUT_FORMS = mesh.layout_forms()
+LONG_CONTEXT_TOKENS = 16384
+"""From this sequence length on, ``all`` and ``3d`` also search context-parallel layouts."""
 FILTERS: dict[str, str] = {
     "all": "every data-parallel degree x pipeline depth that uses all GPUs, ZeRO 0 to 3 where replicated",
     "pipeline": "one pipeline over all GPUs (pp8 on 8 GPUs)",
@@ -47,6 +50,9 @@ FILTERS: dict[str, str] = {
           "replicas, every degree that uses all GPUs and the model's heads divide",
     "expert": "a mixture of experts: expert-parallel groups of every size that divides the experts and the GPUs, "
               "times a pipeline and DDP or ZeRO-1 replicas (data and all include those without a pipeline)",
+    "context": "context-parallel groups of every size that divides the GPUs and splits the sequence (ring "
+               "attention), times tensor parallelism of 1 to 8 and DDP, ZeRO-1 or FSDP over data x context; "
+               f"all and 3d include them for sequences of {LONG_CONTEXT_TOKENS:,} tokens or more",
 }
 """Words ``--layouts`` takes beside names, each the layouts of one kind on a server."""
 DEFAULT_LAYOUTS = "pipeline,data"
@@ -113,11 +119,26 @@ def _expert_layouts(n_gpus: int, experts: int) -> list[Parallelism]:
     return out
 
 
+def _context_layouts(n_gpus: int, trace: Trace) -> list[Parallelism]:
+    """Context-parallel groups of c >= 2 GPUs (c dividing the GPUs, the sequence splitting
+    into 2c chunks) times tensor-parallel groups of t in 1 and ``TENSOR_DEGREES`` (sequence
+    parallel), the rest data parallel over data x context (DDP, ZeRO-1, FSDP: what
+    Megatron-Core and torchtitan shard over), one stage: by c, then t, then ZeRO."""
+    out = []
+    for c in (c for c in range(2, n_gpus + 1) if n_gpus % c == 0):
+        for t in (t for t in (1, *TENSOR_DEGREES) if (n_gpus // c) % t == 0):
+            p = data_parallel(n_gpus // (c * t), 0, 1, tensor=t, sequence_parallel=t > 1, axes=(("context", c),))
+            if _splits(trace, p):
+                out += [p.model_copy(update={"zero_stage": zero}) for zero in _3D_ZERO]
+    return out
+
+
 def _of_kind(word: str, layouts: list[Parallelism]) -> list[Parallelism]:
     pp = {"pipeline": lambda p: p.data == 1 and p.tensor == 1 and not p.axes,
-          "data": lambda p: p.replicas > 1 and p.pipeline == 1 and p.tensor == 1,
+          "data": lambda p: p.replicas > 1 and p.pipeline == 1 and p.tensor == 1 and p.context == 1,
           "hybrid": lambda p: p.data > 1 and (p.pipeline or 1) > 1 and p.tensor == 1 and not p.axes,
-          "3d": lambda p: p.tensor > 1, "expert": lambda p: p.expert > 1, "all": lambda p: True}[word]
+          "3d": lambda p: p.tensor > 1 or p.context > 1, "expert": lambda p: p.expert > 1,
+          "context": lambda p: p.context > 1, "all": lambda p: True}[word]
     return [p for p in layouts if pp(p)]
 
 
@@ -134,6 +155,9 @@ def candidate_layouts(topo: Topology, which: str = "all", schedule: str | None =
     experts = moe_experts(trace) if trace is not None else 0
     if experts:  # a mixture of experts: its expert-parallel layouts too (data: those without a pipeline)
         every += _expert_layouts(topo.n_gpus, experts)
+    context = trace is not None and "context" in which.split(",")
+    if trace is not None and (context or (trace.seq_len or 0) >= LONG_CONTEXT_TOKENS):
+        every += _context_layouts(topo.n_gpus, trace)
     chosen: list[Parallelism] = []
     why = [f"no layout fits the {topo.n_gpus} GPU(s) of {topo.name}"]
     for item in (x.strip() for x in which.split(",")):
@@ -163,6 +187,7 @@ def candidate_layouts(topo: Topology, which: str = "all", schedule: str | None =
 def _splits(trace: Trace, p: Parallelism) -> bool:
     try:
         check_shardable(trace, p.tensor, p.sequence_parallel)
+        check_context_parallel(trace, p.context, p.context_attention, p.tensor)
     except MpsimError:
         return False
     return True

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from mpsim.data.catalog import load_cluster, load_trace
 from mpsim.errors import MpsimError
@@ -32,6 +33,7 @@ from mpsim.limits import check_microbatch
 from mpsim.models.expert_parallel import UNIFORM, experts_line, moe_experts
 from mpsim.models.trace import Trace
 from mpsim.plans.job import JobSpec, Parallelism
+from mpsim.plans.layouts import LONG_CONTEXT_TOKENS
 from mpsim.studies.backends import Backend, run_points
 
 LAYOUT_KINDS: tuple[tuple[str, int, bool], ...] = (("ZeRO-1", 1, False), ("FSDP", 3, False), ("HSDP", 3, True))
@@ -39,6 +41,10 @@ LAYOUT_KINDS: tuple[tuple[str, int, bool], ...] = (("ZeRO-1", 1, False), ("FSDP"
 STRATEGIES: tuple[str, ...] = ("none", "selective", "recompute")
 """Tried in this order until one fits."""
 HOURS_PER_DAY = 24.0
+CONTEXT_DEGREES = (2, 4, 8, 16, 32, 64)
+"""Context-parallel degrees searched for a sequence of ``LONG_CONTEXT_TOKENS`` or more
+(those that split it), beside each tensor-parallel degree (Llama 3's long-context layouts:
+TP8 x CP x PP x FSDP)."""
 EXPERT_DEGREES = (2, 4, 8, 16, 32, 64)
 """Expert-parallel degrees searched for a mixture of experts (those dividing its experts)."""
 MAX_PIPELINE = 16
@@ -58,13 +64,16 @@ class Shape:
     microbatch: int
     expert: int = 1
     """Expert-parallel GPUs (a mixture of experts), carved out of the replicas."""
+    context: int = 1
+    """Context-parallel GPUs (a long sequence split over them), carved out of the replicas."""
 
     def parallelism(self, data: int) -> Parallelism:
-        """The layout with ``data`` replicas in all (``expert`` of them an expert group)."""
+        """The layout with ``data`` replicas in all (``expert`` or ``context`` of them a group)."""
         zero, hsdp = (self.zero_stage, self.hsdp) if data > 1 else (0, False)
-        axes = (("expert", self.expert),) if self.expert > 1 else ()
-        return Parallelism(data=data // self.expert, tensor=self.tensor, sequence_parallel=self.tensor > 1,
-                           pipeline=self.pipeline, zero_stage=zero, hsdp=hsdp, axes=axes)  # type: ignore[arg-type]
+        axes = tuple((n, k) for n, k in (("context", self.context), ("expert", self.expert)) if k > 1)
+        return Parallelism(data=data // (self.expert * self.context), tensor=self.tensor,
+                           sequence_parallel=self.tensor > 1, pipeline=self.pipeline, zero_stage=zero,  # type: ignore[arg-type]
+                           hsdp=hsdp, axes=axes)
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,8 @@ class ClusterPoint:
     shape: Shape
     batch_samples: int
     strategy: str = "none"
+    seq_len: int | None = None
+    """The model retraced at this many tokens per sample (None: as shipped)."""
 
 
 @dataclass(frozen=True)
@@ -206,6 +217,31 @@ def shapes(cluster: Cluster, trace: Trace, microbatch_sizes: Sequence[int]) -> l
     experts = moe_experts(trace)
     for e in (e for e in EXPERT_DEGREES if experts and experts % e == 0):  # ZeRO-1, Megatron-Core's MoE default
         out += [Shape(1, p, 1, False, mb, e) for p in depths for mb in microbatch_sizes]
+    return out + _context_shapes(g, trace, depths, microbatch_sizes)
+
+
+def _context_shapes(g: int, trace: Trace, depths: Sequence[int], microbatch_sizes: Sequence[int]) -> list[Shape]:
+    """A long sequence's context-parallel shapes: every degree of ``CONTEXT_DEGREES`` that
+    splits it, beside every tensor-parallel degree a server of ``g`` GPUs gives the model,
+    every depth, ZeRO-1 or FSDP over data x context."""
+    from mpsim.models.context_parallel import check_context_parallel
+    from mpsim.models.tensor_parallel import check_shardable
+
+    if (trace.seq_len or 0) < LONG_CONTEXT_TOKENS or trace.is_moe:
+        return []
+    out: list[Shape] = []
+    for t in (d for d in (1, 2, 4, 8, 16, 32, 64) if d <= g and g % d == 0):
+        try:
+            check_shardable(trace, t, t > 1)
+        except MpsimError:
+            continue
+        for c in CONTEXT_DEGREES:
+            try:
+                check_context_parallel(trace, c, "ring", t)
+            except MpsimError:
+                continue
+            out += [Shape(t, p, zero, False, mb, context=c) for p in depths for zero in (1, 3)
+                    for mb in microbatch_sizes]
     return out
 
 
@@ -238,22 +274,41 @@ def _job_or_reason(point: ClusterPoint, cluster: Cluster | None, trace: Trace | 
     if gpus % per_replica or (shape.hsdp and n == 1):
         return NOT_A_LAYOUT
     data = gpus // per_replica
-    if data % shape.expert:
+    if data % (shape.expert * shape.context):
         return NOT_A_LAYOUT
-    if point.batch_samples % (data * shape.microbatch):
+    samples = data // shape.context  # the context group shares each sample
+    if point.batch_samples % (samples * shape.microbatch):
         return (f"replicas x microbatch do not divide the batch of {point.batch_samples} samples "
                 "(--batch-tokens over the sequence length)")
-    m = point.batch_samples // (data * shape.microbatch)
+    m = point.batch_samples // (samples * shape.microbatch)
     if m < shape.pipeline:
         return "fewer microbatches per replica than pipeline stages"
     if data == 1 and (shape.zero_stage, shape.hsdp) != LAYOUT_KINDS[0][1:]:
         return NOT_A_LAYOUT  # searched once, as ZeRO-1's row: it has nothing to shard
-    trace = (trace or load_trace(point.model)).rescale(shape.microbatch)
+    trace = (trace or point_trace(point.model, point.seq_len)).rescale(shape.microbatch)
     try:
         return JobSpec(cluster.server, trace, "1f1b", m, shape.parallelism(data), strategy=point.strategy,
                        cluster=cluster, servers=n)
     except MpsimError as exc:
         return str(exc)
+
+
+@lru_cache(maxsize=8)
+def point_trace(model: str, seq_len: int | None = None) -> Trace:
+    """The shipped model ``model``, retraced at ``seq_len`` tokens per sample (FakeTensor,
+    from the shape its model block records: ``mpsim trace --seq-len``) where one is given;
+    once per process, as workers simulate many points of one model."""
+    trace = load_trace(model)
+    if seq_len is None or seq_len == trace.seq_len:
+        return trace
+    from mpsim.models.tracer import trace_model
+    from mpsim.models.workloads import shape_of
+
+    shape = shape_of(dict(trace.spec.model))
+    if isinstance(shape, str):
+        raise MpsimError(f"--seq-len: {trace.name} cannot be retraced at {seq_len} tokens: {shape}")
+    return trace_model(replace(shape, seq_len=seq_len), trace.microbatch, trace.spec.precision.recipe,
+                       f"{trace.name}-seq{seq_len}")
 
 
 def simulated_microbatches(stages: int) -> tuple[int, int]:
@@ -297,18 +352,20 @@ def scale(model: str | Trace, clusters: Sequence[str], tokens: float, days: floa
           budget_usd: float | None = None, batch_tokens: int = DEFAULT_BATCH_TOKENS,
           microbatch_sizes: Sequence[int] = (1,), discount: float = 0.0, backend: Backend | None = None,
           on_point: Callable[[ClusterTried], None] | None = None, min_servers: int = 1,
-          max_servers: int | None = None) -> ScaleReport:
-    """How many servers of each cluster train ``model`` on ``tokens`` (module doc)."""
+          max_servers: int | None = None, seq_len: int | None = None) -> ScaleReport:
+    """How many servers of each cluster train ``model`` on ``tokens`` (module doc), at
+    ``seq_len`` tokens per sample when given (a shipped model's name, retraced)."""
     _check(tokens, days, budget_usd, batch_tokens, discount)
     _check_search(microbatch_sizes, min_servers, max_servers)
-    trace = load_trace(model) if isinstance(model, str) else model
+    trace = _model_trace(model, seq_len)
     seq = seq_len_of(trace)
     batch = max(1, batch_tokens // seq)
     report = ScaleReport(trace.name, tokens, batch * seq, seq, days, budget_usd, discount,
                          experts=experts_line(trace, 1, UNIFORM))
     for name in clusters:
         cluster = load_cluster(name)
-        counts, kept, skipped = _points(name, cluster, trace, batch, microbatch_sizes, min_servers, max_servers)
+        counts, kept, skipped = _points(name, cluster, trace, batch, microbatch_sizes, min_servers, max_servers,
+                                        seq_len, model if isinstance(model, str) else None)
         failed: dict[str, int] = {}
         tried = _search(kept, backend, on_point, failed)
         answer = _answer(cluster, name, tried, report)
@@ -317,8 +374,18 @@ def scale(model: str | Trace, clusters: Sequence[str], tokens: float, days: floa
     return report
 
 
+def _model_trace(model: str | Trace, seq_len: int | None) -> Trace:
+    """The trace searched: ``model`` itself, or the shipped one named, at ``seq_len``."""
+    if isinstance(model, str):
+        return point_trace(model, seq_len)
+    if seq_len is not None and seq_len != model.seq_len:
+        raise MpsimError("--seq-len: give the model by its shipped name to search it at another length")
+    return model
+
+
 def _points(name: str, cluster: Cluster, trace: Trace, batch: int, microbatch_sizes: Sequence[int],
-            min_servers: int, max_servers: int | None) -> tuple[list[int], list[ClusterPoint], dict[str, int]]:
+            min_servers: int, max_servers: int | None, seq_len: int | None = None,
+            source: str | None = None) -> tuple[list[int], list[ClusterPoint], dict[str, int]]:
     """The server counts searched on ``cluster``, the configurations simulated there, and
     how many were left out and why (``skip_reason``; shapes that are no layout of the
     servers are not counted)."""
@@ -326,9 +393,9 @@ def _points(name: str, cluster: Cluster, trace: Trace, batch: int, microbatch_si
     kept: list[ClusterPoint] = []
     skipped: dict[str, int] = {}
     every = shapes(cluster, trace, microbatch_sizes)
-    for n in counts:
+    for n in counts:  # ``source``: the shipped model the workers load (and retrace at ``seq_len``)
         for shape in every:
-            point = ClusterPoint(name, trace.source or trace.name, n, shape, batch)
+            point = ClusterPoint(name, source or trace.source or trace.name, n, shape, batch, seq_len=seq_len)
             why = skip_reason(point, cluster, trace)
             if why is None:
                 kept.append(point)
@@ -339,20 +406,20 @@ def _points(name: str, cluster: Cluster, trace: Trace, batch: int, microbatch_si
 
 def search_work(model: str | Trace, clusters: Sequence[str], batch_tokens: int = DEFAULT_BATCH_TOKENS,
                 microbatch_sizes: Sequence[int] = (1,), min_servers: int = 1,
-                max_servers: int | None = None) -> tuple[int, int]:
+                max_servers: int | None = None, seq_len: int | None = None) -> tuple[int, int]:
     """The configurations ``scale`` would simulate with these bounds and its work at most
     (layers x microbatches simulated x every strategy of ``STRATEGIES``, summed: the
     measure a caller bounds a run by), counted before anything is simulated."""
     _check_search(microbatch_sizes, min_servers, max_servers)
-    trace = load_trace(model) if isinstance(model, str) else model
+    trace = _model_trace(model, seq_len)
     batch = max(1, batch_tokens // seq_len_of(trace))
     configurations = work = 0
     for name in clusters:
         cluster = load_cluster(name)
         for point in _points(name, cluster, trace, batch, microbatch_sizes, min_servers, max_servers)[1]:
             per_replica = point.shape.tensor * point.shape.pipeline
-            data = point.servers * cluster.gpus_per_server // per_replica
-            m = batch // (data * point.shape.microbatch)
+            samples = point.servers * cluster.gpus_per_server // per_replica // point.shape.context
+            m = batch // (samples * point.shape.microbatch)
             m1, m2 = simulated_microbatches(point.shape.pipeline)
             configurations += 1
             work += trace.n_layers * (m if m <= m1 + m2 else m1 + m2) * len(STRATEGIES)
