@@ -210,3 +210,18 @@ def test_the_cluster_search_carves_context_groups_out_of_the_replicas_and_shares
     job = job_of_point(point, cluster, long)
     assert job is not None and job.microbatches == 4 and job.samples_per_iteration == 4
     assert (job.parallelism.data, job.parallelism.context, job.parallelism.replicas) == (1, 4, 4)
+
+
+def test_a_plan_file_keeps_the_context_axis_and_its_attention(whole, tmp_path):
+    """plan writes the mesh with its attention; simulate --plan reads the same layout back."""
+    from mpsim.planners.registry import plan_job
+    from mpsim.plans.plan import read_plan_file, write_plan_file
+    from mpsim.sim.layout import parallelism_of_plan
+
+    p = parse_layout("ddp4xcp2").model_copy(update={"context_attention": "all-to-all"})
+    assert p.describe(1) == "DDP x4 x CP x2 (all-to-all)"
+    planned = plan_job(JobSpec(load_topology("dgx-h100"), whole, "1f1b", 1, p))
+    write_plan_file(planned.plan, tmp_path / "plan.json")
+    back = read_plan_file(tmp_path / "plan.json")
+    assert back.mesh is not None and back.mesh.context_attention == "all-to-all"
+    assert parallelism_of_plan(back) == p

@@ -491,14 +491,16 @@ def layout_name(p: Parallelism, n_stages: int) -> str:
 
 
 def describe(p: Parallelism, n_stages: int) -> str:
-    """The layout of ``n_stages`` as outputs name it: ``pipeline x4``, ``DDP x8``,
+    """The layout of ``n_stages`` as outputs name it (a context axis' attention when not the
+    ring's: ``CP x4 (all-to-all)``): ``pipeline x4``, ``DDP x8``,
     ``ZeRO-2 x4 x pipeline x2``, ``FSDP x8`` (ZeRO-3), ``HSDP x16``, ``TP x8``, ``TP x4+SP
     x pipeline x2``, ``FSDP x2 x TP x4`` (Megatron-LM's order read outward: data, the
     registered axes, tensor, pipeline)."""
     parts = []
     if _has_data(p):
         parts.append(f"{'HSDP' if p.hsdp else DP_NAMES[p.zero_stage]} x{p.data}")
-    parts += [f"{axis_kind(n).label or n} x{s}" for n, s in p.axes]
+    parts += [f"{axis_kind(n).label or n} x{s}" + (f" ({p.context_attention})" if n == "context" and
+                                                   p.context_attention != "ring" else "") for n, s in p.axes]
     if p.tensor > 1:
         parts.append(f"TP x{p.tensor}" + ("+SP" if p.sequence_parallel else ""))
     if n_stages > 1 or not parts or p.virtual_stages > 1:

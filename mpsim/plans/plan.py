@@ -47,6 +47,7 @@ from mpsim.datafile import FileModel, read_data_file, validate
 from mpsim.errors import MpsimError, SchemaError
 from mpsim.hardware.topology import Topology
 from mpsim.limits import MAX_REPLICAS
+from mpsim.models.context_parallel import ContextAttention
 from mpsim.models.trace import LayerRow, Trace
 from mpsim.plans.mesh import parse_layout
 from mpsim.plans.schedule import MAX_MICROBATCH, MAX_MICROBATCHES, SCHEDULES, check_schedule
@@ -154,6 +155,9 @@ class MeshPlan(FileModel):
                         description="the layout's name (`mpsim.plans.mesh` grammar): hsdp16, ddp2xmir2xpp2")
     axes: list[tuple[str, StrictInt]] = Field(min_length=1, max_length=16,
                                               description="the mesh's axes and their sizes, innermost first")
+    context_attention: ContextAttention = Field(
+        default="ring", description="with a context axis: how attention reaches the other GPUs' keys and values "
+                                    "(ring, all-gather, all-to-all; ``Parallelism.context_attention``)")
 
 
 SwapTiming = Literal["prefetch", "on-demand"]

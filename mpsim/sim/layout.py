@@ -83,8 +83,9 @@ def parallelism_of_plan(plan: PlanFile) -> Parallelism:
     dp, tp = plan.data_parallel, plan.tensor_parallel
     if plan.mesh is not None:  # schema 4: the mesh names it; the data block keeps the bucket and resharding
         named = parse_layout(plan.mesh.layout)
-        options = {"bucket_mib": dp.bucket_mib, "reshard_after_forward": dp.reshard_after_forward} if dp else {}
-        return named.model_copy(update=options)
+        options: dict[str, object] = {"bucket_mib": dp.bucket_mib,
+                                      "reshard_after_forward": dp.reshard_after_forward} if dp else {}
+        return named.model_copy(update=options | {"context_attention": plan.mesh.context_attention})
     tensor = 1 if tp is None else tp.degree
     sp = tp is not None and tp.sequence_parallel
     p, v = len(plan.stages) // plan.virtual_stages, plan.virtual_stages
@@ -111,7 +112,8 @@ def mesh_plan(parallelism: Parallelism, n_stages: int) -> MeshPlan | None:
     tensor blocks cannot say the layout (HSDP, registered axes), else None."""
     if not (parallelism.hsdp or parallelism.axes):
         return None
-    return MeshPlan(layout=layout_name(parallelism, n_stages), axes=list(parallelism.mesh(n_stages).axes))
+    return MeshPlan(layout=layout_name(parallelism, n_stages), axes=list(parallelism.mesh(n_stages).axes),
+                    context_attention=parallelism.context_attention)
 
 
 def tensor_parallel_plan(parallelism: Parallelism, groups: Groups) -> TensorParallelPlan | None:
