@@ -204,7 +204,8 @@ class PlanFile(FileModel):
 
     def to_json(self) -> str:
         """The file's text; schema 3's fields are left out while they hold their defaults,
-        so a plan without tensor parallelism or virtual stages reads as schema 2 did."""
+        so a plan without tensor parallelism or virtual stages reads as schema 2 did (and a
+        mesh's context attention while it is the ring's)."""
         data = self.model_dump(by_alias=True, exclude_defaults=False)
         if data["tensor_parallel"] is None:
             del data["tensor_parallel"]
@@ -212,6 +213,8 @@ class PlanFile(FileModel):
             del data["virtual_stages"]
         if data["mesh"] is None:
             del data["mesh"]
+        elif data["mesh"]["context_attention"] == "ring":  # the default, and all a mesh without context says
+            del data["mesh"]["context_attention"]
         return json.dumps(data, indent=1)
 
     @property
