@@ -29,13 +29,14 @@ def context_degree(plan: PlanFile) -> int:
     return 1 if plan.mesh is None else dict(plan.mesh.axes).get("context", 1)
 
 
-def check_cp_runnable(plan_file: PlanFile, trace: Trace, source: str, context_attention: str = "ring") -> None:
+def check_cp_runnable(plan_file: PlanFile, trace: Trace, source: str) -> None:
     """Refuse, in one line, a context-parallel plan the executor cannot run
     (``validate/context_parallel.py``): a pipeline, tensor or expert parallelism, ZeRO,
     actions other than keep, a host optimizer, attention other than ring attention over a
     fused kernel (flash, mem-efficient), a model other than a causal GPT or a Llama of the
     megatron framework, or a sequence that does not cut into 2c equal chunks."""
     c = context_degree(plan_file)
+    context_attention = plan_file.mesh.context_attention if plan_file.mesh is not None else "ring"
     dp = plan_file.data_parallel
     model = trace.spec.model
     family, attention = model.get("family"), model.get("attention", "eager")
@@ -60,7 +61,7 @@ def check_cp_runnable(plan_file: PlanFile, trace: Trace, source: str, context_at
 
 
 def validate_cp_plan(plan_file: PlanFile, topo: Topology, trace: Trace, settings: RunSettings,
-                     source: str = "<plan>", workdir: Path | None = None, context_attention: str = "ring") -> dict:
+                     source: str = "<plan>", workdir: Path | None = None) -> dict:
     """``validate_plan`` for context parallelism: checked (``check_runnable``,
     ``check_cp_runnable``), simulated, run by the executor's context-parallel worker and
     compared per GPU; each row gains its ``cp_rank``, ``dp_rank`` and ``losses`` (the
@@ -69,10 +70,10 @@ def validate_cp_plan(plan_file: PlanFile, topo: Topology, trace: Trace, settings
     if context_degree(plan_file) < 2:
         raise MpsimError(f"{source}: the plan has no context axis of 2 or more GPUs")
     check_runnable(plan_file, topo, trace, settings, source)
-    check_cp_runnable(plan_file, trace, source, context_attention)
+    check_cp_runnable(plan_file, trace, source)
     report, measured = measure(plan_file, topo, trace, model_config(trace), settings, workdir)
     for row, m in zip(report["stages"], measured, strict=True):
         if m is not None and not m.get("oom"):
             row.update(cp_rank=m["cp_rank"], dp_rank=m["dp_rank"], losses=m["losses"])
-    report.update(context_parallel=context_degree(plan_file), context_attention=context_attention)
+    report.update(context_parallel=context_degree(plan_file), context_attention="ring")
     return report
