@@ -41,16 +41,54 @@ class GemmRate(FileModel):
     tiles: list[GemmTile] = Field(min_length=1)
 
 
+CausalBlocks = Literal["ideal", "in-order", "longest-first"]
+"""How a kernel runs a causal mask's blocks (``AttentionRate.causal_blocks``)."""
+
+
 class AttentionRate(FileModel):
-    """A fused attention kernel's share of the dtype's peak on long sequences, and the key
-    length at which it reaches half of that (per thread block, a fixed cost is amortised
-    over the key blocks: e(s) = fraction x s / (s + half_seq))."""
+    """A fused attention kernel's share of the dtype's peak on long sequences (head dim 128),
+    and the length at which it reaches half of that (per thread block, a fixed cost is
+    amortised over the blocks it visits: e(s) = fraction x s / (s + half_seq)); how the rate
+    changes with the head dim, and how the kernel runs a causal mask
+    (``mpsim.timing.kernel_time.attention_seconds`` puts them together). Beyond the longest
+    sequence a figure was measured at, the rate holds its long-sequence fraction: nothing
+    in the kernel changes with the length once its blocks fill the GPU."""
 
     fwd_fraction: float = Field(gt=0, le=1)
     bwd_fraction: float = Field(gt=0, le=1)
     fwd_half_seq: float = Field(ge=0, le=1e6)
     bwd_half_seq: float = Field(ge=0, le=1e6)
     block_rows: int = Field(default=128, ge=1, le=1024, description="query rows per thread block")
+    fwd_by_head_dim: dict[int, float] = Field(
+        default_factory=dict, description="head dim -> the forward's rate relative to its rate at head dim 128 "
+                                          "(linear in log2 of the head dim between the points, held beyond them)")
+    bwd_by_head_dim: dict[int, float] = Field(default_factory=dict, description="the backward's likewise")
+    causal_blocks: CausalBlocks = Field(
+        default="ideal", description="ideal: a causal mask costs its share of the work at the rate of the keys "
+                                     "each block visits; in-order: besides, the masked tiles on the diagonal are "
+                                     "computed whole and the forward's query blocks start in launch order, the "
+                                     "heaviest last (FlashAttention-2), so the GPU idles half a heaviest block per "
+                                     "resident block at the end; longest-first: the diagonal tiles whole, the "
+                                     "heaviest blocks first (FlashAttention-4), no tail")
+    ctas_per_sm: int = Field(default=1, ge=1, le=32, description="thread blocks resident on one SM (the causal "
+                                                                 "forward's tail)")
+
+    @model_validator(mode="after")
+    def _head_dims(self) -> AttentionRate:
+        for d, v in (*self.fwd_by_head_dim.items(), *self.bwd_by_head_dim.items()):
+            if not (8 <= d <= 1024 and 0 < v <= 1.5):
+                raise ValueError(f"head dim {d}: relative rate {v} (head dims 8..1024, rates in (0, 1.5])")
+        return self
+
+    def head_dim_relative(self, head_dim: int, backward: bool) -> float:
+        """The rate at ``head_dim`` relative to the fractions' (head dim 128)."""
+        points = sorted({**(self.bwd_by_head_dim if backward else self.fwd_by_head_dim), 128: 1.0}.items())
+        if head_dim <= points[0][0]:
+            return points[0][1]
+        for (d0, v0), (d1, v1) in zip(points, points[1:], strict=False):
+            if head_dim <= d1:
+                return v0 + (v1 - v0) * math.log2(head_dim / d0) / math.log2(d1 / d0)
+        return points[-1][1]
 
 
 class KernelTable(FileModel):
@@ -105,6 +143,18 @@ _FA3_PAPER = ("FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608) Fig. 5/6: F
               "head dim 128, non-causal, fwd 309/350/362/368/370/370 and bwd 214/260/291/310/318/322 TFLOP/s at "
               "seq 512..16k")
 _FA2_PAPER = "FlashAttention-2 (Dao 2023, arXiv 2307.08691): on A100 forward up to 73% of peak"
+_FA2_A100_FIGS = ("FlashAttention-2 paper Fig. 4 (fwd+bwd) and Fig. 5 (fwd), A100 80GB, batch x seq = 16k tokens, "
+                  "hidden 2048: forward without a mask at head dim 128 221/226/227/222/224/223 TFLOP/s at seq "
+                  "512..16k, at head dim 64 191..192; forward plus backward at head dim 128 203 and at 64 176 at 16k "
+                  "(the backward they imply: 196 and 170)")
+_FA3_CAUSAL = ("FlashAttention-3 paper Fig. 5/6, FlashAttention-2 on H100 SXM5: head dim 64 forward 324 and backward "
+               "291 TFLOP/s at 16k (head dim 128: 370, 322); causal forward 191/260/298/319/333/335 at head dim 128, "
+               "180..299 at 64")
+_CAUSAL_FA2 = ("causal: FlashAttention-2 computes the masked diagonal tiles whole and launches its forward's query "
+               "blocks in order, heaviest last; 2 resident blocks per SM (128 x 64 tiles at head dim 128) give the "
+               "published causal forward's 0.88-0.95 of the unmasked rate at 2k-16k with no fitted parameter")
+_FA3_HEAD_DIMS = ("FlashAttention-3 paper Fig. 5/6, FlashAttention-3 on H100 SXM5 at 16k: forward 497 at head dim 64 "
+                  "of 648 at 128, backward 474 of 561")
 _TILE_ESTIMATE = ("tile set: the CTA tiles cuBLAS kernel names carry (e.g. sm90 ..._tilesize128x256x64, ampere "
                   "..._256x128); relative throughput of smaller tiles is an estimate")
 _FLOOR = "estimate: a few microseconds per eager kernel launch (launch plus dependency gap); fit with calibrate"
@@ -132,7 +182,9 @@ H100_LAYER_RMS_PCT = 12.6
 (bf16; reports/kernel_time.md, which benchmarks/kernel_time_report.py writes)."""
 _H100_LAYERS = ("our measured H100 layer passes (validate/results/h100/trace_bf16*.json; bf16 rms error of the "
                 "unfitted table over the transformer-layer and head passes, reports/kernel_time.md)")
-_FLASH_H100 = AttentionRate(fwd_fraction=0.374, bwd_fraction=0.326, fwd_half_seq=100.0, bwd_half_seq=260.0)
+_FLASH_H100 = AttentionRate(fwd_fraction=0.374, bwd_fraction=0.326, fwd_half_seq=100.0, bwd_half_seq=260.0,
+                            fwd_by_head_dim={64: round(324 / 370, 3)}, bwd_by_head_dim={64: round(291 / 322, 3)},
+                            causal_blocks="in-order", ctas_per_sm=2)
 
 
 def _hopper(sms: int) -> KernelTable:
@@ -154,12 +206,14 @@ def _hopper(sms: int) -> KernelTable:
                  "gemm.fp8": f"{MAMF_TABLE}: H100 SXM fp8 1402.6 of 1979 TFLOP/s (so a full-wave fraction at most "
                              "that)",
                  "gemm.fp32": f"8192^3 fp32 (no TF32) matmul 51.35 TFLOP/s: {OUR_H100_PROBE}",
-                 "attention.bf16": _FA3_PAPER + "; half_seq fitted to the 512 points",
-                 "attention.fp16": _FA3_PAPER})
+                 "attention.bf16": f"{_FA3_PAPER}; half_seq fitted to the 512 points; head dims and causal: "
+                                   f"{_FA3_CAUSAL}; {_CAUSAL_FA2}",
+                 "attention.fp16": "as bf16"})
 
 
-_FLASH_A100 = AttentionRate(fwd_fraction=0.73, bwd_fraction=round(0.73 * 322 / 370, 3), fwd_half_seq=100.0,
-                            bwd_half_seq=260.0)
+_FLASH_A100 = AttentionRate(fwd_fraction=0.73, bwd_fraction=round(0.73 * 322 / 370, 3), fwd_half_seq=16.0,
+                            bwd_half_seq=260.0, fwd_by_head_dim={64: round(192 / 223, 3)},
+                            bwd_by_head_dim={64: round(170 / 196, 3)}, causal_blocks="in-order", ctas_per_sm=2)
 _A100_SOURCES = {
     "sms": "NVIDIA A100 Tensor Core GPU Architecture whitepaper (108 SMs)",
     "launch_floor_us": _FLOOR,
@@ -169,7 +223,9 @@ _A100_SOURCES = {
     "gemm.bf16": "as fp16 (same tensor-core rate)",
     "gemm.tf32": "mli/transformers-benchmarks micro_bench: TF32 116 of 156 TFLOP/s",
     "gemm.fp32": "transferred from our H100 fp32 probe (CUDA-core SGEMM share of peak)",
-    "attention.fp16": _FA2_PAPER + "; backward x 322/370 and half_seq as FlashAttention-2 on H100 (FA3 paper)",
+    "attention.fp16": f"{_FA2_PAPER}; backward x 322/370 as FlashAttention-2 on H100 (FA3 paper: 198 TFLOP/s, "
+                      f"within 1% of the 196 the A100's own figures imply) and its half_seq; forward half_seq "
+                      f"fitted to the 512 point and head dim 64 from {_FA2_A100_FIGS}; {_CAUSAL_FA2}",
     "attention.bf16": "as fp16",
 }
 
@@ -205,11 +261,18 @@ _MEMORY_TRANSFER = ("transferred from our H100 copy probe (0.809 of peak; " + OU
                     "benchmark of this GPU used")
 
 
+_FLASH_B200 = AttentionRate(fwd_fraction=round(1613 / 2250, 3), bwd_fraction=round(1613 / 2250 * 322 / 370, 3),
+                            fwd_half_seq=100.0, bwd_half_seq=260.0, fwd_by_head_dim={64: round(497 / 648, 3)},
+                            bwd_by_head_dim={64: round(474 / 561, 3)}, causal_blocks="longest-first")
+_FA4_REST = ("; head dim 64 as FlashAttention-3's ratios on H100 (estimate: no FlashAttention-4 head-dim sweep "
+             f"found; {_FA3_HEAD_DIMS}); causal: FlashAttention-4 schedules causal tiles longest-processing-time "
+             "first (its paper's scheduling for causal and varlen work), the diagonal tiles computed whole")
+
+
 def _blackwell() -> KernelTable:
     """GB200's B200 GPUs: GEMM shares from the MAMF table (per GB200 GPU, against its 2,500
     TFLOP/s bf16 peak), attention from FlashAttention-4's B200 figure."""
-    flash = AttentionRate(fwd_fraction=round(1613 / 2250, 3), bwd_fraction=round(1613 / 2250 * 322 / 370, 3),
-                          fwd_half_seq=100.0, bwd_half_seq=260.0)
+    flash = _FLASH_B200
     return KernelTable(
         sms=148, launch_floor_us=4.0, memory_fraction=round(2711.3 / 3350, 3),
         gemm={"bf16": GemmRate(fraction=_share(1822 / 2500), tiles=_HOPPER_TILES),
@@ -222,7 +285,8 @@ def _blackwell() -> KernelTable:
                  "gemm.fp16": "as bf16 (same tensor-core rate)",
                  "gemm.fp8": f"{MAMF_TABLE}: GB200 fp8 3615.6 of 5000 TFLOP/s",
                  "attention.bf16": "FlashAttention-4 (arXiv 2603.05451): 1613 TFLOP/s bf16 forward on B200, 71.7% "
-                                   "of 2250; backward x 322/370 and half_seq as FlashAttention-2 on H100 (estimate)",
+                                   "of 2250; backward x 322/370 and half_seq as FlashAttention-2 on H100 (estimate)"
+                                   + _FA4_REST,
                  "attention.fp16": "as bf16"})
 
 
@@ -247,8 +311,7 @@ def _blackwell_ultra() -> KernelTable:
     B300's 2,250 bf16 / 4,500 fp8 TFLOP/s dense peaks); GB300 has no published sweep and
     takes these shares of its own peak. Attention: FlashAttention-4's B200 figure (no B300
     attention benchmark found; Blackwell Ultra doubles the exponential units, so this is low)."""
-    flash = AttentionRate(fwd_fraction=round(1613 / 2250, 3), bwd_fraction=round(1613 / 2250 * 322 / 370, 3),
-                          fwd_half_seq=100.0, bwd_half_seq=260.0)
+    flash = _FLASH_B200
     return KernelTable(
         sms=148, launch_floor_us=4.0, memory_fraction=round(2711.3 / 3350, 3),
         gemm={"bf16": GemmRate(fraction=_share(1769.0 / 2250), tiles=_HOPPER_TILES),
@@ -263,7 +326,7 @@ def _blackwell_ultra() -> KernelTable:
                  "gemm.fp8": f"{MAMF_TABLE}: B300 fp8 3353.3 of 4500 TFLOP/s (torch 2.9.1+cu130)",
                  "attention.bf16": "transferred from B200: FlashAttention-4 (arXiv 2603.05451), 1613 TFLOP/s bf16 "
                                    "forward on B200, 71.7% of 2250; backward x 322/370 and half_seq as "
-                                   "FlashAttention-2 on H100 (estimate)",
+                                   "FlashAttention-2 on H100 (estimate)" + _FA4_REST,
                  "attention.fp16": "as bf16"})
 
 

@@ -12,12 +12,23 @@ kernels cost their launches, not their bytes. Here each kernel of a trace
   long as one tile's 2 rows cols k FLOPs at the SM's share of the dtype's peak
   (peak / SMs x fraction x the tile's relative rate); cuBLAS's choice is the fastest tile.
   At least the time to read A and B and write C at the streaming rate.
-- **Attention** (FlashAttention-2, Dao 2023): the kernel's FLOPs at its share of peak,
-  which rises with the key length as a fixed per-block cost is amortised
-  (e(s) = fraction x s / (s + half_seq), with s the keys a query block visits: all of them,
-  or under a causal mask its share of them); thread blocks of ``block_rows`` query rows per
-  batch and head, in waves over the SMs. The memory-efficient kernel runs at
-  ``mem_efficient_relative`` of that.
+- **Attention** (FlashAttention-2, Dao 2023; ``AttentionRate``): the kernel's FLOPs at its
+  share of peak, which rises with the length as a fixed per-block cost is amortised
+  (e(s) = fraction x s / (s + half_seq), with s what one thread block visits: in the
+  forward the keys of its ``block_rows`` queries, in the backward the queries of its keys;
+  all of them, or under a causal mask their share), times the rate at the kernel's head
+  dim relative to head dim 128. Without a mask, blocks of ``block_rows`` per batch and head
+  (query rows forward, key rows backward) run in waves over the SMs. Under a causal mask a
+  table may say how the kernel runs its blocks (``causal_blocks``): the tiles the diagonal
+  crosses are computed whole (min(s_q, s_k) x block_rows / 2 masked elements more), and
+  the blocks, of unequal work, finish no sooner than the heaviest (all the keys, or all the
+  queries); a forward that launches its query blocks in order (FlashAttention-2) leaves
+  each of the SMs' resident block slots idle half a heaviest block at the end on average,
+  which is why its published causal forward rates sit 5-12% under the unmasked ones at 2k-16k
+  (batch x sequence 16k tokens: 2048 query blocks at head dim 128) and why the gap closes at
+  long sequence. Past the longest measured sequence nothing changes with the length, so
+  the rate holds its long-sequence fraction (the largest published kernel figures stop at
+  16k). The memory-efficient kernel runs at ``mem_efficient_relative`` of that.
 - **Convolution** (NVIDIA, "Convolutional Layers User's Guide"): the pass's implicit GEMM
   (``ConvKernel.gemm_shape``), ``groups`` of them; where cuDNN runs 3x3 stride-1 passes as
   Winograd (the table's ``winograd`` dtypes), their FLOPs divided by its reduction
@@ -100,22 +111,46 @@ def attention_seconds(kernel: AttentionKernel, rates: KernelRates) -> float:
     attention rate for (fp32's memory-efficient kernel) runs at the GEMM rate times
     ``mem_efficient_relative``."""
     rate = attention_rate(rates)
+    sms = rates.table.sms
     if rate is None:
         efficiency = rates.gemm_rate.fraction * rates.table.mem_efficient_relative
+        blocks = kernel.batch * kernel.heads * math.ceil(kernel.s_q / 128)
+        quantization = _waves(blocks, sms) * sms / blocks
     else:
-        fraction, half = ((rate.bwd_fraction, rate.bwd_half_seq) if kernel.backward
-                          else (rate.fwd_fraction, rate.fwd_half_seq))
-        keys = kernel.s_k * kernel.causal_share  # a causal block visits its share of the key blocks
-        efficiency = fraction * keys / (keys + half)
+        efficiency, quantization = _flash_efficiency(kernel, rate, sms)
         if kernel.backend == "mem-efficient":
             efficiency *= rates.table.mem_efficient_relative
-    rows = rate.block_rows if rate else 128
-    blocks = kernel.batch * kernel.heads * math.ceil(kernel.s_q / rows)
-    quantization = _waves(blocks, rates.table.sms) * rates.table.sms / blocks
     compute_s = kernel.flops / (rates.peak_flops_per_s * efficiency) * quantization
     elements = kernel.batch * kernel.head_dim * (2 * kernel.heads * kernel.s_q + 2 * kernel.kv_heads * kernel.s_k)
     io_s = elements * rates.itemsize * (2 if kernel.backward else 1) / rates.stream_bytes_per_s
     return max(compute_s, io_s, rates.floor_s)
+
+
+def attention_efficiency(kernel: AttentionKernel, rates: KernelRates) -> float:
+    """The share of the dtype's peak ``kernel`` runs at: its FLOPs over its seconds (the
+    launch floor and the streaming bound included)."""
+    return kernel.flops / (attention_seconds(kernel, rates) * rates.peak_flops_per_s)
+
+
+def _flash_efficiency(kernel: AttentionKernel, rate: AttentionRate, sms: int) -> tuple[float, float]:
+    """A fused kernel's share of peak over the work it does, and the factor its blocks'
+    scheduling stretches that by (module doc)."""
+    backward = kernel.backward
+    fraction, half = (rate.bwd_fraction, rate.bwd_half_seq) if backward else (rate.fwd_fraction, rate.fwd_half_seq)
+    share = kernel.causal_share
+    own, other = (kernel.s_k, kernel.s_q) if backward else (kernel.s_q, kernel.s_k)
+    visited = other * share  # what one block (of ``own``'s rows) visits: keys forward, queries backward
+    efficiency = fraction * rate.head_dim_relative(kernel.head_dim, backward) * visited / (visited + half)
+    rows = rate.block_rows
+    blocks = kernel.batch * kernel.heads * math.ceil(own / rows)
+    if not (kernel.causal and rate.causal_blocks != "ideal"):
+        return efficiency, _waves(blocks, sms) * sms / blocks
+    useful = share * kernel.s_q * kernel.s_k
+    efficiency *= useful / (useful + min(kernel.s_q, kernel.s_k) * rows / 2)  # the diagonal's tiles, whole
+    slots = sms * rate.ctas_per_sm
+    even = blocks * visited / slots  # the work spread evenly over the slots, in visited rows
+    tail = other / 2 if not backward and rate.causal_blocks == "in-order" else 0.0
+    return efficiency, max(even + tail, other) / even
 
 
 def conv_seconds(kernel: ConvKernel, rates: KernelRates) -> float:
