@@ -81,3 +81,9 @@ mpsim choose --model deepseek-v3 --tokens 14.8e12 --days 60 --clusters dgx-h100-
 mpsim simulate --server rtx4090-x1 --model tinyllama-1.1b --microbatches 8 > reports/simulate_tinyllama-1.1b_rtx4090.txt
 mpsim choose --model llama-3-70b --servers hgx-h200-x8,dgx-b200,gb200-nvl72,mi300x-x8 --strategy none,selective,recompute --layouts data,3d > reports/choose_llama-3-70b_2026_bf16.txt
 mpsim choose --model llama-3-70b --servers hgx-h200-x8,dgx-b200,gb200-nvl72,mi300x-x8 --strategy none,selective,recompute --layouts data,3d --recipe fp8-delayed > reports/choose_llama-3-70b_2026_fp8.txt
+
+# Long context (README "Long context"): Llama-3-8B at 128k on one DGX H100 with and without context
+# parallelism, and how many servers train Llama-3-70B at a million tokens a sequence.
+mpsim choose --model llama-3-8b --seq-len 131072 --servers dgx-h100 --global-microbatches 8 > reports/choose_llama-3-8b_128k_dgx-h100.txt
+mpsim choose --model llama-3-8b --seq-len 131072 --servers dgx-h100 --global-microbatches 8 --layouts pipeline,data,tp8sp,fsdp2xtp4sp,zero1x2xtp4sp,fsdp4xtp2sp > reports/choose_llama-3-8b_128k_dgx-h100_without-cp.txt
+mpsim choose --model llama-3-70b --seq-len 1048576 --tokens 1e10 --days 30 --clusters dgx-h100-superpod --max-servers 64 -j 2 > reports/scale_llama-3-70b_1M.txt
