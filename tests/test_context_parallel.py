@@ -225,3 +225,20 @@ def test_a_plan_file_keeps_the_context_axis_and_its_attention(whole, tmp_path):
     back = read_plan_file(tmp_path / "plan.json")
     assert back.mesh is not None and back.mesh.context_attention == "all-to-all"
     assert parallelism_of_plan(back) == p
+
+
+def test_a_layer_whose_sends_hide_frees_its_workspace_before_the_next_layer_allocates(monkeypatch):
+    """Pieces of 0.3 ms forward, 0.6 ms backward, their sends hidden beside the last part of
+    their attention (0.07 ms forward): the compute is one sleep of the piece's length, not
+    two that sum to it an ulp short, so each layer's workspace is freed at the instant the
+    next one's is taken and the peak holds one layer's workspace, not two."""
+    ring = {"op": "send-recv", "axis": "context", "steps": 1}
+    rows = [dict(layer(f"l{i}", 0.3, 0.6, out=4, inp=4 if i else 0, workspace=100_000, act=1000),
+                 fwd_attention_flops=7e7, bwd_attention_flops=1.4e8, fwd_collectives=[dict(ring, n_bytes=50_000)],
+                 bwd_collectives=[dict(ring, n_bytes=50_000)]) for i in range(3)]
+    shard = tiny_trace(rows)
+    monkeypatch.setattr(layout_mod, "stage_trace", lambda job, runtime: shard)
+    monkeypatch.setattr("mpsim.plans.job.check_context_parallel", lambda *a: None)
+    par = Parallelism(axes=(("context", 2),), pipeline=1)
+    r = simulate_job(Job(JobSpec(tiny_topology(n_gpus=2, nvlink_gbps=1.0), shard, "gpipe", 2, par)))
+    assert r.gpus[0].breakdown["workspace"] == 100_000

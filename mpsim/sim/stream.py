@@ -203,18 +203,16 @@ class ComputeStream:
     def _overlapped(self, piece: Piece, label: str) -> Generator[simpy.Event, object, None]:
         """A piece whose collectives run beside its last ``overlap_s`` seconds of compute
         (GEMMs under an overlapping runtime, ``mpsim.timing.runtime``; a ring attention's
-        blocks): the compute up to them, then both; the stream goes on when both are done,
-        after the collectives that do not overlap (``LayerGroups.split``)."""
+        blocks): they start that long before its compute ends; the stream goes on when both
+        are done, after the collectives that do not overlap (``LayerGroups.split``). The
+        compute is one sleep of the piece's length, as a piece without collectives runs, so
+        it ends at the instant its template's frees are logged at (two sleeps summing to it
+        can end an ulp early and start the next piece before them)."""
         env, memory, tp = self.run.env, self.memory, self.tp
         assert tp is not None
-        before_s = piece.duration_s - piece.overlap_s
-        if before_s > 0:
-            ends = sleep(env, before_s)
-            memory.settle()
-            yield ends
         beside, after = tp.split(piece.collectives)
-        comm = env.process(tp.communicate(beside, label)) if beside else None
-        ends = sleep(env, piece.overlap_s)
+        comm = env.process(self._beside(piece.duration_s - piece.overlap_s, beside, label)) if beside else None
+        ends = sleep(env, piece.duration_s)
         memory.settle()
         yield ends
         if comm is not None and not comm.processed:
@@ -222,6 +220,14 @@ class ComputeStream:
         if after:
             yield from tp.communicate(after, label)
         memory.defer_pokes(False)
+
+    def _beside(self, delay_s: float, collectives: list[tuple[str, int]],
+                label: str) -> Generator[simpy.Event, object, None]:
+        """``collectives`` over the stage's groups, started ``delay_s`` from now."""
+        assert self.tp is not None
+        if delay_s > 0:
+            yield sleep(self.run.env, delay_s)
+        yield from self.tp.communicate(collectives, label)
 
     def _start_piece(self, piece: Piece, label: str, climb_running: int, task: Task,
                      last_backward: bool) -> Generator[simpy.Event, object, None]:
