@@ -78,7 +78,6 @@ from mpsim.executor.executor import LR, Stepper, init_process, replica_tokens, t
 from mpsim.models import kernels
 from mpsim.models.workloads import Embedding, LossHead, ModelConfig, SelfAttention, TransformerLayer, _rotate_half_split
 from mpsim.plans.plan import PlanFile
-from mpsim.studies.cp_check import context_degree
 
 KV_TAG = 1
 """gloo tag of the key/value blocks' messages."""
@@ -461,7 +460,7 @@ def run(job: dict, out_dir: Path) -> dict:
     """This rank's part of the job (module doc): build, train, measure, write ``rank<i>.json``."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     plan = PlanFile.model_validate(job["plan"])
-    cp = context_degree(plan)
+    cp = plan.context
     if world != plan.replicas or len(plan.stages) != 1 or world % cp:
         raise SystemExit(f"the context-parallel plan has {plan.replicas} replica(s) of one stage, context {cp}, "
                          f"but {world} processes started")

@@ -493,7 +493,7 @@ def run(job: dict, out_dir: Path) -> dict:
         return run_moe(job, out_dir)
     rank = int(os.environ["RANK"])
     plan = PlanFile.model_validate(job["plan"])
-    if plan.mesh is not None and dict(plan.mesh.axes).get("context", 1) > 1:  # ring attention
+    if plan.context > 1:  # ring attention
         from mpsim.executor.context_parallel import run as run_cp
 
         return run_cp(job, out_dir)

@@ -123,7 +123,7 @@ def validate(model: str, plan_path: Path | None = None, server: str | None = Non
     (``--ep``; ``validate_moe_plan``). Returns the report (``oom`` set when a run ran out)."""
     from mpsim.models.probe import probe
     from mpsim.models.profiler import check_device
-    from mpsim.studies.cp_check import context_degree, validate_cp_plan
+    from mpsim.studies.cp_check import validate_cp_plan
     from mpsim.studies.hardware_check import RunSettings, check_processes, rank_places, validate_plan
     from mpsim.studies.moe_check import moe_config, moe_trace, validate_moe_plan
 
@@ -150,6 +150,6 @@ def validate(model: str, plan_path: Path | None = None, server: str | None = Non
     source = str(plan_path) if plan_path else "<plan>"
     if hf_config is not None:
         return validate_moe_plan(plan_file, topo, trace, hf_config, settings, source)
-    if context_degree(plan_file) > 1:  # ring attention: validate/context_parallel.py
+    if plan_file.context > 1:  # ring attention: validate/context_parallel.py
         return validate_cp_plan(plan_file, topo, trace, settings, source)
     return validate_plan(plan_file, topo, trace, settings, source)

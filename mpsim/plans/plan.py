@@ -237,6 +237,11 @@ class PlanFile(FileModel):
         """The expert-parallel degree (the mesh's ``expert`` axis; 1 without)."""
         return 1 if self.mesh is None else dict(self.mesh.axes).get("expert", 1)
 
+    @property
+    def context(self) -> int:
+        """The context-parallel degree (the mesh's ``context`` axis; 1 without)."""
+        return 1 if self.mesh is None else dict(self.mesh.axes).get("context", 1)
+
     def gpus_used(self) -> set[int]:
         """Every GPU the job runs on, in any replica and tensor-parallel group."""
         if self.tensor_parallel is not None:

@@ -24,18 +24,13 @@ CP_FAMILIES = ("gpt", "llama")
 """Model families the worker runs: causal decoders (BERT's bidirectional layers are not run)."""
 
 
-def context_degree(plan: PlanFile) -> int:
-    """The context-parallel degree (the mesh's ``context`` axis; 1 without)."""
-    return 1 if plan.mesh is None else dict(plan.mesh.axes).get("context", 1)
-
-
 def check_cp_runnable(plan_file: PlanFile, trace: Trace, source: str) -> None:
     """Refuse, in one line, a context-parallel plan the executor cannot run
     (``validate/context_parallel.py``): a pipeline, tensor or expert parallelism, ZeRO,
     actions other than keep, a host optimizer, attention other than ring attention over a
     fused kernel (flash, mem-efficient), a model other than a causal GPT or a Llama of the
     megatron framework, or a sequence that does not cut into 2c equal chunks."""
-    c = context_degree(plan_file)
+    c = plan_file.context
     context_attention = plan_file.mesh.context_attention if plan_file.mesh is not None else "ring"
     dp = plan_file.data_parallel
     model = trace.spec.model
@@ -67,7 +62,7 @@ def validate_cp_plan(plan_file: PlanFile, topo: Topology, trace: Trace, settings
     compared per GPU; each row gains its ``cp_rank``, ``dp_rank`` and ``losses`` (the
     context group's, per step). ``workdir``: run there and keep the job and the ranks'
     results (else a scratch folder)."""
-    if context_degree(plan_file) < 2:
+    if plan_file.context < 2:
         raise MpsimError(f"{source}: the plan has no context axis of 2 or more GPUs")
     check_runnable(plan_file, topo, trace, settings, source)
     check_cp_runnable(plan_file, trace, source)
@@ -75,5 +70,5 @@ def validate_cp_plan(plan_file: PlanFile, topo: Topology, trace: Trace, settings
     for row, m in zip(report["stages"], measured, strict=True):
         if m is not None and not m.get("oom"):
             row.update(cp_rank=m["cp_rank"], dp_rank=m["dp_rank"], losses=m["losses"])
-    report.update(context_parallel=context_degree(plan_file), context_attention="ring")
+    report.update(context_parallel=plan_file.context, context_attention="ring")
     return report
