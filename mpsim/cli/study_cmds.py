@@ -312,13 +312,16 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, globa
 
     With --tokens it answers "how many servers": per cluster (--clusters) and server count
     (powers of two) the fastest layout that fits (tensor parallel inside a server, pipeline
-    and ZeRO-1, FSDP or HSDP across), the days and the cost to train, the Pareto front of
-    days against cost (--plot), and the fewest servers within --days and --budget.
+    and ZeRO-1, FSDP or HSDP across; expert parallel for a mixture of experts; context
+    parallel from 16,384 tokens, --seq-len retracing a shipped model), the days and the cost
+    to train, the Pareto front of days against cost (--plot), and the fewest servers within
+    --days and --budget.
 
     \b
     Examples:
       mpsim choose --model llama-3-8b --servers dgx1-v100,dgx-a100-80gb,dgx-h100 --price dgx-h100=55
       mpsim choose --model llama-3-70b --tokens 2e12 --days 30 --clusters dgx-h100-superpod -j 2
+      mpsim choose --model llama-3-70b --seq-len 1048576 --tokens 1e10 --clusters dgx-h100-superpod -j 2
     """
     from mpsim.views.html import choose_page, scale_page
     from mpsim.views.plots import plot_choose, plot_scale

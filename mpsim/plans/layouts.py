@@ -63,7 +63,10 @@ CHOOSE_LAYOUTS = "pipeline,data,3d"
 GPUs for a model whose heads divide by 8), so each server is ranked by its best layout."""
 LAYOUTS_HELP = ("comma-separated layouts: names " + LAYOUT_FORMS + "; or all, pipeline, data (one replica per "
                 "GPU, DDP and ZeRO-1/2/3), hybrid (replicas of a pipeline), 3d (tensor-parallel stages times "
-                "pipeline and replicas). Every layout runs the same global batch, "
+                f"pipeline and replicas; from {LONG_CONTEXT_TOKENS:,} tokens also context-parallel groups), expert (a "
+                "mixture of "
+                "experts' expert-parallel groups), context (context-parallel groups at any sequence length). "
+                "Every layout runs the same global batch, "
                 "--global-microbatches N: a layout of dp replicas runs ceil(N/dp) per replica, at least one per "
                 "stage for 1f1b")
 
