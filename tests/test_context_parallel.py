@@ -242,3 +242,9 @@ def test_a_layer_whose_sends_hide_frees_its_workspace_before_the_next_layer_allo
     par = Parallelism(axes=(("context", 2),), pipeline=1)
     r = simulate_job(Job(JobSpec(tiny_topology(n_gpus=2, nvlink_gbps=1.0), shard, "gpipe", 2, par)))
     assert r.gpus[0].breakdown["workspace"] == 100_000
+
+
+def test_a_model_without_attention_is_refused_for_context_parallelism():
+    blocks = tiny_trace([layer(f"conv{i}", kind="other") for i in range(2)])
+    with pytest.raises(MpsimError, match="has no attention layers"):
+        JobSpec(tiny_topology(n_gpus=2), blocks, "1f1b", 1, parse_layout("cp2"))

@@ -73,6 +73,8 @@ def check_context_parallel(trace: Trace, degree: int, attention: ContextAttentio
     if trace.is_moe:
         raise MpsimError(f"{name}: context parallelism of a mixture of experts is not simulated yet")
     kernels = [k for r in trace.layers for k in r.fwd_kernels if isinstance(k, AttentionKernel)]
+    if not kernels and not any(r.kind == "transformer" for r in trace.layers):
+        raise MpsimError(f"{name} has no attention layers: context parallelism splits a transformer's sequence")
     if not kernels:
         raise MpsimError(f"{name}: context parallelism splits fused attention (flash, mem-efficient) and this trace "
                          "has none: trace it with --attention flash (eager attention keeps the s x s scores)")
