@@ -248,3 +248,27 @@ def test_a_model_without_attention_is_refused_for_context_parallelism():
     blocks = tiny_trace([layer(f"conv{i}", kind="other") for i in range(2)])
     with pytest.raises(MpsimError, match="has no attention layers"):
         JobSpec(tiny_topology(n_gpus=2), blocks, "1f1b", 1, parse_layout("cp2"))
+
+
+def test_fsdp_shards_the_states_over_data_times_context_as_fsdp_over_all_gpus(whole):
+    """torchtitan's FSDP and Megatron-Core's distributed optimizer shard over DP x CP: FSDP x2
+    x CP x4 holds the same model states per GPU as FSDP x8."""
+    topo = load_topology("dgx-h100")
+    split = simulate_job(Job(JobSpec(topo, whole, "1f1b", 1, parse_layout("fsdp2xcp4"))))
+    flat = simulate_job(Job(JobSpec(topo, whole, "1f1b", 1, parse_layout("fsdp8"))))
+    for key in ("optimizer", "grads"):
+        assert split.gpus[0].breakdown[key] == flat.gpus[0].breakdown[key] > 0
+
+
+def test_a_context_group_across_servers_runs_its_ring_through_the_nics(whole):
+    """CP x16 on two DGX H100s: the group is the simulated server's 8 GPUs on 2 servers, a
+    ring step leaving each server through a NIC (``ContextGroup.ring_hops``)."""
+    from mpsim.data.catalog import load_cluster
+    from mpsim.sim.layout import resolve
+
+    cluster = load_cluster("dgx-h100-superpod")
+    job = JobSpec(cluster.server, whole, "1f1b", 1, parse_layout("cp16"), cluster=cluster, servers=2)
+    layout = resolve(Job(job))
+    assert layout.context_group(0) == (tuple(range(8)), 2)
+    r = simulate_job(Job(job))
+    assert r.gpus[0].costs_s["cp_comm_s"] > 0 and r.fits
