@@ -150,7 +150,6 @@ def test_a_context_parallel_job_runs_less_per_gpu_and_says_so(whole):
 
 
 @pytest.mark.parametrize(("layout", "attention", "match"), [
-    ("ddp2xep2xcp2", "ring", "context with expert parallelism is not simulated yet"),
     ("cp3", "ring", "does not split into 6 equal chunks"),
     ("cp4", "all-to-all", "2 key/value heads .* do not split over context parallel x4"),
 ])
@@ -272,3 +271,28 @@ def test_a_context_group_across_servers_runs_its_ring_through_the_nics(whole):
     assert layout.context_group(0) == (tuple(range(8)), 2)
     r = simulate_job(Job(job))
     assert r.gpus[0].costs_s["cp_comm_s"] > 0 and r.fits
+
+
+def test_context_with_expert_parallelism_nests_the_groups_as_megatron_core_orders_them():
+    """Mixtral on 8 GPUs as EP x4 x CP x2 (context innermost, then expert): the context
+    groups are pairs, an expert group every second GPU, and the GPUs holding the same
+    experts (their gradients' group) a context pair; each GPU routes half the copies EP x4
+    alone routes, and four samples train at a time."""
+    from mpsim.data.catalog import load_trace
+    from mpsim.sim.layout import resolve, stage_trace
+
+    trace = load_trace("mixtral-8x7b").rescale(1)
+    job = JobSpec(load_topology("dgx-h100"), trace, "1f1b", 1, parse_layout("ep4xcp2"), strategy="none")
+    layout = resolve(Job(job))
+    assert layout.context_group(0) == ((0, 1), 1)
+    assert layout.expert_group(0) == ((0, 2, 4, 6), 1)
+    assert layout.expert_data_group(0) == ((0, 1), 1)
+    assert job.samples_per_iteration == 4 and job.parallelism.expert_shard_ways() == 2
+    both = stage_trace(job, "mpress")
+    alone = stage_trace(JobSpec(load_topology("dgx-h100"), trace, "1f1b", 1, parse_layout("ddp2xep4")), "mpress")
+    assert both is not None and alone is not None
+    moe = next(i for i, r in enumerate(alone.layers) if r.dispatch_bytes)
+    assert both.layers[moe].dispatch_bytes == alone.layers[moe].dispatch_bytes // 2
+    assert both.layers[moe].expert_params == alone.layers[moe].expert_params
+    r = simulate_job(Job(job))
+    assert r.gpus[0].costs_s["cp_comm_s"] > 0 and r.gpus[0].costs_s["ep_comm_s"] > 0

@@ -31,7 +31,9 @@ bytes moved stays), and its GEMMs are the unsplit ones with their token dimensio
   a second all-to-all returns the output; the backward runs the two in reverse. It needs
   the heads and key/value heads to divide by c.
 
-Every GPU of the group runs the same shard, so the engine simulates the first.
+Every GPU of the group runs the same shard, so the engine simulates the first. A mixture
+of experts' routed copies are its own tokens' (1/c of them); the expert-parallel shard is
+taken of this one (``mpsim.models.expert_parallel``).
 Parameters, gradients and optimizer states are the unsplit row's: the context group holds
 the same weights and joins the gradient reduction (``Parallelism.replicas``). Only fused
 attention (flash, memory-efficient) splits: eager attention's s x s scores are what
@@ -58,8 +60,9 @@ _ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "tf32": 4}
 """Bytes per element of q, k, v at a recipe's compute dtype (FP8 recipes keep attention in 16 bits)."""
 _SCALED = ("act_bytes", "input_bytes", "output_bytes", "workspace_bytes", "fwd_flops", "bwd_flops",
            "fwd_attention_flops", "bwd_attention_flops", "attention_core_bytes", "attention_core_flops",
-           "attention_core_mem_bytes")
-"""Row fields that are 1/c on each GPU (token-wise, or attention's balanced share)."""
+           "attention_core_mem_bytes", "expert_act_bytes", "expert_fwd_flops", "expert_bwd_flops", "dispatch_bytes")
+"""Row fields that are 1/c on each GPU (token-wise, or attention's balanced share; a mixture
+of experts' routed tokens are the GPU's own tokens' copies)."""
 
 
 def check_context_parallel(trace: Trace, degree: int, attention: ContextAttention = "ring", tensor: int = 1) -> None:
@@ -70,8 +73,6 @@ def check_context_parallel(trace: Trace, degree: int, attention: ContextAttentio
     name, model = trace.name, trace.spec.model
     if "context_parallel" in model:
         raise MpsimError(f"{name} is already one GPU's context-parallel shard; give the whole model's trace")
-    if trace.is_moe:
-        raise MpsimError(f"{name}: context parallelism of a mixture of experts is not simulated yet")
     kernels = [k for r in trace.layers for k in r.fwd_kernels if isinstance(k, AttentionKernel)]
     if not kernels and not any(r.kind == "transformer" for r in trace.layers):
         raise MpsimError(f"{name} has no attention layers: context parallelism splits a transformer's sequence")

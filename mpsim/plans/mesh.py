@@ -245,8 +245,6 @@ class Parallelism(BaseModel):
                     "degree of 2 or more")
         if self.hsdp and self.zero_stage != 3:
             return "HSDP shards parameters (ZeRO-3) inside a server and replicates them across: use zero stage 3"
-        if self.expert > 1 and self.context > 1:
-            return f"{describe(self, 1)}: context with expert parallelism is not simulated yet"
         if self.context > 1 and self.hsdp:
             return f"{describe(self, 1)}: HSDP with context parallelism is not simulated yet"
         if self.expert > 1 and self.zero_stage > 1:
@@ -304,9 +302,9 @@ class Parallelism(BaseModel):
 
     def expert_shard_ways(self) -> int:
         """GPUs the routed experts' optimizer states are split over under ZeRO-1: the
-        expert-data-parallel group (the data axis; the experts themselves are split over
-        the expert axis already)."""
-        return self.data
+        expert-data-parallel group (the data and context axes; the experts themselves are
+        split over the expert axis already)."""
+        return self.data * self.context
 
     def optimizer_shards(self, across: int = 1) -> int:
         """Parts one GPU's optimizer states are split into: ``shard_ways`` from ZeRO-1 on

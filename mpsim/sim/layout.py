@@ -278,14 +278,17 @@ class Layout(OfJob, OnLaid):
 
     def expert_group(self, stage: int) -> tuple[tuple[int, ...], int]:
         """Stage ``stage``'s expert-parallel group in replica 0: its GPUs on the simulated
-        servers and the servers it spans. The expert axis lies inside the data axis
-        (``mpsim.plans.expert``), so on a cluster it is the first replicas of the stage's
-        group (``cluster_placement``: replicas in mesh order); on one server the first in
-        the group's ring order."""
-        ep, group = self.parallelism.expert, self.group(stage)
-        if ep <= len(group):
-            return group[:ep], 1
-        return group, ep // len(group)
+        servers and the servers it spans. The expert axis lies inside the data axis and
+        outside the context axis (``mpsim.plans.expert``), so on a cluster its GPUs are
+        every ``cp``-th of the stage's group (``cluster_placement``: replicas in mesh
+        order), the first ``ep`` of them; on one server likewise in the group's ring order."""
+        cp, ep, group = self.parallelism.context, self.parallelism.expert, self.group(stage)
+        if cp * ep <= len(group):
+            return group[: cp * ep : cp], 1
+        if len(group) % cp:
+            raise MpsimError(f"{self.parallelism.describe(1)}: a context group across servers with expert "
+                             "parallelism is not simulated; keep context x expert GPUs within a server's")
+        return group[::cp], cp * ep // len(group)
 
     def context_group(self, stage: int) -> tuple[tuple[int, ...], int]:
         """Stage ``stage``'s context-parallel group in replica 0: its GPUs on the simulated
@@ -300,12 +303,13 @@ class Layout(OfJob, OnLaid):
 
     def expert_data_group(self, stage: int) -> tuple[tuple[int, ...], int]:
         """Stage ``stage``'s expert-data-parallel group (the GPUs holding the same experts:
-        every ``ep``-th of the stage's group) on the simulated servers and the servers it
-        spans; the data-parallel group itself without expert parallelism."""
-        ep, group = self.parallelism.expert, self.group(stage)
-        if ep <= len(group):
-            return group[::ep], self.across
-        return group[:1], self.across // (ep // len(group))
+        every context GPU of every ``ep``-th expert coordinate of the stage's group) on the
+        simulated servers and the servers it spans; the data-parallel group itself without
+        expert parallelism."""
+        cp, ep, group = self.parallelism.context, self.parallelism.expert, self.group(stage)
+        if cp * ep <= len(group):
+            return tuple(g for i, g in enumerate(group) if (i // cp) % ep == 0), self.across
+        return group[:cp], self.across // (cp * ep // len(group))
 
     def tensor_group(self, stage: int) -> tuple[int, ...]:
         """Stage ``stage``'s tensor-parallel group in replica 0, in ring order."""
