@@ -66,3 +66,13 @@ def test_a_layer_at_128k_keeps_what_the_readme_says() -> None:
     layer = next(r for r in one.layers if r.kind == "transformer")
     quote = " ".join(_paragraph(README, "one layer of Llama-3-8B keeps").split())
     assert f"keeps {layer.act_bytes / 1e9:.1f} GB for its backward" in quote
+
+
+def test_the_executor_figure_is_the_worst_rank_of_the_validation_report() -> None:
+    rows = [x.split("|") for x in (ROOT / "reports" / "validation_cp_cpu.md").read_text().splitlines()
+            if x.startswith("| CP=")]
+    errors = [float(r[7].strip().rstrip("%")) for r in rows]
+    worst = max(errors, key=abs)
+    assert {r[1].strip() for r in rows} == {"CP=2", "CP=4", "CP=2 x DP=2"}
+    quote = " ".join(_paragraph(README, "runs it for real on CPU").split())
+    assert f"Every rank's peak is within {worst:.2f}% of the prediction" in quote
