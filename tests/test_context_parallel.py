@@ -296,3 +296,8 @@ def test_context_with_expert_parallelism_nests_the_groups_as_megatron_core_order
     assert both.layers[moe].expert_params == alone.layers[moe].expert_params
     r = simulate_job(Job(job))
     assert r.gpus[0].costs_s["cp_comm_s"] > 0 and r.gpus[0].costs_s["ep_comm_s"] > 0
+
+
+def test_a_context_layout_too_big_for_the_server_is_named_in_the_refusal(whole):
+    with pytest.raises(MpsimError, match=r"^CP x2 x TP x8 needs 16 GPUs but dgx-h100 has 8$"):
+        parse_layout("cp2xtp8").stages_on(load_topology("dgx-h100"))
