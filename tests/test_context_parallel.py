@@ -181,7 +181,7 @@ def test_the_context_word_searches_every_degree_that_splits_the_sequence(whole):
     assert not any("cp" in short_name(p, p.pipeline or 1) for p in candidate_layouts(topo, "all", trace=whole))
 
 
-def test_all_and_3d_include_context_parallelism_from_a_long_sequence():
+def test_all_3d_and_data_include_context_parallelism_from_a_long_sequence():
     from dataclasses import replace
 
     from mpsim.plans.layouts import LONG_CONTEXT_TOKENS, candidate_layouts
@@ -190,7 +190,10 @@ def test_all_and_3d_include_context_parallelism_from_a_long_sequence():
     topo = load_topology("dgx-h100")
     assert any(p.context == 8 for p in candidate_layouts(topo, "all", trace=long))
     assert any(p.context == 4 and p.tensor == 2 for p in candidate_layouts(topo, "3d", trace=long))
-    assert not any(p.context > 1 for p in candidate_layouts(topo, "data", trace=long))
+    data = [p for p in candidate_layouts(topo, "data", trace=long) if p.context > 1]
+    assert data and all(p.tensor == 1 and p.pipeline == 1 for p in data)
+    assert not any(p.context > 1 for p in candidate_layouts(topo, "data", trace=trace_model(
+        replace(SMALL, seq_len=LONG_CONTEXT_TOKENS // 2), 1, "mixed-bf16", "shorter")))
 
 
 def test_the_cluster_search_carves_context_groups_out_of_the_replicas_and_shares_their_samples():

@@ -14,7 +14,7 @@ README = (ROOT / "README.md").read_text()
 EIGHT_B = "mpsim choose --model llama-3-8b --seq-len 131072 --servers dgx-h100 --global-microbatches 8"
 SEVENTY_B = ("mpsim choose --model llama-3-70b --seq-len 1048576 --tokens 1e10 --days 30 --clusters "
              "dgx-h100-superpod --max-servers 64")
-WITHOUT = "--layouts pipeline,data,tp8sp,fsdp2xtp4sp,zero1x2xtp4sp,fsdp4xtp2sp"
+WITHOUT = "--layouts pipeline,ddp8,zero1x8,zero2x8,fsdp8,tp8sp,fsdp2xtp4sp,zero1x2xtp4sp,fsdp4xtp2sp"
 
 
 def _quoted(command: str) -> str:

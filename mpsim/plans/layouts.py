@@ -44,7 +44,8 @@ LONG_CONTEXT_TOKENS = 16384
 FILTERS: dict[str, str] = {
     "all": "every data-parallel degree x pipeline depth that uses all GPUs, ZeRO 0 to 3 where replicated",
     "pipeline": "one pipeline over all GPUs (pp8 on 8 GPUs)",
-    "data": "one replica per GPU, DDP and ZeRO 1 to 3 (ddp8, zero1x8, zero2x8, fsdp8 on 8 GPUs)",
+    "data": "one replica per GPU, DDP and ZeRO 1 to 3 (ddp8, zero1x8, zero2x8, fsdp8 on 8 GPUs); from "
+            f"{LONG_CONTEXT_TOKENS:,} tokens also context-parallel groups over them (ddp4xcp2, fsdp1xcp8)",
     "hybrid": "replicas of a pipeline of 2 or more stages (ddp2xpp4, ...), ZeRO 0 to 3",
     "3d": "tensor-parallel groups of 2 to 8 GPUs (sequence parallel) times a pipeline and DDP, ZeRO-1 or FSDP "
           "replicas, every degree that uses all GPUs and the model's heads divide",
@@ -138,7 +139,7 @@ def _context_layouts(n_gpus: int, trace: Trace) -> list[Parallelism]:
 
 def _of_kind(word: str, layouts: list[Parallelism]) -> list[Parallelism]:
     pp = {"pipeline": lambda p: p.data == 1 and p.tensor == 1 and not p.axes,
-          "data": lambda p: p.replicas > 1 and p.pipeline == 1 and p.tensor == 1 and p.context == 1,
+          "data": lambda p: p.replicas > 1 and p.pipeline == 1 and p.tensor == 1,
           "hybrid": lambda p: p.data > 1 and (p.pipeline or 1) > 1 and p.tensor == 1 and not p.axes,
           "3d": lambda p: p.tensor > 1 or p.context > 1, "expert": lambda p: p.expert > 1,
           "context": lambda p: p.context > 1, "all": lambda p: True}[word]
