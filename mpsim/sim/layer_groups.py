@@ -55,6 +55,8 @@ class LayerGroups:
     def split(self, collectives: Collectives) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
         """(run beside the piece's compute, run after it): a ring's sends beside, the others
         beside too when the runtime overlaps them."""
-        beside = [c for c in collectives if self.overlaps_others or is_ring_step(c[0])]
-        after = [c for c in collectives if not (self.overlaps_others or is_ring_step(c[0]))]
+        beside: list[tuple[str, int]] = []
+        after: list[tuple[str, int]] = []
+        for c in collectives:
+            (beside if self.overlaps_others or is_ring_step(c[0]) else after).append(c)
         return beside, after

@@ -199,18 +199,26 @@ def seq_len_of(trace: Trace) -> int:
     return seq
 
 
-def shapes(cluster: Cluster, trace: Trace, microbatch_sizes: Sequence[int]) -> list[Shape]:
-    """Every layout shape the model splits into on ``cluster``'s servers (module doc)."""
+def _tensor_degrees(g: int, trace: Trace) -> list[int]:
+    """The tensor-parallel degrees (with sequence parallel) a server of ``g`` GPUs gives the model."""
     from mpsim.models.tensor_parallel import check_shardable
 
-    g = cluster.gpus_per_server
     out = []
-    depths = [q for q in (1, 2, 4, 8, 16) if q <= min(trace.n_layers, MAX_PIPELINE)]
     for t in (d for d in (1, 2, 4, 8, 16, 32, 64) if d <= g and g % d == 0):
         try:
             check_shardable(trace, t, t > 1)
         except MpsimError:
             continue
+        out.append(t)
+    return out
+
+
+def shapes(cluster: Cluster, trace: Trace, microbatch_sizes: Sequence[int]) -> list[Shape]:
+    """Every layout shape the model splits into on ``cluster``'s servers (module doc)."""
+    g = cluster.gpus_per_server
+    out = []
+    depths = [q for q in (1, 2, 4, 8, 16) if q <= min(trace.n_layers, MAX_PIPELINE)]
+    for t in _tensor_degrees(g, trace):
         for p in depths:
             for _, zero, hsdp in LAYOUT_KINDS:
                 out += [Shape(t, p, zero, hsdp, mb) for mb in microbatch_sizes]
@@ -225,16 +233,11 @@ def _context_shapes(g: int, trace: Trace, depths: Sequence[int], microbatch_size
     splits it, beside every tensor-parallel degree a server of ``g`` GPUs gives the model,
     every depth, ZeRO-1 or FSDP over data x context."""
     from mpsim.models.context_parallel import check_context_parallel
-    from mpsim.models.tensor_parallel import check_shardable
 
     if (trace.seq_len or 0) < LONG_CONTEXT_TOKENS or trace.is_moe:
         return []
     out: list[Shape] = []
-    for t in (d for d in (1, 2, 4, 8, 16, 32, 64) if d <= g and g % d == 0):
-        try:
-            check_shardable(trace, t, t > 1)
-        except MpsimError:
-            continue
+    for t in _tensor_degrees(g, trace):
         for c in CONTEXT_DEGREES:
             try:
                 check_context_parallel(trace, c, "ring", t)

@@ -25,14 +25,13 @@ import numpy as np
 from mpsim.caches import Lru
 from mpsim.errors import MpsimError
 from mpsim.hardware.gpu_tables import H100_LAYER_RMS_PCT, shipped_table
-from mpsim.hardware.kernel_records import AttentionKernel
 from mpsim.hardware.topology import Dtype, GpuSpec, OpEfficiency
 from mpsim.timing.kernel_time import (
     ITEMSIZE,
     KernelRates,
+    attention_pass_seconds,
     can_time,
     gemm_pass_seconds,
-    kernel_seconds,
     launches,
     low_precision_flops,
     pass_seconds,
@@ -224,17 +223,14 @@ def _layer_times(trace: Trace, gpu: GpuSpec, matmul_rate: float, attention_rate:
             return min(whole_s, gemm_pass_seconds(kernels, rates))
         return min(whole_s, roofline_gemm_s(flops, attention_flops, kernels))
 
-    def attention_s(attention_flops: float, flops: float, kernels: list, whole_s: float) -> float:
+    def attention_s(attention_flops: float, kernels: list, whole_s: float) -> float:
         """The pass's fused-attention seconds: its attention kernels timed, else its attention
-        FLOPs at the attention rate, within the pass's own time (a measured pass: the
-        attention's share of its FLOPs)."""
+        FLOPs at the attention rate, at most the pass's own (measured or derived) time."""
         if not attention_flops:
             return 0.0
         if rates is not None and kernels:
-            own_s = sum(kernel_seconds(k, rates) * k.count for k in kernels if isinstance(k, AttentionKernel))
-        else:
-            own_s = attention_flops / attention_rate
-        return min(whole_s, own_s)
+            return min(whole_s, attention_pass_seconds(kernels, rates))
+        return min(whole_s, attention_flops / attention_rate)
 
     rows = trace.layers
     fwd = np.array([r.fwd_ms * 1e-3 if r.fwd_ms is not None
@@ -247,10 +243,8 @@ def _layer_times(trace: Trace, gpu: GpuSpec, matmul_rate: float, attention_rate:
     gemm_bwd = np.array([gemm_s(r.bwd_flops, r.bwd_attention_flops, r.bwd_kernels, t) for r, t in zip(rows, bwd)])
     launches_fwd = np.array([launches(r.fwd_kernels) for r in rows], dtype=np.int64)
     launches_bwd = np.array([launches(r.bwd_kernels) for r in rows], dtype=np.int64)
-    attention_fwd = np.array([attention_s(r.fwd_attention_flops, r.fwd_flops, r.fwd_kernels, t)
-                              for r, t in zip(rows, fwd)])
-    attention_bwd = np.array([attention_s(r.bwd_attention_flops, r.bwd_flops, r.bwd_kernels, t)
-                              for r, t in zip(rows, bwd)])
+    attention_fwd = np.array([attention_s(r.fwd_attention_flops, r.fwd_kernels, t) for r, t in zip(rows, fwd)])
+    attention_bwd = np.array([attention_s(r.bwd_attention_flops, r.bwd_kernels, t) for r, t in zip(rows, bwd)])
     arrays = (fwd, bwd, gemm_fwd, gemm_bwd, launches_fwd, launches_bwd, attention_fwd, attention_bwd)
     for a in arrays:
         a.setflags(write=False)

@@ -190,6 +190,12 @@ def gemm_pass_seconds(kernels: list[Kernel], rates: KernelRates) -> float:
     return sum(kernel_seconds(k, rates) * k.count for k in kernels if isinstance(k, GemmKernel))
 
 
+def attention_pass_seconds(kernels: list[Kernel], rates: KernelRates) -> float:
+    """Seconds of a pass's fused attention kernels alone: what a context-parallel ring's sends
+    hide behind."""
+    return sum(kernel_seconds(k, rates) * k.count for k in kernels if isinstance(k, AttentionKernel))
+
+
 def low_precision_flops(kernels: list[Kernel]) -> float:
     """FLOPs of a pass's low-precision (FP8) GEMMs, launches counted."""
     return sum(k.flops * k.count for k in kernels if isinstance(k, GemmKernel) and k.low_precision)
