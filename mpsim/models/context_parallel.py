@@ -48,7 +48,7 @@ from typing import Literal
 from mpsim.caches import Lru
 from mpsim.errors import MpsimError
 from mpsim.hardware.kernel_records import AttentionKernel, Kernel, rescale_kernel
-from mpsim.models.trace import Collective, LayerRow, Trace
+from mpsim.models.trace import Collective, LayerRow, Trace, scaled_row
 
 ContextAttention = Literal["ring", "all-gather", "all-to-all"]
 """How context-parallel attention reaches the keys and values other GPUs hold (module doc)."""
@@ -58,11 +58,6 @@ SHARDS = 64
 _SHARDS: Lru[tuple[object, ...], Trace] = Lru(SHARDS)
 _ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "tf32": 4}
 """Bytes per element of q, k, v at a recipe's compute dtype (FP8 recipes keep attention in 16 bits)."""
-_SCALED = ("act_bytes", "input_bytes", "output_bytes", "workspace_bytes", "fwd_flops", "bwd_flops",
-           "fwd_attention_flops", "bwd_attention_flops", "attention_core_bytes", "attention_core_flops",
-           "attention_core_mem_bytes", "expert_act_bytes", "expert_fwd_flops", "expert_bwd_flops", "dispatch_bytes")
-"""Row fields that are 1/c on each GPU (token-wise, or attention's balanced share; a mixture
-of experts' routed tokens are the GPU's own tokens' copies)."""
 
 
 def check_context_parallel(trace: Trace, degree: int, attention: ContextAttention = "ring", tensor: int = 1) -> None:
@@ -109,31 +104,20 @@ def context_shard(trace: Trace, degree: int, attention: ContextAttention = "ring
 
 
 def _shard_row(row: LayerRow, c: int, attention: ContextAttention, element: int) -> LayerRow:
-    """``row`` on one GPU of the group: its token-wise part 1/c, its attention split as
-    ``attention`` splits it, its communication added after its tensor-parallel collectives."""
-    f = 1.0 / c
-    upd: dict[str, object] = {k: (round(getattr(row, k) * f) if isinstance(getattr(row, k), int)
-                                  else getattr(row, k) * f) for k in _SCALED}
-    upd["fwd_mem_bytes"] = row.fwd_fixed_mem_bytes + (row.fwd_mem_bytes - row.fwd_fixed_mem_bytes) * f
-    upd["bwd_mem_bytes"] = row.bwd_fixed_mem_bytes + (row.bwd_mem_bytes - row.bwd_fixed_mem_bytes) * f
-    for k in ("fwd_ms", "bwd_ms"):  # a measured time: the shard's share of the work, an estimate
-        v = getattr(row, k)
-        upd[k] = None if v is None else v * f
-    bwd_workspace = row.bwd_workspace_bytes if row.bwd_workspace_bytes is not None else row.workspace_bytes
-    upd["bwd_workspace_bytes"] = round(bwd_workspace * f)
-    fwd_comm = [c_.model_copy(update={"n_bytes": round(c_.n_bytes * f)}) for c_ in row.fwd_collectives]
-    bwd_comm = [c_.model_copy(update={"n_bytes": round(c_.n_bytes * f)}) for c_ in row.bwd_collectives]
-    upd["fwd_kernels"] = _split_kernels(row.fwd_kernels, c, attention)
-    upd["bwd_kernels"] = _split_kernels(row.bwd_kernels, c, attention)
+    """``row`` on one GPU of the group: its token-wise part 1/c (``trace.scaled_row``), its
+    attention split as ``attention`` splits it, its communication added after its
+    tensor-parallel collectives."""
+    part = scaled_row(row, 1.0 / c)
+    upd: dict[str, object] = {"fwd_kernels": _split_kernels(row.fwd_kernels, c, attention),
+                              "bwd_kernels": _split_kernels(row.bwd_kernels, c, attention)}
     attn = [k for k in row.fwd_kernels if isinstance(k, AttentionKernel)]
     if attn:
         fwd_add, bwd_add, fwd_ws, bwd_ws = _communication(attn, c, attention, element)
-        fwd_comm += fwd_add
-        bwd_comm = [*bwd_add, *bwd_comm] if attention == "ring" else [*bwd_comm, *bwd_add]
-        upd["workspace_bytes"] = int(upd["workspace_bytes"]) + fwd_ws  # type: ignore[call-overload]
-        upd["bwd_workspace_bytes"] = int(upd["bwd_workspace_bytes"]) + bwd_ws  # type: ignore[call-overload]
-    upd["fwd_collectives"], upd["bwd_collectives"] = fwd_comm, bwd_comm
-    return row.model_copy(update=upd)
+        bwd_workspace = part.workspace_bytes if part.bwd_workspace_bytes is None else part.bwd_workspace_bytes
+        upd |= {"fwd_collectives": [*part.fwd_collectives, *fwd_add],
+                "bwd_collectives": [*part.bwd_collectives, *bwd_add],
+                "workspace_bytes": part.workspace_bytes + fwd_ws, "bwd_workspace_bytes": bwd_workspace + bwd_ws}
+    return part.model_copy(update=upd)
 
 
 def kv_block_bytes(kernel: AttentionKernel, c: int, element: int) -> int:

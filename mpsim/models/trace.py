@@ -393,25 +393,7 @@ class Trace:
         check_microbatch(microbatch)
         if microbatch == self.microbatch:
             return self
-        f = microbatch / self.microbatch
-        rows = []
-        for r in self.spec.layers:
-            upd = {k: (round(getattr(r, k) * f) if isinstance(getattr(r, k), int) else getattr(r, k) * f)
-                   for k in _SCALED}
-            # bytes moved: the fixed part stays, the rest scales
-            upd["fwd_mem_bytes"] = r.fwd_fixed_mem_bytes + (r.fwd_mem_bytes - r.fwd_fixed_mem_bytes) * f
-            upd["bwd_mem_bytes"] = r.bwd_fixed_mem_bytes + (r.bwd_mem_bytes - r.bwd_fixed_mem_bytes) * f
-            for k in _SCALED_OPTIONAL:
-                v = getattr(r, k)
-                if v is not None:
-                    upd[k] = round(v * f) if isinstance(v, int) else v * f
-            for k in _COLLECTIVE_FIELDS:
-                if getattr(r, k):
-                    upd[k] = [c.model_copy(update={"n_bytes": round(c.n_bytes * f)}) for c in getattr(r, k)]
-            for k in _KERNEL_FIELDS:
-                if getattr(r, k):
-                    upd[k] = [rescale_kernel(kern, f) for kern in getattr(r, k)]
-            rows.append(r.model_copy(update=upd))
+        rows = [scaled_row(r, microbatch / self.microbatch) for r in self.spec.layers]
         return Trace(self.spec.model_copy(update={"layers": rows, "microbatch": microbatch}), self.source)
 
     def with_layers(self, n_transformer: int) -> Trace:
@@ -446,6 +428,29 @@ class Trace:
         runs at its fp16 rate)."""
         wanted = self.spec.precision.compute_dtype
         return cast(Dtype, next((d for d in _RATE_FALLBACK[wanted] if d in gpu.peak_tflops), "fp32"))
+
+
+def scaled_row(r: LayerRow, f: float) -> LayerRow:
+    """``r`` with ``f`` times its tokens, by the linear rule in the module doc: what grows
+    with the tokens times ``f`` (saved and moved bytes, FLOPs, collectives, each kernel's
+    token dimension: ``kernel_records.rescale_kernel``), the fixed part of the bytes moved
+    as it is. The microbatch rescales rows by it (``Trace.rescale``), and a context shard
+    its token-wise part (``mpsim.models.context_parallel``)."""
+    upd = {k: (round(getattr(r, k) * f) if isinstance(getattr(r, k), int) else getattr(r, k) * f) for k in _SCALED}
+    # bytes moved: the fixed part stays, the rest scales
+    upd["fwd_mem_bytes"] = r.fwd_fixed_mem_bytes + (r.fwd_mem_bytes - r.fwd_fixed_mem_bytes) * f
+    upd["bwd_mem_bytes"] = r.bwd_fixed_mem_bytes + (r.bwd_mem_bytes - r.bwd_fixed_mem_bytes) * f
+    for k in _SCALED_OPTIONAL:
+        v = getattr(r, k)
+        if v is not None:
+            upd[k] = round(v * f) if isinstance(v, int) else v * f
+    for k in _COLLECTIVE_FIELDS:
+        if getattr(r, k):
+            upd[k] = [c.model_copy(update={"n_bytes": round(c.n_bytes * f)}) for c in getattr(r, k)]
+    for k in _KERNEL_FIELDS:
+        if getattr(r, k):
+            upd[k] = [rescale_kernel(kern, f) for kern in getattr(r, k)]
+    return r.model_copy(update=upd)
 
 
 def _deeper(blocks: list[LayerRow], n: int) -> list[LayerRow]:
