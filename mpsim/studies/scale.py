@@ -298,20 +298,12 @@ def _job_or_reason(point: ClusterPoint, cluster: Cluster | None, trace: Trace | 
 
 @lru_cache(maxsize=8)
 def point_trace(model: str, seq_len: int | None = None) -> Trace:
-    """The shipped model ``model``, retraced at ``seq_len`` tokens per sample (FakeTensor,
-    from the shape its model block records: ``mpsim trace --seq-len``) where one is given;
-    once per process, as workers simulate many points of one model."""
-    trace = load_trace(model)
-    if seq_len is None or seq_len == trace.seq_len:
-        return trace
-    from mpsim.models.tracer import trace_model
-    from mpsim.models.workloads import shape_of
+    """The shipped model ``model``, retraced at ``seq_len`` tokens per sample where one is
+    given (``mpsim.models.retrace.at_seq_len``, as ``--seq-len`` retraces it); once per
+    process, as workers simulate many points of one model."""
+    from mpsim.models.retrace import at_seq_len
 
-    shape = shape_of(dict(trace.spec.model))
-    if isinstance(shape, str):
-        raise MpsimError(f"--seq-len: {trace.name} cannot be retraced at {seq_len} tokens: {shape}")
-    return trace_model(replace(shape, seq_len=seq_len), trace.microbatch, trace.spec.precision.recipe,
-                       f"{trace.name}-seq{seq_len}")
+    return at_seq_len(load_trace(model), seq_len)
 
 
 def simulated_microbatches(stages: int) -> tuple[int, int]:
