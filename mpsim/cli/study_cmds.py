@@ -331,8 +331,6 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, globa
         raise click.UsageError("--days and --budget go with --tokens")
     if tokens is not None:
         _refuse_with_tokens(per_replica_microbatches, recipe)
-        if seq_len is not None:  # checked (and refused in one line) as simulate checks it, before the search
-            api.at_seq_len(api.load_trace(model), seq_len)
         if servers != "all":
             raise click.UsageError("--tokens searches clusters (--clusters); --servers is for one server")
         refuse_given(_NOT_WITH_TOKENS, lambda option: f"{option} and --tokens: {_NOT_WITH_TOKENS_WHY[option]}; "
