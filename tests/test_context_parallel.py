@@ -304,3 +304,9 @@ def test_context_with_expert_parallelism_nests_the_groups_as_megatron_core_order
 def test_a_context_layout_too_big_for_the_server_is_named_in_the_refusal(whole):
     with pytest.raises(MpsimError, match=r"^CP x2 x TP x8 needs 16 GPUs but dgx-h100 has 8$"):
         parse_layout("cp2xtp8").stages_on(load_topology("dgx-h100"))
+
+
+def test_the_context_word_is_read_with_spaces_as_every_word_is(whole):
+    from mpsim.plans.layouts import candidate_layouts
+
+    assert any(p.context > 1 for p in candidate_layouts(load_topology("dgx-h100"), "data, context", trace=whole))

@@ -159,8 +159,8 @@ def candidate_layouts(topo: Topology, which: str = "all", schedule: str | None =
     experts = moe_experts(trace) if trace is not None else 0
     if experts:  # a mixture of experts: its expert-parallel layouts too (data: those without a pipeline)
         every += _expert_layouts(topo.n_gpus, experts)
-    context = trace is not None and "context" in which.split(",")
-    if trace is not None and (context or (trace.seq_len or 0) >= LONG_CONTEXT_TOKENS):
+    asked = {x.strip() for x in which.split(",")}
+    if trace is not None and ("context" in asked or (trace.seq_len or 0) >= LONG_CONTEXT_TOKENS):
         every += _context_layouts(topo.n_gpus, trace)
     chosen: list[Parallelism] = []
     why = [f"no layout fits the {topo.n_gpus} GPU(s) of {topo.name}"]

@@ -326,14 +326,14 @@ class Parallelism(BaseModel):
         if p > MAX_STAGES:
             raise MpsimError(f"{describe(self, p)} on the {n_gpus} GPUs of {where}: a pipeline of {p} stages, at most "
                              f"{MAX_STAGES}; give more replicas or tensor-parallel GPUs per stage")
+        if p * per_stage > n_gpus and self.context > 1:  # context GPUs share samples: no replicas to count
+            raise MpsimError(f"{describe(self, p)} needs {p * per_stage} GPUs but {where} has {n_gpus}")
         if p * per_stage > n_gpus:
             stages = f"{p} stage" + ("s" if p > 1 else "")
             what = stages if self.replicas == 1 else f"{self.replicas} replicas of {stages}"
             if per_stage // self.replicas > 1:
                 what += f" of {per_stage // self.replicas} GPUs each"
-            if self.context > 1:  # its GPUs are no replicas of their own: name the layout
-                what = describe(self, p)
-            raise MpsimError(f"{what} need{'s' * (self.context > 1)} {p * per_stage} GPUs but {where} has {n_gpus}")
+            raise MpsimError(f"{what} need {p * per_stage} GPUs but {where} has {n_gpus}")
         if fill and self.pipeline is None and p * per_stage != n_gpus:
             raise MpsimError(f"{describe(self, p)} uses {p * per_stage} of the {n_gpus} GPUs of {where}: "
                              f"{per_stage} GPUs a stage do not divide them; give the pipeline's depth (--stages "
