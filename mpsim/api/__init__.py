@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     from mpsim.api.models import (
         DEFAULT_PRESET,
         Measure,
+        at_finetune,
         at_recipe,
         at_seq_len,
         check_hf,
@@ -49,6 +50,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     from mpsim.hardware.topology import Topology, read_topology_file
     from mpsim.limits import DEFAULT_HEADROOM_GIB, MAX_HEADROOM_GIB
     from mpsim.models.expert_parallel import UNIFORM, ExpertLoad, parse_expert_load
+    from mpsim.models.finetune import FineTune, fine_tune_of
     from mpsim.models.trace import RECIPE_HELP, RECIPES, Trace, read_trace_file
     from mpsim.native import EngineState, engine_status
     from mpsim.native_build import BuildInterrupted, BuildReport, build_engine, remove_engine
@@ -81,8 +83,9 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
 #: Where each name lives (the same imports as above, made on first use).
 _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.api.jobs": ("load_job", "measured_warning", "plan", "simulate", "validate"),
-    "mpsim.api.models": ("DEFAULT_PRESET", "Measure", "at_recipe", "at_seq_len", "check_hf", "default_attention",
-                         "hf_config", "model_config", "presets", "trace_hf", "trace_module", "trace_shape"),
+    "mpsim.api.models": ("DEFAULT_PRESET", "Measure", "at_finetune", "at_recipe", "at_seq_len", "check_hf",
+                         "default_attention", "hf_config", "model_config", "presets", "trace_hf", "trace_module",
+                         "trace_shape"),
     "mpsim.api.servers": ("collective", "probe_server", "shipped_servers", "transfer"),
     "mpsim.api.studies": ("FitsRequest", "fits_request", "reproduce", "sweep_warnings"),
     "mpsim.studies.backends": ("backend_for", "make_backend"),
@@ -110,6 +113,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.hardware.topology": ("Topology", "read_topology_file"),
     "mpsim.models.trace": ("RECIPE_HELP", "RECIPES", "Trace", "read_trace_file"),
     "mpsim.models.expert_parallel": ("UNIFORM", "ExpertLoad", "parse_expert_load"),
+    "mpsim.models.finetune": ("FineTune", "fine_tune_of"),
 }
 _HOME = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_HOME)

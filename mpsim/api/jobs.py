@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mpsim.api.models import at_recipe, at_seq_len
+from mpsim.api.models import at_finetune, at_recipe, at_seq_len
 from mpsim.data.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
 from mpsim.hardware.cluster import Cluster
 from mpsim.hardware.topology import Topology
 from mpsim.models.expert_parallel import UNIFORM, ExpertLoad
+from mpsim.models.finetune import FineTune
 from mpsim.models.trace import Trace, measured_elsewhere
 from mpsim.planners import Planned, plan_job
 from mpsim.plans.job import (
@@ -72,16 +73,16 @@ def simulate(server: str | Topology, model: str | Trace, schedule: str = DEFAULT
 
 
 def load_job(server: str | None, model: str | None, plan_path: Path | None = None, seq_len: int | None = None,
-             recipe: str | None = None) -> tuple[Topology, Trace, PlanFile | None]:
-    """The server, model and plan file a command names: each as given, else the plan's,
-    else ``DEFAULT_SERVER`` and ``DEFAULT_MODEL``; the model retraced at ``seq_len`` tokens
-    per sample and under ``recipe`` when given (``mpsim.api.models.at_seq_len``,
-    ``at_recipe``). With a plan the trace is at its microbatch and the plan is checked
-    against both (errors name its file)."""
+             recipe: str | None = None, fine_tune: FineTune | None = None) -> tuple[Topology, Trace, PlanFile | None]:
+    """The server, model and plan file a command names: each as given, else the plan's, else ``DEFAULT_SERVER`` and
+    ``DEFAULT_MODEL``; the model retraced at ``seq_len`` tokens per sample and under ``recipe`` when given,
+    then fine-tuned as ``fine_tune`` says (``mpsim.api.models.at_seq_len``, ``at_recipe``, ``at_finetune``).
+    With a plan the trace is at its microbatch and the plan is checked against both (errors name its file).
+    """
     plan_file = read_plan_file(plan_path) if plan_path else None
     topo = load_topology(server or (plan_file.server if plan_file else DEFAULT_SERVER))
     trace = at_seq_len(load_trace(model or (plan_file.model if plan_file else DEFAULT_MODEL)), seq_len)
-    trace = at_recipe(trace, recipe)
+    trace = at_finetune(at_recipe(trace, recipe), fine_tune)
     if plan_file is not None:
         trace = trace.rescale(plan_file.microbatch)
         check_plan(plan_file, topo, trace, str(plan_path))

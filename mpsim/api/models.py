@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpsim.data.catalog import load_topology
 from mpsim.errors import MpsimError
+from mpsim.models.retrace import at_finetune as at_finetune
 from mpsim.models.retrace import at_recipe as at_recipe
 from mpsim.models.retrace import at_seq_len as at_seq_len
 from mpsim.models.trace import RECIPES, Trace

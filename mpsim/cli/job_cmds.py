@@ -40,7 +40,8 @@ from mpsim.cli.progress import stops_on_signals, tasks_progress
 @html_option
 @headroom_option
 def simulate(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
-             seq_len: int | None, recipe: str | None, stages: int | None, strategy: str, partition: str,
+             seq_len: int | None, recipe: str | None, fine_tune: api.FineTune | None, stages: int | None,
+             strategy: str, partition: str,
              runtime_profile: str, expert_load: api.ExpertLoad, layout: api.Parallelism, cluster: str | None,
              servers: int,
              plan_path: Path | None, json_out: str | None,
@@ -74,7 +75,7 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
         raise click.UsageError("--cluster and --servers: plan files describe one server; leave them out with --plan")
     if cluster is not None and server is None:
         server = api.load_cluster(cluster).server.source
-    topo, trace, plan_file = api.load_job(server, model, plan_path, seq_len, recipe)
+    topo, trace, plan_file = api.load_job(server, model, plan_path, seq_len, recipe, fine_tune)
     warn(api.measured_warning(trace, topo))
     with tasks_progress("simulate"):
         if plan_file is None:  # the plan too, for --html
@@ -107,7 +108,8 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
               help="plan JSON file to write")
 @json_option
 def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
-             seq_len: int | None, recipe: str | None, stages: int | None, strategy: str, partition: str,
+             seq_len: int | None, recipe: str | None, fine_tune: api.FineTune | None, stages: int | None,
+             strategy: str, partition: str,
              runtime_profile: str, expert_load: api.ExpertLoad, layout: api.Parallelism, output: Path,
              json_out: str | None) -> None:
     """Make a memory-saving plan with a strategy and write it as a plan file.
@@ -118,7 +120,7 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
     from mpsim.views.text import plan_text, simulate_text
 
     check_strategy_layout(strategy, layout)
-    topo, trace, _ = api.load_job(server, model, seq_len=seq_len, recipe=recipe)
+    topo, trace, _ = api.load_job(server, model, seq_len=seq_len, recipe=recipe, fine_tune=fine_tune)
     warn(api.measured_warning(trace, topo))
     with tasks_progress("plan"):
         planned = api.plan(topo, trace, schedule, microbatch, microbatches, n_stages=stages,

@@ -58,6 +58,7 @@ def job_options(f: F) -> F:
                      help=MICROBATCHES_HELP),
         click.option("--seq-len", type=click.IntRange(min=1), help=SEQ_LEN_HELP),
         recipe_option,
+        fine_tune_options,
         click.option("--stages", type=int, help="pipeline stages  [default: one per GPU of each replica]"),
         click.option("--strategy", default="none", show_default=True, help=STRATEGY_HELP),
         click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP),
@@ -70,6 +71,39 @@ RECIPE_OPTION_HELP = ("training precision: retrace the model (a shipped transfor
                       "shape) under this recipe: " + api.RECIPE_HELP + "  [default: the trace's]")
 recipe_option = click.option("--recipe", type=click.Choice(list(api.RECIPES)), help=RECIPE_OPTION_HELP)
 """``--recipe``: the model retraced under another training precision (``api.at_recipe``)."""
+
+FINE_TUNE_HELP = {
+    "lora": "fine-tune with LoRA (Hu et al. 2021): the model frozen, PEFT's adapters of rank 16 (alpha 32, dropout "
+            "0.05) on every linear layer of its blocks trained; the model retraced through its transformers modules "
+            "(a shipped Llama, Mistral, Qwen2 or GPT-2 shape)",
+    "qlora": "fine-tune with QLoRA (Dettmers et al. 2023): --lora's adapters on a base whose linear layers are "
+             "stored in 4-bit NF4 with double quantization (0.516 bytes a weight), dequantized for each GEMM",
+    "peft": "a PEFT adapter_config.json (or its folder): its rank, alpha, dropout, target modules, DoRA and "
+            "modules_to_save; with --qlora on the 4-bit base",
+    "rank": "the adapters' rank with --lora or --qlora  [default: 16]",
+}
+
+
+def fine_tune_options(f: F) -> F:
+    """``--lora``, ``--qlora``, ``--peft-config`` and ``--lora-rank``, handed to the command
+    as one ``fine_tune`` (``api.fine_tune_of``: None when none is given)."""
+
+    @functools.wraps(f)
+    def command(*args: Any, lora: bool, qlora: bool, peft_config: Path | None, lora_rank: int | None,
+                **kwargs: Any) -> Any:
+        try:
+            fine_tune = api.fine_tune_of(lora, qlora, peft_config, lora_rank)
+        except MpsimError as exc:
+            raise click.UsageError(str(exc)) from None
+        return f(*args, fine_tune=fine_tune, **kwargs)
+
+    return _apply(command, [  # type: ignore[return-value]
+        click.option("--lora", is_flag=True, help=FINE_TUNE_HELP["lora"]),
+        click.option("--qlora", is_flag=True, help=FINE_TUNE_HELP["qlora"]),
+        click.option("--peft-config", type=click.Path(path_type=Path), help=FINE_TUNE_HELP["peft"]),
+        click.option("--lora-rank", type=click.IntRange(1, 1 << 16), help=FINE_TUNE_HELP["rank"]),
+    ])
+
 
 def _expert_load(_ctx: click.Context, _param: click.Parameter, value: str) -> api.ExpertLoad:
     try:

@@ -19,6 +19,7 @@ from mpsim.cli.options import (
     backend_options,
     comma_list,
     emit,
+    fine_tune_options,
     global_microbatches_options,
     headroom_option,
     html_option,
@@ -258,6 +259,7 @@ def _calibrate_profile(path: Path, dtype: str, topo: api.Topology, output: Path 
 @global_microbatches_options("choose", api.DEFAULT_MICROBATCHES)
 @click.option("--seq-len", type=click.IntRange(min=1), help=SEQ_LEN_HELP)
 @recipe_option
+@fine_tune_options
 @click.option("--strategy", "strategies", default="best", show_default=True,
               help="comma-separated strategies allowed (each single one under both partitions; best: all of them)")
 @layouts_option(api.CHOOSE_LAYOUTS)
@@ -289,9 +291,9 @@ def _calibrate_profile(path: Path, dtype: str, topo: api.Topology, output: Path 
               help="PNG of throughput against USD per hour, the Pareto front marked")
 @html_option
 def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, global_microbatches: int,
-               per_replica_microbatches: str | None, seq_len: int | None, recipe: str | None, strategies: str,
-               layouts: str, price_overrides: tuple[str, ...], rank_by: str, runtime_profile: str,
-               tokens: float | None, days: float | None,
+               per_replica_microbatches: str | None, seq_len: int | None, recipe: str | None,
+               fine_tune: api.FineTune | None, strategies: str, layouts: str, price_overrides: tuple[str, ...],
+               rank_by: str, runtime_profile: str, tokens: float | None, days: float | None,
                budget: float | None, clusters: str, batch_tokens: int, discount: float, min_servers: int,
                max_servers: int | None, workers: int, backend: str, address: str | None, headroom_gib: float,
                json_out: str | None, plot: Path | None, html_out: Path | None) -> None:
@@ -330,7 +332,7 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, globa
     if tokens is None and (days is not None or budget is not None):
         raise click.UsageError("--days and --budget go with --tokens")
     if tokens is not None:
-        _refuse_with_tokens(per_replica_microbatches, recipe)
+        _refuse_with_tokens(per_replica_microbatches, recipe, fine_tune)
         if servers != "all":
             raise click.UsageError("--tokens searches clusters (--clusters); --servers is for one server")
         refuse_given(_NOT_WITH_TOKENS, lambda option: f"{option} and --tokens: {_NOT_WITH_TOKENS_WHY[option]}; "
@@ -356,8 +358,8 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, globa
     prices = dict(api.parse_price(p) for p in price_overrides)
     names = api.parse_servers(servers, schedule, global_microbatches)
     mb_sizes = int_list(sizes, "--microbatch") if sizes else None
-    chosen = (model if seq_len is None and recipe is None else
-              api.at_recipe(api.at_seq_len(api.load_trace(model), seq_len), recipe))
+    chosen = (model if seq_len is None and recipe is None and fine_tune is None else
+              api.at_finetune(api.at_recipe(api.at_seq_len(api.load_trace(model), seq_len), recipe), fine_tune))
     runner = api.backend_for(backend, workers, address)
     with stops_on_signals("choose", STOPPED), _ending(runner), steps_progress("choose") as step:
         report = api.choose(chosen, names, schedule, mb_sizes, tuple(comma_list(strategies, "--strategy")),
@@ -390,9 +392,10 @@ _ONLY_WITH_TOKENS = {"clusters": "--clusters", "batch_tokens": "--batch-tokens",
 """``choose`` options only the search over clusters (``--tokens``) uses."""
 
 
-def _refuse_with_tokens(per_replica_microbatches: str | None, recipe: str | None) -> None:
-    """``choose --tokens``: --microbatches and --recipe refused in one line naming what the
-    search over clusters takes instead."""
+def _refuse_with_tokens(per_replica_microbatches: str | None, recipe: str | None,
+                        fine_tune: api.FineTune | None = None) -> None:
+    """``choose --tokens``: --microbatches, --recipe and fine-tuning refused in one line
+    naming what the search over clusters takes instead."""
     if per_replica_microbatches is not None:
         raise click.UsageError("--microbatches and --tokens: the search over clusters derives each replica's "
                                "microbatches from --batch-tokens (tokens per iteration over all replicas); give "
@@ -401,6 +404,9 @@ def _refuse_with_tokens(per_replica_microbatches: str | None, recipe: str | None
         raise click.UsageError("--recipe and --tokens: the search over clusters runs the model under its traced "
                                "recipe; trace it under another (mpsim trace --preset NAME --recipe R -o FILE) and give "
                                "that file as --model")
+    if fine_tune is not None:
+        raise click.UsageError("--lora, --qlora and --peft-config with --tokens: the search over clusters plans "
+                               "pre-training runs; compare servers for a fine-tune with choose --servers")
 
 
 STOPPED = "stopped with its worker processes, if any; nothing was written"

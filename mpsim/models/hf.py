@@ -54,7 +54,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from mpsim.errors import MpsimError
-from mpsim.models import kernels, moe
+from mpsim.models import adapters, kernels, moe
+from mpsim.models.finetune import FineTune
 from mpsim.models.hf_fields import check_overrides, config_path, read_checked
 from mpsim.models.hf_fields import shipped_configs as shipped_configs  # where callers have found it
 from mpsim.models.trace import RECIPES, Trace
@@ -336,6 +337,8 @@ def _embed(model: Any, layout: FamilyLayout, rotary: nn.Module | None, tokens: t
     from mpsim.models.workloads import hold_for_backward
 
     x = layout.embed(model, tokens)
+    if not x.requires_grad:  # a frozen embedding (fine-tuning): as PEFT's enable_input_require_grads
+        x.requires_grad_(True)
     if rotary is None:
         return x
     tables = _rotary_tables(model.config, rotary, x, _positions(x).unsqueeze(0))
@@ -381,15 +384,20 @@ def _trace_rows(model: Any, layout: FamilyLayout, b: int, s: int, dtype: torch.d
     x2 = torch.randn(b, s, model.config.hidden_size, dtype=dtype, requires_grad=True)
     head_modules = _group(model, layout.head_modules)
     head = trace_layer(head_modules, [x2, tokens], run_head, keep_precision=True)
-    return emb, traced, dict(head, params=head["params"] - _tied(_group(model, layout.embed_modules), head_modules))
+    tied, frozen, frozen_bytes = _tied(_group(model, layout.embed_modules), head_modules)
+    return emb, traced, dict(head, params=head["params"] - tied, frozen_params=head["frozen_params"] - frozen,
+                             frozen_param_bytes=head["frozen_param_bytes"] - frozen_bytes)
 
 
-def _tied(embedding: nn.Module, head: nn.Module) -> int:
+def _tied(embedding: nn.Module, head: nn.Module) -> tuple[int, int, int]:
     """Parameters the head shares with the embedding (a tied output projection,
     ``tie_word_embeddings``): one tensor, counted in the embedding's row only, so that a
-    GPU holding both holds it once, as the model does."""
+    GPU holding both holds it once, as the model does. (all, frozen, frozen bytes)."""
     shared = {id(p) for p in embedding.parameters()}
-    return sum(p.numel() for p in head.parameters() if id(p) in shared)
+    tied = [p for p in head.parameters() if id(p) in shared]
+    frozen = [p for p in tied if not p.requires_grad]
+    return (sum(p.numel() for p in tied), sum(p.numel() for p in frozen),
+            sum(p.numel() * p.element_size() for p in frozen))
 
 
 def _trace_block(model: Any, layout: FamilyLayout, rotary: nn.Module | None, index: int,
@@ -419,8 +427,7 @@ def _full_params(model: nn.Module, layout: FamilyLayout, per_layer: list[int]) -
     """Unique parameters of the full model: the built model's outside its blocks, plus
     each layer's (``per_layer``: its kind's traced block)."""
     blocks = _submodule(_submodule(model, layout.base), layout.blocks)
-    built = sum(p.numel() for p in blocks.parameters())
-    return sum(p.numel() for p in model.parameters()) - built + sum(per_layer)
+    return adapters.logical_params(model) - adapters.logical_params(blocks) + sum(per_layer)
 
 
 def _moe_info(config: Any, traced: dict[Kind, dict], kinds: list[Kind], tokens: int,
@@ -480,9 +487,12 @@ def _defaults(source: str) -> tuple[int | None, int, str]:
 
 
 def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = None, attention: str | None = None,
-             overrides: dict[str, int] | None = None, name: str | None = None) -> Trace:
+             overrides: dict[str, int] | None = None, name: str | None = None,
+             fine_tune: FineTune | None = None) -> Trace:
     """Trace the Hugging Face model of SOURCE (a preset name, a model folder or a
-    config.json). ``overrides``: layers, hidden, heads, seq_len (see the module docstring)."""
+    config.json). ``overrides``: layers, hidden, heads, seq_len (see the module docstring).
+    ``fine_tune``: the base frozen (stored quantized for QLoRA) under PEFT's adapters
+    (``mpsim.models.adapters.prepare``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from mpsim.models.tracer import DTYPES, compute_dtype, make_trace
@@ -498,6 +508,8 @@ def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = No
     recipe = recipe or preset_recipe
     if recipe not in RECIPES:
         raise MpsimError(f"unknown recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+    if fine_tune is not None:
+        check_fine_tune(fine_tune, recipe, config.model_type)
     backend = attention or kernels.default_attention(None, RECIPES[recipe].compute_dtype)
     layers = config.num_hidden_layers
     kinds = _layer_kinds(config, layers)  # whether each layer routes to experts, its attention
@@ -508,6 +520,8 @@ def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = No
           _attention_backend(transformers, backend), compute_dtype(recipe), FakeTensorMode()):
         dtype = DTYPES[RECIPES[recipe].compute_dtype]
         model = _build(transformers, config, layout, dtype)
+        if fine_tune is not None:
+            adapters.prepare(model, _submodule(_submodule(model, layout.base), layout.blocks), fine_tune)
         emb, traced, head = _trace_rows(model, layout, b, seq_len, dtype, blocks)
         params = _full_params(model, layout, [traced[kind]["params"] for kind in kinds])
     model_info = {"family": layout.family, "model_type": config.model_type, "layers": layers,
@@ -520,4 +534,19 @@ def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = No
              *[(f"layer{i}", "transformer", traced[kind]) for i, kind in enumerate(kinds)], ("head", "head", head)]
     plain = not overrides and microbatch in (None, preset_mb) and preset_seq == seq_len
     default_name = source if plain else f"hf-{config.model_type}-{layers}l-{config.hidden_size}h-{seq_len}s"
-    return make_trace(name or default_name, model_info, params, b, recipe, named)  # type: ignore[arg-type]
+    if fine_tune is not None:
+        default_name += f"-{fine_tune.method}-r{fine_tune.r}"
+    return make_trace(name or default_name, model_info, params, b, recipe, named,  # type: ignore[arg-type]
+                      fine_tune=fine_tune)
+
+
+def check_fine_tune(spec: FineTune, recipe: str, model_type: str) -> None:
+    """Refuse, in one line, a fine-tune mpsim does not model: under a low-precision recipe,
+    or of a mixture of experts (its experts are batched tensors, not linear layers PEFT
+    wraps one by one)."""
+    if RECIPES[recipe].low_precision:
+        raise MpsimError(f"{spec.method} under recipe {recipe}: fine-tuning is modelled under the 16- and 32-bit "
+                         "recipes only; give --recipe mixed-bf16")
+    if model_type in moe.FAMILIES:
+        raise MpsimError(f"{spec.method} of a mixture of experts ({model_type}) is not modelled yet: its experts "
+                         "are batched tensors, not the linear layers PEFT adapts; fine-tune a dense model")

@@ -1,5 +1,6 @@
 """A traced model retraced under another recipe or sequence length (``--recipe``,
-``--seq-len``): the shape its ``model`` block records traced again under FakeTensor, at its
+``--seq-len``) or fine-tuned (``--lora``, ``--qlora``, ``--peft-config``): the shape its
+``model`` block records traced again under FakeTensor, at its
 microbatch; refused in one line for a trace that cannot be (measured, or without a shape
 mpsim's modules build). The CLI's options and the cluster search's workers
 (``mpsim.studies.scale``) both retrace through here."""
@@ -13,7 +14,12 @@ from mpsim.errors import MpsimError
 from mpsim.models.trace import Trace
 
 if TYPE_CHECKING:
+    from mpsim.models.finetune import FineTune
     from mpsim.models.workloads import ModelConfig
+
+_SHAPE = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+          "vocab": "vocab_size", "ffn_hidden": "intermediate_size", "kv_heads": "num_key_value_heads"}
+"""A trace's model block against a config.json: the fields that decide a dense model's shape."""
 
 
 def at_recipe(trace: Trace, recipe: str | None) -> Trace:
@@ -73,3 +79,51 @@ def _retraceable(trace: Trace, flag: str, traced: str, asked: str, option: str) 
         raise MpsimError(f"{flag}: {trace.name} cannot be retraced {asked}: {shape}; trace it {asked} "
                          f"(mpsim trace ... {option} -o FILE) and give that file as --model")
     return shape
+
+
+def at_finetune(trace: Trace, spec: FineTune | None) -> Trace:
+    """``trace``'s model fine-tuned as ``spec`` says (``--lora``, ``--qlora``,
+    ``--peft-config``; None: ``trace`` itself): the shipped config.json of the same shape
+    traced through its transformers modules with PEFT's adapters
+    (``mpsim.models.hf.trace_hf``), at the trace's microbatch, sequence length, recipe and
+    attention kernel. Fine-tuning runs in transformers and PEFT, so the layers are theirs
+    (framework ``hf``). Refused in one line for a measured trace, one already fine-tuned
+    otherwise, or a model with no shipped config of its shape (with the command that traces
+    it)."""
+    if spec is None or spec == trace.spec.finetune:
+        return trace
+    flag = "--qlora" if spec.method == "qlora" else "--lora"
+    if trace.spec.finetune is not None:
+        raise MpsimError(f"{flag}: {trace.name} is already traced for {trace.spec.finetune.describe()}; give the "
+                         "model it was traced from")
+    if trace.spec.source.kind == "measured":
+        raise MpsimError(f"{flag}: {trace.name} holds measured times; fine-tuning retraces the model, so give a "
+                         "shipped model or a traced one")
+    config = _shipped_config_of(trace)
+    if config is None:
+        raise MpsimError(f"{flag}: no shipped Hugging Face config.json has {trace.name}'s shape; trace it with "
+                         f"`mpsim trace --hf CONFIG {flag} -o FILE` and give that file as --model")
+    from mpsim.models.hf import trace_hf
+
+    overrides = {"seq_len": trace.seq_len} if trace.seq_len else {}
+    return trace_hf(config, trace.microbatch, trace.spec.precision.recipe, trace.spec.model.get("attention"),
+                    overrides, name=f"{trace.name}-{spec.method}-r{spec.r}", fine_tune=spec)
+
+
+def _shipped_config_of(trace: Trace) -> str | None:
+    """The shipped config.json named as ``trace`` is, else the one whose shape is its
+    model's (``_SHAPE``; a mixture of experts never matches), or None."""
+    import json
+
+    from mpsim.models.hf_fields import shipped_configs
+
+    shipped = shipped_configs()
+    if trace.name in shipped:
+        return trace.name
+    model = trace.spec.model
+    for name, path in shipped.items():
+        config = json.loads(path.read_text())
+        config.setdefault("num_key_value_heads", config.get("num_attention_heads"))
+        if not trace.is_moe and all(model.get(k) == config.get(v) for k, v in _SHAPE.items()):
+            return name
+    return None

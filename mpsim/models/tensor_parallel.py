@@ -52,6 +52,10 @@ def check_shardable(trace: Trace, degree: int, sequence_parallel: bool = False) 
     name = trace.name
     if "tensor_parallel" in model:
         raise MpsimError(f"{name} is already one GPU's tensor-parallel shard; give the whole model's trace")
+    if trace.spec.finetune is not None:
+        raise MpsimError(f"{name}: tensor parallelism of a fine-tune ({trace.spec.finetune.describe()}) is not "
+                         "modelled yet (the shard would lose its adapters); use data parallelism, FSDP or pipeline "
+                         "stages")
     if model.get("family") not in ("gpt", "bert", "llama") or any(k not in model for k in _CONFIG_KEYS):
         raise MpsimError(f"{name}: tensor parallelism needs a trace of an mpsim model (gpt, bert, llama: "
                          "`mpsim trace --preset` or a shipped trace); this one's layers cannot be re-traced as shards")

@@ -27,6 +27,7 @@ from mpsim.errors import MpsimError, SchemaError
 from mpsim.hardware.kernel_records import Kernel, rescale_kernel
 from mpsim.hardware.topology import Dtype, GpuSpec
 from mpsim.limits import MAX_LAYERS, MAX_MICROBATCH, check_microbatch, check_trace_data
+from mpsim.models.finetune import FineTune
 from mpsim.units import MAX_BYTES
 
 if TYPE_CHECKING:
@@ -219,6 +220,13 @@ class LayerRow(FileModel):
     expert_fwd_flops: float = Field(
         default=0.0, ge=0, le=MAX_FLOPS, description="part of fwd_flops run by the routed experts (uniform routing)")
     expert_bwd_flops: float = Field(default=0.0, ge=0, le=MAX_FLOPS, description="part of bwd_flops likewise")
+    frozen_params: int = Field(
+        default=0, ge=0, le=MAX_PARAMS,
+        description="part of params that does not train (fine-tuning: the base under adapters): no gradient, "
+                    "no optimizer state")
+    frozen_param_bytes: int = Field(
+        default=0, ge=0, le=MAX_BYTES,
+        description="part of param_bytes the frozen parameters take as stored (4-bit for a QLoRA base)")
     dispatch_bytes: int = Field(
         default=0, ge=0, le=MAX_BYTES,
         description="bytes of the microbatch's routed token copies sent to their experts (tokens x top-k, or the "
@@ -238,6 +246,9 @@ class LayerRow(FileModel):
         if self.expert_params > self.params or self.expert_act_bytes > self.act_bytes:
             raise ValueError("expert_params and expert_act_bytes are parts of params and act_bytes, "
                              "and cannot exceed them")
+        if self.frozen_params > self.params or self.frozen_param_bytes > self.param_bytes:
+            raise ValueError("frozen_params and frozen_param_bytes are parts of params and param_bytes, and cannot "
+                             "exceed them")
         if self.expert_fwd_flops > self.fwd_flops or self.expert_bwd_flops > self.bwd_flops:
             raise ValueError("expert FLOPs are part of fwd_flops and bwd_flops and cannot exceed them")
         if (self.experts == 0) != (self.experts_per_token == 0) or self.experts_per_token > self.experts:
@@ -266,6 +277,16 @@ class LayerRow(FileModel):
         return n_bytes * self.expert_params // self.params if self.params else 0
 
     @property
+    def trained_params(self) -> int:
+        """Parameters the optimizer updates (all but the frozen ones)."""
+        return self.params - self.frozen_params
+
+    @property
+    def trained_param_bytes(self) -> int:
+        """Working-precision bytes of the trained parameters: what an optimizer step writes."""
+        return self.param_bytes - self.frozen_param_bytes
+
+    @property
     def own_bytes(self) -> int:
         """What recomputing the layer frees per microbatch: its saved activations less the
         input, which the checkpoint keeps (when the input is among them)."""
@@ -281,6 +302,9 @@ class TraceFile(FileModel):
     precision: Precision = Precision()
     source: Source
     scaling: Scaling = Scaling()
+    finetune: FineTune | None = Field(default=None, description="fine-tuning: the adapters and the frozen base's "
+                                                                "storage (mpsim.models.finetune); absent: every "
+                                                                "parameter trains")
     layers: list[LayerRow] = Field(min_length=1, max_length=MAX_LAYERS)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
@@ -301,6 +325,8 @@ _LOW_PRECISION_FIELDS = ("gemm_dtype", "quantized_bytes", "quantized_copies", "a
 _MOE_FIELDS = ("experts", "experts_per_token", "expert_params", "expert_act_bytes", "expert_fwd_flops",
                "expert_bwd_flops", "dispatch_bytes")
 """A mixture-of-experts layer's fields; left out of the file when zero (a dense layer)."""
+_FROZEN_FIELDS = ("frozen_params", "frozen_param_bytes")
+"""A row's frozen part; left out of the file when zero (every parameter trains)."""
 _BYTE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "act_bytes", "input_bytes", "output_bytes",
                 "workspace_bytes", "bwd_workspace_bytes")
 
@@ -365,6 +391,21 @@ class Trace:
     def fwd_flops_total(self) -> float:
         return float(sum(r.fwd_flops for r in self.spec.layers))
 
+    @cached_property
+    def model_flops_total(self) -> float:
+        """FLOPs of one microbatch's forward and backward, recomputation aside: 3 x the
+        forward (Narayanan et al. 2021's model FLOPs); where parameters are frozen, the
+        forward and backward the trace records, since a frozen weight's gradient is never
+        computed."""
+        if any(r.frozen_params for r in self.spec.layers):
+            return float(sum(r.fwd_flops + r.bwd_flops for r in self.spec.layers))
+        return 3.0 * self.fwd_flops_total
+
+    @cached_property
+    def trained_params(self) -> int:
+        """Parameters the optimizer updates: all of them but the frozen ones."""
+        return self.spec.params - sum(r.frozen_params for r in self.spec.layers)
+
     def to_frame(self) -> pd.DataFrame:
         """One row per layer, columns as in the file."""
         import pandas as pd  # here only: importing it took half of `import mpsim`
@@ -375,11 +416,13 @@ class Trace:
         """The file's text; a row's collective lists are left out when empty (only
         tensor-parallel shards have them)."""
         data = self.spec.model_dump(by_alias=True)
+        if data["finetune"] is None:
+            del data["finetune"]
         for k in _LOW_PRECISION_FIELDS:  # left out unless the recipe is a low-precision one
             if not data["precision"][k]:
                 del data["precision"][k]
         for row in data["layers"]:
-            for k in (*_COLLECTIVE_FIELDS, *_KERNEL_FIELDS, *_MOE_FIELDS):
+            for k in (*_COLLECTIVE_FIELDS, *_KERNEL_FIELDS, *_MOE_FIELDS, *_FROZEN_FIELDS):
                 if not row[k]:
                     del row[k]
             for k in _KERNEL_FIELDS:

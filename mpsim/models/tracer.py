@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from mpsim.limits import check_layer_count
-from mpsim.models import kernels, low_precision, moe, tp_ops
+from mpsim.models import adapters, finetune, kernels, low_precision, moe, tp_ops
 from mpsim.models.kernels import FUSED_ATTENTION_OPS, storage_key
 from mpsim.models.tp_ops import NO_SHARD, TensorShard
 from mpsim.models.trace import RECIPES, SCHEMA_VERSION, LayerKind, LayerRow, Source, Trace, TraceFile
@@ -308,7 +308,8 @@ def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
                      if k not in saved and k != out_key and k not in param_keys), default=0)
     counter_b = _OpBytes(remember=False, low=low, backward=True)
     with FlopCounterMode(display=False) as bwd_flops, counter_b, tp_ops.recording(comms):
-        out.backward(torch.ones_like(out))
+        if out.requires_grad:  # nothing before it trains (a frozen embedding): no backward
+            out.backward(torch.ones_like(out))
     if low is not None:  # what the recipe keeps of the saved GEMM inputs
         saved = low.saved_bytes(saved, itemsize, {storage_key(inputs[0])})
     core_bytes = _selective_saving(probe, saved)
@@ -319,8 +320,11 @@ def trace_layer(module: torch.nn.Module, inputs: list[torch.Tensor], run: Run,
     fwd_kernels = _kernel_records(counter.launches, doubled[0].launches if doubled else None)
     backend = next((k["backend"] for k in fwd_kernels if k["op"] == "attention"), None)
     bwd_kernels = _kernel_records(counter_b.launches, doubled[1].launches if doubled else None, backend)
+    frozen_params, frozen_bytes = adapters.frozen_state(module)
     return {
-        "params": sum(p.numel() for p in module.parameters()),
+        "params": frozen_params + sum(p.numel() for p in module.parameters() if p.requires_grad),
+        "frozen_params": frozen_params,
+        "frozen_param_bytes": frozen_bytes,
         "act_bytes": sum(saved.values()),
         "saves_input": storage_key(first) in saved,
         "input_bytes": _nbytes([first]),
@@ -405,25 +409,29 @@ def default_source() -> Source:
 
 
 def make_trace(name: str, model: dict, params: int, microbatch: int, recipe: str, named: list[NamedFields],
-               source: Source | None = None, split_dims: dict[LayerKind, list] | None = None) -> Trace:
-    """A trace from measured rows: parameter, gradient and optimizer bytes from the recipe.
-    Layers split along the batch; heads also along the sequence unless ``split_dims`` says.
-    More rows than ``mpsim.limits.MAX_LAYERS`` are refused before any is built."""
+               source: Source | None = None, split_dims: dict[LayerKind, list] | None = None,
+               fine_tune: finetune.FineTune | None = None) -> Trace:
+    """A trace from measured rows: the trained parameters' weight, gradient and optimizer
+    bytes from the recipe, frozen ones as stored (``frozen_param_bytes``) with no gradient
+    or optimizer state. Layers split along the batch; heads also along the sequence unless
+    ``split_dims`` says. More rows than ``mpsim.limits.MAX_LAYERS`` are refused before any is
+    built. ``fine_tune``: what trains, recorded in the file."""
     check_layer_count(len(named), name)
     precision = RECIPES[recipe]
     dims: dict[LayerKind, list] = {"head": ["batch", "sequence"]}
     dims.update(split_dims or {})
 
     def row(row_name: str, kind: LayerKind, fields: dict) -> LayerRow:
-        n = fields["params"]
-        return LayerRow(name=row_name, kind=kind, param_bytes=n * precision.weight_bytes_per_param,
-                        grad_bytes=n * precision.grad_bytes_per_param,
-                        optimizer_bytes=n * precision.optimizer_bytes_per_param,
+        trained = fields["params"] - fields.get("frozen_params", 0)
+        return LayerRow(name=row_name, kind=kind,
+                        param_bytes=trained * precision.weight_bytes_per_param + fields.get("frozen_param_bytes", 0),
+                        grad_bytes=trained * precision.grad_bytes_per_param,
+                        optimizer_bytes=trained * precision.optimizer_bytes_per_param,
                         split_dims=dims.get(kind, ["batch"]), **fields)
 
     spec = TraceFile(schema=SCHEMA_VERSION, name=name, model=model, params=params, microbatch=microbatch,
                      precision=precision, source=source or default_source(),
-                     layers=[row(*n) for n in named])
+                     layers=[row(*n) for n in named], finetune=fine_tune)
     return Trace(spec, "<traced>")
 
 

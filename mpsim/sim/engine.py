@@ -252,7 +252,7 @@ def _result(run: RunContext, stages: list[_StageRun], iteration_s: float) -> Sim
         server=layout.job.where, model=trace.name, schedule=layout.schedule, strategy=layout.label,
         microbatch=trace.microbatch, microbatches=m, stages=list(layout.stages), gpu_of_stage=list(layout.gpu_of),
         iteration_s=iteration_s, samples_per_s=samples * m * trace.microbatch / iteration_s,
-        model_tflops=3.0 * trace.fwd_flops_total * m * samples / iteration_s / 1e12,
+        model_tflops=trace.model_flops_total * m * samples / iteration_s / 1e12,
         gpus=gpus, oom=oom, links=links, spans=run.spans, makespan_s=run.env.now, sim_events=run.events_scheduled(),
         host_peak_bytes=host.peak_bytes * run.replicas // run.servers, host_capacity_bytes=topo.host_memory_bytes,
         host_memory_times_s=host.times_s, host_memory_used_bytes=host.used_bytes * run.replicas // run.servers,

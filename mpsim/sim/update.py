@@ -75,7 +75,8 @@ class Updater:
             yield from run.host_copy(g, self._shard(sum(r.grad_bytes for r in rows)), True, "gradients to host")
         yield sleep(run.env, self._host_adam_s(rows))
         if not run.layout.offload_params:  # offloaded shards stay off the GPU until gathered
-            yield from run.host_copy(g, self._shard(sum(r.param_bytes for r in rows)), False, "weights from host")
+            yield from run.host_copy(g, self._shard(sum(r.trained_param_bytes for r in rows)), False,
+                                     "weights from host")
 
     def _host_adam_s(self, rows: list[LayerRow]) -> float:
         """Adam on the CPU over this GPU's shard of ``rows``: every replica updates at
@@ -83,7 +84,7 @@ class Updater:
         step also reads and writes them there, overlapped with the CPU's work (the slower
         of the two)."""
         run = self.run
-        params = sum(r.params for r in rows) / self.shards
+        params = sum(r.trained_params for r in rows) / self.shards
         cpu_s = params * run.replicas / run.topo.spec.host.adam_params_per_s
         if run.offload is not run.nvme:
             return cpu_s

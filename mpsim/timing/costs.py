@@ -136,8 +136,9 @@ class CostModel:
 
     def update_s(self, rows: list[LayerRow]) -> float:
         """Adam step of ``rows``, memory bound: read gradients, read and write master
-        weights and moments, write the working weights, at ``update_rate``."""
-        n_bytes = sum(r.grad_bytes + 2 * r.optimizer_bytes + r.param_bytes for r in rows)
+        weights and moments, write the trained working weights (a frozen weight is not
+        touched), at ``update_rate``."""
+        n_bytes = sum(r.grad_bytes + 2 * r.optimizer_bytes + r.trained_param_bytes for r in rows)
         return n_bytes / self.update_rate
 
 
