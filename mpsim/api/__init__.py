@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
         hf_config,
         model_config,
         presets,
+        retraced,
         trace_hf,
         trace_module,
         trace_shape,
@@ -84,7 +85,8 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
 _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.api.jobs": ("load_job", "measured_warning", "plan", "simulate", "validate"),
     "mpsim.api.models": ("DEFAULT_PRESET", "Measure", "at_finetune", "at_recipe", "at_seq_len", "check_hf",
-                         "default_attention", "hf_config", "model_config", "presets", "trace_hf", "trace_module",
+                         "default_attention", "hf_config", "model_config", "presets", "retraced", "trace_hf",
+                         "trace_module",
                          "trace_shape"),
     "mpsim.api.servers": ("collective", "probe_server", "shipped_servers", "transfer"),
     "mpsim.api.studies": ("FitsRequest", "fits_request", "reproduce", "sweep_warnings"),

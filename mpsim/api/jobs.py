@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mpsim.api.models import at_finetune, at_recipe, at_seq_len
+from mpsim.api.models import retraced
 from mpsim.data.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
 from mpsim.hardware.cluster import Cluster
@@ -81,8 +81,7 @@ def load_job(server: str | None, model: str | None, plan_path: Path | None = Non
     """
     plan_file = read_plan_file(plan_path) if plan_path else None
     topo = load_topology(server or (plan_file.server if plan_file else DEFAULT_SERVER))
-    trace = at_seq_len(load_trace(model or (plan_file.model if plan_file else DEFAULT_MODEL)), seq_len)
-    trace = at_finetune(at_recipe(trace, recipe), fine_tune)
+    trace = retraced(load_trace(model or (plan_file.model if plan_file else DEFAULT_MODEL)), seq_len, recipe, fine_tune)
     if plan_file is not None:
         trace = trace.rescale(plan_file.microbatch)
         check_plan(plan_file, topo, trace, str(plan_path))

@@ -12,6 +12,7 @@ from mpsim.errors import MpsimError
 from mpsim.models.retrace import at_finetune as at_finetune
 from mpsim.models.retrace import at_recipe as at_recipe
 from mpsim.models.retrace import at_seq_len as at_seq_len
+from mpsim.models.retrace import retraced as retraced
 from mpsim.models.trace import RECIPES, Trace
 from mpsim.plans.job import DEFAULT_MODEL
 

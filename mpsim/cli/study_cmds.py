@@ -359,7 +359,7 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, globa
     names = api.parse_servers(servers, schedule, global_microbatches)
     mb_sizes = int_list(sizes, "--microbatch") if sizes else None
     chosen = (model if seq_len is None and recipe is None and fine_tune is None else
-              api.at_finetune(api.at_recipe(api.at_seq_len(api.load_trace(model), seq_len), recipe), fine_tune))
+              api.retraced(api.load_trace(model), seq_len, recipe, fine_tune))
     runner = api.backend_for(backend, workers, address)
     with stops_on_signals("choose", STOPPED), _ending(runner), steps_progress("choose") as step:
         report = api.choose(chosen, names, schedule, mb_sizes, tuple(comma_list(strategies, "--strategy")),

@@ -4,6 +4,7 @@ module holds, and PEFT's adapters injected into transformers modules under FakeT
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -145,6 +146,42 @@ def _adapters_in_place() -> Iterator[None]:
         nn.Module.to = to  # type: ignore[method-assign]
 
 
+class _SavedWhole(nn.Module):
+    """A module of ``modules_to_save``: PEFT keeps the frozen original and trains a copy,
+    which the forward runs (``ModulesToSaveWrapper``)."""
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        self.original_module = original
+        self.trained = _trainable_copy(original)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.trained(*args, **kwargs)
+
+
+def _trainable_copy(module: nn.Module) -> nn.Module:
+    """``module`` with new trainable parameters of the same shapes (PEFT deep-copies it;
+    FakeTensor parameters cannot be deep-copied into the same fake mode)."""
+    clone = copy.copy(module)
+    clone._parameters = {k: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
+                         for k, p in module._parameters.items()}
+    clone._modules = {k: None if m is None else _trainable_copy(m) for k, m in module._modules.items()}
+    clone._buffers = dict(module._buffers)
+    return clone
+
+
+def _save_whole(model: nn.Module, names: list[str]) -> None:
+    """Every module named (by its last name) in ``names`` wrapped as ``_SavedWhole``, once
+    however many modules hold it."""
+    wrapped: dict[int, _SavedWhole] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name in names and child is not None and not isinstance(child, _SavedWhole):
+                if id(child) not in wrapped:
+                    wrapped[id(child)] = _SavedWhole(child)
+                setattr(parent, name, wrapped[id(child)])
+
+
 def prepare(model: nn.Module, blocks: nn.Module, spec: FineTune) -> None:
     """``model`` (transformers modules under FakeTensor) made ready to fine-tune as ``spec``
     says: its weights frozen, the blocks' linear layers quantized for QLoRA, and PEFT's
@@ -159,13 +196,14 @@ def prepare(model: nn.Module, blocks: nn.Module, spec: FineTune) -> None:
         p.requires_grad_(False)
     if spec.quant is not None:
         _quantize(blocks, spec.quant, spec.double_quant)
-    config = LoraConfig(r=spec.r, lora_alpha=spec.lora_alpha,  # type: ignore[arg-type]  # any number works lora_dropout=spec.lora_dropout,
-                        target_modules=spec.target_modules, use_dora=spec.use_dora,
-                        modules_to_save=spec.modules_to_save or None)
+    config = LoraConfig(r=spec.r, lora_alpha=spec.lora_alpha,  # type: ignore[arg-type]  # any number works
+                        lora_dropout=spec.lora_dropout, target_modules=spec.target_modules,
+                        use_dora=spec.use_dora)
     try:
         with _adapters_in_place():
             inject_adapter_in_model(config, model)
     except (ValueError, TypeError, KeyError, RuntimeError) as e:
         raise MpsimError(f"PEFT could not add the adapters ({spec.describe()}): {str(e).splitlines()[0]}") from None
+    _save_whole(model, spec.modules_to_save)
     if not any(p.requires_grad for p in model.parameters()):
         raise MpsimError(f"{spec.describe()}: no module of the model matched, so nothing would train")

@@ -81,17 +81,33 @@ def _retraceable(trace: Trace, flag: str, traced: str, asked: str, option: str) 
     return shape
 
 
-def at_finetune(trace: Trace, spec: FineTune | None) -> Trace:
+def retraced(trace: Trace, seq_len: int | None = None, recipe: str | None = None,
+             fine_tune: FineTune | None = None) -> Trace:
+    """``trace`` as ``--seq-len``, ``--recipe`` and the fine-tuning flags ask: through
+    mpsim's modules (``at_seq_len``, ``at_recipe``), or for a fine-tune through
+    transformers and PEFT at that length and recipe (``at_finetune``)."""
+    if fine_tune is None:
+        return at_recipe(at_seq_len(trace, seq_len), recipe)
+    return at_finetune(trace, fine_tune, seq_len, recipe)
+
+
+def at_finetune(trace: Trace, spec: FineTune | None, seq_len: int | None = None, recipe: str | None = None) -> Trace:
     """``trace``'s model fine-tuned as ``spec`` says (``--lora``, ``--qlora``,
     ``--peft-config``; None: ``trace`` itself): the shipped config.json of the same shape
     traced through its transformers modules with PEFT's adapters
-    (``mpsim.models.hf.trace_hf``), at the trace's microbatch, sequence length, recipe and
-    attention kernel. Fine-tuning runs in transformers and PEFT, so the layers are theirs
-    (framework ``hf``). Refused in one line for a measured trace, one already fine-tuned
-    otherwise, or a model with no shipped config of its shape (with the command that traces
-    it)."""
-    if spec is None or spec == trace.spec.finetune:
+    (``mpsim.models.hf.trace_hf``), at the trace's microbatch and attention kernel, at
+    ``seq_len`` tokens and under ``recipe`` (default: the trace's). Fine-tuning runs in
+    transformers and PEFT, so the layers are theirs (framework ``hf``). Refused in one line
+    for a measured trace, one already fine-tuned otherwise, or a model with no shipped
+    config of its shape (with the command that traces it)."""
+    from mpsim.limits import check_seq_len
+    from mpsim.models.trace import RECIPES
+
+    if spec is None or (spec == trace.spec.finetune and seq_len in (None, trace.seq_len)
+                        and recipe in (None, trace.spec.precision.recipe)):
         return trace
+    if recipe is not None and recipe not in RECIPES:
+        raise MpsimError(f"--recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
     flag = "--qlora" if spec.method == "qlora" else "--lora"
     if trace.spec.finetune is not None:
         raise MpsimError(f"{flag}: {trace.name} is already traced for {trace.spec.finetune.describe()}; give the "
@@ -105,9 +121,13 @@ def at_finetune(trace: Trace, spec: FineTune | None) -> Trace:
                          f"`mpsim trace --hf CONFIG {flag} -o FILE` and give that file as --model")
     from mpsim.models.hf import trace_hf
 
-    overrides = {"seq_len": trace.seq_len} if trace.seq_len else {}
-    return trace_hf(config, trace.microbatch, trace.spec.precision.recipe, trace.spec.model.get("attention"),
-                    overrides, name=f"{trace.name}-{spec.method}-r{spec.r}", fine_tune=spec)
+    length = seq_len or trace.seq_len
+    if seq_len is not None:
+        positions = trace.spec.model.get("max_position_embeddings")
+        check_seq_len(seq_len, trace.name, positions if isinstance(positions, int) else None)
+    name = trace.name if length == trace.seq_len else f"{trace.name}-seq{length}"
+    return trace_hf(config, trace.microbatch, recipe or trace.spec.precision.recipe, trace.spec.model.get("attention"),
+                    {"seq_len": length} if length else {}, name=f"{name}-{spec.method}-r{spec.r}", fine_tune=spec)
 
 
 def _shipped_config_of(trace: Trace) -> str | None:
