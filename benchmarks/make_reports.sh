@@ -89,3 +89,7 @@ mpsim choose --model llama-3-8b --seq-len 131072 --servers dgx-h100 --global-mic
 mpsim choose --model llama-3-70b --seq-len 1048576 --tokens 1e10 --days 30 --clusters dgx-h100-superpod --max-servers 64 -j 2 > reports/scale_llama-3-70b_1M.txt
 python benchmarks/validation_cp.py > reports/validation_cp_cpu.md
 python benchmarks/attention_long_report.py --into reports/kernel_time.md
+
+# Fine-tuning (README "Fine-tuning"): QLoRA of Llama-3-8B on one RTX 4090, LoRA of Llama-3-70B on a DGX A100
+mpsim simulate --server rtx4090-x1 --model llama-3-8b --qlora --seq-len 4096 --microbatches 1 --strategy recompute-all > reports/simulate_llama-3-8b_qlora_rtx4090.txt
+mpsim simulate --server dgx-a100-80gb --model llama-3-70b --lora --seq-len 4096 --dp 8 --zero 3 --microbatch 1 --microbatches 2 --strategy recompute-all > reports/simulate_llama-3-70b_lora_dgx-a100.txt

@@ -22,7 +22,8 @@ import numpy as np
 
 from mpsim.caches import Lru
 from mpsim.models.expert_parallel import busiest_times, experts_line, shard_info
-from mpsim.models.trace import LayerRow
+from mpsim.models.finetune import trainable_share
+from mpsim.models.trace import LayerRow, Trace
 from mpsim.plans.schedule import PIPEDREAM_MEASURED, interleaved_turn_orders, weight_versions
 from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
@@ -259,8 +260,16 @@ def _result(run: RunContext, stages: list[_StageRun], iteration_s: float) -> Sim
         link_rates=run.net.rate_log, layout=layout.job.layout_name, replicas=replicas,
         gpus_used=layout.job.gpus_used, gpus_available=layout.job.n_gpus,
         framework=str(trace.spec.model.get("framework", "")), family=str(trace.spec.model.get("family", "")),
-        seq_len=trace.seq_len,
+        seq_len=trace.seq_len, fine_tune=fine_tune_line(trace),
     )
+
+
+def fine_tune_line(trace: Trace) -> str:
+    """What trains, for a fine-tune (its adapters and PEFT's count line); empty otherwise."""
+    spec = trace.spec.finetune
+    if spec is None:
+        return ""
+    return f"{spec.describe()}; {trainable_share(trace.trained_params, trace.spec.params)}"
 
 
 def _replicated(gpus: list[GpuResult], layout: Layout) -> list[GpuResult]:

@@ -140,6 +140,9 @@ class SimResult:
     ``model.framework``: ``mpsim.models.workloads.FRAMEWORKS``; empty for a traced module)."""
     family: str = ""
     """The trace's ``model.family`` (gpt, bert, llama; empty when it has none)."""
+    fine_tune: str = ""
+    """A fine-tune's adapters and trainable parameters (``mpsim.models.finetune``); empty
+    when every parameter trains."""
     seq_len: int | None = None
     """Tokens per sample (the trace's ``model.seq_len``; None for a model without one)."""
     time_band_pct: float = 0.0
@@ -227,6 +230,7 @@ class SimResult:
             "strategy": self.strategy,
             "layout": self.layout,
             "framework": self.framework,
+            "fine_tune": self.fine_tune or None,
             "replicas": self.replicas,
             "gpus_used": self.gpus_used,
             "gpus_available": self.gpus_available,

@@ -159,8 +159,7 @@ def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB, aske
     if len(shown) < len(r.gpus):
         legend += (f"\n(each stage's own GPU; the other {len(r.gpus) - len(shown)} GPUs of the simulated servers "
                    "replicate them: tensor-parallel ranks and data-parallel replicas; --json lists every one)")
-    lines = verdict_lines(r, headroom_gib) + [framework_line(r.framework, r.family), "", table_text(header, rows),
-                                                legend, ""]
+    lines = verdict_lines(r, headroom_gib) + [_framework_of(r), "", table_text(header, rows), legend, ""]
     technique = techniques_text(r)
     if technique:
         lines += [technique, ""]
@@ -265,7 +264,9 @@ def plan_text(plan: PlanFile) -> str:
 # -- studies ------------------------------------------------------------------------------------
 
 def _framework_of(r: SimResult) -> str:
-    return framework_line(r.framework, r.family)
+    """How the layers are written and, for a fine-tune, what trains."""
+    line = framework_line(r.framework, r.family)
+    return f"{line}\nfine-tune: {r.fine_tune}" if r.fine_tune else line
 
 
 def _fit_cell(res: SimResult, headroom_gib: float, layout: bool = False) -> str:
