@@ -249,3 +249,26 @@ def test_simulate_names_the_fine_tune(capsys: pytest.CaptureFixture[str]) -> Non
     data = json.loads(capsys.readouterr().out)
     assert code == 0
     assert data["model"].endswith("-qlora-r8")
+
+
+def test_trace_writes_a_fine_tune_that_simulate_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``mpsim trace --hf ... --qlora`` records the fine-tune; the file simulates as the flag does."""
+    out = tmp_path / "q.json"
+    assert main(["trace", "--hf", "tinyllama-1.1b", "--qlora", "--lora-rank", "8", "--layers", "2", "-o",
+                 str(out)]) == 0
+    assert "trained: QLoRA r 8" in capsys.readouterr().out
+    saved = api.load_trace(str(out))
+    assert saved.spec.finetune == finetune.qlora(8)
+    assert main(["trace", "--preset", "gpt-5.3b", "--lora", "-o", str(tmp_path / "g.json")]) != 0
+    assert "no shipped Hugging Face config.json" in capsys.readouterr().err
+
+
+def test_fits_takes_a_fine_tune(capsys: pytest.CaptureFixture[str]) -> None:
+    """``fits --qlora``: each model its fine-tune (written as files its workers load), named so."""
+    argv = ["fits", "--model", "tinyllama-1.1b", "--qlora", "--server", "rtx4090-x1", "--strategy", "none",
+            "--no-largest", "-j", "1"]
+    assert main([*argv, "--json", "-"]) == 0
+    rows = json.loads(capsys.readouterr().out)["reports"][0]["rows"]
+    assert [(r["model"], r["fits"]) for r in rows] == [("tinyllama-1.1b-qlora-r16", True)]
+    assert main(argv) == 0
+    assert "fine-tune: QLoRA r 16 on all-linear" in capsys.readouterr().out

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
         trace_shape,
     )
     from mpsim.api.servers import collective, probe_server, shipped_servers, transfer
-    from mpsim.api.studies import FitsRequest, fits_request, reproduce, sweep_warnings
+    from mpsim.api.studies import FitsRequest, fine_tuned_files, fits_request, reproduce, sweep_warnings
     from mpsim.data.catalog import (
         is_cluster,
         load_cluster,
@@ -89,7 +89,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
                          "trace_module",
                          "trace_shape"),
     "mpsim.api.servers": ("collective", "probe_server", "shipped_servers", "transfer"),
-    "mpsim.api.studies": ("FitsRequest", "fits_request", "reproduce", "sweep_warnings"),
+    "mpsim.api.studies": ("FitsRequest", "fine_tuned_files", "fits_request", "reproduce", "sweep_warnings"),
     "mpsim.studies.backends": ("backend_for", "make_backend"),
     "mpsim.timing.calibrate": ("Calibration", "calibrate", "calibrated_yaml"),
     "mpsim.timing.calibrate_kernels": ("calibrate_profile_file", "kernel_table_yaml"),

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpsim.data.catalog import load_topology
 from mpsim.errors import MpsimError
+from mpsim.models.finetune import FineTune
 from mpsim.models.retrace import at_finetune as at_finetune
 from mpsim.models.retrace import at_recipe as at_recipe
 from mpsim.models.retrace import at_seq_len as at_seq_len
@@ -98,14 +99,16 @@ def trace_module(spec: str, microbatch: int | None = None, recipe: str | None = 
 
 
 def trace_hf(source: str, microbatch: int | None = None, recipe: str | None = None, attention: str | None = None,
-             overrides: dict[str, int] | None = None, name: str | None = None) -> Trace:
+             overrides: dict[str, int] | None = None, name: str | None = None,
+             fine_tune: FineTune | None = None) -> Trace:
     """Trace a Hugging Face model with its own modules from its config.json (a folder, the
-    file, or a shipped one); ``overrides``: layers, hidden, heads, seq_len."""
+    file, or a shipped one); ``overrides``: layers, hidden, heads, seq_len; ``fine_tune``:
+    frozen under PEFT's adapters (``mpsim.models.finetune``)."""
     from mpsim.models.hf import (
         trace_hf as traced,  # its config checked as it is read (``check_hf`` does it without torch)
     )
 
-    return traced(source, microbatch, recipe, attention, overrides, name)
+    return traced(source, microbatch, recipe, attention, overrides, name, fine_tune)
 
 
 def check_hf(source: str, overrides: dict[str, int] | None = None) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from mpsim.api.jobs import measured_warning
 from mpsim.data.catalog import load_topology, load_trace
 from mpsim.errors import MpsimError
+from mpsim.models.finetune import FineTune
 from mpsim.models.trace import Trace
 from mpsim.plans.job import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE, JobSpec, check_strategy, pipeline
 from mpsim.plans.layouts import DEFAULT_LAYOUTS, candidate_layouts, check_global_microbatches
@@ -90,6 +91,22 @@ def fits_request(server: str, family: str, models: Sequence[str] = (), schedule:
     points = (len(traces) + probes) * len(strategies) * n_layouts
     return FitsRequest(job, family, tuple(traces), tuple(models), tuple(strategies), runner, points, layouts,
                        global_microbatches, search)
+
+
+def fine_tuned_files(family: str, models: Sequence[str], spec: FineTune, folder: Path) -> list[str]:
+    """``fits --lora``: each of ``family``'s shipped sizes (or ``models``) fine-tuned as
+    ``spec`` says (``at_finetune``), written to ``folder`` as trace files: the files are what
+    ``fits`` runs, since its workers load every model again by name."""
+    from mpsim.models.retrace import at_finetune
+    from mpsim.studies.capacity import shipped_or_named
+
+    paths: list[str] = []
+    for trace in shipped_or_named(family, tuple(models)):
+        tuned = at_finetune(trace, spec)
+        path = folder / f"{tuned.name}.json"
+        path.write_text(tuned.to_json() + "\n")
+        paths.append(str(path))
+    return paths
 
 
 def sweep_warnings(points: Sequence[Point]) -> Iterator[str]:

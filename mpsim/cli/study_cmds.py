@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,6 +52,7 @@ from mpsim.cli.progress import points_progress, steps_progress, stops_on_signals
                    "columns of their own")
 @click.option("--partition", default="compute", show_default=True, help=PARTITION_HELP)
 @runtime_option
+@fine_tune_options
 @layouts_option(api.DEFAULT_LAYOUTS)
 @click.option("--workers", "-j", type=click.IntRange(min=1),
               help="worker processes (sizes and strategies in parallel; 1: all in this process)  "
@@ -62,8 +64,8 @@ from mpsim.cli.progress import points_progress, steps_progress, stops_on_signals
 @json_option
 def fits(server: str, family: str, models: str | None, schedule: str, microbatch: int | None,
          global_microbatches: int, per_replica_microbatches: str | None, strategies: str, partition: str,
-         runtime_profile: str, layouts: str, workers: int | None, no_largest: bool, backend: str,
-         address: str | None, headroom_gib: float, json_out: str | None) -> None:
+         runtime_profile: str, fine_tune: api.FineTune | None, layouts: str, workers: int | None, no_largest: bool,
+         backend: str, address: str | None, headroom_gib: float, json_out: str | None) -> None:
     """Which shipped sizes of a family (or which --model) fit under each strategy, in which
     parallel layout, and the largest that does.
 
@@ -74,18 +76,23 @@ def fits(server: str, family: str, models: str | None, schedule: str, microbatch
     another global batch, and the layouts would no longer be compared on the same work.
     The size knob is the number of transformer layers at the shape of the largest size
     that fits; the search doubles, then bisects; the largest is the largest any layout
-    reaches.
+    reaches. With --lora, --qlora or --peft-config each model is a fine-tune of it (a
+    shipped Llama, Mistral, Qwen2 or GPT-2 shape: `mpsim fits --family llama --qlora
+    --server rtx4090-x1`).
     """
     from mpsim.views.text import fits_layouts_text
 
     refuse_per_replica("fits", per_replica_microbatches)
     names = comma_list(strategies, "--strategy")
     chosen = comma_list(models, "--model") if models else []
-    request = api.fits_request(server, family, chosen, schedule, microbatch, global_microbatches, names, partition,
-                               workers, backend, address, layouts, search=not no_largest,
-                               runtime_profile=runtime_profile)
-    with stops_on_signals("fits", STOPPED), points_progress(f"fits {request.family}", request.points) as bar:
-        reps = request.run(on_point=bar.point_done)
+    with tempfile.TemporaryDirectory(prefix="mpsim-fits-") as folder:
+        if fine_tune is not None:  # the workers load each model by name: the fine-tunes as files
+            chosen = api.fine_tuned_files(family, chosen, fine_tune, Path(folder))
+        request = api.fits_request(server, family, chosen, schedule, microbatch, global_microbatches, names,
+                                   partition, workers, backend, address, layouts, search=not no_largest,
+                                   runtime_profile=runtime_profile)
+        with stops_on_signals("fits", STOPPED), points_progress(f"fits {request.family}", request.points) as bar:
+            reps = request.run(on_point=bar.point_done)
     emit(json_out, fits_layouts_text(reps, headroom_gib),
          {"headroom_gib": headroom_gib, "reports": [r.to_dict(headroom_gib) for r in reps]})
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from mpsim import api
-from mpsim.cli.options import FiniteFloatRange
+from mpsim.cli.options import FiniteFloatRange, fine_tune_options
 from mpsim.errors import MpsimError
 
 ATTENTION_HELP = ("attention kernel whose saved tensors and FLOPs the trace records: eager (written out), "
@@ -61,6 +61,7 @@ def _list_presets(ctx: click.Context, _param: click.Parameter, value: bool) -> N
 @click.option("--microbatch", type=click.IntRange(min=1), help="samples per microbatch  [default: the preset's]")
 @click.option("--recipe", type=click.Choice(list(api.RECIPES)),
               help="training precision: " + api.RECIPE_HELP + "  [default: the preset's]")
+@fine_tune_options
 @click.option("--name", help="name stored in the trace  [default: the preset's, else from the shape]")
 @click.option("--measure", is_flag=True, help="run the layers for real on --device and record measured times and bytes")
 @click.option("--device", default="cpu", show_default=True, help="with --measure: cpu, cuda or cuda:N")
@@ -76,8 +77,9 @@ def _list_presets(ctx: click.Context, _param: click.Parameter, value: bool) -> N
 def trace(output: Path, preset: str | None, family: str | None, layers: int | None, hidden: int | None,
           heads: int | None, kv_heads: int | None, ffn_hidden: int | None, seq_len: int | None, vocab: int | None,
           dropout: float | None, attention: str | None, server: str | None, microbatch: int | None,
-          recipe: str | None, name: str | None, measure: bool, device: str, threads: int, repeats: int,
-          module_spec: str | None = None, hf_source: str | None = None, framework: str | None = None) -> None:
+          recipe: str | None, fine_tune: api.FineTune | None, name: str | None, measure: bool, device: str,
+          threads: int, repeats: int, module_spec: str | None = None, hf_source: str | None = None,
+          framework: str | None = None) -> None:
     """Trace a model: a preset or a GPT, BERT or Llama-style shape.
 
     By default under FakeTensor mode (no memory allocated): per layer the saved-for-backward
@@ -97,12 +99,20 @@ def trace(output: Path, preset: str | None, family: str | None, layers: int | No
 
     --framework writes a Llama layer as Megatron-LM, transformers or torchtitan do
     (`--preset llama-3-8b --framework hf`); the trace's model names it.
+
+    --lora, --qlora or --peft-config trace a fine-tune: the model's transformers modules
+    frozen under PEFT's adapters (`--hf llama-3-8b --qlora -o q.json`; a preset is traced
+    through the shipped config.json of its shape). A --module model's parameters that do
+    not require gradients are counted as frozen.
     """
     from mpsim.views.text import trace_line
 
     if module_spec is not None and hf_source is not None:
         raise MpsimError("--module and --hf each name a whole model: give one of them")
     _check_framework(framework, module_spec, hf_source)
+    if fine_tune is not None and (module_spec is not None or measure):
+        raise MpsimError("--lora, --qlora and --peft-config trace transformers modules under FakeTensor: not with "
+                         "--module (freeze your own parameters instead) or --measure")
     if module_spec is not None:
         if measure:
             raise MpsimError("--module traces under FakeTensor mode; --measure is for the GPT, BERT and Llama shapes")
@@ -117,13 +127,15 @@ def trace(output: Path, preset: str | None, family: str | None, layers: int | No
                      if v is not None}
         api.check_hf(hf_source, overrides)  # before torch loads: a config asking too much is refused at once
         kernel = attention or api.default_attention(server, recipe)
-        result = api.trace_hf(hf_source, microbatch, recipe, kernel, overrides, name)
+        result = api.trace_hf(hf_source, microbatch, recipe, kernel, overrides, name, fine_tune)
     else:
         shape = {"family": family, "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
                  "ffn_hidden": ffn_hidden, "seq_len": seq_len, "vocab": vocab, "dropout": dropout,
                  "framework": framework}
         measured = api.Measure(device, threads, repeats) if measure else None
         result = api.trace_shape(preset, shape, attention, server, microbatch, recipe, name, measured)
+        if fine_tune is not None:  # through the shipped config.json of its shape
+            result = api.at_finetune(result, fine_tune, name=name)
     output.write_text(result.to_json() + "\n")
     click.echo(trace_line(output, result))
 

@@ -91,7 +91,8 @@ def retraced(trace: Trace, seq_len: int | None = None, recipe: str | None = None
     return at_finetune(trace, fine_tune, seq_len, recipe)
 
 
-def at_finetune(trace: Trace, spec: FineTune | None, seq_len: int | None = None, recipe: str | None = None) -> Trace:
+def at_finetune(trace: Trace, spec: FineTune | None, seq_len: int | None = None, recipe: str | None = None,
+                name: str | None = None) -> Trace:
     """``trace``'s model fine-tuned as ``spec`` says (``--lora``, ``--qlora``,
     ``--peft-config``; None: ``trace`` itself): the shipped config.json of the same shape
     traced through its transformers modules with PEFT's adapters
@@ -99,7 +100,8 @@ def at_finetune(trace: Trace, spec: FineTune | None, seq_len: int | None = None,
     ``seq_len`` tokens and under ``recipe`` (default: the trace's). Fine-tuning runs in
     transformers and PEFT, so the layers are theirs (framework ``hf``). Refused in one line
     for a measured trace, one already fine-tuned otherwise, or a model with no shipped
-    config of its shape (with the command that traces it)."""
+    config of its shape (with the command that traces it). ``name``: the new trace's
+    (default: the trace's with the length and the fine-tune appended)."""
     from mpsim.limits import check_seq_len
     from mpsim.models.trace import RECIPES
 
@@ -125,9 +127,10 @@ def at_finetune(trace: Trace, spec: FineTune | None, seq_len: int | None = None,
     if seq_len is not None:
         positions = trace.spec.model.get("max_position_embeddings")
         check_seq_len(seq_len, trace.name, positions if isinstance(positions, int) else None)
-    name = trace.name if length == trace.seq_len else f"{trace.name}-seq{length}"
+    base = trace.name if length == trace.seq_len else f"{trace.name}-seq{length}"
     return trace_hf(config, trace.microbatch, recipe or trace.spec.precision.recipe, trace.spec.model.get("attention"),
-                    {"seq_len": length} if length else {}, name=f"{name}-{spec.method}-r{spec.r}", fine_tune=spec)
+                    {"seq_len": length} if length else {}, name=name or f"{base}-{spec.method}-r{spec.r}",
+                    fine_tune=spec)
 
 
 def _shipped_config_of(trace: Trace) -> str | None:

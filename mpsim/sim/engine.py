@@ -260,16 +260,18 @@ def _result(run: RunContext, stages: list[_StageRun], iteration_s: float) -> Sim
         link_rates=run.net.rate_log, layout=layout.job.layout_name, replicas=replicas,
         gpus_used=layout.job.gpus_used, gpus_available=layout.job.n_gpus,
         framework=str(trace.spec.model.get("framework", "")), family=str(trace.spec.model.get("family", "")),
-        seq_len=trace.seq_len, fine_tune=fine_tune_line(trace),
+        seq_len=trace.seq_len, fine_tune=fine_tune_of(trace), trainable=trainable_of(trace),
     )
 
 
-def fine_tune_line(trace: Trace) -> str:
-    """What trains, for a fine-tune (its adapters and PEFT's count line); empty otherwise."""
-    spec = trace.spec.finetune
-    if spec is None:
-        return ""
-    return f"{spec.describe()}; {trainable_share(trace.trained_params, trace.spec.params)}"
+def fine_tune_of(trace: Trace) -> str:
+    """A fine-tune's adapters (``FineTune.describe``); empty when every parameter trains."""
+    return "" if trace.spec.finetune is None else trace.spec.finetune.describe()
+
+
+def trainable_of(trace: Trace) -> str:
+    """A fine-tune's trainable and total parameters, as PEFT prints them; empty otherwise."""
+    return "" if trace.spec.finetune is None else trainable_share(trace.trained_params, trace.spec.params)
 
 
 def _replicated(gpus: list[GpuResult], layout: Layout) -> list[GpuResult]:

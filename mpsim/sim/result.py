@@ -141,8 +141,9 @@ class SimResult:
     family: str = ""
     """The trace's ``model.family`` (gpt, bert, llama; empty when it has none)."""
     fine_tune: str = ""
-    """A fine-tune's adapters and trainable parameters (``mpsim.models.finetune``); empty
-    when every parameter trains."""
+    """A fine-tune's adapters (``mpsim.models.finetune``); empty when every parameter trains."""
+    trainable: str = ""
+    """A fine-tune's trainable and total parameters, as PEFT prints them; empty otherwise."""
     seq_len: int | None = None
     """Tokens per sample (the trace's ``model.seq_len``; None for a model without one)."""
     time_band_pct: float = 0.0
@@ -231,6 +232,7 @@ class SimResult:
             "layout": self.layout,
             "framework": self.framework,
             "fine_tune": self.fine_tune or None,
+            "trainable": self.trainable or None,
             "replicas": self.replicas,
             "gpus_used": self.gpus_used,
             "gpus_available": self.gpus_available,

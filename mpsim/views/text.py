@@ -159,7 +159,8 @@ def simulate_text(r: SimResult, headroom_gib: float = DEFAULT_HEADROOM_GIB, aske
     if len(shown) < len(r.gpus):
         legend += (f"\n(each stage's own GPU; the other {len(r.gpus) - len(shown)} GPUs of the simulated servers "
                    "replicate them: tensor-parallel ranks and data-parallel replicas; --json lists every one)")
-    lines = verdict_lines(r, headroom_gib) + [_framework_of(r), "", table_text(header, rows), legend, ""]
+    trained = [f"{' ' * len('fine-tune: ')}{r.trainable}"] if r.trainable else []
+    lines = verdict_lines(r, headroom_gib) + [_framework_of(r), *trained, "", table_text(header, rows), legend, ""]
     technique = techniques_text(r)
     if technique:
         lines += [technique, ""]
@@ -531,8 +532,10 @@ def trace_line(output: object, trace: Trace) -> str:
     """What ``mpsim trace`` says of the trace it wrote to ``output``."""
     attention = trace.spec.model.get("attention", "")
     seq_len = trace.spec.model.get("seq_len")
-    return (f"wrote {output}: {trace.name}, {trace.spec.params / 1e9:.2f}B parameters, {trace.n_layers} layers, "
-            f"microbatch {trace.microbatch}" + (f" x {seq_len} tokens" if seq_len else "")
+    trained = "" if trace.spec.finetune is None else (
+        f" ({trace.trained_params:,} trained: {trace.spec.finetune.describe()})")
+    return (f"wrote {output}: {trace.name}, {trace.spec.params / 1e9:.2f}B parameters{trained}, {trace.n_layers} "
+            f"layers, microbatch {trace.microbatch}" + (f" x {seq_len} tokens" if seq_len else "")
             + f", {trace.spec.precision.recipe}" + (f", {attention} attention" if attention else ""))
 
 
