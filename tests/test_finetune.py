@@ -272,3 +272,21 @@ def test_fits_takes_a_fine_tune(capsys: pytest.CaptureFixture[str]) -> None:
     assert [(r["model"], r["fits"]) for r in rows] == [("tinyllama-1.1b-qlora-r16", True)]
     assert main(argv) == 0
     assert "fine-tune: QLoRA r 16 on all-linear" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_data_parallel_shards_only_what_trains(tiny_traces: dict[str, api.Trace], zero: int) -> None:
+    """Over two replicas the trained parameters' optimizer states shard as ZeRO says, and
+    the weights are held whole except under FSDP (ZeRO-3), which shards frozen and trained
+    parameters alike (FSDP2): its peak holds a shard and the layers gathered around it."""
+    from mpsim.plans.mesh import data_parallel
+
+    trace = tiny_traces["lora"]
+    topo = api.load_topology("rtx4090-x2")
+    result = api.simulate(topo, trace, microbatch=1, microbatches=2, parallelism=data_parallel(2, zero, 1))
+    peak = result.gpus[0].breakdown
+    optimizer = sum(r.optimizer_bytes for r in trace.layers)
+    weights = sum(r.param_bytes for r in trace.layers)
+    assert result.fits
+    assert peak["optimizer"] == (optimizer if zero == 0 else -(-optimizer // 2))
+    assert (peak["params"] == weights) == (zero < 3)
