@@ -50,10 +50,11 @@ class _MatMulQuantized(torch.autograd.Function):
 
 
 class QuantizedLinear(nn.Linear):
-    """A frozen linear layer stored as bitsandbytes stores it (module doc): ``weight`` the
-    packed values (uint8), ``absmax`` (and with double quantization ``absmax2`` and the
-    code) its scales; the bias, if any, in the compute dtype. An ``nn.Linear`` so PEFT
-    wraps it with adapters as it wraps bitsandbytes' ``Linear4bit``."""
+    """A frozen linear layer stored as bitsandbytes stores it (``mpsim.models.finetune``'s
+    doc): ``weight`` the packed values (uint8), ``scales`` the absmaxes (with double
+    quantization: 8-bit, their fp32 scales, the code and offset; int8: one fp32 per row);
+    the bias, if any, in the compute dtype. An ``nn.Linear`` so PEFT wraps it with adapters
+    as it wraps bitsandbytes' ``Linear4bit``."""
 
     def __init__(self, base: nn.Linear, quant: QuantType, double_quant: bool) -> None:
         nn.Module.__init__(self)
