@@ -88,6 +88,7 @@ mpsim choose --model llama-3-8b --seq-len 131072 --servers dgx-h100 --global-mic
 mpsim choose --model llama-3-8b --seq-len 131072 --servers dgx-h100 --global-microbatches 8 --layouts pipeline,ddp8,zero1x8,zero2x8,fsdp8,tp8sp,fsdp2xtp4sp,zero1x2xtp4sp,fsdp4xtp2sp > reports/choose_llama-3-8b_128k_dgx-h100_without-cp.txt
 mpsim choose --model llama-3-70b --seq-len 1048576 --tokens 1e10 --days 30 --clusters dgx-h100-superpod --max-servers 64 -j 2 > reports/scale_llama-3-70b_1M.txt
 python benchmarks/validation_cp.py > reports/validation_cp_cpu.md
+python benchmarks/validation_lora.py > reports/validation_lora_cpu.md
 python benchmarks/attention_long_report.py --into reports/kernel_time.md
 
 # Fine-tuning (README "Fine-tuning"): QLoRA of Llama-3-8B on one RTX 4090, LoRA of Llama-3-70B on a DGX A100
