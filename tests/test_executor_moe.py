@@ -60,10 +60,18 @@ def _ranks(workdir: Path, world: int) -> list[dict]:
     return [json.loads((workdir / "ranks" / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.mark.torchrun
-def test_ep2_peaks_within_5_percent_and_routed_copies_as_predicted(tiny, cpu2, tmp_path):
+@pytest.fixture(scope="module")
+def ep2_run(tiny, cpu2, tmp_path_factory) -> tuple[PlanFile, dict, Path]:
+    """The EP=2 plan run once (a torchrun launch), its report and the folder of its ranks'
+    results: both tests below read it."""
     plan = _plan(tiny, cpu2, ep=2)
-    report = validate_moe_plan(plan, cpu2, tiny, _moe_config(str(CONFIG)) or {}, SETTINGS, workdir=tmp_path)
+    workdir = tmp_path_factory.mktemp("ep2")
+    return plan, validate_moe_plan(plan, cpu2, tiny, _moe_config(str(CONFIG)) or {}, SETTINGS, workdir=workdir), workdir
+
+
+@pytest.mark.torchrun
+def test_ep2_peaks_within_5_percent_and_routed_copies_as_predicted(ep2_run):
+    plan, report, workdir = ep2_run
     rows = report["stages"]
     assert [(r["gpu"], r["ep_rank"], r["dp_rank"]) for r in rows] == [(0, 0, 0), (1, 1, 0)]
     for r in rows:
@@ -77,22 +85,18 @@ def test_ep2_peaks_within_5_percent_and_routed_copies_as_predicted(tiny, cpu2, t
     # the real router's choices, summed over both ranks' experts, are every routed copy of the group
     per_call = [sum(c) for c in zip(*(r["router_routed_copies"] for r in rows))]
     assert set(per_call) == {2 * rows[0]["predicted_routed_copies"]}
-    ranks = _ranks(tmp_path, 2)
+    ranks = _ranks(workdir, 2)
     assert ranks[0]["tokens_sha256"] != ranks[1]["tokens_sha256"]
     assert ranks[0]["params_sha256"] != ranks[1]["params_sha256"]  # each holds its own experts
 
 
 @pytest.mark.torchrun
-def test_ep2_trains_as_two_ddp_replicas_of_the_traced_experts(tiny, cpu2, tmp_path):
+def test_ep2_trains_as_two_ddp_replicas_of_the_traced_experts(tiny, cpu2, ep2_run, tmp_path):
     """The same tokens per rank; the experts whole and run by ``moe.uniform_experts_forward``
     in the DDP run. Adam is invariant to a constant scale of a gradient, so this pins the
     gradients' direction (each expert's holds both ranks' tokens), not their scale."""
-    config = _moe_config(str(CONFIG)) or {}
-    (tmp_path / "ep").mkdir()
-    (tmp_path / "dp").mkdir()
-    validate_moe_plan(_plan(tiny, cpu2, ep=2), cpu2, tiny, config, SETTINGS, workdir=tmp_path / "ep")
-    validate_moe_plan(_plan(tiny, cpu2, dp=2), cpu2, tiny, config, SETTINGS, workdir=tmp_path / "dp")
-    ep, dp = _ranks(tmp_path / "ep", 2), _ranks(tmp_path / "dp", 2)
+    validate_moe_plan(_plan(tiny, cpu2, dp=2), cpu2, tiny, _moe_config(str(CONFIG)) or {}, SETTINGS, workdir=tmp_path)
+    ep, dp = _ranks(ep2_run[2], 2), _ranks(tmp_path, 2)
     for a, b in zip(ep, dp, strict=True):
         assert a["tokens_sha256"] == b["tokens_sha256"]
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
