@@ -45,7 +45,15 @@ from urllib.parse import parse_qs, urlsplit
 from mpsim import api
 from mpsim.errors import MpsimError
 from mpsim.web import charts
-from mpsim.web.inputs import MAX_UPLOAD_BYTES, UPLOAD_KINDS, JobInputs, UploadStore, check_size, from_query
+from mpsim.web.inputs import (
+    FINETUNES,
+    MAX_UPLOAD_BYTES,
+    UPLOAD_KINDS,
+    JobInputs,
+    UploadStore,
+    check_size,
+    from_query,
+)
 from mpsim.web.jobs import Busy, JobRunner, PageRun, short_message
 from mpsim.web.work import WORKS, JobOutcome, job_payload, request_of
 
@@ -97,6 +105,7 @@ class App:
         return {"servers": list(api.shipped_topologies()), "models": list(api.shipped_traces()),
                 "schedules": ["1f1b", "gpipe", "pipedream"], "strategies": list(api.STRATEGIES),
                 "partitions": ["compute", "memory"], "runtimes": list(api.PROFILES),
+                "finetunes": list(FINETUNES),
                 "upload_kinds": list(UPLOAD_KINDS),
                 "max_upload_bytes": MAX_UPLOAD_BYTES, "clusters": list(api.shipped_clusters()),
                 "labels": _labels()}

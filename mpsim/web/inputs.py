@@ -36,10 +36,15 @@ UPLOAD_KINDS = {"server": ((".yaml", ".yml"), "a topology file in YAML (.yaml or
                 "hf": ((".json",), "a Hugging Face config.json (.json)")}
 
 VIEWS = ("job", "choose", "scale")
-_INT_KEYS = ("microbatch", "microbatches", "global_microbatches", "stages", "min_servers", "max_servers")
+FINETUNES = ("none", "lora", "qlora")
+"""The page's fine-tuning choice: every parameter trains, ``--lora`` or ``--qlora``."""
+MAX_LORA_RANK = 1 << 16
+"""The largest ``lora_rank`` (``--lora-rank``'s bound, ``FineTune.r``'s)."""
+_INT_KEYS = ("microbatch", "microbatches", "global_microbatches", "stages", "min_servers", "max_servers",
+             "lora_rank")
 _FLOAT_KEYS = ("tokens", "days", "budget")
 _KEYS = ("view", "server", "model", "servers", "schedule", "microbatch", "microbatches", "global_microbatches",
-         "stages", "layout", "strategy", "partition", "runtime",
+         "stages", "layout", "strategy", "partition", "runtime", "finetune", "lora_rank",
          "server_upload", "model_upload", "clusters", "tokens", "days", "budget", "min_servers", "max_servers",
          "headroom", "run")
 _NUMBER = re.compile(r"[0-9]{1,16}(\.[0-9]{0,16})?([eE]\+?[0-9]{1,2})?")
@@ -75,6 +80,12 @@ class JobInputs:
     partition: str = "compute"
     runtime: str = api.DEFAULT_PROFILE
     """The runtime profile the job and choose views run under (``--runtime``)."""
+    finetune: str = "none"
+    """What trains in the job and choose views: ``none`` (every parameter), ``lora`` or
+    ``qlora`` (``--lora``, ``--qlora``: the model retraced with PEFT's adapters,
+    ``api.retraced``)."""
+    lora_rank: int | None = None
+    """The adapters' rank with ``lora`` or ``qlora`` (``--lora-rank``; None: 16)."""
     server_upload: str | None = None
     model_upload: str | None = None
     clusters: tuple[str, ...] = SCALE_CLUSTERS
@@ -86,6 +97,14 @@ class JobInputs:
     max_servers: int = SCALE_SERVERS[1]
     headroom: float = api.DEFAULT_HEADROOM_GIB
     """GiB a plan should leave free (``--headroom``), 0 to ``api.MAX_HEADROOM_GIB``."""
+
+    @property
+    def fine_tune(self) -> api.FineTune | None:
+        """What ``finetune`` and ``lora_rank`` ask for, as ``--lora``/``--qlora`` and
+        ``--lora-rank`` do (``api.fine_tune_of``); None when every parameter trains."""
+        if self.finetune == "none":
+            return None
+        return api.fine_tune_of(self.finetune == "lora", self.finetune == "qlora", None, self.lora_rank)
 
     @property
     def bookmarkable(self) -> bool:
@@ -113,6 +132,7 @@ class JobInputs:
         pairs += [("strategy", self.strategy), ("partition", self.partition)]
         if self.runtime != api.DEFAULT_PROFILE and self.view != "scale":
             pairs.append(("runtime", self.runtime))
+        pairs += self._fine_tune_pairs()
         if self.microbatch is not None:
             pairs.append(("microbatch", str(self.microbatch)))
         if self.stages is not None and self.view == "job":
@@ -123,12 +143,17 @@ class JobInputs:
             pairs.append(("headroom", f"{self.headroom:g}"))
         return urlencode(pairs)
 
+    def _fine_tune_pairs(self) -> list[tuple[str, str]]:
+        """``finetune`` unless ``none`` (the default), and ``lora_rank`` where given."""
+        pairs = [("finetune", self.finetune)] if self.finetune != "none" else []
+        return pairs + ([("lora_rank", str(self.lora_rank))] if self.lora_rank is not None else [])
+
     def to_dict(self) -> dict:
         return {"view": self.view, "server": self.server, "model": self.model, "servers": list(self.servers),
                 "schedule": self.schedule, "microbatch": self.microbatch, "microbatches": self.microbatches,
                 "global_microbatches": self.global_microbatches, "stages": self.stages, "layout": self.layout,
                 "strategy": self.strategy, "partition": self.partition, "runtime": self.runtime,
-                "server_upload": self.server_upload,
+                "finetune": self.finetune, "lora_rank": self.lora_rank, "server_upload": self.server_upload,
                 "model_upload": self.model_upload, "clusters": list(self.clusters), "tokens": self.tokens,
                 "days": self.days, "budget": self.budget, "min_servers": self.min_servers,
                 "max_servers": self.max_servers, "headroom": self.headroom}
@@ -196,7 +221,24 @@ def from_query(query: Mapping[str, list[str]]) -> JobInputs:
     if inputs.view == "scale" and inputs.runtime != api.DEFAULT_PROFILE:
         raise MpsimError("runtime: the how-many-servers view runs the default runtime profile (megatron-lm); "
                          "leave it out")
+    check_fine_tune(inputs)
     return inputs
+
+
+def check_fine_tune(inputs: JobInputs) -> None:
+    """``finetune`` one of ``FINETUNES``; ``lora_rank`` 1 to ``MAX_LORA_RANK`` and only with
+    a fine-tune (``--lora-rank`` alone is refused too); no fine-tune in the how-many-servers
+    view, which plans pre-training runs (``choose --tokens`` refuses ``--lora``)."""
+    if inputs.finetune not in FINETUNES:
+        raise MpsimError(f"finetune: expected one of {', '.join(FINETUNES)}, got {inputs.finetune[:40]!r}")
+    if inputs.lora_rank is not None:
+        if not 1 <= inputs.lora_rank <= MAX_LORA_RANK:
+            raise MpsimError(f"lora_rank: expected 1 to {MAX_LORA_RANK}, got {inputs.lora_rank}")
+        if inputs.finetune == "none":
+            raise MpsimError("lora_rank: the adapters' rank, with finetune lora or qlora; give one or leave it out")
+    if inputs.view == "scale" and inputs.finetune != "none":
+        raise MpsimError("finetune: the how-many-servers view plans pre-training runs; compare servers for a "
+                         "fine-tune in the choose view")
 
 
 PAGE_MAX_MICROBATCHES = 256

@@ -8,7 +8,9 @@ server by pickle."""
 
 from __future__ import annotations
 
+import html
 import json
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -60,16 +62,36 @@ def server_of(request: RunRequest) -> Topology:
 
 def model_of(request: RunRequest) -> Trace:
     """A shipped trace, an uploaded one, or an uploaded Hugging Face config traced as
-    ``mpsim trace --hf`` does."""
-    model = request.model
-    if model is None:
-        return api.load_trace(request.inputs.model)
-    if isinstance(model, Trace):
-        return model
+    ``mpsim trace --hf`` does; fine-tuned as ``finetune`` and ``lora_rank`` ask, as
+    ``--lora``/``--qlora`` and ``--lora-rank`` do: a trace retraced through the shipped
+    config.json of its shape (``api.retraced``, as ``api.load_job``), an uploaded config
+    traced with the adapters (``mpsim trace --hf CONFIG --lora``)."""
+    model, spec = request.model, request.inputs.fine_tune
+    if isinstance(model, Path):
+        try:
+            return api.trace_hf(str(model), microbatch=request.inputs.microbatch, fine_tune=spec)
+        except MpsimError as exc:
+            raise MpsimError(page_words(str(exc).replace(f"{model.parent}/", ""))) from None
+    trace = api.load_trace(request.inputs.model) if model is None else model
+    if spec is None:
+        return trace
     try:
-        return api.trace_hf(str(model), microbatch=request.inputs.microbatch)
+        return api.retraced(trace, fine_tune=spec)
     except MpsimError as exc:
-        raise MpsimError(str(exc).replace(f"{model.parent}/", "")) from None
+        raise MpsimError(page_words(str(exc))) from None
+
+
+_FLAGS = ((re.compile(r"^--(q?lora): "), r"finetune \1: "),
+          (re.compile(r" and give that file as --model$"), " and upload that file as the model's trace JSON"))
+"""A fine-tune's refusals name the command line's flags (``mpsim.models.retrace.at_finetune``);
+the page names its own inputs."""
+
+
+def page_words(message: str) -> str:
+    """``message`` with the fine-tuning flags it starts with, and its last advice, in the page's words."""
+    for pattern, words in _FLAGS:
+        message = pattern.sub(words, message)
+    return message
 
 
 PAGE_MAX_WORK = 2_000_000
@@ -112,7 +134,17 @@ def run_choose(request: RunRequest) -> dict[str, Any]:
                         microbatch_sizes=[inputs.microbatch] if inputs.microbatch is not None else None,
                         global_microbatches=inputs.global_microbatches, headroom_gib=inputs.headroom,
                         runtime_profile=inputs.runtime)
-    return {"report": report.to_dict(), "html": choose_html(report)}
+    return {"report": report.to_dict(), "html": fine_tune_html(report) + choose_html(report)}
+
+
+def fine_tune_html(report: api.ChooseReport) -> str:
+    """A fine-tune's adapters and PEFT's count line, as ``mpsim choose`` prints them under its
+    table (``mpsim.views.text``), for the choose view; empty when every parameter trains."""
+    first = report.rows[0].result if report.rows else None
+    if first is None or not first.fine_tune:
+        return ""
+    lines = [f"fine-tune: {first.fine_tune}", *([first.trainable] if first.trainable else [])]
+    return f"<p class=\"note fine-tune\">{'<br>'.join(html.escape(line) for line in lines)}</p>"
 
 
 def scale_work(trace: Trace, inputs: JobInputs) -> tuple[int, int]:

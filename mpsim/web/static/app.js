@@ -6,7 +6,7 @@
 const $ = (id) => document.getElementById(id);
 const UPLOADED = "__upload__";
 const FIELDS = ["server", "model", "schedule", "microbatch", "microbatches", "global_microbatches", "stages", "layout",
-  "strategy", "partition", "runtime", "headroom"];
+  "strategy", "partition", "runtime", "finetune", "lora_rank", "headroom"];
 const SCALE_FIELDS = ["tokens", "days", "budget", "min_servers", "max_servers"];
 // This server's token, put in the page by the server: sent on every request that changes
 // anything, so that no other site's page can (it cannot read this page to learn it).
@@ -54,6 +54,13 @@ function setView(view) {
   $("global_microbatches-label").hidden = view !== "choose";  // the global batch the layouts share
   $("headroom-label").hidden = view === "scale";
   $("runtime-label").hidden = view === "scale";  // choose --tokens runs the default profile
+  $("finetune-label").hidden = view === "scale";  // choose --tokens plans pre-training runs
+  showRank();
+}
+
+// The adapters' rank is asked for only with a fine-tune.
+function showRank() {
+  $("lora_rank-label").hidden = state.view === "scale" || $("finetune").value === "none";
 }
 
 function fromQuery(params) {
@@ -61,6 +68,7 @@ function fromQuery(params) {
   for (const key of [...FIELDS, ...SCALE_FIELDS]) {
     if (params.has(key)) $(key).value = params.get(key);
   }
+  showRank();
   const clusters = (params.get("clusters") || "").split(",");
   for (const option of $("clusters").options) option.selected = clusters.includes(option.value);
   const servers = (params.get("servers") || "").split(",");
@@ -98,6 +106,10 @@ function toQuery(withUploads) {
     q.set("headroom", $("headroom").value);
   }
   if (state.view !== "scale" && $("runtime").value !== "megatron-lm") q.set("runtime", $("runtime").value);
+  if (state.view !== "scale" && $("finetune").value !== "none") {
+    q.set("finetune", $("finetune").value);
+    if ($("lora_rank").value !== "") q.set("lora_rank", $("lora_rank").value);
+  }
   if (state.view === "job") {
     q.set("strategy", $("strategy").value);
     q.set("partition", $("partition").value);
@@ -253,6 +265,9 @@ function showResult(job) {
   $("verdict").className = job.verdict_class || (job.fits ? (job.at_risk ? "at-risk" : "fits") : "oom");
   $("oom").textContent = job.oom || (job.at_risk ? `at risk: ${job.at_risk}` : "");
   $("warning").textContent = job.warning ? `warning: ${job.warning}` : "";
+  // what trains, as mpsim simulate prints it: the adapters and PEFT's count line
+  $("fine-tune").textContent = r.fine_tune ? `fine-tune: ${r.fine_tune}${r.trainable ? `; ${r.trainable}` : ""}` : "";
+  $("fine-tune").hidden = !r.fine_tune;
   const peakGiB = Math.max(...r.gpus.map((g) => g.peak_bytes)) / 2 ** 30;
   const tokens = r.tokens_per_s ? `, ${Math.round(r.tokens_per_s).toLocaleString("en-US")} tokens/s` : "";
   $("summary").textContent = `iteration ${(r.iteration_s * 1e3).toFixed(1)} ms, ` +
@@ -306,6 +321,7 @@ async function init() {
     fillSelect($("strategy"), catalog.strategies, catalog.labels.strategies);
     fillSelect($("partition"), catalog.partitions);
     fillSelect($("runtime"), catalog.runtimes);
+    fillSelect($("finetune"), catalog.finetunes);
     $("server").value = "dgx1-v100";
     $("model").value = "gpt-5.3b";
   } catch (err) {
@@ -319,6 +335,7 @@ async function init() {
   $("servers-file").addEventListener("change", () => upload("server", $("servers-file"), "servers"));
   $("trace-file").addEventListener("change", () => upload("trace", $("trace-file"), "model"));
   $("hf-file").addEventListener("change", () => upload("hf", $("hf-file"), "model"));
+  $("finetune").addEventListener("change", showRank);
   $("form").addEventListener("submit", (event) => { event.preventDefault(); run(); });
   $("cancel").addEventListener("click", cancel);
   document.body.dataset.ready = "1";
