@@ -73,7 +73,8 @@ CORPUS: list[tuple[str, str, str, bytes]] = [
     ("headroom inf", "POST", _job(headroom="inf"), b""),
     ("upload id traversal", "POST", _job(model_upload="../../etc/passwd"), b""),
     ("upload id unknown", "POST", _job(model_upload="0" * 32), b""),
-    # every shipped server is still compared; a global batch of 2 (not 16) keeps the run short
+    # ',' is no server named: every shipped server the schedule can fill (the path under test);
+    # at a global batch of 2 (not the default 16) those are the two-GPU ones, a short run
     ("choose no servers", "POST", "/api/jobs?" + urlencode({"view": "choose", "servers": ",",
                                                              "global_microbatches": "2"}), b""),
     ("choose unknown server", "POST", "/api/jobs?" + urlencode({"view": "choose", "servers": "nope"}), b""),
