@@ -107,7 +107,7 @@ def test_the_views_print_without_torch():
 # -- the package's structure: folders by concern, imports one way ---------------------------------
 
 LAYERS = ("errors", "units", "limits", "caches", "datafile", "signals", "native", "native_build", "hardware", "models",
-          "data", "timing", "plans", "sim", "planners", "studies", "views", "api", "web", "cli")
+          "data", "timing", "plans", "sim", "planners", "studies", "launch", "views", "api", "web", "cli")
 """The package's parts from the bottom up (a top-level module or a folder): each imports
 only from its own part and the parts below it; ``mpsim/__init__.py`` stands on top."""
 TOP_LEVEL_MODULES = {"__init__", "errors", "units", "limits", "caches", "datafile", "signals", "native",

@@ -1,0 +1,3 @@
+"""From plan to launch and back (issue 52): a job as the frameworks' own configurations
+say it (``job.LaunchJob``), written and read for Megatron-LM, torchtitan, DeepSpeed and
+Accelerate."""

@@ -1,0 +1,63 @@
+"""The frameworks' configurations a launch job is written as and read from, by name.
+
+Each format is a module of ``mpsim.launch`` with ``NAME``, ``SUFFIX``, ``emit(launch) ->
+str`` (the configuration, with a comment block naming the mpsim prediction it came from,
+``header``) and ``parse(text, source, where) -> LaunchJob`` (``where``: the model, server
+and cluster the command line gives, since a configuration names none of them in mpsim's
+terms). ``emit`` refuses in one line what the framework cannot say; ``parse`` what mpsim
+cannot simulate, naming the option. Export then import gives the same job
+(``tests/test_launch.py``)."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+from mpsim.errors import MpsimError
+from mpsim.launch.job import LaunchJob
+
+FORMATS = ("megatron", "torchtitan", "deepspeed", "accelerate")
+"""The formats, each ``mpsim.launch.<name>``."""
+
+
+@dataclass(frozen=True)
+class Where:
+    """What the command line says and a configuration does not: mpsim's model and server
+    names, the cluster and its servers, the runtime profile assumed."""
+
+    model: str
+    server: str
+    cluster: str | None = None
+    servers: int = 1
+
+
+def format_module(name: str) -> ModuleType:
+    """The module of format ``name``; one line naming the formats otherwise."""
+    if name not in FORMATS:
+        raise MpsimError(f"--emit/--from format {name!r}: expected one of {', '.join(FORMATS)}")
+    return importlib.import_module(f"mpsim.launch.{name}")
+
+
+def emit(name: str, launch: LaunchJob) -> str:
+    return str(format_module(name).emit(launch))
+
+
+def parse(name: str, text: str, source: str, where: Where) -> LaunchJob:
+    job = format_module(name).parse(text, source, where)
+    assert isinstance(job, LaunchJob)
+    return job
+
+
+def header(launch: LaunchJob, comment: str) -> str:
+    """The comment block above an emitted configuration (each line begins ``comment``):
+    the mpsim job and prediction it came from, and the runtime profile assumed."""
+    lines = [f"Written by mpsim for {launch.model} on {launch.servers} x {launch.server}"
+             + (f" ({launch.cluster})" if launch.cluster else "") + f", {launch.gpus} GPUs.",
+             f"mpsim job: {launch.model_dump_json(exclude={'predicted'}, exclude_defaults=True)}"]
+    p = launch.predicted
+    if p is not None:
+        lines.append(f"predicted: {'fits' if p.fits else 'DOES NOT FIT'}, peak {p.peak_gib:.2f} GiB per GPU, "
+                     f"iteration {p.iteration_s:.3f} s, {p.samples_per_s:.3g} samples/s, "
+                     f"runtime profile {launch.runtime}")
+    return "".join(f"{comment} {line}\n" for line in lines)

@@ -1,0 +1,64 @@
+"""The launch job (issue 52): a plan mpsim made, stated as a launcher states it
+(``mpsim.launch.job``), simulates to the same iteration and peak; plans no framework
+states are refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpsim import api
+from mpsim.errors import MpsimError
+from mpsim.launch.job import LaunchJob, from_planned, simulate
+from mpsim.planners import plan_job
+from mpsim.plans.job import job_of
+
+LAYOUTS = {
+    "fsdp8 recompute": ("recompute-all", "fsdp8", None),
+    "fsdp2xtp4sp selective": ("selective", "fsdp2xtp4sp", None),
+    "zero1x2xpp4": ("none", "zero1x2xpp4", None),
+    "ddp2xtp2xpp2 interleaved": ("none", "ddp2xtp2spxpp2", 2),
+    "zero2x8 offload": ("zero-offload", "zero2x8", None),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_a_plan_as_a_launch_job_simulates_the_same(case: str) -> None:
+    strategy, layout, stages = LAYOUTS[case]
+    parallelism = api.parse_layout(layout)
+    if stages:  # two model chunks a GPU
+        parallelism = parallelism.model_copy(update={"virtual_stages": stages})
+    job = job_of("dgx-a100-80gb", "llama-3-8b", microbatch=1, microbatches=8, strategy=strategy,
+                 parallelism=parallelism)
+    planned = plan_job(job)
+    launch = from_planned(job, planned.plan, planned.result, "llama-3-8b", "dgx-a100-80gb")
+    assert launch.gpus == 8 and launch.global_batch == 8 * launch.sample_ways
+    again = LaunchJob.model_validate_json(launch.model_dump_json())
+    _, _, result = simulate(again)
+    assert (result.iteration_s, result.max_peak_bytes) == (planned.result.iteration_s, planned.result.max_peak_bytes)
+
+
+def test_first_layers_of_each_stage_recomputed_as_megatrons_block_method() -> None:
+    launch = LaunchJob(model="llama-3-8b", server="dgx-a100-80gb", seq_len=8192, recipe="mixed-bf16", microbatch=1,
+                       microbatches=8, data=4, pipeline=2, recompute="full", recompute_layers=3)
+    job, plan, result = simulate(launch)
+    recomputed = [[a.layer for a in st.actions if a.action == "recompute"] for st in plan.stages]
+    firsts = [[i for i in range(*st.layers) if job.trace.layers[i].kind == "transformer"][:3] for st in plan.stages]
+    assert recomputed == firsts and all(len(r) == 3 for r in recomputed)
+    assert from_planned(job, plan, result, "llama-3-8b", "dgx-a100-80gb").recompute_layers == 3
+
+
+def test_plans_no_framework_states_are_refused() -> None:
+    job = job_of("dgx1-v100", "gpt-15.4b", microbatch=2, microbatches=8, strategy="cpu-swap")
+    planned = plan_job(job)
+    with pytest.raises(MpsimError, match="no framework's configuration states") as e:
+        from_planned(job, planned.plan, planned.result, "gpt-5.3b", "dgx1-v100")
+    assert "\n" not in str(e.value)
+
+
+def test_bad_launch_jobs_are_refused() -> None:
+    base = {"model": "llama-3-8b", "server": "dgx-a100-80gb", "seq_len": 8192, "recipe": "mixed-bf16",
+            "microbatch": 1, "microbatches": 8}
+    for bad in ({"recipe": "fp9"}, {"runtime": "nope"}, {"recompute_layers": 2},
+                {"offload": "optimizer"}):
+        with pytest.raises(ValueError):
+            LaunchJob.model_validate({**base, **bad})
