@@ -1,0 +1,69 @@
+"""Plans as the frameworks' configurations and back (issue 52): ``plan --emit`` and
+``simulate --from`` (``mpsim.launch``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mpsim.errors import MpsimError
+from mpsim.launch.formats import FORMATS, Where, emit, format_module, parse
+from mpsim.launch.job import LaunchJob, from_planned, simulate
+from mpsim.planners import Planned
+from mpsim.plans.job import JobSpec
+from mpsim.plans.plan import PlanFile
+from mpsim.sim import SimResult
+
+SUFFIXES = {".sh": "megatron", ".txt": "megatron", ".toml": "torchtitan", ".json": "deepspeed", ".yaml": "accelerate",
+            ".yml": "accelerate"}
+"""The format a configuration's file suffix says (``simulate --from``)."""
+
+
+def launch_of(job: JobSpec, planned: Planned, model: str, server: str) -> LaunchJob:
+    """The launch job of ``planned`` (``mpsim.launch.job.from_planned``); a fine-tune is
+    written for no framework yet."""
+    if job.trace.spec.finetune is not None:
+        raise MpsimError("--emit: fine-tunes (LoRA, QLoRA) are written for no framework yet")
+    return from_planned(job, planned.plan, planned.result, model, server)
+
+
+def parse_emits(values: tuple[str, ...], output: Path) -> list[tuple[str, Path]]:
+    """``--emit FORMAT[=FILE]`` values: each format and its file (default: beside the plan
+    file, ``<stem>.<format><suffix>``); one line naming the formats for an unknown one."""
+    emits = []
+    for value in values:
+        name, _, file = value.partition("=")
+        module = format_module(name)
+        emits.append((name, Path(file) if file else output.with_name(f"{output.stem}.{name}{module.SUFFIX}")))
+    return emits
+
+
+def write_emits(launch: LaunchJob, emits: list[tuple[str, Path]]) -> list[Path]:
+    """Each format's configuration of ``launch`` written to its file (all made before any is written,
+    so a format that cannot state the job leaves no file behind)."""
+    texts = [(emit(name, launch), path) for name, path in emits]
+    for text, path in texts:
+        path.write_text(text, encoding="utf-8")
+    return [path for _, path in texts]
+
+
+def format_of(path: Path, given: str | None) -> str:
+    """The format of a configuration file: ``given``, else its suffix's (``SUFFIXES``)."""
+    if given is not None:
+        format_module(given)
+        return given
+    found = SUFFIXES.get(path.suffix.lower())
+    if found is None:
+        raise MpsimError(f"--from {path}: cannot tell its format from the suffix {path.suffix!r}; give --from-format "
+                         f"({', '.join(FORMATS)})")
+    return found
+
+
+def simulate_from(path: Path, fmt: str | None, where: Where) -> tuple[LaunchJob, JobSpec, PlanFile, SimResult]:
+    """A framework's configuration read (``mpsim.launch.<format>.parse``) and simulated."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise MpsimError(f"--from {path}: cannot read it ({type(e).__name__}: {e})") from None
+    launch = parse(format_of(path, fmt), text, str(path), where)
+    job, plan, result = simulate(launch)
+    return launch, job, plan, result
