@@ -59,6 +59,6 @@ def test_bad_launch_jobs_are_refused() -> None:
     base = {"model": "llama-3-8b", "server": "dgx-a100-80gb", "seq_len": 8192, "recipe": "mixed-bf16",
             "microbatch": 1, "microbatches": 8}
     for bad in ({"recipe": "fp9"}, {"runtime": "nope"}, {"recompute_layers": 2},
-                {"offload": "optimizer"}):
+                {"offload": "optimizer"}, {"context_attention": "all-gather"}):
         with pytest.raises(ValueError):
             LaunchJob.model_validate({**base, **bad})

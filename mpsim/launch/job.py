@@ -85,6 +85,8 @@ class LaunchJob(FileModel):
             raise ValueError(f"runtime {self.runtime!r}: expected one of {', '.join(PROFILES)}")
         if self.recompute_layers is not None and self.recompute != "full":
             raise ValueError("recompute_layers goes with full recomputation")
+        if self.context == 1 and self.context_attention != "ring":
+            raise ValueError("context_attention goes with a context axis (context > 1)")
         if self.offload != "none" and self.zero_stage == 0:
             raise ValueError("offload needs a ZeRO stage (ZeRO-Offload: 1-3, ZeRO-Infinity: 3)")
         return self
