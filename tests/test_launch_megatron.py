@@ -105,7 +105,7 @@ def test_megatrons_own_parser_takes_the_arguments() -> None:
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.training") is None:
         pytest.skip("Megatron-LM's training package (megatron.training.arguments) is not installed here: it is not "
                     "on PyPI (megatron-core holds megatron.core only)")
-    from megatron.training.arguments import parse_args  # pragma: no cover
+    from megatron.training.arguments import parse_args  # type: ignore[import-not-found]  # pragma: no cover
 
     text = megatron.emit(LaunchJob.model_validate({**BASE, "data": 4, "tensor": 2, "sequence_parallel": True}))
     words = text.split("pretrain_gpt.py", 1)[1].replace("\\\n", " ").split()
