@@ -114,17 +114,23 @@ def _measured_model(model: str, microbatch: int | None, device: str, threads: in
 def validate(model: str, plan_path: Path | None = None, server: str | None = None, *, strategy: str = "none",
              schedule: str = "1f1b", microbatches: int = 4, stages: int = 2, device: str = "cpu", threads: int = 1,
              memory_mib: float | None = None, steps: int = 5, warmup: int = 2,
-             parallelism: Parallelism | None = None) -> dict:
+             parallelism: Parallelism | None = None, fine_tune: FineTune | None = None) -> dict:
     """Run a plan on this machine with the PyTorch executor and compare it with the
     simulator (:func:`mpsim.studies.hardware_check.validate_plan`): the plan file, else one made
     with ``strategy`` (and ``parallelism``'s replicas); ``server``'s topology, else this
     machine probed; ``model`` a preset measured here, a measured trace, or a mixture of
     experts' Hugging Face config.json, traced here and run with expert parallelism
-    (``--ep``; ``validate_moe_plan``). Returns the report (``oom`` set when a run ran out)."""
+    (``--ep``; ``validate_moe_plan``). With ``fine_tune`` (``--lora``, ``--qlora``,
+    ``--peft-config``) ``model`` is a Llama decoder's transformers config.json, traced with
+    PEFT's adapters and fine-tuned by the executor's fine-tuning worker on one stage, DDP over
+    ``parallelism``'s replicas (``validate_lora_plan``; on CPU the report also holds the
+    prediction with the head's backward workspace measured). Returns the report (``oom`` set
+    when a run ran out)."""
     from mpsim.models.probe import probe
     from mpsim.models.profiler import check_device
     from mpsim.studies.cp_check import validate_cp_plan
     from mpsim.studies.hardware_check import RunSettings, check_processes, rank_places, validate_plan
+    from mpsim.studies.lora_check import check_lora_layout, lora_config, lora_trace, validate_lora_plan
     from mpsim.studies.moe_check import moe_config, moe_trace, validate_moe_plan
 
     check_device(device)
@@ -134,11 +140,16 @@ def validate(model: str, plan_path: Path | None = None, server: str | None = Non
     # before anything is measured or probed: the processes the run starts, against this machine
     world = len(rank_places(plan_file)) if plan_file else stages * (parallelism.stage_gpus if parallelism else 1)
     check_processes(world, device, threads, str(plan_path) if plan_path else "validate")
-    hf_config = moe_config(model)
+    hf_config = lora_config(model) if fine_tune is not None else moe_config(model)
+    if fine_tune is not None and plan_file is None:
+        check_lora_layout(parallelism, stages)
     if hf_config is not None and plan_file is None and stages != 1:
         raise MpsimError("validate: the executor runs a mixture of experts as one pipeline stage; give --stages 1")
     microbatch = plan_file.microbatch if plan_file else None
-    trace = moe_trace(model, microbatch) if hf_config else _measured_model(model, microbatch, device, threads)
+    if fine_tune is not None:
+        trace = lora_trace(model, fine_tune, microbatch or 1)
+    else:
+        trace = moe_trace(model, microbatch) if hf_config else _measured_model(model, microbatch, device, threads)
     per_stage = parallelism.stage_gpus if parallelism is not None else 1
     n_devices = max(plan_file.gpus_used()) + 1 if plan_file else stages * per_stage
     topo = load_topology(server) if server else probe(device, n_devices, threads, memory_mib)[1]
@@ -148,6 +159,10 @@ def validate(model: str, plan_path: Path | None = None, server: str | None = Non
     settings = RunSettings(device=device, threads=threads, warmup=warmup, steps=steps,
                            capacity_bytes=int(memory_mib * 2**20) if memory_mib else None)
     source = str(plan_path) if plan_path else "<plan>"
+    if fine_tune is not None:
+        assert hf_config is not None  # lora_config's
+        return validate_lora_plan(plan_file, topo, trace, hf_config, settings, source,
+                                  measured_head=device.startswith("cpu"))
     if hf_config is not None:
         return validate_moe_plan(plan_file, topo, trace, hf_config, settings, source)
     if plan_file.context > 1:  # ring attention: validate/context_parallel.py

@@ -15,6 +15,7 @@ from mpsim.cli.options import (
     check_strategy_layout,
     cluster_options,
     emit,
+    fine_tune_options,
     headroom_option,
     html_option,
     job_options,
@@ -142,7 +143,8 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
               help="plan JSON file to run  [default: make one with --strategy]")
 @click.option("--model", "-m", default="gpt-tiny", show_default=True,
               help="model preset to build and measure (see `mpsim trace --preset`), a measured trace JSON file, or "
-                   "a mixture of experts' Hugging Face config.json (traced as `mpsim trace --hf` does; with --ep)")
+                   "a mixture of experts' Hugging Face config.json (traced as `mpsim trace --hf` does; with --ep); "
+                   "with --lora, --qlora or --peft-config a Llama decoder's transformers config.json")
 @click.option("--server", "-s", help="topology file of this machine  [default: probe it]")
 @click.option("--strategy", default="none", show_default=True, help="without --plan: " + STRATEGY_HELP)
 @click.option("--schedule", type=click.Choice(["gpipe", "1f1b"]), default=api.DEFAULT_SCHEDULE,
@@ -159,10 +161,11 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
 @click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True, help="timed steps (median)")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="untimed steps before them")
 @layout_options
+@fine_tune_options
 @json_option
 def validate_cmd(plan_path: Path | None, model: str, server: str | None, strategy: str, schedule: str,
                  microbatches: int, stages: int, device: str, threads: int, memory_mib: float | None, steps: int,
-                 warmup: int, layout: api.Parallelism, json_out: str | None) -> None:
+                 warmup: int, layout: api.Parallelism, fine_tune: api.FineTune | None, json_out: str | None) -> None:
     """Run a plan on this machine and compare it with the simulator.
 
     Measures the model's layers here (or takes a measured trace), probes this machine
@@ -180,6 +183,14 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
     tokens dispatched and combined with all-to-alls, routing forced to the trace's uniform
     load); each GPU's routed copies per MoE layer are printed beside the prediction.
     One pipeline stage, DDP (no ZeRO), no tensor parallelism.
+
+    A LoRA or QLoRA fine-tune runs from a Llama decoder's transformers config.json with
+    --lora, --qlora or --peft-config: `mpsim validate --model config.json --lora --lora-rank 8
+    --stages 1 --dp 2` (validate/finetune.py: the transformers model, PEFT's get_peft_model,
+    QLoRA's base stored in 4 bits, AdamW over the adapters). Each GPU's trainable parameters,
+    the trace's and PEFT's, are printed beside the peaks, and on CPU the prediction again with
+    the loss head's backward workspace measured (a derived trace takes its forward's, which
+    under-counts the peak). One pipeline stage, DDP (no ZeRO), no tensor parallelism.
     """
     from mpsim.views.measured import validation_text
 
@@ -188,8 +199,9 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
     with stops_on_signals("validate", "no process of it was left running"):  # during the run: torchrun's own line
         report = api.validate(model, plan_path, server, strategy=strategy, schedule=schedule,
                               microbatches=microbatches, stages=stages, device=device, threads=threads,
-                              memory_mib=memory_mib, steps=steps, warmup=warmup, parallelism=layout)
-    emit(json_out, validation_text(report) + _routed_text(report), report)
+                              memory_mib=memory_mib, steps=steps, warmup=warmup, parallelism=layout,
+                              fine_tune=fine_tune)
+    emit(json_out, validation_text(report) + _routed_text(report) + _fine_tune_text(report), report)
     if report["oom"]:
         sys.exit(1)
 
@@ -205,4 +217,41 @@ def _routed_text(report: dict) -> str:
         got, router = r["measured_routed_copies"], r["router_routed_copies"]
         lines.append(f"  GPU {r['gpu']} (ep rank {r['ep_rank']}): predicted {r['predicted_routed_copies']}, received "
                      f"{min(got)}-{max(got)}, the real router's choice {min(router)}-{max(router)}")
+    return "\n".join(lines)
+
+
+def _fine_tune_text(report: dict) -> str:
+    """A fine-tune's rows (``api.validate``'s with --lora, --qlora or --peft-config): per GPU
+    the plain prediction's peak and error, on CPU the prediction again with the loss head's
+    backward workspace measured (labelled so; the plain one stays the report's), and the
+    trainable and all parameters, the trace's against PEFT's on the rank."""
+    if "fine_tune" not in report:
+        return ""
+    mib = 2**20
+    head = report.get("head_backward_workspace_bytes")
+    lines = ["", f"fine-tune: {report['fine_tune']}; trainable parameters predicted "
+                 f"{report['predicted_trainable_params']:,} of {report['predicted_params']:,}"]
+    cols = f"  {'GPU':>3} {'predicted MiB':>13} {'measured MiB':>12} {'error':>7}"
+    if head is not None:
+        cols += f"   {'with measured head bwd workspace':>32}"
+    lines.append(cols + f"   {'trainable (trace / PEFT)':>26}   {'all params (trace / PEFT)':>26}")
+    for r in report["stages"]:
+        measured = r.get("measured_peak_bytes")
+        line = f"  {r['gpu']:>3} {r['predicted_peak_bytes'] / mib:13.3f} "
+        if measured is not None:
+            line += f"{measured / mib:12.3f} {r['peak_error_pct']:+6.2f}%"
+        else:
+            line += f"{'-':>12} {'-':>7}"
+        if head is not None:
+            again = f"{r['predicted_peak_bytes_measured_head'] / mib:.3f} MiB"
+            if "peak_error_pct_measured_head" in r:
+                again += f", {r['peak_error_pct_measured_head']:+.2f}%"
+            line += f"   {again:>32}"
+        peft = r.get("peft_params")
+        trainable = f"{r['predicted_trainable_params']:,} / " + (f"{peft['trainable']:,}" if peft else "-")
+        total = f"{report['predicted_params']:,} / " + (f"{peft['all']:,}" if peft else "-")
+        lines.append(line + f"   {trainable:>26}   {total:>26}")
+    if head is not None:
+        lines.append(f"(head backward workspace: the derived trace takes the forward's {head['trace']:,} bytes for it; "
+                     f"measured here {head['measured']:,}; the plain prediction is the one above)")
     return "\n".join(lines)

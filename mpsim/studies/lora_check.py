@@ -6,13 +6,18 @@ trained parameters) and compared per GPU (``hardware_check.compare``), each row 
 trainable and total parameter counts beside the trace's.
 
 What the worker does not run is refused in one line before anything starts
-(``check_lora_runnable``)."""
+(``lora_config``, ``check_lora_layout``, ``check_lora_runnable``). ``mpsim validate --lora``
+(``--qlora``, ``--peft-config``) comes here through ``mpsim.api.validate``, as a mixture of
+experts goes to ``mpsim.studies.moe_check``; on CPU its report also carries the prediction with
+the head's backward workspace measured here (``measured_head_rows``), since a derived trace takes
+the head's forward workspace for it and under-counts the peak by that much."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -21,13 +26,22 @@ from typing import Any
 
 import torch
 
+from mpsim.datafile import read_bounded
 from mpsim.errors import MpsimError
 from mpsim.hardware.topology import Topology
 from mpsim.models.finetune import FineTune
 from mpsim.models.trace import Trace
+from mpsim.plans.mesh import Parallelism
 from mpsim.plans.plan import PlanFile
+from mpsim.signals import Stopped
 from mpsim.studies import hardware_check
-from mpsim.studies.hardware_check import RunSettings, check_runnable, compare, simulate_plan
+from mpsim.studies.hardware_check import (
+    RunSettings,
+    ValidateInterrupted,
+    check_runnable,
+    compare,
+    simulate_plan,
+)
 
 WORKER_MODULE = "mpsim.executor.finetune"
 """The fine-tuning worker, run by torchrun with ``-m`` (``validate/finetune.py``)."""
@@ -44,6 +58,45 @@ class FineTuneModel:
     seq_len: int
     attention: str
     fine_tune: dict
+
+
+def lora_config(model: str) -> dict:
+    """The Hugging Face config ``validate --lora`` fine-tunes: ``model`` must name a
+    transformers config.json (a JSON object with a ``model_type``) of a family the worker
+    runs (``LORA_FAMILIES``); anything else (a preset, a trace, another family) is refused
+    in one line."""
+    path = Path(model)
+    raw = None
+    if path.suffix == ".json" and path.is_file():
+        try:  # bounded as any model file (a trace file may come here too)
+            raw = json.loads(read_bounded(path, "trace"))
+        except ValueError:
+            raw = None
+    kind = raw.get("model_type") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict) or not isinstance(kind, str):
+        raise MpsimError(f"--model {model}: the executor fine-tunes the model of a transformers config.json (a Llama "
+                         "decoder's); give its path, not a preset or a trace")
+    if kind not in LORA_FAMILIES:
+        raise MpsimError(f"--model {model}: the executor fine-tunes Llama decoders (model_type "
+                         f"{', '.join(LORA_FAMILIES)}), not {kind}")
+    return raw
+
+
+def check_lora_layout(layout: Parallelism | None, stages: int, source: str = "validate") -> None:
+    """The refusals of ``check_lora_runnable`` that the asked-for layout already shows (no
+    plan file), in the same words, before anything is traced, probed or planned."""
+    if layout is None:
+        layout = Parallelism()
+    refusals = [
+        (stages != 1, "one pipeline stage (give --stages 1)"),
+        (layout.tensor > 1, "no tensor parallelism"),
+        (layout.context > 1, "no context parallelism"),
+        (layout.expert > 1, "no expert parallelism"),
+        (layout.zero_stage != 0, "no ZeRO (DDP: --zero 0)"),
+    ]
+    for refused, needs in refusals:
+        if refused:
+            raise MpsimError(f"{source}: the executor fine-tunes with {needs}")
 
 
 def lora_trace(config_path: str, spec: FineTune, microbatch: int = 1) -> Trace:
@@ -97,27 +150,52 @@ def run_worker(plan: PlanFile, model: FineTuneModel, settings: RunSettings, capa
     try:
         return hardware_check._run_attempts(cmd, env, settings, workdir, out, world)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        with hardware_check._signals.held():
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_stoppable(plan: PlanFile, model: FineTuneModel, settings: RunSettings, capacity_bytes: int | None,
+                   workdir: Path | None) -> list[dict | None]:
+    """``run_worker`` in ``workdir``, else in a scratch folder removed after, as
+    ``hardware_check.measure`` runs the executor: Ctrl-C or SIGTERM ends torchrun and its
+    ranks and raises ``ValidateInterrupted`` (the scratch folder removed)."""
+    with hardware_check._signals.installed():
+        try:
+            if workdir is not None:
+                return run_worker(plan, model, settings, capacity_bytes, workdir)
+            scratch = None
+            try:
+                with hardware_check._signals.held():
+                    scratch = Path(tempfile.mkdtemp(prefix="mpsim-validate-lora-"))
+                return run_worker(plan, model, settings, capacity_bytes, scratch)
+            finally:
+                if scratch is not None:
+                    with hardware_check._signals.held():
+                        shutil.rmtree(scratch, ignore_errors=True)
+        except Stopped as exc:
+            raise ValidateInterrupted(exc.signum) from None
+        except KeyboardInterrupt:  # raised some other way (the handler turns SIGINT into Stopped)
+            raise ValidateInterrupted(signal.SIGINT) from None
 
 
 def validate_lora_plan(plan_file: PlanFile, topo: Topology, trace: Trace, hf_config: dict, settings: RunSettings,
-                       source: str = "<plan>", workdir: Path | None = None) -> dict:
+                       source: str = "<plan>", workdir: Path | None = None, measured_head: bool = False) -> dict:
     """``validate_plan`` for a LoRA or QLoRA fine-tune: checked, simulated, run by the
     fine-tuning worker and compared per GPU; each row gains ``predicted_trainable_params``
     (the trace's) and ``peft_params`` (PEFT's trainable and total count on the rank).
-    ``workdir``: run there and keep the job and the ranks' results (else a scratch folder)."""
+    ``workdir``: run there and keep the job and the ranks' results (else a scratch folder).
+    ``measured_head`` (CPU only): the prediction again with the head's backward workspace
+    measured in this process (``measured_head_rows``), beside the plain one."""
     check_runnable(plan_file, topo, trace, settings, source)
     check_lora_runnable(plan_file, trace, source)
     assert trace.spec.finetune is not None
     model = FineTuneModel(hf_config, int(trace.spec.model["seq_len"]), str(trace.spec.model["attention"]),
                           trace.spec.finetune.model_dump())
+    if measured_head and not settings.device.startswith("cpu"):
+        raise MpsimError(f"{source}: the head's backward workspace is measured on CPU only")
     predicted = simulate_plan(plan_file, topo, trace)
     capacity = settings.capacity_bytes if settings.capacity_bytes is not None else topo.capacity_bytes
-    if workdir is not None:
-        measured = run_worker(plan_file, model, settings, capacity, workdir)
-    else:
-        with tempfile.TemporaryDirectory(prefix="mpsim-validate-lora-") as tmp:
-            measured = run_worker(plan_file, model, settings, capacity, Path(tmp))
+    measured = _run_stoppable(plan_file, model, settings, capacity, workdir)
     report: dict[str, Any] = compare(plan_file, predicted, measured)
     report.update(device=settings.device, torch_version=torch.__version__, fine_tune=trace.spec.finetune.describe(),
                   predicted_trainable_params=trace.trained_params, predicted_params=trace.spec.params)
@@ -125,7 +203,31 @@ def validate_lora_plan(plan_file: PlanFile, topo: Topology, trace: Trace, hf_con
         row["predicted_trainable_params"] = trace.trained_params
         if m is not None and not m.get("oom"):
             row.update(peft_params=m["peft_params"], losses=m["losses"])
+    if measured_head:
+        measured_head_rows(report, plan_file, topo, trace, model)
     return report
+
+
+def measured_head_rows(report: dict, plan_file: PlanFile, topo: Topology, trace: Trace, model: FineTuneModel) -> None:
+    """The plan simulated again with the head's backward workspace measured in this process
+    on CPU (``validate/finetune.py``'s ``head_backward_workspace``, as ``mpsim trace
+    --measure`` measures a layer) instead of the forward's a derived trace takes for it:
+    ``report["head_backward_workspace_bytes"]`` (the trace's and the measured) and, per row,
+    ``predicted_peak_bytes_measured_head`` and, where the rank measured, its
+    ``peak_error_pct_measured_head``. The plain prediction stays the report's."""
+    from mpsim.executor.finetune import head_backward_workspace
+
+    head = next(r for r in trace.spec.layers if r.kind == "head")
+    traced = head.bwd_workspace_bytes if head.bwd_workspace_bytes is not None else head.workspace_bytes
+    n_bytes = head_backward_workspace(model.__dict__, plan_file.microbatch)
+    again = simulate_plan(plan_file, topo, with_head_backward_workspace(trace, n_bytes))
+    report["head_backward_workspace_bytes"] = {"trace": traced, "measured": n_bytes}
+    for row in report["stages"]:
+        peak = again.gpus[row["gpu"]].peak_bytes
+        row["predicted_peak_bytes_measured_head"] = peak
+        if "measured_peak_bytes" in row:
+            measured = row["measured_peak_bytes"]
+            row["peak_error_pct_measured_head"] = 100.0 * (peak - measured) / measured if measured else float("nan")
 
 
 def with_head_backward_workspace(trace: Trace, n_bytes: int) -> Trace:
