@@ -62,3 +62,38 @@ def test_bad_launch_jobs_are_refused() -> None:
                 {"offload": "optimizer"}, {"context_attention": "all-gather"}):
         with pytest.raises(ValueError):
             LaunchJob.model_validate({**base, **bad})
+
+
+def test_plan_emits_and_simulate_reads_it_back(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan --emit megatron`` then ``simulate --from`` runs the same job: the same iteration
+    and peak as the plan file."""
+    import json
+
+    from mpsim.cli import main
+
+    plan = tmp_path / "p.json"
+    assert main(["plan", "--server", "dgx-a100-80gb", "--model", "llama-3-8b", "--dp", "2", "--zero", "1", "--tp", "4",
+                 "--sp", "--microbatch", "1", "--microbatches", "8", "--strategy", "selective", "-o", str(plan),
+                 "--emit", "megatron", "--json", "-"]) == 0
+    planned = json.loads(capsys.readouterr().out)["result"]
+    script = tmp_path / "p.megatron.sh"
+    assert "--recompute-granularity selective" in script.read_text()
+    assert main(["simulate", "--from", str(script), "--model", "llama-3-8b", "--server", "dgx-a100-80gb",
+                 "--json", "-"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["iteration_s"] == planned["iteration_s"]
+    assert [g["peak_bytes"] for g in again["gpus"]] == [g["peak_bytes"] for g in planned["gpus"]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "-o", "x.json", "--emit", "slurm"], "expected one of megatron"),
+    (["simulate", "--from", "x.sh"], "--from needs --model"),
+    (["simulate", "--from", "x.sh", "--model", "llama-3-8b", "--dp", "2"], "--dp and --from"),
+    (["simulate", "--from", "x.cfg", "--model", "llama-3-8b"], "cannot tell its format"),
+])
+def test_launch_flags_refuse_in_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    from mpsim.cli import main
+
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) <= 2, err

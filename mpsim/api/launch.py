@@ -60,10 +60,11 @@ def format_of(path: Path, given: str | None) -> str:
 
 def simulate_from(path: Path, fmt: str | None, where: Where) -> tuple[LaunchJob, JobSpec, PlanFile, SimResult]:
     """A framework's configuration read (``mpsim.launch.<format>.parse``) and simulated."""
+    name = format_of(path, fmt)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise MpsimError(f"--from {path}: cannot read it ({type(e).__name__}: {e})") from None
-    launch = parse(format_of(path, fmt), text, str(path), where)
+    launch = parse(name, text, str(path), where)
     job, plan, result = simulate(launch)
     return launch, job, plan, result

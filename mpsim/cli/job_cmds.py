@@ -21,6 +21,7 @@ from mpsim.cli.options import (
     job_options,
     json_option,
     layout_options,
+    refuse_given,
     warn,
     write_json,
 )
@@ -33,6 +34,12 @@ from mpsim.cli.progress import stops_on_signals, tasks_progress
 @cluster_options
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
               help="run this plan file (it fixes schedule, microbatches, partition, mapping and actions)")
+@click.option("--from", "from_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="run a framework's configuration: a Megatron-LM launch script (.sh), torchtitan TOML, "
+                   "DeepSpeed JSON or Accelerate FSDP YAML (`mpsim plan --emit` writes them); give --model (the "
+                   "model it trains) and --server or --cluster with --servers")
+@click.option("--from-format", type=click.Choice(list(api.FORMATS)),
+              help="the --from file's format  [default: from its suffix]")
 @json_option
 @click.option("--chrome-trace", type=click.Path(dir_okay=False, path_type=Path),
               help="write a timeline for Perfetto / chrome://tracing to this file (copy-engine lanes, link rates)")
@@ -45,7 +52,7 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
              strategy: str, partition: str,
              runtime_profile: str, expert_load: api.ExpertLoad, layout: api.Parallelism, cluster: str | None,
              servers: int,
-             plan_path: Path | None, json_out: str | None,
+             plan_path: Path | None, from_path: Path | None, from_format: str | None, json_out: str | None,
              chrome_trace: Path | None, plot: Path | None, html_out: Path | None, headroom_gib: float) -> None:
     """Simulate one training iteration: per-GPU peak memory, iteration time, throughput,
     and what each memory-saving technique saved and cost.
@@ -66,6 +73,9 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
     from mpsim.views.text import Asked, simulate_text
 
     check_strategy_layout(strategy, layout)
+    if from_path is not None:
+        _simulate_from(from_path, from_format, model, server, cluster, servers, plan_path, json_out, headroom_gib)
+        return
     if plan_path is not None and layout != api.data_parallel(1, 0, None):
         raise click.UsageError("--dp, --zero, --tp, --sp, --virtual-stages and the bucket and reshard options: the "
                                "plan file fixes the layout; leave them out with --plan")
@@ -102,37 +112,88 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
         sys.exit(1)
 
 
+_FROM_FILE = {"schedule": "--schedule", "microbatch": "--microbatch", "microbatches": "--microbatches",
+              "seq_len": "--seq-len", "recipe": "--recipe", "stages": "--stages", "strategy": "--strategy",
+              "partition": "--partition", "runtime_profile": "--runtime", "dp": "--dp", "zero": "--zero",
+              "tp": "--tp", "sp": "--sp", "cp": "--cp", "ep": "--ep", "virtual_stages": "--virtual-stages",
+              "lora": "--lora", "qlora": "--qlora", "peft_config": "--peft-config", "lora_rank": "--lora-rank"}
+"""``simulate`` options a ``--from`` configuration states itself."""
+
+
+def _simulate_from(path: Path, fmt: str | None, model: str | None, server: str | None, cluster: str | None,
+                   servers: int, plan_path: Path | None, json_out: str | None, headroom_gib: float) -> None:
+    """``simulate --from``: a framework's configuration read and simulated; exits 1 when
+    it does not fit."""
+    from mpsim.views.text import Asked, simulate_text
+
+    _check_from(model, plan_path)
+    if server is None:
+        server = api.load_cluster(cluster).server.source if cluster else api.DEFAULT_SERVER
+    result = api.simulate_from(path, fmt, api.Where(model or "", server, cluster, servers))[3]
+    emit(json_out, simulate_text(result, headroom_gib, Asked(model, server, cluster)), result.to_dict())
+    if not result.fits:
+        sys.exit(1)
+
+
+def _check_from(model: str | None, plan_path: Path | None) -> None:
+    """``simulate --from``: the model named, and nothing the configuration states given again."""
+    if plan_path is not None:
+        raise click.UsageError("--from and --plan each give the whole job: give one of them")
+    if model is None:
+        raise click.UsageError("--from needs --model: the model the configuration trains (a shipped name or a "
+                               "trace file)")
+    refuse_given({k: v for k, v in _FROM_FILE.items() if _is_param(k)},
+                 lambda option: f"{option} and --from: the configuration states it; leave {option} out")
+
+
+def _is_param(name: str) -> bool:
+    return any(p.name == name for p in click.get_current_context().command.params)
+
+
 @click.command("plan")
 @job_options
 @layout_options
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="plan JSON file to write")
+@click.option("--emit", "emits", multiple=True, metavar="FORMAT[=FILE]",
+              help="also write the job as a framework's own configuration: megatron (a torchrun script of "
+                   "pretrain_gpt.py's arguments), torchtitan (its TOML), deepspeed (its JSON) or accelerate (its "
+                   "FSDP config YAML), with the prediction in a comment; FILE defaults to the plan's beside it "
+                   "(plan.megatron.sh ...); repeat for several")
 @json_option
 def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: int | None, microbatches: int,
              seq_len: int | None, recipe: str | None, fine_tune: api.FineTune | None, stages: int | None,
              strategy: str, partition: str,
              runtime_profile: str, expert_load: api.ExpertLoad, layout: api.Parallelism, output: Path,
-             json_out: str | None) -> None:
+             emits: tuple[str, ...], json_out: str | None) -> None:
     """Make a memory-saving plan with a strategy and write it as a plan file.
 
     Prints the plan per stage and its simulated result; `mpsim simulate --plan FILE`
     runs it again, and the file can be edited by hand. Exits 1 when the plan does not fit.
+    With --emit the job is also written as Megatron-LM, torchtitan, DeepSpeed or
+    Accelerate configuration (`mpsim simulate --from FILE` reads it back).
     """
     from mpsim.views.text import plan_text, simulate_text
 
     check_strategy_layout(strategy, layout)
+    to_emit = api.parse_emits(emits, output)  # an unknown format refused before anything is planned
     topo, trace, _ = api.load_job(server, model, seq_len=seq_len, recipe=recipe, fine_tune=fine_tune)
     warn(api.measured_warning(trace, topo))
     with tasks_progress("plan"):
-        planned = api.plan(topo, trace, schedule, microbatch, microbatches, n_stages=stages,
-                           strategy=strategy, partition=partition, parallelism=layout,
-                           runtime_profile=runtime_profile, expert_load=expert_load)
+        job = api.job_of(topo, trace, schedule=schedule, microbatch=microbatch, microbatches=microbatches,
+                         n_stages=stages, strategy=strategy, partition=partition, parallelism=layout,
+                         runtime_profile=runtime_profile, expert_load=expert_load)
+        planned = api.plan_job(job)
+    written = (api.write_emits(api.launch_of(job, planned, model or api.DEFAULT_MODEL, server or topo.name), to_emit)
+               if to_emit else [])
     api.write_plan_file(planned.plan, output)
     if json_out != "-":
         click.echo(plan_text(planned.plan))
         click.echo("")
         click.echo(simulate_text(planned.result))
         click.echo(f"wrote {output} ({planned.simulations} simulation(s) to plan)")
+        for path in written:
+            click.echo(f"wrote {path}")
     write_json(json_out, {"plan": json.loads(planned.plan.to_json()), "result": planned.result.to_dict()})
     if not planned.result.fits:
         sys.exit(1)
