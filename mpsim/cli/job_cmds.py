@@ -74,7 +74,8 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
 
     check_strategy_layout(strategy, layout)
     if from_path is not None:
-        _simulate_from(from_path, from_format, model, server, cluster, servers, plan_path, json_out, headroom_gib)
+        _simulate_from(from_path, from_format, api.Where(model or "", server or "", cluster, servers, seq_len),
+                       plan_path, json_out, headroom_gib)
         return
     if plan_path is not None and layout != api.data_parallel(1, 0, None):
         raise click.UsageError("--dp, --zero, --tp, --sp, --virtual-stages and the bucket and reshard options: the "
@@ -113,24 +114,29 @@ def simulate(server: str | None, model: str | None, schedule: str, microbatch: i
 
 
 _FROM_FILE = {"schedule": "--schedule", "microbatch": "--microbatch", "microbatches": "--microbatches",
-              "seq_len": "--seq-len", "recipe": "--recipe", "stages": "--stages", "strategy": "--strategy",
+              "recipe": "--recipe", "stages": "--stages", "strategy": "--strategy",
               "partition": "--partition", "runtime_profile": "--runtime", "dp": "--dp", "zero": "--zero",
               "tp": "--tp", "sp": "--sp", "cp": "--cp", "ep": "--ep", "virtual_stages": "--virtual-stages",
               "lora": "--lora", "qlora": "--qlora", "peft_config": "--peft-config", "lora_rank": "--lora-rank"}
 """``simulate`` options a ``--from`` configuration states itself."""
 
 
-def _simulate_from(path: Path, fmt: str | None, model: str | None, server: str | None, cluster: str | None,
-                   servers: int, plan_path: Path | None, json_out: str | None, headroom_gib: float) -> None:
-    """``simulate --from``: a framework's configuration read and simulated; exits 1 when
-    it does not fit."""
+def _simulate_from(path: Path, fmt: str | None, where: api.Where, plan_path: Path | None, json_out: str | None,
+                   headroom_gib: float) -> None:
+    """``simulate --from``: a framework's configuration read and simulated (``where``: what
+    the command line says of it, the server the cluster's when not given); exits 1 when it
+    does not fit."""
+    from dataclasses import replace
+
     from mpsim.views.text import Asked, simulate_text
 
-    _check_from(model, plan_path)
-    if server is None:
-        server = api.load_cluster(cluster).server.source if cluster else api.DEFAULT_SERVER
-    result = api.simulate_from(path, fmt, api.Where(model or "", server, cluster, servers))[3]
-    emit(json_out, simulate_text(result, headroom_gib, Asked(model, server, cluster)), result.to_dict())
+    _check_from(where.model or None, plan_path)
+    if not where.server:
+        where = replace(where, server=api.load_cluster(where.cluster).server.source if where.cluster
+                        else api.DEFAULT_SERVER)
+    result = api.simulate_from(path, fmt, where)[3]
+    emit(json_out, simulate_text(result, headroom_gib, Asked(where.model, where.server, where.cluster)),
+         result.to_dict())
     if not result.fits:
         sys.exit(1)
 

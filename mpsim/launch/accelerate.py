@@ -207,7 +207,7 @@ def _recipe(config: dict[str, Any], base: dict[str, Any], source: str) -> str:
     return hint if isinstance(hint, str) and hint in matches else matches[0]
 
 
-def _load(text: str, source: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+def _load(text: str, source: str, seq_len: int | None = None) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
     try:
         config = yaml.safe_load(text)
         base, script = _comments(text)
@@ -217,16 +217,18 @@ def _load(text: str, source: str) -> tuple[dict[str, Any], dict[str, Any], dict[
         raise MpsimError(f"{source}: {exc}") from None
     if not isinstance(config, dict):
         raise MpsimError(f"{source}: expected a mapping")
+    if seq_len is not None:  # the command line's --seq-len
+        base = {**base, "seq_len": seq_len}
     if "seq_len" not in base:
         raise MpsimError(f"{source}: Accelerate's configuration does not state the sequence length, and it has no "
-                         "'# mpsim job:' header that does")
+                         "'# mpsim job:' header that does: give --seq-len")
     return config, base, script
 
 
 def parse(text: str, source: str, where: formats.Where) -> LaunchJob:
     """The launch job of Accelerate's configuration ``text`` with its header and script block
     (module doc). Refused in one line otherwise."""
-    config, base, script = _load(text, source)
+    config, base, script = _load(text, source, where.seq_len)
     kind = config.get("distributed_type")
     if kind not in ("NO", "MULTI_GPU", "FSDP"):
         raise MpsimError(f"{source}: distributed_type {kind!r}: mpsim reads NO, MULTI_GPU (DDP) and FSDP")

@@ -324,9 +324,11 @@ def parse(text: str, source: str, where: formats.Where) -> LaunchJob:
     if not isinstance(config, dict):
         raise MpsimError(f"{source}: expected a JSON object")
     base = _mpsim_job(config, source)
+    if where.seq_len is not None:  # the command line's --seq-len
+        base = {**base, "seq_len": where.seq_len}
     if "seq_len" not in base:
         raise MpsimError(f"{source}: DeepSpeed's configuration does not state the sequence length, and it has no "
-                         f"mpsim header ({KEY}.header) that does")
+                         f"mpsim header ({KEY}.header) that does: give --seq-len")
     micro, gas, data = _batch(config, source)
     recipe = _recipe(config, base, source)
     fields: dict[str, Any] = {

@@ -24,12 +24,14 @@ FORMATS = ("megatron", "torchtitan", "deepspeed", "accelerate")
 @dataclass(frozen=True)
 class Where:
     """What the command line says and a configuration does not: mpsim's model and server
-    names, the cluster and its servers, the runtime profile assumed."""
+    names, the cluster and its servers, and the sequence length where the configuration
+    leaves it to the training script (``--seq-len``; it wins over an mpsim header's)."""
 
     model: str
     server: str
     cluster: str | None = None
     servers: int = 1
+    seq_len: int | None = None
 
 
 def format_module(name: str) -> ModuleType:

@@ -180,7 +180,7 @@ def parse(text: str, source: str, where: Where) -> LaunchJob:
     recompute, recompute_layers = _recompute_of(args, source)
     return LaunchJob(
         model=where.model, server=where.server, cluster=where.cluster, servers=where.servers,
-        seq_len=_int(args, "--seq-length", model.get("seq_len") or 1), recipe=_recipe_of(args, source),
+        seq_len=_seq_len(args, where, model, source), recipe=_recipe_of(args, source),
         microbatch=microbatch, microbatches=microbatches, data=dp // expert,
         zero_stage=3 if "--use-torch-fsdp2" in args else 1 if "--use-distributed-optimizer" in args else 0,
         tensor=tensor, sequence_parallel="--sequence-parallel" in args, pipeline=pipeline,
@@ -238,6 +238,15 @@ def _int(args: dict[str, str | None], flag: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise MpsimError(f"{flag} {value!r}: expected a whole number") from None
+
+
+def _seq_len(args: dict[str, str | None], where: Where, model: dict, source: str) -> int:
+    """``--seq-length``, else the command line's ``--seq-len``, else the model's; the two
+    given and different refused."""
+    given = _int(args, "--seq-length", 0)
+    if given and where.seq_len and given != where.seq_len:
+        raise MpsimError(f"{source}: --seq-length {given} but --seq-len {where.seq_len}: give one")
+    return given or where.seq_len or model.get("seq_len") or 1
 
 
 def _world(args: dict[str, str | None], where: Where) -> int:
