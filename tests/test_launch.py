@@ -97,3 +97,21 @@ def test_launch_flags_refuse_in_one_line(capsys: pytest.CaptureFixture[str], arg
     assert main(argv) != 0
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) <= 2, err
+
+
+def test_choose_writes_its_pick_and_it_simulates_the_same(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``choose --emit megatron=FILE``: the recommended plan as a script; read back, it runs
+    the pick's iteration."""
+    import json
+
+    from mpsim.cli import main
+
+    script = tmp_path / "pick.sh"
+    assert main(["choose", "--model", "llama-3-8b", "--servers", "dgx-a100-80gb,dgx-h100", "--json", "-",
+                 "--emit", f"megatron={script}"]) == 0
+    out = capsys.readouterr()
+    pick = json.loads(out.out)["rows"][0]
+    assert f"wrote {script}" in out.err
+    assert main(["simulate", "--from", str(script), "--model", "llama-3-8b", "--server", pick["server"],
+                 "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["iteration_s"] == pick["iteration_s"]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     from mpsim.api.jobs import load_job, measured_warning, plan, simulate, validate
-    from mpsim.api.launch import format_of, launch_of, parse_emits, simulate_from, write_emits
+    from mpsim.api.launch import format_of, launch_of, parse_emits, pick_launch, simulate_from, write_emits
     from mpsim.api.models import (
         DEFAULT_PRESET,
         Measure,
@@ -50,7 +50,8 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
     )
     from mpsim.hardware.cluster import DEFAULT_BATCH_TOKENS, DEFAULT_CLUSTERS
     from mpsim.hardware.topology import Topology, read_topology_file
-    from mpsim.launch.formats import FORMATS, Where
+    from mpsim.launch import FORMATS
+    from mpsim.launch.formats import Where
     from mpsim.limits import DEFAULT_HEADROOM_GIB, MAX_HEADROOM_GIB
     from mpsim.models.expert_parallel import UNIFORM, ExpertLoad, parse_expert_load
     from mpsim.models.finetune import FineTune, fine_tune_of
@@ -86,8 +87,9 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers
 #: Where each name lives (the same imports as above, made on first use).
 _HOMES: dict[str, tuple[str, ...]] = {
     "mpsim.api.jobs": ("load_job", "measured_warning", "plan", "simulate", "validate"),
-    "mpsim.api.launch": ("format_of", "launch_of", "parse_emits", "simulate_from", "write_emits"),
-    "mpsim.launch.formats": ("FORMATS", "Where"),
+    "mpsim.api.launch": ("format_of", "launch_of", "parse_emits", "pick_launch", "simulate_from", "write_emits"),
+    "mpsim.launch": ("FORMATS",),
+    "mpsim.launch.formats": ("Where",),
     "mpsim.api.models": ("DEFAULT_PRESET", "Measure", "at_finetune", "at_recipe", "at_seq_len", "check_hf",
                          "default_attention", "hf_config", "model_config", "presets", "retraced", "trace_hf",
                          "trace_module",

@@ -6,12 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from mpsim.errors import MpsimError
-from mpsim.launch.formats import FORMATS, Where, emit, format_module, parse
+from mpsim.launch import FORMATS
+from mpsim.launch.formats import Where, emit, format_module, parse
 from mpsim.launch.job import LaunchJob, from_planned, simulate
+from mpsim.models.trace import Trace
 from mpsim.planners import Planned
 from mpsim.plans.job import JobSpec
 from mpsim.plans.plan import PlanFile
 from mpsim.sim import SimResult
+from mpsim.studies.choose import ChooseReport
 
 SUFFIXES = {".sh": "megatron", ".txt": "megatron", ".toml": "torchtitan", ".json": "deepspeed", ".yaml": "accelerate",
             ".yml": "accelerate"}
@@ -68,3 +71,30 @@ def simulate_from(path: Path, fmt: str | None, where: Where) -> tuple[LaunchJob,
     launch = parse(name, text, str(path), where)
     job, plan, result = simulate(launch)
     return launch, job, plan, result
+
+
+def pick_launch(report: ChooseReport, trace: Trace, model: str) -> LaunchJob:
+    """``choose --emit``: the launch job of the recommended plan (the first ranked server
+    where a plan fits), planned again from its layout, strategy, microbatch and partition;
+    refused in one line where nothing fits or the plan does not come out the same."""
+    from mpsim.planners import plan_job
+    from mpsim.planners.best import part_of
+    from mpsim.plans.job import job_of
+    from mpsim.plans.mesh import parse_layout
+
+    row = next((r for r in report.rows if r.fits), None)
+    if row is None:
+        raise MpsimError("--emit: the model fits on none of the servers, so there is no plan to write")
+    r = row.result
+    strategy, partition = part_of(r.strategy) or (r.strategy, next(
+        (t.partition for t in row.tried if t.fits and t.layout == r.layout and t.strategy == r.strategy
+         and t.microbatch == r.microbatch and t.samples_per_s == r.samples_per_s), "compute"))
+    job = job_of(row.source, trace.rescale(r.microbatch), schedule=r.schedule, microbatches=r.microbatches,
+                 strategy=strategy, partition=partition, parallelism=parse_layout(r.mesh),
+                 runtime_profile=report.runtime_profile)
+    planned = plan_job(job)
+    if planned.result.iteration_s != r.iteration_s:
+        raise MpsimError(f"--emit: {r.strategy} on {row.server} ({r.layout}) planned again runs "
+                         f"{planned.result.iteration_s:.4g} s, not the pick's {r.iteration_s:.4g} s; write it with "
+                         "mpsim plan --emit")
+    return launch_of(job, planned, model, row.server)

@@ -297,13 +297,16 @@ def _calibrate_profile(path: Path, dtype: str, topo: api.Topology, output: Path 
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="PNG of throughput against USD per hour, the Pareto front marked")
 @html_option
+@click.option("--emit", "emits", multiple=True, metavar="FORMAT[=FILE]",
+              help="write the recommended plan as a framework's configuration (megatron, torchtitan, deepspeed, "
+                   "accelerate), with the prediction in a comment  [FILE default: MODEL-pick.FORMAT.SUFFIX here]")
 def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, global_microbatches: int,
                per_replica_microbatches: str | None, seq_len: int | None, recipe: str | None,
                fine_tune: api.FineTune | None, strategies: str, layouts: str, price_overrides: tuple[str, ...],
                rank_by: str, runtime_profile: str, tokens: float | None, days: float | None,
                budget: float | None, clusters: str, batch_tokens: int, discount: float, min_servers: int,
                max_servers: int | None, workers: int, backend: str, address: str | None, headroom_gib: float,
-               json_out: str | None, plot: Path | None, html_out: Path | None) -> None:
+               json_out: str | None, plot: Path | None, html_out: Path | None, emits: tuple[str, ...]) -> None:
     """Which server to buy or rent for a model: per server the fastest plan that fits (parallel
     layout x strategy x microbatch size), its samples/s (tokens/s for language models),
     peak memory, and USD per hour and per million samples (tokens), ranked, with a
@@ -340,6 +343,9 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, globa
         raise click.UsageError("--days and --budget go with --tokens")
     if tokens is not None:
         _refuse_with_tokens(per_replica_microbatches, recipe, fine_tune)
+        if emits:
+            raise click.UsageError("--emit and --tokens: the search over clusters writes no configuration yet; "
+                                   "write one server's pick with choose --servers ... --emit")
         if servers != "all":
             raise click.UsageError("--tokens searches clusters (--clusters); --servers is for one server")
         refuse_given(_NOT_WITH_TOKENS, lambda option: f"{option} and --tokens: {_NOT_WITH_TOKENS_WHY[option]}; "
@@ -365,6 +371,7 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, globa
     prices = dict(api.parse_price(p) for p in price_overrides)
     names = api.parse_servers(servers, schedule, global_microbatches)
     mb_sizes = int_list(sizes, "--microbatch") if sizes else None
+    to_emit = api.parse_emits(emits, Path(f"{Path(model).stem}-pick.json"))  # formats checked before the search
     chosen = (model if seq_len is None and recipe is None and fine_tune is None else
               api.retraced(api.load_trace(model), seq_len, recipe, fine_tune))
     runner = api.backend_for(backend, workers, address)
@@ -374,6 +381,10 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, globa
                             headroom_gib=headroom_gib, backend=runner, runtime_profile=runtime_profile)
     _show(json_out, choose_text(report), report.to_dict(), (lambda: plot_choose(report, plot)) if plot else None,
           html_out, lambda: choose_page(report))
+    if to_emit:
+        trace = chosen if isinstance(chosen, api.Trace) else api.load_trace(chosen)
+        for path in api.write_emits(api.pick_launch(report, trace, model), to_emit):
+            click.echo(f"wrote {path}", err=True)  # stdout may be the JSON
     if not any(r.fits for r in report.rows):
         sys.exit(1)
 

@@ -15,10 +15,8 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from mpsim.errors import MpsimError
+from mpsim.launch import FORMATS
 from mpsim.launch.job import LaunchJob
-
-FORMATS = ("megatron", "torchtitan", "deepspeed", "accelerate")
-"""The formats, each ``mpsim.launch.<name>``."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from mpsim.caches import Lru
 from mpsim.models.expert_parallel import busiest_times, experts_line, shard_info
 from mpsim.models.finetune import trainable_share
 from mpsim.models.trace import LayerRow, Trace
+from mpsim.plans.mesh import layout_name
 from mpsim.plans.schedule import PIPEDREAM_MEASURED, interleaved_turn_orders, weight_versions
 from mpsim.sim.channels import PeerChannels
 from mpsim.sim.context import RunContext
@@ -257,7 +258,8 @@ def _result(run: RunContext, stages: list[_StageRun], iteration_s: float) -> Sim
         gpus=gpus, oom=oom, links=links, spans=run.spans, makespan_s=run.env.now, sim_events=run.events_scheduled(),
         host_peak_bytes=host.peak_bytes * run.replicas // run.servers, host_capacity_bytes=topo.host_memory_bytes,
         host_memory_times_s=host.times_s, host_memory_used_bytes=host.used_bytes * run.replicas // run.servers,
-        link_rates=run.net.rate_log, layout=layout.job.layout_name, replicas=replicas,
+        link_rates=run.net.rate_log, layout=layout.job.layout_name,
+        mesh=layout_name(layout.job.parallelism, layout.job.n_stages), replicas=replicas,
         gpus_used=layout.job.gpus_used, gpus_available=layout.job.n_gpus,
         framework=str(trace.spec.model.get("framework", "")), family=str(trace.spec.model.get("family", "")),
         seq_len=trace.seq_len, fine_tune=fine_tune_of(trace), trainable=trainable_of(trace),

@@ -128,6 +128,8 @@ class SimResult:
     """Link rates (bytes/s) at every change, when the job asked to record them."""
     layout: str = ""
     """The parallel layout (``JobSpec.layout_name``): ``pipeline x8``, ``FSDP x8``, ..."""
+    mesh: str = ""
+    """The layout's name as ``--layouts`` and ``parse_layout`` read it (``fsdp2xtp4sp``)."""
     replicas: int = 1
     """Data-parallel replicas (``samples_per_s`` and ``model_tflops`` count them all)."""
     gpus_used: int = 0
@@ -230,6 +232,7 @@ class SimResult:
             "schedule": self.schedule,
             "strategy": self.strategy,
             "layout": self.layout,
+            "mesh": self.mesh,
             "framework": self.framework,
             "fine_tune": self.fine_tune or None,
             "trainable": self.trainable or None,
