@@ -115,3 +115,35 @@ def test_choose_writes_its_pick_and_it_simulates_the_same(tmp_path, capsys: pyte
     assert main(["simulate", "--from", str(script), "--model", "llama-3-8b", "--server", pick["server"],
                  "--json", "-"]) == 0
     assert json.loads(capsys.readouterr().out)["iteration_s"] == pick["iteration_s"]
+
+
+SEARCHED = {  # plans choose and fits make: layout, strategy, microbatch size
+    "ddp8": ("ddp8", "none", 1), "zero1x8": ("zero1x8", "recompute-all", 1), "zero2x8": ("zero2x8", "none", 1),
+    "fsdp8": ("fsdp8", "selective", 2), "tp8sp": ("tp8sp", "none", 1), "fsdp2xtp4sp": ("fsdp2xtp4sp", "none", 1),
+    "zero1x2xtp2spxpp2": ("zero1x2xtp2spxpp2", "recompute-all", 1), "pp8": ("pp8", "none", 1),
+    "fsdp4xcp2": ("fsdp4xcp2", "none", 1), "zero3x8 offload": ("fsdp8", "zero-infinity", 1),
+}
+
+
+@pytest.mark.parametrize("case", list(SEARCHED))
+def test_every_format_that_states_a_searched_plan_gives_it_back(case: str) -> None:
+    """Export then import gives the same job, in every format that can state the plan; a
+    format that cannot refuses in one line; at least one format states each."""
+    from mpsim.launch import FORMATS, formats
+
+    layout, strategy, microbatch = SEARCHED[case]
+    job = job_of("dgx-h100", "llama-3-8b", microbatch=microbatch, microbatches=8, strategy=strategy,
+                 parallelism=api.parse_layout(layout))
+    planned = plan_job(job)
+    launch = from_planned(job, planned.plan, planned.result, "llama-3-8b", "dgx-h100")
+    where = formats.Where("llama-3-8b", "dgx-h100", seq_len=launch.seq_len)
+    stated = []
+    for name in FORMATS:
+        try:
+            text = formats.emit(name, launch)
+        except MpsimError as e:
+            assert "\n" not in str(e)
+            continue
+        assert formats.parse(name, text, f"job.{name}", where) == launch.model_copy(update={"predicted": None})
+        stated.append(name)
+    assert stated, f"no format states {case}"

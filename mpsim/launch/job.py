@@ -177,19 +177,21 @@ def _recompute(plan: PlanFile, job: JobSpec) -> tuple[Recompute, int | None]:
         return "selective", None
     if not any(per_stage):
         return "none", None
-    counts = set()
+    counts, every = set(), True
     for stage, done in zip(plan.stages, per_stage, strict=True):
         first, last = stage.layers
         mine = [i for i in range(first, last) if i in blocks]
         if done != mine[:len(done)]:
             raise MpsimError(f"the plan recomputes layers {done} of stage [{first}, {last}), not its first ones; "
                              "frameworks recompute the first N layers of each stage (--recompute-method block)")
-        counts.add((len(done), len(done) == len(mine)))
+        counts.add(len(done))
+        every = every and len(done) == len(mine)
+    if every:
+        return "full", None
     if len(counts) != 1:
         raise MpsimError("the plan recomputes a different number of layers in each stage; frameworks recompute "
                          "the same N in every stage (--recompute-num-layers)")
-    n, every = counts.pop()
-    return "full", None if every else n
+    return "full", counts.pop()
 
 
 def job_of_launch(launch: LaunchJob) -> JobSpec:
