@@ -154,22 +154,8 @@ def _recompute(plan: PlanFile, job: JobSpec) -> tuple[Recompute, int | None]:
     """What the plan recomputes, as the frameworks say it: nothing, the attention core of
     every transformer layer (selective), every layer, or the first N of each stage (full,
     block method). Anything else refused in one line."""
-    kinds = {i: r.kind for i, r in enumerate(job.trace.layers)}
-    per_stage: list[list[int]] = []
-    selective: set[int] = set()
-    for stage in plan.stages:
-        done = []
-        for action in stage.actions:
-            if action.split > 1 or action.action in ("host", "peer"):
-                raise MpsimError(f"layer {action.layer}: the plan {'splits' if action.split > 1 else 'swaps'} it "
-                                 "(TSPLIT, MPress), which no framework's configuration states; plan with "
-                                 "--strategy none, selective, recompute-all, zero-offload or zero-infinity")
-            if action.action == "recompute":
-                done.append(action.layer)
-            elif action.action == "selective":
-                selective.add(action.layer)
-        per_stage.append(sorted(done))
-    blocks = {i for i, k in kinds.items() if k == "transformer"}
+    blocks = {i for i, r in enumerate(job.trace.layers) if r.kind == "transformer"}
+    per_stage, selective = _actions(plan)
     if selective:
         if selective != blocks or any(per_stage):
             raise MpsimError("the plan recomputes the attention core of some layers only; frameworks recompute it "
@@ -177,6 +163,28 @@ def _recompute(plan: PlanFile, job: JobSpec) -> tuple[Recompute, int | None]:
         return "selective", None
     if not any(per_stage):
         return "none", None
+    return "full", _block_count(plan, per_stage, blocks)
+
+
+def _actions(plan: PlanFile) -> tuple[list[list[int]], set[int]]:
+    """Per stage the layers recomputed whole, and the layers whose attention core is;
+    refused in one line where a layer is swapped or split."""
+    per_stage: list[list[int]] = []
+    selective: set[int] = set()
+    for stage in plan.stages:
+        for action in stage.actions:
+            if action.split > 1 or action.action in ("host", "peer"):
+                raise MpsimError(f"layer {action.layer}: the plan {'splits' if action.split > 1 else 'swaps'} it "
+                                 "(TSPLIT, MPress), which no framework's configuration states; plan with "
+                                 "--strategy none, selective, recompute-all, zero-offload or zero-infinity")
+        per_stage.append(sorted(a.layer for a in stage.actions if a.action == "recompute"))
+        selective |= {a.layer for a in stage.actions if a.action == "selective"}
+    return per_stage, selective
+
+
+def _block_count(plan: PlanFile, per_stage: list[list[int]], blocks: set[int]) -> int | None:
+    """The N of Megatron-LM's block method (the first N transformer layers of each stage),
+    None when every layer is; refused in one line otherwise."""
     counts, every = set(), True
     for stage, done in zip(plan.stages, per_stage, strict=True):
         first, last = stage.layers
@@ -187,11 +195,11 @@ def _recompute(plan: PlanFile, job: JobSpec) -> tuple[Recompute, int | None]:
         counts.add(len(done))
         every = every and len(done) == len(mine)
     if every:
-        return "full", None
+        return None
     if len(counts) != 1:
         raise MpsimError("the plan recomputes a different number of layers in each stage; frameworks recompute "
                          "the same N in every stage (--recompute-num-layers)")
-    return "full", counts.pop()
+    return counts.pop()
 
 
 def job_of_launch(launch: LaunchJob) -> JobSpec:
