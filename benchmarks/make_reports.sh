@@ -94,3 +94,8 @@ python benchmarks/attention_long_report.py --into reports/kernel_time.md
 # Fine-tuning (README "Fine-tuning"): QLoRA of Llama-3-8B on one RTX 4090, LoRA of Llama-3-70B on a DGX A100
 mpsim simulate --server rtx4090-x1 --model llama-3-8b --qlora --seq-len 4096 --microbatches 1 --strategy recompute-all > reports/simulate_llama-3-8b_qlora_rtx4090.txt
 mpsim simulate --server dgx-a100-80gb --model llama-3-70b --lora --seq-len 4096 --dp 8 --zero 3 --microbatch 1 --microbatches 2 --strategy recompute-all > reports/simulate_llama-3-70b_lora_dgx-a100.txt
+
+# From plan to launch (README "From plan to launch"): choose's pick as torchtitan and Megatron-LM configurations, read back
+mkdir -p reports/launch
+mpsim choose --model llama-3-8b --servers dgx-a100-80gb,dgx-h100 --emit torchtitan=reports/launch/llama-3-8b-pick.torchtitan.toml --emit megatron=reports/launch/llama-3-8b-pick.megatron.sh > /dev/null
+mpsim simulate --from reports/launch/llama-3-8b-pick.torchtitan.toml --model llama-3-8b --server dgx-h100 > reports/launch/simulate_from_torchtitan.txt
