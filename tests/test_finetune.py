@@ -290,3 +290,23 @@ def test_data_parallel_shards_only_what_trains(tiny_traces: dict[str, api.Trace]
     assert result.fits
     assert peak["optimizer"] == (optimizer if zero == 0 else -(-optimizer // 2))
     assert (peak["params"] == weights) == (zero < 3)
+
+
+def test_a_plan_records_its_fine_tune(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan made for a fine-tune says so; ``simulate --plan`` with the model runs that
+    fine-tune; a plan run under another fine-tune, or under none, is refused in one line."""
+    lora, full = tmp_path / "lora.json", tmp_path / "full.json"
+    base = ["--model", "tinyllama-1.1b", "--server", "rtx4090-x1", "--microbatches", "1", "--strategy", "recompute"]
+    assert main(["plan", *base, "--lora", "-o", str(lora), "--json", "-"]) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["plan"]["finetune"]["method"] == "lora"
+    assert main(["plan", *base, "-o", str(full), "--json", "-"]) == 0
+    assert "finetune" not in json.loads(capsys.readouterr().out)["plan"]
+    assert main(["simulate", "--plan", str(lora), "--model", "tinyllama-1.1b", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["iteration_s"] == made["result"]["iteration_s"]
+    for argv, message in ((["--plan", str(lora)], "give --model"),
+                          (["--plan", str(lora), "--model", "tinyllama-1.1b", "--qlora"], "made for LoRA"),
+                          (["--plan", str(full), "--model", "tinyllama-1.1b", "--lora"], "made for full training")):
+        assert main(["simulate", *argv]) != 0
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err

@@ -48,6 +48,7 @@ from mpsim.errors import MpsimError, SchemaError
 from mpsim.hardware.topology import Topology
 from mpsim.limits import MAX_REPLICAS
 from mpsim.models.context_parallel import ContextAttention
+from mpsim.models.finetune import FineTune
 from mpsim.models.trace import LayerRow, Trace
 from mpsim.plans.mesh import parse_layout
 from mpsim.plans.schedule import MAX_MICROBATCH, MAX_MICROBATCHES, SCHEDULES, check_schedule
@@ -199,6 +200,9 @@ class PlanFile(FileModel):
     mesh: MeshPlan | None = Field(
         default=None, description="schema 4: the layout as a device mesh, where schemas 2 and 3 cannot name it "
                                   "[default: the layout the data and tensor blocks say]")
+    finetune: FineTune | None = Field(
+        default=None, description="the fine-tune the plan was made for (LoRA, QLoRA: mpsim.models.finetune); "
+                                  "absent: every parameter trains")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
@@ -211,6 +215,8 @@ class PlanFile(FileModel):
             del data["tensor_parallel"]
         if data["virtual_stages"] == 1:
             del data["virtual_stages"]
+        if data["finetune"] is None:
+            del data["finetune"]
         if data["mesh"] is None:
             del data["mesh"]
         elif data["mesh"]["context_attention"] == "ring":  # the default, and all a mesh without context says
@@ -263,6 +269,11 @@ def check_plan(plan: PlanFile, topo: Topology, trace: Trace, source: str = "") -
 
     if plan.schema_ not in SCHEMA_VERSIONS:
         raise bad("schema", f"expected one of {', '.join(map(str, SCHEMA_VERSIONS))}, got {plan.schema_}")
+    if plan.finetune != trace.spec.finetune:
+        made = "full training" if plan.finetune is None else plan.finetune.describe()
+        runs = "full training" if trace.spec.finetune is None else trace.spec.finetune.describe()
+        raise bad("finetune", f"the plan was made for {made}, but the model is traced for {runs}: give the same "
+                              "--lora/--qlora/--peft-config, or none")
     _check_schema_fields(plan, bad)
     if plan.schedule not in SCHEDULES:
         raise bad("schedule", f"expected one of {', '.join(SCHEDULES)}")
@@ -585,7 +596,7 @@ def make_plan(trace: Trace, topo: Topology, schedule: str, microbatches: int,
         server=topo.name, microbatch=trace.microbatch, virtual_stages=virtual_stages,
         microbatches=microbatches, schedule=schedule, strategy=strategy,  # type: ignore[arg-type]
         swap_timing=swap_timing, recompute_checkpoints=recompute_checkpoints, data_parallel=data_parallel,
-        tensor_parallel=tensor_parallel,
+        tensor_parallel=tensor_parallel, finetune=trace.spec.finetune,
         stages=[StagePlan(gpu=g, layers=(a, b), optimizer=optimizer.get(s, "gpu"),  # type: ignore[arg-type]
                           optimizer_layers=optimizer_layers.get(s),
                           stash=stash.get(s, "gpu"), actions=actions.get(s, []))  # type: ignore[arg-type]
