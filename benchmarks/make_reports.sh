@@ -97,5 +97,5 @@ mpsim simulate --server dgx-a100-80gb --model llama-3-70b --lora --seq-len 4096 
 
 # From plan to launch (README "From plan to launch"): choose's pick as torchtitan and Megatron-LM configurations, read back
 mkdir -p reports/launch
-mpsim choose --model llama-3-8b --servers dgx-a100-80gb,dgx-h100 --emit torchtitan=reports/launch/llama-3-8b-pick.torchtitan.toml --emit megatron=reports/launch/llama-3-8b-pick.megatron.sh > /dev/null
+mpsim choose --model llama-3-8b --emit torchtitan=reports/launch/llama-3-8b-pick.torchtitan.toml --emit megatron=reports/launch/llama-3-8b-pick.megatron.sh --servers dgx-a100-80gb,dgx-h100 > /dev/null
 mpsim simulate --from reports/launch/llama-3-8b-pick.torchtitan.toml --model llama-3-8b --server dgx-h100 > reports/launch/simulate_from_torchtitan.txt

@@ -10,9 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 TOML = ROOT / "reports" / "launch" / "llama-3-8b-pick.torchtitan.toml"
 SIMULATED = ROOT / "reports" / "launch" / "simulate_from_torchtitan.txt"
-CHOOSE = ("mpsim choose --model llama-3-8b --servers dgx-a100-80gb,dgx-h100 --emit "
-          "torchtitan=reports/launch/llama-3-8b-pick.torchtitan.toml --emit "
-          "megatron=reports/launch/llama-3-8b-pick.megatron.sh")
+CHOOSE = ("mpsim choose --model llama-3-8b --emit torchtitan=reports/launch/llama-3-8b-pick.torchtitan.toml "
+          "--emit megatron=reports/launch/llama-3-8b-pick.megatron.sh --servers dgx-a100-80gb,dgx-h100")
 SIMULATE = "mpsim simulate --from reports/launch/llama-3-8b-pick.torchtitan.toml --model llama-3-8b --server dgx-h100"
 
 
