@@ -208,6 +208,12 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
 @click.command("validate")
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
               help="plan JSON file to run  [default: make one with --strategy]")
+@click.option("--from", "from_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="run the plan a framework's configuration states: a Megatron-LM launch script (.sh), torchtitan "
+                   "TOML, DeepSpeed JSON or Accelerate FSDP YAML (`mpsim plan --emit` writes them), training --model "
+                   "at its measured sequence length and recipe")
+@click.option("--from-format", type=click.Choice(list(api.FORMATS)),
+              help="the --from file's format  [default: from its suffix]")
 @click.option("--model", "-m", default="gpt-tiny", show_default=True,
               help="model preset to build and measure (see `mpsim trace --preset`), a measured trace JSON file, or "
                    "a mixture of experts' Hugging Face config.json (traced as `mpsim trace --hf` does; with --ep); "
@@ -230,9 +236,10 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
 @layout_options
 @fine_tune_options
 @json_option
-def validate_cmd(plan_path: Path | None, model: str, server: str | None, strategy: str, schedule: str,
-                 microbatches: int, stages: int, device: str, threads: int, memory_mib: float | None, steps: int,
-                 warmup: int, layout: api.Parallelism, fine_tune: api.FineTune | None, json_out: str | None) -> None:
+def validate_cmd(plan_path: Path | None, from_path: Path | None, from_format: str | None, model: str,
+                 server: str | None, strategy: str, schedule: str, microbatches: int, stages: int, device: str,
+                 threads: int, memory_mib: float | None, steps: int, warmup: int, layout: api.Parallelism,
+                 fine_tune: api.FineTune | None, json_out: str | None) -> None:
     """Run a plan on this machine and compare it with the simulator.
 
     Measures the model's layers here (or takes a measured trace), probes this machine
@@ -258,19 +265,55 @@ def validate_cmd(plan_path: Path | None, model: str, server: str | None, strateg
     the trace's and PEFT's, are printed beside the peaks, and on CPU the prediction again with
     the loss head's backward workspace measured (a derived trace takes its forward's, which
     under-counts the peak). One pipeline stage, DDP (no ZeRO), no tensor parallelism.
+
+    --from runs the job a framework's configuration states, exactly as `mpsim simulate --from`
+    reads it: `mpsim plan --model trace.json --server cpu.yaml --stages 2 --emit
+    megatron=job.sh -o plan.json`, then `mpsim validate --from job.sh --model trace.json
+    --server cpu.yaml` runs the plan that `mpsim validate --plan plan.json` runs. The model is
+    the one measured here: a configuration at another sequence length or recipe is refused.
     """
     from mpsim.views.measured import validation_text
 
-    if plan_path is None:
+    if from_path is not None:
+        _check_validate_from(plan_path)
+    elif plan_path is None:
         check_strategy_layout(strategy, layout)
     with stops_on_signals("validate", "no process of it was left running"):  # during the run: torchrun's own line
-        report = api.validate(model, plan_path, server, strategy=strategy, schedule=schedule,
-                              microbatches=microbatches, stages=stages, device=device, threads=threads,
-                              memory_mib=memory_mib, steps=steps, warmup=warmup, parallelism=layout,
-                              fine_tune=fine_tune)
-    emit(json_out, validation_text(report) + _routed_text(report) + _fine_tune_text(report), report)
+        if from_path is not None:
+            report = api.validate(model, None, server, device=device, threads=threads, memory_mib=memory_mib,
+                                  steps=steps, warmup=warmup, from_path=from_path, from_format=from_format)
+        else:
+            report = api.validate(model, plan_path, server, strategy=strategy, schedule=schedule,
+                                  microbatches=microbatches, stages=stages, device=device, threads=threads,
+                                  memory_mib=memory_mib, steps=steps, warmup=warmup, parallelism=layout,
+                                  fine_tune=fine_tune)
+    emit(json_out, validation_text(report) + _routed_text(report) + _fine_tune_text(report)
+         + _configuration_text(report), report)
     if report["oom"]:
         sys.exit(1)
+
+
+_VALIDATE_FROM_FILE = {"strategy": "--strategy", "schedule": "--schedule", "microbatches": "--microbatches",
+                       "stages": "--stages", "dp": "--dp", "zero": "--zero", "bucket_mib": "--bucket-mib",
+                       "reshard": "--reshard/--no-reshard", "tp": "--tp", "sp": "--sp", "ep": "--ep", "cp": "--cp",
+                       "cp_attention": "--cp-attention", "hsdp": "--hsdp", "virtual_stages": "--virtual-stages",
+                       "lora": "--lora", "qlora": "--qlora", "peft_config": "--peft-config",
+                       "lora_rank": "--lora-rank"}
+"""``validate`` options a ``--from`` configuration states itself (or that it cannot run with)."""
+
+
+def _check_validate_from(plan_path: Path | None) -> None:
+    """``validate --from``: no plan beside it, and nothing the configuration states given again."""
+    if plan_path is not None:
+        raise click.UsageError("--from and --plan each give the whole job: give one of them")
+    refuse_given(_VALIDATE_FROM_FILE, lambda option: f"{option} and --from: the configuration states the job; leave "
+                                                     f"{option} out")
+
+
+def _configuration_text(report: dict) -> str:
+    """``validate --from``: the configuration the plan came from."""
+    conf = report.get("configuration")
+    return f"\nran the {conf['format']} configuration {conf['file']}" if conf else ""
 
 
 def _routed_text(report: dict) -> str:
