@@ -55,7 +55,8 @@ from mpsim.web.inputs import (
     from_query,
 )
 from mpsim.web.jobs import Busy, JobRunner, PageRun, short_message
-from mpsim.web.work import WORKS, JobOutcome, job_payload, request_of
+from mpsim.web.launches import Launches, LaunchFile
+from mpsim.web.work import WORKS, ChooseOutcome, JobOutcome, job_payload, request_of
 
 #: The page's files: URL path to (file in ``mpsim/web/static``, content type). Nothing
 #: else is ever read from disk for a request.
@@ -129,10 +130,25 @@ class App:
                    bookmarkable=inputs.bookmarkable)
         if job.state == "done":
             if "payload" not in job.cache:
-                outcome = job.outcome
-                job.cache["payload"] = job_payload(outcome) if isinstance(outcome, JobOutcome) else {"choose": outcome}
+                job.cache["payload"] = _payload(job.outcome)
             out.update(job.cache["payload"])
         return out
+
+    def launch(self, job: PageRun, fmt: str) -> LaunchFile:
+        """The run's job as format ``fmt``, made when the run ended (``mpsim.web.launches``);
+        one line where the format is unknown, the run has none, or the format cannot state it."""
+        if fmt not in api.FORMATS:
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"format {fmt[:40]!r}: expected one of {', '.join(api.FORMATS)}")
+        launches = getattr(job.outcome, "launches", None) if job.state == "done" else None
+        if not isinstance(launches, Launches):
+            why = _NOT_DONE.get(job.state, f"the {job.inputs.view} view's result is no plan (the job and choose "
+                                           "views write theirs)")
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"this run has no {fmt} configuration to download: {why}")
+        found = launches.get(fmt)
+        assert found is not None
+        if found.text is None:
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"{fmt}: {found.reason}")
+        return found
 
     def chart(self, job: PageRun, name: str, fmt: str) -> bytes:
         if not isinstance(job.outcome, JobOutcome) or name not in charts.CHARTS or fmt not in charts.FORMATS:
@@ -142,6 +158,23 @@ class App:
             with self._chart_lock:  # matplotlib's pyplot is not thread-safe
                 job.cache[key] = charts.render(job.outcome.planned.result, name, fmt)
         return job.cache[key]
+
+
+_NOT_DONE = {"waiting": "it has not started", "running": "it is still running", "failed": "it failed",
+             "cancelled": "it was cancelled"}
+
+
+def _payload(outcome: object) -> dict:
+    """What the page shows of a finished run: a job's verdict, plan and result, or the choose
+    and scale views' report and page; with the plan or pick as each framework's configuration."""
+    if isinstance(outcome, JobOutcome):
+        payload = job_payload(outcome)
+    else:
+        payload = {"choose": outcome.data if isinstance(outcome, ChooseOutcome) else outcome}
+    launches = getattr(outcome, "launches", None)
+    if isinstance(launches, Launches):
+        payload["launch"] = launches.summary()
+    return payload
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -357,6 +390,12 @@ class Handler(BaseHTTPRequestHandler):
         data = status.get("choose") if what == "result" and status["view"] in ("choose", "scale") else status[what]
         self._send_json(data, download=f"mpsim-{what}.json")
 
+    def api_launch(self, query: dict, job_id: str, fmt: str) -> None:
+        app = self.server.app
+        found = app.launch(app.job(job_id), fmt)
+        assert found.text is not None
+        self._send(found.text.encode(), found.content_type, download=found.file)
+
     def api_chart(self, query: dict, job_id: str, name: str, fmt: str) -> None:
         app = self.server.app
         job = app.job(job_id)
@@ -373,6 +412,7 @@ ROUTES: list[tuple[str, str, Callable[..., None]]] = [
     ("POST", rf"/api/jobs/{_ID}/cancel", Handler.api_cancel),
     ("GET", rf"/api/jobs/{_ID}/(result|plan)\.json", Handler.api_download),
     ("GET", rf"/api/jobs/{_ID}/chart/(\w+)\.(svg|png)", Handler.api_chart),
+    ("GET", rf"/api/jobs/{_ID}/launch/([^/]*)", Handler.api_launch),
 ]
 
 

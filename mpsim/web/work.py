@@ -13,7 +13,7 @@ import json
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from mpsim.errors import MpsimError
 from mpsim.views.html import choose_html, scale_html
 from mpsim.views.text import plan_text, simulate_text
 from mpsim.web.inputs import JobInputs, UploadStore
+from mpsim.web.launches import Launches, LaunchFolder
 
 
 @dataclass
@@ -30,6 +31,17 @@ class JobOutcome:
     planned: Planned
     warning: str | None
     headroom_gib: float
+    launches: Launches | None = None
+    """The plan as the frameworks' configurations (``mpsim.web.launches``)."""
+
+
+@dataclass
+class ChooseOutcome:
+    """The choose view's answer: ``run_choose``'s report and page, and the pick as the
+    frameworks' configurations."""
+
+    data: dict[str, Any]
+    launches: Launches
 
 
 @dataclass(frozen=True)
@@ -44,14 +56,23 @@ class RunRequest:
     scratch: Path | None = None
     """A folder the server owns and removes when it stops, where a run may keep files
     (``run_scale``: its model as a trace file); a run removes its own when it ends."""
+    server_name: str = "server.yaml"
+    model_name: str = "model.json"
+    """The uploads' file names (cleaned, ``inputs.safe_file_name``): what the frameworks'
+    configurations call an uploaded server or model (``mpsim.web.launches``)."""
 
 
 def request_of(inputs: JobInputs, uploads: UploadStore) -> RunRequest:
-    server = uploads.get(inputs.server_upload, ("server",)).value if inputs.server_upload is not None else None
-    model = uploads.get(inputs.model_upload, ("trace", "hf")).value if inputs.model_upload is not None else None
-    assert server is None or isinstance(server, Topology)
-    assert model is None or isinstance(model, Trace | Path)
-    return RunRequest(inputs, server, model, uploads.root)
+    request = RunRequest(inputs, scratch=uploads.root)
+    if inputs.server_upload is not None:
+        server = uploads.get(inputs.server_upload, ("server",))
+        assert isinstance(server.value, Topology)
+        request = replace(request, server=server.value, server_name=server.name)
+    if inputs.model_upload is not None:
+        model = uploads.get(inputs.model_upload, ("trace", "hf"))
+        assert isinstance(model.value, Trace | Path)
+        request = replace(request, model=model.value, model_name=model.name)
+    return request
 
 
 def server_of(request: RunRequest) -> Topology:
@@ -118,23 +139,75 @@ def run_job(request: RunRequest) -> JobOutcome:
     check_work(trace, inputs)
     warning = api.measured_warning(trace, topo)
     layout = api.parse_layout(inputs.layout) if inputs.layout else None
-    planned = api.plan(topo, trace, inputs.schedule, inputs.microbatch, inputs.microbatches, n_stages=inputs.stages,
-                       strategy=inputs.strategy, partition=inputs.partition, parallelism=layout,
-                       runtime_profile=inputs.runtime)
-    return JobOutcome(planned, warning, inputs.headroom)
+    if layout is not None:  # as api.plan: a ZeRO stage the strategy cannot run refused in one line
+        api.check_zero_stage(inputs.strategy, layout.zero_stage, layout.hsdp, given=layout.zero_stage != 0)
+    job = api.job_of(topo, trace, schedule=inputs.schedule, microbatch=inputs.microbatch,
+                     microbatches=inputs.microbatches, n_stages=inputs.stages, strategy=inputs.strategy,
+                     partition=inputs.partition, parallelism=layout, runtime_profile=inputs.runtime)
+    planned = api.plan_job(job)
+    with LaunchFolder(request.scratch) as folder:
+        launches = folder.launches("plan", lambda: api.launch_of(
+            job, planned, _model_named(folder, request, trace),
+            folder.server(topo, request.server_name) if request.server is not None else inputs.server))
+    return JobOutcome(planned, warning, inputs.headroom, launches)
+
+
+def _model_named(folder: LaunchFolder, request: RunRequest, trace: Trace) -> str:
+    """The model as a launch job names it: its shipped name, or an upload's file in ``folder``."""
+    if request.model is None:
+        return request.inputs.model
+    if isinstance(request.model, Path):  # a Hugging Face config, traced
+        return folder.model(trace, request.model.name, hf=True)
+    return folder.model(trace, request.model_name, hf=False)
 
 
 def run_choose(request: RunRequest) -> dict[str, Any]:
     """The choose view: ``mpsim.api.choose`` over the chosen servers (every shipped one
     the schedule can fill when none is chosen), shown as ``mpsim choose --html`` shows it."""
+    return _choose_data(_choose(request)[0])
+
+
+def _choose(request: RunRequest) -> tuple[api.ChooseReport, Trace]:
     inputs = request.inputs
     uploaded = [request.server] if request.server is not None else []
     servers: list[str | Topology] = [*inputs.servers, *uploaded]
-    report = api.choose(model_of(request), servers or "all", schedule=inputs.schedule,
+    trace = model_of(request)
+    report = api.choose(trace, servers or "all", schedule=inputs.schedule,
                         microbatch_sizes=[inputs.microbatch] if inputs.microbatch is not None else None,
                         global_microbatches=inputs.global_microbatches, headroom_gib=inputs.headroom,
                         runtime_profile=inputs.runtime)
+    return report, trace
+
+
+def _choose_data(report: api.ChooseReport) -> dict[str, Any]:
     return {"report": report.to_dict(), "html": fine_tune_html(report) + choose_html(report)}
+
+
+def run_choose_pick(request: RunRequest) -> ChooseOutcome:
+    """The page's choose view: ``run_choose``, and its pick (the first ranked server where a
+    plan fits, as ``mpsim choose --emit`` writes it: ``api.pick_launch``, which plans it once
+    more) as the frameworks' configurations. A fine-tune is refused before that plan
+    (``api.launch_of`` writes none yet); an uploaded server or model is named as the
+    upload (``mpsim.web.launches``)."""
+    report, trace = _choose(request)
+    with LaunchFolder(request.scratch) as folder:
+        launches = folder.launches("pick", lambda: _pick(folder, request, report, trace))
+    return ChooseOutcome(_choose_data(report), launches)
+
+
+FINE_TUNE_REFUSED = "fine-tunes (LoRA, QLoRA) are written for no framework yet"
+"""``api.launch_of``'s refusal in the page's words, said before the pick is planned again."""
+
+
+def _pick(folder: LaunchFolder, request: RunRequest, report: api.ChooseReport, trace: Trace) -> Any:
+    """``api.pick_launch``, the model and an uploaded pick named as ``mpsim.web.launches`` says."""
+    if trace.spec.finetune is not None:
+        raise MpsimError(FINE_TUNE_REFUSED)
+    launch = api.pick_launch(report, trace, _model_named(folder, request, trace))
+    row = next(r for r in report.rows if r.fits)  # pick_launch's: it has refused where none fits
+    if request.server is not None and row.source == request.server.source:  # the upload, named by its file
+        launch = launch.model_copy(update={"server": folder.server(request.server, request.server_name)})
+    return launch
 
 
 def fine_tune_html(report: api.ChooseReport) -> str:
@@ -198,7 +271,7 @@ def _scale(model: str | Trace, inputs: JobInputs, sizes: tuple[int, ...]) -> dic
     return {"report": report.to_dict(), "html": scale_html(report)}
 
 
-WORKS = {"job": run_job, "choose": run_choose, "scale": run_scale}
+WORKS = {"job": run_job, "choose": run_choose_pick, "scale": run_scale}
 """The worker's function for each view."""
 
 

@@ -280,6 +280,7 @@ function showResult(job) {
     $(`chart-${chart}`).src = `${base}/chart/${chart}.svg`;
     $(`dl-${chart}`).href = `${base}/chart/${chart}.png`;
   }
+  showLaunch($("launch-job"), job);
   showPlan(job.plan);
   $("text").textContent = `${job.plan_text}\n\n${job.text}`;
   $("result").hidden = false;
@@ -301,8 +302,43 @@ function showPlan(plan) {
   $("plan-table").innerHTML = rows.map((r) => `<tr>${r}</tr>`).join("");
 }
 
+// The plan (job view) or the pick (choose view) as each framework's own configuration, made
+// once by the server when the run ended: a link per format, or the one line why the format
+// cannot state the job. Built as text nodes: nothing the server says is read as HTML.
+function showLaunch(box, job) {
+  const launch = job.launch;
+  box.hidden = !launch;
+  if (!launch) return;
+  const what = launch.of === "pick" ? "the recommended plan" : "the plan";
+  const intro = document.createElement("p");
+  if (launch.reason) {
+    intro.textContent = `Framework configurations of ${what}: none (${launch.reason})`;
+    box.replaceChildren(intro);
+    return;
+  }
+  intro.textContent = `Download ${what} as a framework's configuration (mpsim's prediction in its comment):`;
+  const list = document.createElement("ul");
+  for (const f of launch.formats) {
+    const item = document.createElement("li");
+    if (f.reason) {
+      item.className = "refused";
+      const own = `${f.format}: `;  // most reasons start with the format's name: said once
+      item.textContent = `${f.label}: ${f.reason.startsWith(own) ? f.reason.slice(own.length) : f.reason}`;
+    } else {
+      const link = document.createElement("a");
+      link.href = `/api/jobs/${job.id}/launch/${encodeURIComponent(f.format)}`;
+      link.download = f.file;
+      link.textContent = `${f.label} (${f.file})`;
+      item.append(link);
+    }
+    list.append(item);
+  }
+  box.replaceChildren(intro, list);
+}
+
 function showChoose(job) {
   $("dl-choose").href = `/api/jobs/${job.id}/result.json`;
+  showLaunch($("launch-choose"), job);
   $("choose-heading").textContent = job.view === "scale" ? "How many servers: time and cost to train"
     : "Choose: the servers compared";
   $("choose-out").innerHTML = job.choose.html;  // escaped on the server (mpsim.htmlreport)
