@@ -533,19 +533,44 @@ def train_and_record(job: dict, step: Stepper, module: nn.Module, device: torch.
     return result
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--job", required=True, type=Path, help="job JSON written by mpsim validate")
+def token_ids(vocab: int, seq_len: int, plan: PlanFile, replica: int) -> torch.Tensor:
+    """A step's synthetic tokens of one replica of a Hugging Face model's job (every
+    microbatch); replicas differ."""
+    b, m = plan.microbatch, plan.microbatches
+    return torch.randint(0, vocab, (b * m, seq_len), generator=torch.Generator().manual_seed(1 + replica))
+
+
+def accumulated_loss(module: nn.Module, tokens: torch.Tensor, plan: PlanFile) -> float:
+    """Each microbatch's forward and backward in turn on one stage (gradients accumulated,
+    the loss scaled by 1/m); the step's mean loss."""
+    b, m = plan.microbatch, plan.microbatches
+    total = 0.0
+    for i in range(m):
+        loss = module(tokens[i * b:(i + 1) * b])
+        (loss / m).backward()
+        total += float(loss.detach())
+    return total / m
+
+
+def worker_main(run_job: Callable[[dict, Path], object], description: str, written_by: str) -> None:
+    """A torchrun worker's entry: ``--job JOB.json --out DIR``, ``run_job(job, DIR)``; a
+    failing rank writes its traceback to ``DIR/rank<i>.error.txt`` before it raises."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--job", required=True, type=Path, help=f"job JSON written by {written_by}")
     ap.add_argument("--out", required=True, type=Path, help="folder for rank<i>.json")
     args = ap.parse_args()
     job = json.loads(args.job.read_text())
     args.out.mkdir(parents=True, exist_ok=True)
     try:
-        run(job, args.out)
+        run_job(job, args.out)
     except Exception:
         rank = os.environ.get("RANK", "?")
         (args.out / f"rank{rank}.error.txt").write_text(traceback.format_exc())
         raise
+
+
+def main() -> None:
+    worker_main(run, __doc__.splitlines()[0], "mpsim validate")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn import functional as F
 
-from mpsim.executor.executor import LR, Stepper, init_process, train_and_record
+from mpsim.executor.executor import LR, Stepper, accumulated_loss, init_process, token_ids, train_and_record
 from mpsim.models import kernels, moe
 from mpsim.plans.plan import PlanFile
 
@@ -318,24 +318,15 @@ class MoeStepper(Stepper):
     def __call__(self) -> None:
         self.phase = "pipeline"
         ROUTED.step = self.step_no
-        b, m = self.plan.microbatch, self.plan.microbatches
-        total = 0.0
-        for i in range(m):
-            loss = self.module(self.tokens[i * b:(i + 1) * b])
-            (loss / m).backward()
-            total += float(loss.detach())
+        loss = accumulated_loss(self.module, self.tokens, self.plan)
         reduce_gradients(self.module, self.mesh)
-        self.losses.append(total / m)
+        self.losses.append(loss)
         self.phase = "optimizer"
         self.opt.step()
         self.opt.zero_grad(set_to_none=False)
         self.phase = "between steps"
 
 
-def replica_tokens(vocab: int, seq_len: int, plan: PlanFile, replica: int) -> torch.Tensor:
-    """The step's synthetic tokens of one replica (every microbatch); replicas differ."""
-    b, m = plan.microbatch, plan.microbatches
-    return torch.randint(0, vocab, (b * m, seq_len), generator=torch.Generator().manual_seed(1 + replica))
 
 
 # --- the worker ----------------------------------------------------------------------------------
@@ -355,7 +346,7 @@ def run(job: dict, out_dir: Path) -> dict:
         shard_experts(model, mesh)
     stage = MoeStage(model.to(device))
     hf_config = job["model"]["hf_config"]
-    tokens = replica_tokens(hf_config["vocab_size"], job["model"]["seq_len"], plan, rank)
+    tokens = token_ids(hf_config["vocab_size"], job["model"]["seq_len"], plan, rank)
     opt = torch.optim.Adam(stage.parameters(), lr=LR, foreach=False)
     step = MoeStepper(stage, opt, tokens.to(device), plan, mesh)
     result: dict = {"rank": rank, "replica": rank, "stage": 0, "tp_rank": 0, "gpu": gpu,

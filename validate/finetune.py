@@ -42,11 +42,8 @@ layer, to hold against the trace's rows where a prediction is off.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import os
-import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,7 +54,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from mpsim.executor.executor import LR, Stepper, init_process, train_and_record
+from mpsim.executor.executor import (
+    LR,
+    Stepper,
+    accumulated_loss,
+    init_process,
+    token_ids,
+    train_and_record,
+    worker_main,
+)
 from mpsim.models.finetune import FineTune
 from mpsim.plans.plan import PlanFile
 
@@ -237,24 +242,15 @@ class FineTuneStepper(Stepper):
 
     def __call__(self) -> None:
         self.phase = "pipeline"
-        b, m = self.plan.microbatch, self.plan.microbatches
-        total = 0.0
-        for i in range(m):
-            loss = self.module(self.tokens[i * b:(i + 1) * b])
-            (loss / m).backward()
-            total += float(loss.detach())
+        loss = accumulated_loss(self.module, self.tokens, self.plan)
         reduce_gradients(self.params, self.world)
-        self.losses.append(total / m)
+        self.losses.append(loss)
         self.phase = "optimizer"
         self.opt.step()
         self.opt.zero_grad(set_to_none=False)
         self.phase = "between steps"
 
 
-def replica_tokens(vocab: int, seq_len: int, plan: PlanFile, replica: int) -> torch.Tensor:
-    """The step's synthetic tokens of one replica (every microbatch); replicas differ."""
-    b, m = plan.microbatch, plan.microbatches
-    return torch.randint(0, vocab, (b * m, seq_len), generator=torch.Generator().manual_seed(1 + replica))
 
 
 def make_optimizer(stage: nn.Module) -> torch.optim.Optimizer:
@@ -368,7 +364,7 @@ def run(job: dict, out_dir: Path) -> dict:
     device = init_process(job, gpu)
     stage = build_stage(job["model"]).to(device)
     cfg = job["model"]["hf_config"]
-    tokens = replica_tokens(cfg["vocab_size"], job["model"]["seq_len"], plan, rank)
+    tokens = token_ids(cfg["vocab_size"], job["model"]["seq_len"], plan, rank)
     step = FineTuneStepper(stage, make_optimizer(stage), tokens.to(device), plan, world)
     result: dict = {"rank": rank, "replica": rank, "stage": 0, "tp_rank": 0, "gpu": gpu,
                     "layers": list(plan.stages[0].layers), "device": str(device), "oom": None,
@@ -379,18 +375,7 @@ def run(job: dict, out_dir: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--job", required=True, type=Path, help="job JSON written by mpsim.studies.lora_check")
-    ap.add_argument("--out", required=True, type=Path, help="folder for rank<i>.json")
-    args = ap.parse_args()
-    job = json.loads(args.job.read_text())
-    args.out.mkdir(parents=True, exist_ok=True)
-    try:
-        run(job, args.out)
-    except Exception:
-        rank = os.environ.get("RANK", "?")
-        (args.out / f"rank{rank}.error.txt").write_text(traceback.format_exc())
-        raise
+    worker_main(run, __doc__.splitlines()[0], "mpsim.studies.lora_check")
 
 
 if __name__ == "__main__":
