@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
+from mpsim.datafile import read_bounded
 from mpsim.errors import MpsimError
 from mpsim.launch import FORMATS
 from mpsim.launch.formats import Where, emit, format_module, parse
@@ -29,23 +32,66 @@ def launch_of(job: JobSpec, planned: Planned, model: str, server: str) -> Launch
     return from_planned(job, planned.plan, planned.result, model, server)
 
 
-def parse_emits(values: tuple[str, ...], output: Path) -> list[tuple[str, Path]]:
+def parse_emits(values: tuple[str, ...], output: Path, plan_file: bool = False,
+                check: bool = False) -> list[tuple[str, Path]]:
     """``--emit FORMAT[=FILE]`` values: each format and its file (default: beside the plan
-    file, ``<stem>.<format><suffix>``); one line naming the formats for an unknown one."""
+    file, ``<stem>.<format><suffix>``). Refused in one line: an unknown format, ``FORMAT=``
+    without a file, one file twice (or, with ``plan_file``, the plan file ``output``); with
+    ``check`` a file that cannot be written (``check_target``; with ``plan_file`` the plan
+    file too), so the command stops before it plans anything."""
     emits = []
+    seen: dict[Path, str] = {output.resolve(): "the plan file"} if plan_file else {}
     for value in values:
-        name, _, file = value.partition("=")
+        name, eq, file = value.partition("=")
         module = format_module(name)
-        emits.append((name, Path(file) if file else output.with_name(f"{output.stem}.{name}{module.SUFFIX}")))
+        if eq and not file.strip():
+            raise MpsimError(f"--emit {value}: give a file after '=' or leave '=' out ({name} beside the plan file)")
+        path = Path(file) if eq else output.with_name(f"{output.stem}.{name}{module.SUFFIX}")
+        if path.resolve() in seen:
+            raise MpsimError(f"--emit {value}: {path} is already {seen[path.resolve()]}; give each its own file")
+        seen[path.resolve()] = f"the {name} file"
+        emits.append((name, path))
+    if check:
+        for path in [output] * plan_file + [path for _, path in emits]:
+            check_target(path)
     return emits
+
+
+def check_target(path: Path) -> None:
+    """``path`` can be written as a file: its folder exists and it is not a folder, a FIFO
+    (writing one would block until a reader came) or a device; one line naming it otherwise."""
+    folder = path.parent
+    if not folder.is_dir():
+        raise MpsimError(f"{path}: cannot write it: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise MpsimError(f"{path}: cannot write it: the folder {folder} is not writable")
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise MpsimError(f"{path}: cannot write it ({exc.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise MpsimError(f"{path}: cannot write it: it is {'a folder' if stat.S_ISDIR(mode) else 'not a regular file'}")
 
 
 def write_emits(launch: LaunchJob, emits: list[tuple[str, Path]]) -> list[Path]:
     """Each format's configuration of ``launch`` written to its file (all made before any is written,
-    so a format that cannot state the job leaves no file behind)."""
+    so a format that cannot state the job leaves no file behind; the files this call made are
+    removed again when a later one cannot be written)."""
     texts = [(emit(name, launch), path) for name, path in emits]
-    for text, path in texts:
-        path.write_text(text, encoding="utf-8")
+    made: list[Path] = []
+    try:
+        for text, path in texts:
+            check_target(path)
+            new = not path.exists()
+            path.write_text(text, encoding="utf-8")
+            if new:
+                made.append(path)
+    except (OSError, MpsimError):
+        for path in made:
+            path.unlink(missing_ok=True)
+        raise
     return [path for _, path in texts]
 
 
@@ -65,9 +111,11 @@ def simulate_from(path: Path, fmt: str | None, where: Where) -> tuple[LaunchJob,
     """A framework's configuration read (``mpsim.launch.<format>.parse``) and simulated."""
     name = format_of(path, fmt)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise MpsimError(f"--from {path}: cannot read it ({type(e).__name__}: {e})") from None
+        text = read_bounded(path, "launch configuration").decode("utf-8")
+    except MpsimError as e:
+        raise MpsimError(f"--from {e}") from None
+    except UnicodeDecodeError as e:
+        raise MpsimError(f"--from {path}: not UTF-8 text (byte {e.start}): expected a {name} configuration") from None
     launch = parse(name, text, str(path), where)
     job, plan, result = simulate(launch)
     return launch, job, plan, result

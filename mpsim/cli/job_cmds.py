@@ -182,7 +182,9 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
     from mpsim.views.text import plan_text, simulate_text
 
     check_strategy_layout(strategy, layout)
-    to_emit = api.parse_emits(emits, output)  # an unknown format refused before anything is planned
+    if emits and fine_tune is not None:  # before the model is retraced for it
+        raise click.UsageError("--emit: fine-tunes (LoRA, QLoRA) are written for no framework yet")
+    to_emit = api.parse_emits(emits, output, plan_file=True, check=True)  # refused before anything is planned
     topo, trace, _ = api.load_job(server, model, seq_len=seq_len, recipe=recipe, fine_tune=fine_tune)
     warn(api.measured_warning(trace, topo))
     with tasks_progress("plan"):

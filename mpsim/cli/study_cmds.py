@@ -371,7 +371,9 @@ def choose_cmd(model: str, servers: str, schedule: str, sizes: str | None, globa
     prices = dict(api.parse_price(p) for p in price_overrides)
     names = api.parse_servers(servers, schedule, global_microbatches)
     mb_sizes = int_list(sizes, "--microbatch") if sizes else None
-    to_emit = api.parse_emits(emits, Path(f"{Path(model).stem}-pick.json"))  # formats checked before the search
+    if emits and fine_tune is not None:  # before the model is retraced for it
+        raise click.UsageError("--emit: fine-tunes (LoRA, QLoRA) are written for no framework yet")
+    to_emit = api.parse_emits(emits, Path(f"{Path(model).stem}-pick.json"), check=True)  # before the search
     chosen = (model if seq_len is None and recipe is None and fine_tune is None else
               api.retraced(api.load_trace(model), seq_len, recipe, fine_tune))
     runner = api.backend_for(backend, workers, address)

@@ -28,12 +28,12 @@ host), FP8 and FP4 recipes."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
+from mpsim.datafile import _UniqueKeyLoader
 from mpsim.errors import MpsimError
 from mpsim.launch import formats
 from mpsim.launch.job import LaunchJob
@@ -141,10 +141,7 @@ def _comments(text: str) -> tuple[dict[str, Any], dict[str, str]]:
             continue
         line = raw[1:].strip()
         if line.startswith(_JOB):
-            try:
-                found = json.loads(line[len(_JOB):])
-            except json.JSONDecodeError as exc:
-                raise MpsimError(f"the header's mpsim job is not JSON ({exc.msg})") from None
+            found = formats.load_json(line[len(_JOB):], "the header's mpsim job")
             job = found if isinstance(found, dict) else {}
         elif line == SCRIPT:
             inside = True
@@ -179,7 +176,7 @@ def _sharding(config: dict[str, Any], fsdp: dict[str, Any], gpus: int, where: fo
             raise MpsimError(f"{source}: FSDP sharding {strategy!r}: expected true/false or one of "
                              f"{', '.join(_SHARDING)}")
     par = config.get("parallelism_config") or {}
-    sizes = {k.removeprefix("parallelism_config_"): v for k, v in par.items()} if isinstance(par, dict) else {}
+    sizes = {str(k).removeprefix("parallelism_config_"): v for k, v in par.items()} if isinstance(par, dict) else {}
     for axis in ("tp_size", "cp_size", "sp_size"):
         if sizes.get(axis, 1) not in (1, None):
             raise MpsimError(f"{source}: parallelism_config {axis} {sizes[axis]!r}: mpsim does not read Accelerate's "
@@ -188,7 +185,7 @@ def _sharding(config: dict[str, Any], fsdp: dict[str, Any], gpus: int, where: fo
     if replicate not in (1, None) and stage == 3:
         hsdp = True
         shard = sizes.get("dp_shard_size", 1)
-        if replicate * shard != gpus:
+        if type(replicate) is not int or type(shard) is not int or replicate * shard != gpus:
             raise MpsimError(f"{source}: dp_replicate_size {replicate} x dp_shard_size {shard} is not num_processes "
                              f"{gpus}")
     if hsdp and replicate not in (1, None, where.servers):
@@ -209,10 +206,12 @@ def _recipe(config: dict[str, Any], base: dict[str, Any], source: str) -> str:
 
 def _load(text: str, source: str, seq_len: int | None = None) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
     try:
-        config = yaml.safe_load(text)
+        config = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader refusing repeated keys
         base, script = _comments(text)
     except yaml.YAMLError as exc:
         raise MpsimError(f"{source}: not YAML ({str(exc).splitlines()[0]})") from None
+    except RecursionError:
+        raise MpsimError(f"{source}: not YAML (nested too deeply)") from None
     except MpsimError as exc:
         raise MpsimError(f"{source}: {exc}") from None
     if not isinstance(config, dict):

@@ -201,10 +201,7 @@ def _mpsim_job(config: dict[str, Any], source: str) -> dict[str, Any]:
     lines = block.get("header", []) if isinstance(block, dict) else []
     for line in lines if isinstance(lines, list) else []:
         if isinstance(line, str) and line.startswith(_JOB):
-            try:
-                job = json.loads(line[len(_JOB):])
-            except json.JSONDecodeError as exc:
-                raise MpsimError(f"{source}: the header's mpsim job is not JSON ({exc.msg})") from None
+            job = formats.load_json(line[len(_JOB):], source, "the header's mpsim job as JSON")
             if isinstance(job, dict):
                 return job
     return {}
@@ -245,6 +242,10 @@ def _batch(config: dict[str, Any], source: str) -> tuple[int, int, int]:
 
 def _recipe(config: dict[str, Any], base: dict[str, Any], source: str) -> str:
     """The recipe DeepSpeed's precision keys state; the header's where they cannot tell (fp32, tf32)."""
+    for section in ("fp16", "bf16"):
+        if not isinstance(config.get(section, {}), dict):
+            raise MpsimError(f"{source}: {section} {config[section]!r}: expected an object "
+                             "({\"enabled\": true})")
     fp16 = isinstance(config.get("fp16"), dict) and config["fp16"].get("enabled") is True
     bf16 = isinstance(config.get("bf16"), dict) and config["bf16"].get("enabled") is True
     if fp16 and bf16:
@@ -268,7 +269,7 @@ def _zero_fields(config: dict[str, Any], base: dict[str, Any], recipe: str, sour
         raise MpsimError(f"{source}: zero_optimization {zero!r}: expected an object with a stage (the boolean form "
                          "is DeepSpeed's deprecated one)")
     stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+    if type(stage) is not int or stage not in (0, 1, 2, 3):
         raise MpsimError(f"{source}: zero_optimization.stage {stage!r}: expected 0-3")
     elements = _int(zero.get("reduce_bucket_size", 500_000_000), "zero_optimization.reduce_bucket_size", source)
     optimizer = _device(zero.get("offload_optimizer"), "offload_optimizer", source)
@@ -281,7 +282,8 @@ def _zero_fields(config: dict[str, Any], base: dict[str, Any], recipe: str, sour
     overlap = zero.get("overlap_comm")
     overlap = stage == 3 if overlap is None else overlap is True
     runtime = base.get("runtime", DEFAULT_PROFILE)  # the header leaves defaults out
-    if runtime not in PROFILES or (stage < 2 and PROFILES[runtime].grad_reduce_overlap != overlap):
+    if not isinstance(runtime, str) or runtime not in PROFILES or (
+            stage < 2 and PROFILES[runtime].grad_reduce_overlap != overlap):
         runtime = "eager" if stage < 2 and overlap else "deepspeed"
     return {"zero_stage": stage, "offload": "params" if params else "optimizer" if optimizer else "none",
             # without an offload the device says nothing to DeepSpeed: the header's
@@ -299,7 +301,8 @@ def _mesh_fields(config: dict[str, Any], base: dict[str, Any], source: str) -> d
     pipe = config.get("pipeline", {})
     pipe = pipe if isinstance(pipe, dict) else {}
     stages = pipe.get("stages", "auto")
-    pipeline = base.get("pipeline", 1) if stages == "auto" else _int(stages, "pipeline.stages", source)
+    pipeline = _int(base.get("pipeline", 1) if stages == "auto" else stages,
+                    "the header's pipeline" if stages == "auto" else "pipeline.stages", source)
     if pipeline > 1:
         interval = _int(pipe.get("activation_checkpoint_interval", 0), "pipeline.activation_checkpoint_interval",
                         source, 0)
@@ -317,10 +320,7 @@ def parse(text: str, source: str, where: formats.Where) -> LaunchJob:
     """The launch job of DeepSpeed's configuration ``text``; the header's mpsim job gives
     what DeepSpeed does not state (sequence length; fp32 against tf32; the runtime profile;
     recomputation outside the pipeline engine). Refused in one line otherwise."""
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise MpsimError(f"{source}: not JSON ({exc.msg}, line {exc.lineno})") from None
+    config = formats.load_json(text, source)
     if not isinstance(config, dict):
         raise MpsimError(f"{source}: expected a JSON object")
     base = _mpsim_job(config, source)

@@ -11,6 +11,7 @@ cannot simulate, naming the option. Export then import gives the same job
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -47,6 +48,28 @@ def parse(name: str, text: str, source: str, where: Where) -> LaunchJob:
     job = format_module(name).parse(text, source, where)
     assert isinstance(job, LaunchJob)
     return job
+
+
+def load_json(text: str, source: str, what: str = "JSON") -> object:
+    """``text`` parsed as JSON; refused in one line naming ``source`` where it is not JSON,
+    repeats a key in an object (Python's parser would keep the last), is nested too deeply,
+    or holds a number too long to convert (more than 4,300 digits)."""
+    def unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for key, value in pairs:
+            if key in out:
+                raise MpsimError(f"{source}: {what} repeats the key {key!r}; give it once")
+            out[key] = value
+        return out
+
+    try:
+        return json.loads(text, object_pairs_hook=unique)
+    except json.JSONDecodeError as exc:
+        raise MpsimError(f"{source}: not {what} ({exc.msg}, line {exc.lineno})") from None
+    except RecursionError:
+        raise MpsimError(f"{source}: not {what} (nested too deeply)") from None
+    except ValueError as exc:  # a number of more than sys.get_int_max_str_digits() digits
+        raise MpsimError(f"{source}: not {what} ({str(exc).split(':')[0]})") from None
 
 
 def header(launch: LaunchJob, comment: str) -> str:

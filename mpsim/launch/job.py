@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, StrictBool, StrictInt, model_validator
+from pydantic import Field, StrictBool, StrictInt, ValidationError, model_validator
 
 from mpsim.datafile import FileModel
 from mpsim.errors import MpsimError
@@ -123,6 +123,9 @@ class LaunchJob(FileModel):
                                pipeline=self.pipeline, virtual_stages=self.virtual_stages, zero_stage=self.zero_stage,
                                bucket_mib=self.bucket_mib, reshard_after_forward=self.reshard_after_forward,
                                hsdp=self.hsdp, axes=axes, context_attention=self.context_attention)
+        except ValidationError as exc:  # a degree past Parallelism's bounds
+            first = exc.errors()[0]
+            raise MpsimError(f"{'.'.join(str(x) for x in first['loc']) or 'layout'}: {first['msg']}") from None
         except ValueError as exc:
             raise MpsimError(str(exc).splitlines()[-1]) from None
 

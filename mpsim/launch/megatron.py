@@ -33,7 +33,8 @@ line naming it."""
 from __future__ import annotations
 
 import shlex
-from collections.abc import Iterator
+
+from pydantic import ValidationError
 
 from mpsim.errors import MpsimError
 from mpsim.launch.formats import Where, header
@@ -161,57 +162,81 @@ def _shape_args(model: dict, seq_len: int) -> list[str]:
 
 def parse(text: str, source: str, where: Where) -> LaunchJob:
     """The launch job of a Megatron-LM script or argument list (module doc)."""
-    args = dict(_arguments(text, source))
+    args = _arguments(text, source)
+    if not args:
+        raise MpsimError(f"{source}: no Megatron-LM argument in it; expected a launch script (torchrun ... "
+                         "pretrain_gpt.py --tensor-model-parallel-size ...) or its arguments")
     model = _model_of(where.model)
     _check_shape(args, model, source)
-    tensor, pipeline = _int(args, "--tensor-model-parallel-size", 1), _int(args, "--pipeline-model-parallel-size", 1)
-    context, expert = _int(args, "--context-parallel-size", 1), _int(args, "--expert-model-parallel-size", 1)
-    world = _world(args, where)
+    tensor = _int(args, "--tensor-model-parallel-size", 1, source)
+    pipeline = _int(args, "--pipeline-model-parallel-size", 1, source)
+    context = _int(args, "--context-parallel-size", 1, source)
+    expert = _int(args, "--expert-model-parallel-size", 1, source)
+    world = _world(args, where, source)
     dp, odd = divmod(world, tensor * pipeline * context)
     if odd or dp % expert:
         raise MpsimError(f"{source}: {world} GPUs do not split into tensor {tensor} x pipeline {pipeline} x context "
                          f"{context} with expert {expert} inside the data-parallel size")
-    microbatch = _int(args, "--micro-batch-size", 1)
-    microbatches, left = divmod(_int(args, "--global-batch-size", microbatch * dp), microbatch * dp)
+    microbatch = _int(args, "--micro-batch-size", 1, source)
+    microbatches, left = divmod(_int(args, "--global-batch-size", microbatch * dp, source), microbatch * dp)
     if left or microbatches < 1:
         raise MpsimError(f"{source}: --global-batch-size is no whole number of micro-batches x data-parallel "
                          f"size ({microbatch} x {dp})")
-    layers_per_chunk = _int(args, "--num-layers-per-virtual-pipeline-stage", 0)
+    layers_per_chunk = _int(args, "--num-layers-per-virtual-pipeline-stage", 0, source)
+    if layers_per_chunk and model["layers"] % (pipeline * layers_per_chunk):
+        raise MpsimError(f"{source}: --num-layers-per-virtual-pipeline-stage {layers_per_chunk}: {model['layers']} "
+                         f"layers do not split into {pipeline} stages of model chunks that size")
     recompute, recompute_layers = _recompute_of(args, source)
-    return LaunchJob(
-        model=where.model, server=where.server, cluster=where.cluster, servers=where.servers,
-        seq_len=_seq_len(args, where, model, source), recipe=_recipe_of(args, source),
-        microbatch=microbatch, microbatches=microbatches, data=dp // expert,
-        zero_stage=3 if "--use-torch-fsdp2" in args else 1 if "--use-distributed-optimizer" in args else 0,
-        tensor=tensor, sequence_parallel="--sequence-parallel" in args, pipeline=pipeline,
-        virtual_stages=model["layers"] // (pipeline * layers_per_chunk) if layers_per_chunk else 1,
-        context=context, context_attention=_context_attention(args, source), expert=expert,
-        recompute=recompute, recompute_layers=recompute_layers,
-        offload="optimizer" if "--optimizer-cpu-offload" in args else "none",
-        bucket_mib=_bucket_mib(args), runtime=_runtime_of(args))
+    fields = {
+        "model": where.model, "server": where.server, "cluster": where.cluster, "servers": where.servers,
+        "seq_len": _seq_len(args, where, model, source), "recipe": _recipe_of(args, source),
+        "microbatch": microbatch, "microbatches": microbatches, "data": dp // expert,
+        "zero_stage": 3 if "--use-torch-fsdp2" in args else 1 if "--use-distributed-optimizer" in args else 0,
+        "tensor": tensor, "sequence_parallel": "--sequence-parallel" in args, "pipeline": pipeline,
+        "virtual_stages": model["layers"] // (pipeline * layers_per_chunk) if layers_per_chunk else 1,
+        "context": context, "context_attention": _context_attention(args, source), "expert": expert,
+        "recompute": recompute, "recompute_layers": recompute_layers,
+        "offload": "optimizer" if "--optimizer-cpu-offload" in args else "none",
+        "bucket_mib": _bucket_mib(args, source), "runtime": _runtime_of(args)}
+    try:
+        return LaunchJob.model_validate(fields)
+    except ValidationError as exc:  # a value past a bound (a degree, the microbatch)
+        first = exc.errors()[0]
+        raise MpsimError(f"{source}: {'.'.join(str(x) for x in first['loc']) or 'job'}: {first['msg']}") from None
 
 
-def _arguments(text: str, source: str) -> Iterator[tuple[str, str | None]]:
-    """(flag, value) pairs of the script's ``pretrain_*.py`` arguments (or of every
-    argument when there is no script), comments and line continuations dropped; torchrun's
-    own ``--nnodes`` and ``--nproc-per-node`` kept."""
-    words = shlex.split(text.replace("\\\n", " "), comments=True)
+def _arguments(text: str, source: str) -> dict[str, str | None]:
+    """The script's ``pretrain_*.py`` arguments (or every argument when there is no
+    script), flag to value (None for a switch), comments and line continuations dropped;
+    torchrun's own ``--nnodes`` and ``--nproc-per-node`` kept; a flag given twice keeps
+    its last value, as argparse does. Refused in one line: unbalanced quotes, a flag
+    without its value or a switch with one."""
+    try:
+        words = shlex.split(text.replace("\\\n", " "), comments=True)
+    except ValueError as exc:  # No closing quotation, No escaped character
+        raise MpsimError(f"{source}: not a shell script mpsim can read ({exc})") from None
+    args: dict[str, str | None] = {}
     i = 0
     while i < len(words):
         word = words[i]
         i += 1
         if not word.startswith("--"):
             continue  # torchrun, the script's name, a shebang's words
-        flag, _, inline = word.partition("=")
-        value: str | None = inline or None
-        if value is None and i < len(words) and not words[i].startswith("--"):
+        flag, eq, inline = word.partition("=")
+        flag = _ALIASES.get(flag, flag)
+        value: str | None = inline if eq else None
+        if value is None and flag not in _SWITCHES and i < len(words) and not words[i].startswith("--"):
             value, i = words[i], i + 1
         if flag.startswith(_IGNORED_PREFIXES):
             continue
         if flag not in _KNOWN:
             raise MpsimError(f"{source}: {flag} is not modelled by mpsim (it reads the layout, batch, precision, "
                              "recomputation and overlap arguments); remove it or ask for it")
-        yield flag, value
+        if (flag in _SWITCHES) != (value is None):
+            raise MpsimError(f"{source}: {flag}" + (f"={value}: it is a switch and takes no value" if value is not None
+                                                    else ": expected a value after it"))
+        args[flag] = value
+    return args
 
 
 _KNOWN = {"--nnodes", "--nproc-per-node", "--nproc_per_node", "--node-rank", "--node_rank", "--master-addr",
@@ -230,35 +255,49 @@ _KNOWN = {"--nnodes", "--nproc-per-node", "--nproc_per_node", "--node-rank", "--
           "--rotary-base", "--vocab-size", "--make-vocab-size-divisible-by"}
 
 
-def _int(args: dict[str, str | None], flag: str, default: int) -> int:
+_SWITCHES = {"--sequence-parallel", "--use-distributed-optimizer", "--use-torch-fsdp2", "--optimizer-cpu-offload",
+             "--bf16", "--fp16", "--grad-reduce-in-bf16", "--overlap-grad-reduce", "--overlap-param-gather",
+             "--tp-comm-overlap", "--overlap-moe-expert-parallel-comm", "--use-flash-attn",
+             "--no-masked-softmax-fusion", "--group-query-attention", "--swiglu",
+             "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--use-mcore-models"}
+"""Arguments that take no value (argparse's ``store_true``)."""
+_ALIASES = {"--nproc_per_node": "--nproc-per-node", "--node_rank": "--node-rank", "--master_addr": "--master-addr",
+            "--master_port": "--master-port"}
+"""torchrun's underscore spellings, read as its dashed ones."""
+
+
+def _int(args: dict[str, str | None], flag: str, default: int, source: str) -> int:
+    """``flag``'s value, a whole number of at least 1 (every count Megatron-LM and torchrun
+    take here), or ``default`` when it is not given."""
     value = args.get(flag)
     if value is None:
         return default
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
-        raise MpsimError(f"{flag} {value!r}: expected a whole number") from None
+        raise MpsimError(f"{source}: {flag} {value!r}: expected a whole number") from None
+    if number < 1:
+        raise MpsimError(f"{source}: {flag} {value}: expected at least 1")
+    return number
 
 
 def _seq_len(args: dict[str, str | None], where: Where, model: dict, source: str) -> int:
     """``--seq-length``, else the command line's ``--seq-len``, else the model's; the two
     given and different refused."""
-    given = _int(args, "--seq-length", 0)
+    given = _int(args, "--seq-length", 0, source)
     if given and where.seq_len and given != where.seq_len:
         raise MpsimError(f"{source}: --seq-length {given} but --seq-len {where.seq_len}: give one")
     return given or where.seq_len or model.get("seq_len") or 1
 
 
-def _world(args: dict[str, str | None], where: Where) -> int:
+def _world(args: dict[str, str | None], where: Where, source: str) -> int:
     """GPUs the script starts: torchrun's nodes x processes per node, else the servers' GPUs."""
     from mpsim.data.catalog import load_topology
 
-    per_node = args.get("--nproc-per-node") or args.get("--nproc_per_node")
-    nodes = _int(args, "--nnodes", where.servers)
+    nodes = _int(args, "--nnodes", where.servers, source)
     if nodes != where.servers:
         raise MpsimError(f"--nnodes {nodes} but the job was given {where.servers} server(s); give --servers {nodes}")
-    gpus = load_topology(where.server).spec.gpu.count
-    return nodes * (int(per_node) if per_node else gpus)
+    return nodes * _int(args, "--nproc-per-node", load_topology(where.server).spec.gpu.count, source)
 
 
 def _check_shape(args: dict[str, str | None], model: dict, source: str) -> None:
@@ -268,7 +307,7 @@ def _check_shape(args: dict[str, str | None], model: dict, source: str) -> None:
     if args.get("--num-query-groups"):
         expected["--num-query-groups"] = model.get("kv_heads") or model["heads"]
     for flag, want in expected.items():
-        if args.get(flag) is not None and _int(args, flag, 0) != want:
+        if args.get(flag) is not None and _int(args, flag, 0, source) != want:
             raise MpsimError(f"{source}: {flag} {args[flag]} but the model has {want}; give the model the script "
                              "trains (--model)")
 
@@ -301,7 +340,7 @@ def _recompute_of(args: dict[str, str | None], source: str) -> tuple[Recompute, 
         return "none", None
     if granularity == "selective":
         return "selective", None
-    method, n = args.get("--recompute-method"), _int(args, "--recompute-num-layers", 1)
+    method, n = args.get("--recompute-method"), _int(args, "--recompute-num-layers", 1, source)
     if granularity == "full" and method == "uniform" and n == 1:
         return "full", None
     if granularity == "full" and method == "block":
@@ -311,14 +350,13 @@ def _recompute_of(args: dict[str, str | None], source: str) -> tuple[Recompute, 
                      "block N")
 
 
-def _bucket_mib(args: dict[str, str | None]) -> float:
+def _bucket_mib(args: dict[str, str | None], source: str) -> float:
     from mpsim.plans.mesh import DEFAULT_BUCKET_MIB
 
-    elements = args.get("--ddp-bucket-size")
-    if elements is None:
+    if args.get("--ddp-bucket-size") is None:
         return DEFAULT_BUCKET_MIB
     grad_bytes = 2 if "--grad-reduce-in-bf16" in args else 4
-    return int(elements) * grad_bytes / 2**20
+    return _int(args, "--ddp-bucket-size", 0, source) * grad_bytes / 2**20
 
 
 def _runtime_of(args: dict[str, str | None]) -> str:

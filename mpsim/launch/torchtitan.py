@@ -345,6 +345,10 @@ def parse(text: str, source: str, where: Where) -> LaunchJob:
         table = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise MpsimError(f"{source}: not a TOML file: {str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        raise MpsimError(f"{source}: not a TOML file: nested too deeply") from None
+    except ValueError as exc:  # an integer of more than sys.get_int_max_str_digits() digits
+        raise MpsimError(f"{source}: not a TOML file: {str(exc).split(':')[0]}") from None
     cfg = _Config(dict(_keys(table, source)), source)
     cfg.check_others(where)
     par = "parallelism."

@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator
 
-from mpsim.datafile import FileModel
+from mpsim.datafile import FileModel, read_bounded
 from mpsim.errors import MpsimError
 
 QuantType = Literal["nf4", "fp4", "int8"]
@@ -78,6 +79,11 @@ class FineTune(FileModel):
     def _some_targets(cls, value: list[str] | str) -> list[str] | str:
         if not value:
             raise ValueError("expected at least one target module")
+        if isinstance(value, str) and value != ALL_LINEAR:  # PEFT matches a string as a regular expression
+            try:
+                re.compile(value)
+            except re.error as e:
+                raise ValueError(f"{value!r} is not a regular expression ({e})") from None
         return value
 
     def describe(self) -> str:
@@ -150,9 +156,21 @@ def read_peft_config(path: Path, quant: QuantType | None = None) -> FineTune:
     away from its default."""
     file = path / "adapter_config.json" if path.is_dir() else path
     try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MpsimError(f"--peft-config {path}: cannot read it as JSON ({type(e).__name__}: {e})") from None
+        raw = read_bounded(file, "PEFT config")  # not a FIFO, a device or a huge file
+    except MpsimError as e:
+        raise MpsimError(f"--peft-config {e}") from None
+    try:
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except MpsimError as e:  # a repeated key
+        raise MpsimError(f"--peft-config {file}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise MpsimError(f"--peft-config {file}: not UTF-8 text (byte {e.start}): expected PEFT's "
+                         "adapter_config.json") from None
+    except json.JSONDecodeError as e:
+        raise MpsimError(f"--peft-config {file}: not JSON ({e.msg}, line {e.lineno})") from None
+    except (RecursionError, ValueError) as e:  # nested too deeply, a number of thousands of digits
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(":")[0]
+        raise MpsimError(f"--peft-config {file}: not JSON ({why})") from None
     if not isinstance(data, dict):
         raise MpsimError(f"--peft-config {path}: expected a JSON object (PEFT's adapter_config.json)")
     kind = data.get("peft_type", "LORA")
@@ -163,12 +181,22 @@ def read_peft_config(path: Path, quant: QuantType | None = None) -> FineTune:
             raise MpsimError(f"--peft-config {path}: {key} = {json.dumps(value)[:60]} is not modelled: mpsim gives "
                              "every layer the same adapters and trains no bias")
     fields = {k: data[k] for k in _PEFT_KEYS if data.get(k) is not None}
-    try:
-        return FineTune(method="qlora" if quant else "lora", quant=quant, **fields)
+    try:  # strict: JSON's own types (no "8" or true for a rank, no "yes" for a switch)
+        return FineTune.model_validate({"method": "qlora" if quant else "lora", "quant": quant, **fields}, strict=True)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
         raise MpsimError(f"--peft-config {path}: {where}: {err['msg']}") from None
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object's keys, refused in one line where one repeats (``json`` would keep the last)."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise MpsimError(f"repeats the key {key!r}; give it once")
+        out[key] = value
+    return out
 
 
 def trainable_share(trainable: float, total: float) -> str:
