@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from mpsim.datafile import _UniqueKeyLoader
+from mpsim.datafile import UniqueKeyLoader
 from mpsim.errors import MpsimError
 from mpsim.launch import formats
 from mpsim.launch.job import LaunchJob
@@ -206,7 +206,7 @@ def _recipe(config: dict[str, Any], base: dict[str, Any], source: str) -> str:
 
 def _load(text: str, source: str, seq_len: int | None = None) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
     try:
-        config = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader refusing repeated keys
+        config = yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader refusing repeated keys
         base, script = _comments(text)
     except yaml.YAMLError as exc:
         raise MpsimError(f"{source}: not YAML ({str(exc).splitlines()[0]})") from None
