@@ -74,3 +74,11 @@ def test_mpsim_data_overrides_the_shipped_files(tmp_path, monkeypatch):
     assert data_dir("topologies") == tmp_path / "topologies"
     assert list(shipped_topologies()) == ["my-box"] and shipped_traces() == {}
     assert load_topology("my-box").spec.gpu.count == 1
+
+
+def test_every_package_folder_ships():
+    """Each folder of mpsim/ with an __init__.py is a package the wheel lists (a folder left
+    out installs without its modules: mpsim.launch once did)."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "mpsim").rglob("__init__.py")}
+    assert folders - listed == set()
