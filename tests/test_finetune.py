@@ -310,3 +310,21 @@ def test_a_plan_records_its_fine_tune(tmp_path: Path, capsys: pytest.CaptureFixt
         assert main(["simulate", *argv]) != 0
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.fixture(scope="module")
+def llama_lora_4k() -> api.Trace:
+    return api.retraced(api.load_trace("llama-3-8b"), 4096, None, finetune.lora())
+
+
+@pytest.mark.parametrize("strategy", ["mpress", "tsplit", "d2d"])
+def test_memory_saving_strategies_fit_a_fine_tune_that_does_not_fit_as_is(llama_lora_4k: api.Trace,
+                                                                          strategy: str) -> None:
+    """Llama-3-8B with LoRA at 4k tokens on a DGX-1 (32 GB V100s, eight stages) runs out of
+    memory as it is; MPress, TSPLIT and the swap to peers plan it to fit, frozen weights and
+    all."""
+    topo = api.load_topology("dgx1-v100")
+    assert not api.simulate(topo, llama_lora_4k, microbatch=1, microbatches=8).fits
+    result = api.simulate(topo, llama_lora_4k, microbatch=1, microbatches=8, strategy=strategy)
+    assert result.fits
+    assert all(g.breakdown["optimizer"] < 2**30 for g in result.gpus)  # the adapters' states only
