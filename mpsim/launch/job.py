@@ -136,10 +136,7 @@ def from_planned(job: JobSpec, plan: PlanFile, result: SimResult, model: str, se
     its prediction. Refused in one line where no framework's flags state the plan."""
     par = job.parallelism
     recompute, layers = _recompute(plan, job)
-    offload: Offload = "none"
-    if plan.data_parallel is not None and plan.strategy in ("zero-offload", "zero-infinity"):
-        offload = "params" if plan.data_parallel.offload_params else "optimizer"
-    device = plan.data_parallel.offload_device if plan.data_parallel is not None else "host"
+    offload, device = _offload(plan)
     trace = job.trace
     return LaunchJob(
         model=model, server=server, cluster=job.cluster.name if job.cluster is not None else None,
@@ -151,6 +148,21 @@ def from_planned(job: JobSpec, plan: PlanFile, result: SimResult, model: str, se
         bucket_mib=par.bucket_mib, reshard_after_forward=par.reshard_after_forward, runtime=job.runtime_profile,
         predicted=Prediction(fits=result.fits, peak_gib=round(result.max_peak_bytes / 2**30, 2),
                              iteration_s=result.iteration_s, samples_per_s=result.samples_per_s))
+
+
+def _offload(plan: PlanFile) -> tuple[Offload, Literal["host", "nvme"]]:
+    """What the plan offloads, read off its own fields (not its strategy's name): every
+    stage's optimizer stepped on the host is ZeRO-Offload, with parameter shards off the GPU
+    too ZeRO-Infinity; optimizer states streamed tensor by tensor (MPress's swap) or kept on
+    the GPU for some layers only are refused in one line."""
+    kinds = {stage.optimizer for stage in plan.stages}
+    dp = plan.data_parallel
+    if kinds == {"gpu"}:
+        return "none", "host"
+    if kinds != {"host-update"} or dp is None or any(stage.optimizer_layers for stage in plan.stages):
+        raise MpsimError("the plan streams optimizer states to the host, or keeps some on the GPU, which no "
+                         "framework's configuration states; plan with --strategy zero-offload or zero-infinity")
+    return ("params" if dp.offload_params else "optimizer"), dp.offload_device
 
 
 def _recompute(plan: PlanFile, job: JobSpec) -> tuple[Recompute, int | None]:
