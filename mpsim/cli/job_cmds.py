@@ -16,6 +16,7 @@ from mpsim.cli.options import (
     cluster_options,
     emit,
     fine_tune_options,
+    from_options,
     headroom_option,
     html_option,
     job_options,
@@ -34,12 +35,8 @@ from mpsim.cli.progress import stops_on_signals, tasks_progress
 @cluster_options
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
               help="run this plan file (it fixes schedule, microbatches, partition, mapping and actions)")
-@click.option("--from", "from_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="run a framework's configuration: a Megatron-LM launch script (.sh), torchtitan TOML, "
-                   "DeepSpeed JSON or Accelerate FSDP YAML (`mpsim plan --emit` writes them); give --model (the "
-                   "model it trains) and --server or --cluster with --servers")
-@click.option("--from-format", type=click.Choice(list(api.FORMATS)),
-              help="the --from file's format  [default: from its suffix]")
+@from_options("run a framework's configuration: {files}; give --model (the model it trains) and --server or "
+              "--cluster with --servers")
 @json_option
 @click.option("--chrome-trace", type=click.Path(dir_okay=False, path_type=Path),
               help="write a timeline for Perfetto / chrome://tracing to this file (copy-engine lanes, link rates)")
@@ -210,12 +207,8 @@ def plan_cmd(server: str | None, model: str | None, schedule: str, microbatch: i
 @click.command("validate")
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
               help="plan JSON file to run  [default: make one with --strategy]")
-@click.option("--from", "from_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="run the plan a framework's configuration states: a Megatron-LM launch script (.sh), torchtitan "
-                   "TOML, DeepSpeed JSON or Accelerate FSDP YAML (`mpsim plan --emit` writes them), training --model "
-                   "at its measured sequence length and recipe")
-@click.option("--from-format", type=click.Choice(list(api.FORMATS)),
-              help="the --from file's format  [default: from its suffix]")
+@from_options("run the plan a framework's configuration states: {files}, training --model at its measured "
+              "sequence length and recipe")
 @click.option("--model", "-m", default="gpt-tiny", show_default=True,
               help="model preset to build and measure (see `mpsim trace --preset`), a measured trace JSON file, or "
                    "a mixture of experts' Hugging Face config.json (traced as `mpsim trace --hf` does; with --ep); "

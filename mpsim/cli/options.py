@@ -105,6 +105,20 @@ def fine_tune_options(f: F) -> F:
     ])
 
 
+FROM_FILES = ("a Megatron-LM launch script (.sh), torchtitan TOML, DeepSpeed JSON or Accelerate FSDP YAML (`mpsim "
+              "plan --emit` writes them)")
+
+
+def from_options(what: str) -> Callable[[F], F]:
+    """``--from FILE`` (``what`` the command does with the configuration) and ``--from-format``."""
+    return lambda f: _apply(f, [
+        click.option("--from", "from_path", type=click.Path(dir_okay=False, path_type=Path),
+                     help=what.format(files=FROM_FILES)),
+        click.option("--from-format", type=click.Choice(list(api.FORMATS)),
+                     help="the --from file's format  [default: from its suffix]"),
+    ])
+
+
 def _expert_load(_ctx: click.Context, _param: click.Parameter, value: str) -> api.ExpertLoad:
     try:
         return api.parse_expert_load(value)
